@@ -1,0 +1,292 @@
+"""Loading instances.yaml: every key, type and value is checked against the schema, and each
+mistake is reported as `file:line: what is wrong; valid: ...`.
+
+The file has four sections, all required:
+  matrix:   the values of each axis; the instance matrix is their cross product
+  tiles:    the tile of each (pipeline, arch, hdim_q, hdim_v), with the reason for it
+  rules:    pruning rules, `{when: {axis: value or [values]}, reason: ...}`
+  presets:  named filters, like CK's receipts; `default` is what a plain run builds
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from . import yamllines
+from .errors import ConfigError, GeneratorError
+from .model import Condition, MatrixPoint, Tile
+from .schema import (BOOL_AXES, CONDITION_AXES, ENUM_AXES, INT_AXES, MATRIX_AXES, Arch, DataType,
+                     EnumAxis, EnumValue, Pipeline)
+from .yamllines import LineList, LineMap
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "instances.yaml"
+DEFAULT_PRESET = "default"
+
+_SECTIONS = ("matrix", "tiles", "rules", "presets")
+_TILE_MATCH_KEYS = ("pipeline", "hdim_q", "hdim_v")
+_TILE_SHAPE_KEYS = ("block_m", "block_n", "warps", "stages")
+
+
+@dataclass(frozen=True)
+class Matrix:
+    dtype: tuple[DataType, ...]
+    hdim: tuple[tuple[int, int], ...]  # (hdim_q, hdim_v)
+    mask: tuple[EnumValue, ...]
+    bias: tuple[EnumValue, ...]
+    vlayout: tuple[EnumValue, ...]
+    mode: tuple[EnumValue, ...]
+    pipeline: tuple[Pipeline, ...]
+    arch: tuple[Arch, ...]
+    pad_seqlen: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class TileEntry:
+    """One row of `tiles:`: the tile of every point with its pipeline and head dims, on its arch
+    or, when arch is not given, on every arch."""
+
+    pipeline: Pipeline
+    arch: Arch | None
+    hdim: tuple[int, int]
+    tile: Tile
+    why: str
+    line: int
+
+    def matches(self, point: MatrixPoint) -> bool:
+        return (point.pipeline == self.pipeline
+                and (self.arch is None or point.arch == self.arch)
+                and (point.traits.hdim_q, point.traits.hdim_v) == self.hdim)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Drops every point for which all its conditions hold."""
+
+    when: tuple[Condition, ...]
+    reason: str
+    line: int
+
+    def matches(self, point: MatrixPoint) -> bool:
+        return all(condition.holds(point) for condition in self.when)
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    filter: str  # in the --filter grammar; "" selects everything
+    why: str
+    line: int
+
+
+@dataclass(frozen=True)
+class Config:
+    file: str  # the path as shown in messages
+    matrix: Matrix
+    tiles: tuple[TileEntry, ...]
+    rules: tuple[Rule, ...]
+    presets: dict[str, Preset]
+    section_lines: dict[str, int]  # where `matrix:`, `tiles:`, ... start
+
+    def error(self, line: int, message: str, details: str = "") -> ConfigError:
+        return ConfigError(self.file, line, message, details)
+
+
+def load(path: Path = DEFAULT_CONFIG) -> Config:
+    file = _shown(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise GeneratorError(f"cannot read config {file}: {err.strerror}") from None
+    return _Reader(file).config(yamllines.load(text, file))
+
+
+def _shown(path: Path) -> str:
+    """The path relative to the working directory when it lies below it, as compilers print."""
+    relative = os.path.relpath(path)
+    return path.as_posix() if relative.startswith("..") else Path(relative).as_posix()
+
+
+def _yaml_text(value) -> str:
+    """A scalar or list as YAML spells it: true, null, 'fp16', [64, 64]."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    if isinstance(value, list):
+        return f"[{', '.join(map(_yaml_text, value))}]"
+    return repr(value)
+
+
+def _describe(value) -> str:
+    if value is None:
+        return "nothing"
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            LineList: "a list", LineMap: "a mapping"}.get(type(value), type(value).__name__)
+    return f"{kind} {_yaml_text(value)}" if isinstance(value, (bool, int, float, str)) else kind
+
+
+class _Reader:
+    """Turns the loaded YAML into a Config, or a ConfigError at the first mistake.
+
+    Every reader takes (raw value, label, line): the label names the value's place in the file
+    (`tiles[1].block_m`) and the line is where it is, for the error message."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+
+    def error(self, line: int, message: str) -> ConfigError:
+        return ConfigError(self.file, line, message)
+
+    # -- sections ----------------------------------------------------------------------------
+
+    def config(self, data) -> Config:
+        top = self.mapping(data, "", 1, required=_SECTIONS)
+        tiles = self.items(top["tiles"], "tiles", top.line_of("tiles"))
+        rules = self.items(top["rules"], "rules", top.line_of("rules"), allow_empty=True)
+        return Config(
+            file=self.file,
+            matrix=self.matrix(top["matrix"], "matrix", top.line_of("matrix")),
+            tiles=tuple(self.tile(item, f"tiles[{i}]", line) for i, item, line in tiles),
+            rules=tuple(self.rule(item, f"rules[{i}]", line) for i, item, line in rules),
+            presets=self.presets(top["presets"], "presets", top.line_of("presets")),
+            section_lines={section: top.line_of(section) for section in _SECTIONS},
+        )
+
+    def matrix(self, data, label: str, line: int) -> Matrix:
+        fields = self.mapping(data, label, line, required=MATRIX_AXES)
+        axes = {}
+        for axis in MATRIX_AXES:
+            axis_label = f"{label}.{axis}"
+            read = self.hdim_pair if axis == "hdim" else partial(self.axis_value, axis)
+            values: list = []
+            for _, raw, item_line in self.items(fields[axis], axis_label, fields.line_of(axis)):
+                value = read(raw, axis_label, item_line)
+                if value in values:
+                    raise self.error(item_line, f"{axis_label}: {_yaml_text(raw)} is listed twice")
+                values.append(value)
+            axes[axis] = tuple(values)
+        return Matrix(**axes)
+
+    def tile(self, data, label: str, line: int) -> TileEntry:
+        fields = self.mapping(data, label, line, optional=("arch",),
+                              required=(*_TILE_MATCH_KEYS, *_TILE_SHAPE_KEYS, "why"))
+
+        def field(key: str, read):
+            return read(fields[key], f"{label}.{key}", fields.line_of(key))
+
+        def axis(key: str):
+            return field(key, partial(self.axis_value, key))
+
+        pipeline = axis("pipeline")
+        arch = axis("arch") if "arch" in fields else None
+        hdim = (axis("hdim_q"), axis("hdim_v"))
+        tile = Tile(**{key: field(key, self.positive_int) for key in _TILE_SHAPE_KEYS})
+        for constraint in pipeline.tile_constraints:
+            if not constraint.holds(tile, hdim):
+                raise self.error(line, f"{label}: pipeline {pipeline.token} needs "
+                                       f"{constraint.reason}; got block_m={tile.block_m}, "
+                                       f"block_n={tile.block_n}, warps={tile.warps}, "
+                                       f"stages={tile.stages}, hdim_q={hdim[0]}, hdim_v={hdim[1]}")
+        return TileEntry(pipeline, arch, hdim, tile, field("why", self.text), line)
+
+    def rule(self, data, label: str, line: int) -> Rule:
+        fields = self.mapping(data, label, line, required=("when", "reason"))
+        when_label = f"{label}.when"
+        when = self.mapping(fields["when"], when_label, fields.line_of("when"),
+                            optional=CONDITION_AXES)
+        if not when:
+            raise self.error(when.line, f"{when_label}: needs at least one condition; "
+                                        f"axes: {', '.join(CONDITION_AXES)}")
+        conditions = []
+        for axis, raw in when.items():
+            axis_label, axis_line = f"{when_label}.{axis}", when.line_of(axis)
+            # A condition is one value or a list of values, any of which matches.
+            items = (self.items(raw, axis_label, axis_line) if isinstance(raw, LineList)
+                     else [(0, raw, axis_line)])
+            values = frozenset(self.axis_value(axis, item, axis_label, item_line)
+                               for _, item, item_line in items)
+            conditions.append(Condition(axis, values))
+        reason = self.text(fields["reason"], f"{label}.reason", fields.line_of("reason"))
+        return Rule(tuple(conditions), reason, line)
+
+    def presets(self, data, label: str, line: int) -> dict[str, Preset]:
+        entries = self.mapping(data, label, line, required=(DEFAULT_PRESET,), any_key=True)
+        presets = {}
+        for name, raw in entries.items():
+            name_line = entries.line_of(name)
+            if not isinstance(name, str):
+                raise self.error(name_line, f"{label}: a preset name must be a string, "
+                                            f"got {_describe(name)}")
+            preset_label = f"{label}.{name}"
+            fields = self.mapping(raw, preset_label, name_line, required=("filter", "why"))
+            filter_text = fields["filter"]
+            if not isinstance(filter_text, str):  # may be empty: "" selects everything
+                raise self.error(fields.line_of("filter"), f"{preset_label}.filter: expected a "
+                                 f"string in the --filter grammar, got {_describe(filter_text)}")
+            why = self.text(fields["why"], f"{preset_label}.why", fields.line_of("why"))
+            presets[name] = Preset(name, filter_text, why, name_line)
+        return presets
+
+    # -- building blocks ---------------------------------------------------------------------
+
+    def mapping(self, data, label: str, line: int, required=(), optional=(),
+                any_key: bool = False) -> LineMap:
+        """Checks that `data` is a mapping with all `required` keys and no keys beyond
+        `required` and `optional` (any key when `any_key`)."""
+        where = f"{label}: " if label else ""
+        if not isinstance(data, LineMap):
+            raise self.error(line, f"{where}expected a mapping, got {_describe(data)}")
+        valid = (*required, *optional)
+        for key in data:
+            if not any_key and key not in valid:
+                raise self.error(data.line_of(key),
+                                 f"{where}unknown key {key!r}; valid: {', '.join(valid)}")
+        for key in required:
+            if key not in data:
+                raise self.error(line, f"{where}missing field {key!r}")
+        return data
+
+    def items(self, data, label: str, line: int, allow_empty: bool = False):
+        """(index, item, line) for each item of the list `data`."""
+        if not isinstance(data, LineList):
+            raise self.error(line, f"{label}: expected a list, got {_describe(data)}")
+        if not data and not allow_empty:
+            raise self.error(line, f"{label}: needs at least one entry")
+        return [(i, item, data.line_of(i)) for i, item in enumerate(data)]
+
+    def axis_value(self, axis: str, raw, label: str, line: int):
+        """A value on one of schema.CONDITION_AXES, typed: a schema value, an int or a bool."""
+        if axis in ENUM_AXES:
+            return self.token(ENUM_AXES[axis], raw, label, line)
+        if axis in INT_AXES:
+            return self.positive_int(raw, label, line)
+        assert axis in BOOL_AXES, axis
+        if not isinstance(raw, bool):
+            raise self.error(line, f"{label}: expected true or false, got {_describe(raw)}")
+        return raw
+
+    def token(self, axis: EnumAxis, raw, label: str, line: int):
+        value = axis.get(raw) if isinstance(raw, str) else None
+        if value is None:
+            problem = f"unknown value {raw!r}" if isinstance(raw, str) else f"got {_describe(raw)}"
+            raise self.error(line, f"{label}: {problem}; valid: {', '.join(axis.tokens)}")
+        return value
+
+    def positive_int(self, raw, label: str, line: int) -> int:
+        # bool is an int in Python; `block_m: yes` is not a tile size.
+        if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
+            raise self.error(line, f"{label}: expected a positive integer, got {_describe(raw)}")
+        return raw
+
+    def hdim_pair(self, raw, label: str, line: int) -> tuple[int, int]:
+        if not (isinstance(raw, LineList) and len(raw) == 2):
+            raise self.error(line, f"{label}: expected a [hdim_q, hdim_v] pair, "
+                                   f"got {_describe(raw)}")
+        return (self.positive_int(raw[0], label, raw.line_of(0)),
+                self.positive_int(raw[1], label, raw.line_of(1)))
+
+    def text(self, raw, label: str, line: int) -> str:
+        if not isinstance(raw, str) or not raw.strip():
+            raise self.error(line, f"{label}: expected a non-empty string, got {_describe(raw)}")
+        return raw

@@ -1,0 +1,137 @@
+"""Rendering a selection into the generated sources: one TU per instance, the dispatch table,
+the CMake source list and the manifest, all from the same ordered list of instances.
+
+The templates only loop and substitute; every C++ spelling is looked up here, from the schema.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+
+from .model import Instance
+from .schema import REGISTRY_TOKEN_ARRAYS
+from .selection import Selection
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+MANIFEST = "manifest.json"
+
+
+def tu_name(instance: Instance) -> str:
+    """The instance's TU, relative to the output directory (also its `tu` in the manifest)."""
+    return f"{instance.name}.cu"
+
+
+def instance_record(instance: Instance) -> dict:
+    """One instance as --json and manifest.json list it: tokens, not C++ spellings."""
+    traits, point, tile = instance.point.traits, instance.point, instance.tile
+    return {
+        "name": instance.name,
+        "dtype": traits.dtype.token,
+        "hdim_q": traits.hdim_q,
+        "hdim_v": traits.hdim_v,
+        "mask": traits.mask.token,
+        "bias": traits.bias.token,
+        "vlayout": traits.vlayout.token,
+        "mode": traits.mode.token,
+        "pipeline": point.pipeline.token,
+        "arch": point.arch.token,
+        "pad_seqlen": point.pad_seqlen,
+        "block_m": tile.block_m,
+        "block_n": tile.block_n,
+        "warps": tile.warps,
+        "stages": tile.stages,
+        "tu": tu_name(instance),
+    }
+
+
+def json_text(data) -> str:
+    return json.dumps(data, indent=2) + "\n"
+
+
+def render(selection: Selection, source: str) -> dict[str, str]:
+    """Every generated file, by name relative to the output directory; the manifest comes last
+    so that a writer that stops early leaves the previous manifest in charge. `source` is the
+    configuration's file name, for the do-not-edit banners."""
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             trim_blocks=True, lstrip_blocks=True, autoescape=False)
+    instance_template = env.get_template("instance.cu.j2")
+    files = {tu_name(i): instance_template.render(source=source, **_instance_fields(i))
+             for i in selection.instances}
+    files["dispatch_table.cpp"] = env.get_template("dispatch_table.cpp.j2").render(
+        source=source,
+        rows=[_dispatch_row(i) for i in selection.instances],
+        targets=[arch.token for arch in selection.targets],
+        token_arrays=[{"name": name, "tokens": [value.token for value in
+                                                 sorted(axis, key=lambda value: value.value)]}
+                      for name, axis in REGISTRY_TOKEN_ARRAYS.items()],
+    )
+    files["instances.cmake"] = env.get_template("instances.cmake.j2").render(
+        source=source,
+        targets=[{"token": arch.token, "gencode": arch.gencode,
+                  "sources": sorted(tu_name(i) for i in selection.instances
+                                    if i.point.arch == arch)}
+                 for arch in selection.targets],
+    )
+    files[MANIFEST] = json_text({
+        "targets": [arch.token for arch in selection.targets],
+        "instances": [instance_record(i) for i in selection.instances],
+    })
+    return files
+
+
+def manifest_sources(out_dir: Path) -> set[str]:
+    """The TUs the previous run wrote into `out_dir`, from its manifest: the generated files
+    this run may delete. Without a readable manifest the generator owns nothing there."""
+    try:
+        manifest = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+        return {record["tu"] for record in manifest["instances"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _cpp_bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _instance_fields(instance: Instance) -> dict:
+    traits, point, tile = instance.point.traits, instance.point, instance.tile
+    return {
+        "name": instance.name,
+        "header": point.pipeline.header,
+        "config_template": point.pipeline.config_template,
+        "launcher": point.pipeline.launcher,
+        "element": traits.dtype.element,
+        "hdim_q": traits.hdim_q,
+        "hdim_v": traits.hdim_v,
+        "block_m": tile.block_m,
+        "block_n": tile.block_n,
+        "warps": tile.warps,
+        "stages": tile.stages,
+        "mask": traits.mask.cpp,
+        "pad_seqlen": _cpp_bool(point.pad_seqlen),
+    }
+
+
+def _dispatch_row(instance: Instance) -> dict:
+    traits, point, tile = instance.point.traits, instance.point, instance.tile
+    return {
+        "name": instance.name,
+        "dtype": traits.dtype.cpp,
+        "hdim_q": traits.hdim_q,
+        "hdim_v": traits.hdim_v,
+        "mask": traits.mask.cpp,
+        "bias": traits.bias.cpp,
+        "vlayout": traits.vlayout.cpp,
+        "mode": traits.mode.cpp,
+        "pipeline": point.pipeline.token,
+        "arch": point.arch.token,
+        "arch_cc": point.arch.cc,
+        "arch_exact": _cpp_bool(point.arch.exact),
+        "block_m": tile.block_m,
+        "block_n": tile.block_n,
+        "pad_seqlen": _cpp_bool(point.pad_seqlen),
+    }

@@ -1,0 +1,147 @@
+"""The generator's vocabulary: every axis of the instance matrix, its valid values, and how each
+value is spelled in C++.
+
+This is the one place that knows both the YAML tokens and the C++ contract
+(runtime/include/fmha/fmha.h and registry.h), in the spirit of CUTLASS's `DataTypeTag` and CK's
+`cpp_symbol_map.py`. Everything downstream (validation, instance names, the filter, the
+templates, the token arrays of the dispatch table) reads from here, so a new value of an axis
+is a line here, its enumerator in fmha.h, and its use in instances.yaml.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Union
+
+
+@dataclass(frozen=True)
+class EnumValue:
+    """A value of an axis that is a C++ enum in fmha.h."""
+
+    token: str  # spelling in instances.yaml, filters and instance names
+    cpp: str  # the enumerator
+    value: int  # the enumerator's integer value: its index in registry.h's token arrays
+
+
+@dataclass(frozen=True)
+class DataType(EnumValue):
+    element: str  # the CUDA element type the kernel is instantiated with
+
+
+@dataclass(frozen=True)
+class Arch:
+    token: str
+    cc: int  # compute capability as major*10+minor, as registry.h's arch_cc
+    exact: bool  # an 'a' target carries features that exist only on exactly this cc
+    gencode: str  # the nvcc flag that compiles an instance TU for this target
+
+
+@dataclass(frozen=True)
+class TileConstraint:
+    """A condition a pipeline's kernel places on its tile; `reason` is shown when it fails."""
+
+    reason: str
+    holds: Callable[[Any, tuple[int, int]], bool]  # (model.Tile, (hdim_q, hdim_v)) -> ok
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    token: str
+    header: str  # the kernel header an instance TU includes
+    config_template: str  # class template taking the instance's compile-time parameters
+    launcher: str  # function template launching the kernel for one config
+    tile_constraints: tuple[TileConstraint, ...]
+
+
+AxisValue = Union[EnumValue, Arch, Pipeline]
+
+
+@dataclass(frozen=True)
+class EnumAxis:
+    """An axis whose values are a closed set of tokens."""
+
+    name: str
+    values: tuple[AxisValue, ...]
+    # The value instance names leave out; None: the axis is always spelled.
+    name_default: str | None = None
+
+    def __iter__(self) -> Iterator[AxisValue]:
+        return iter(self.values)
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        return tuple(v.token for v in self.values)
+
+    def get(self, token: str) -> AxisValue | None:
+        return next((v for v in self.values if v.token == token), None)
+
+
+DTYPE = EnumAxis("dtype", (
+    DataType("fp16", "fmha::DataType::kFP16", 0, element="__half"),
+    DataType("bf16", "fmha::DataType::kBF16", 1, element="__nv_bfloat16"),
+))
+
+# causal is top-left aligned: query i sees keys j <= i (FlashAttention-2's convention).
+MASK = EnumAxis("mask", (
+    EnumValue("none", "fmha::MaskType::kNone", 0),
+    EnumValue("causal", "fmha::MaskType::kCausalTopLeft", 1),
+), name_default="none")
+
+BIAS = EnumAxis("bias", (
+    EnumValue("none", "fmha::BiasType::kNone", 0),
+), name_default="none")
+
+VLAYOUT = EnumAxis("vlayout", (
+    EnumValue("row", "fmha::VLayout::kRowMajor", 0),
+), name_default="row")
+
+MODE = EnumAxis("mode", (
+    EnumValue("batch", "fmha::Mode::kBatch", 0),
+), name_default="batch")
+
+# What fmha/kernels/fwd_fa2_sm80.cuh static_asserts, checked here too so that a bad tile is
+# reported at its line in instances.yaml instead of deep inside an nvcc run.
+_FA2_CONSTRAINTS = (
+    TileConstraint("block_m == 16 * warps (each warp owns 16 query rows)",
+                   lambda tile, hdim: tile.block_m == 16 * tile.warps),
+    TileConstraint("block_n % 16 == 0 (keys are consumed in 16-wide MMA k-steps)",
+                   lambda tile, hdim: tile.block_n % 16 == 0),
+    TileConstraint("stages == 2 (K and V are double-buffered)",
+                   lambda tile, hdim: tile.stages == 2),
+    # 64 rather than the MMA's 16: shared-memory rows are XOR-swizzled in 8 chunks of 16 bytes.
+    TileConstraint("hdim_q and hdim_v multiples of 64 (the 8-way shared-memory swizzle)",
+                   lambda tile, hdim: all(d % 64 == 0 for d in hdim)),
+)
+
+PIPELINE = EnumAxis("pipeline", (
+    Pipeline("fa2", header="fmha/kernels/fwd_fa2_sm80.cuh", config_template="fmha::fa2::FwdConfig",
+             launcher="fmha::fa2::launch_fwd", tile_constraints=_FA2_CONSTRAINTS),
+))
+
+# sm80 also embeds compute_80 PTX, so newer GPUs without their own target can still JIT it.
+ARCH = EnumAxis("arch", (
+    Arch("sm80", cc=80, exact=False, gencode="-gencode=arch=compute_80,code=[sm_80,compute_80]"),
+    Arch("sm90a", cc=90, exact=True, gencode="-gencode=arch=compute_90a,code=sm_90a"),
+))
+
+ENUM_AXES: dict[str, EnumAxis] = {
+    axis.name: axis for axis in (DTYPE, MASK, BIAS, VLAYOUT, MODE, PIPELINE, ARCH)}
+
+# The enum axes of fmha::FwdTraits, whose tokens registry.h holds indexed by enumerator value.
+REGISTRY_TOKEN_ARRAYS: dict[str, EnumAxis] = {
+    "kDataTypeTokens": DTYPE,
+    "kMaskTokens": MASK,
+    "kBiasTokens": BIAS,
+    "kVLayoutTokens": VLAYOUT,
+    "kModeTokens": MODE,
+}
+
+INT_AXES = ("hdim_q", "hdim_v")
+BOOL_AXES = ("pad_seqlen",)
+
+# The axes a rule's `when:` and a filter's `axis=value` can name, in instance-name order.
+CONDITION_AXES = ("dtype", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode", "pipeline",
+                  "arch", "pad_seqlen")
+
+# The axes of `matrix:` in instances.yaml; `hdim` lists (hdim_q, hdim_v) pairs.
+MATRIX_AXES = ("dtype", "hdim", "mask", "bias", "vlayout", "mode", "pipeline", "arch", "pad_seqlen")

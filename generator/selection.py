@@ -1,0 +1,285 @@
+"""Choosing the instances to build from the catalog: the --filter grammar (GRAMMAR below),
+presets (named filters in the config) and --targets, all of which must hold."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Protocol
+
+from .catalog import Catalog
+from .config import Config
+from .errors import GeneratorError
+from .model import Condition, Instance
+from .schema import (ARCH, BOOL_AXES, CONDITION_AXES, ENUM_AXES, INT_AXES, MATRIX_AXES, Arch,
+                     AxisValue)
+
+
+GRAMMAR = """\
+A filter is comma-separated tokens that must all hold. A token is
+  a value          fp16, causal, sm90a, fa2, row, batch (the axis is implied)
+  a head dim       hdim128 (hdim_q = hdim_v = 128), hdim192x128 (hdim_q 192, hdim_v 128)
+  padding          pad, nopad
+  axis=value       mask=none, hdim_q=192, pad_seqlen=true, hdim=128
+  alternatives     fp16|bf16, causal|*_pad, mask=none|causal (causal joins the axis before)
+  a negation       !causal; !fp16|bf16 (neither)
+  a name glob      any term with * ? or [ matches instance names (fnmatch): *_sm90a_*
+A bare value of more than one axis (none: mask and bias) is an error asking for axis=value,
+and so is a filter that selects nothing: it names the token that emptied the selection."""
+
+
+class Term(Protocol):
+    """One alternative of a token: a Condition, HeadDims or NameGlob."""
+
+    def holds(self, instance: Instance) -> bool: ...
+
+
+@dataclass(frozen=True)
+class HeadDims:
+    hdim_q: int
+    hdim_v: int
+
+    def holds(self, instance: Instance) -> bool:
+        traits = instance.point.traits
+        return (traits.hdim_q, traits.hdim_v) == (self.hdim_q, self.hdim_v)
+
+
+@dataclass(frozen=True)
+class NameGlob:
+    pattern: str
+
+    def holds(self, instance: Instance) -> bool:
+        return fnmatchcase(instance.name, self.pattern)
+
+
+@dataclass(frozen=True)
+class Token:
+    """One comma-separated token: holds when any alternative does (none, when negated)."""
+
+    text: str  # as written, for messages
+    source: str  # where it came from: "--filter", "preset 'minimal'", "--targets"
+    alternatives: tuple[Term, ...]
+    negated: bool = False
+
+    def holds(self, instance: Instance) -> bool:
+        return any(term.holds(instance) for term in self.alternatives) != self.negated
+
+
+class FilterError(GeneratorError):
+    """A filter (--filter, or a preset's) that does not parse or selects nothing."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    instances: tuple[Instance, ...]  # in the dispatcher's order of preference
+    targets: tuple[Arch, ...]  # the archs that have at least one selected instance
+
+
+def parse_filter(text: str, source: str, catalog: Catalog) -> tuple[Token, ...]:
+    """Parses a whole filter; the catalog only helps error messages list the valid tokens."""
+    if not text.strip():
+        return ()
+    tokens = []
+    for word in (part.strip() for part in text.split(",")):
+        if not word:
+            raise FilterError(f"empty token in {text!r} (tokens are separated by single commas)",
+                              source)
+        negated = word.startswith("!")
+        body = word[1:] if negated else word
+        try:
+            alternatives = _alternatives(body)
+        except _BadTerm as bad:
+            context = "" if bad.term == body else f" in {word!r}"
+            raise FilterError(f"{bad}{context}", source,
+                              details=_vocabulary(catalog) if bad.list_tokens else "") from None
+        tokens.append(Token(word, source, alternatives, negated))
+    return tuple(tokens)
+
+
+def parse_targets(text: str) -> tuple[Arch, ...]:
+    """--targets: arch tokens (sm80,sm90a) or CMake CUDA_ARCHITECTURES style (80;90a), split by
+    ';' or ','."""
+    archs = []
+    for word in filter(None, (part.strip() for part in re.split(r"[;,]", text))):
+        arch = ARCH.get(word) or ARCH.get(f"sm{word}")
+        if arch is None:
+            valid = ", ".join(f"{a.token} ({a.token[2:]})" for a in ARCH)
+            raise GeneratorError(f"unknown target {word!r}; valid: {valid}", "--targets")
+        if arch not in archs:
+            archs.append(arch)
+    if not archs:
+        raise GeneratorError("no target given", "--targets")
+    return tuple(archs)
+
+
+def select(config: Config, catalog: Catalog, preset: str, filter_text: str = "",
+           targets: tuple[Arch, ...] | None = None) -> Selection:
+    """The instances that pass the preset, the filter and the targets (all must hold). Every
+    preset of the config is checked on the way, so a broken one fails every run, not just the
+    run that happens to use it."""
+    preset_tokens = {name: _preset_tokens(config, catalog, name) for name in config.presets}
+    if preset not in preset_tokens:
+        raise GeneratorError(f"unknown preset {preset!r}; valid: {', '.join(config.presets)}",
+                             "--preset")
+    tokens = [*preset_tokens[preset], *parse_filter(filter_text, "--filter", catalog)]
+    if targets is not None:
+        tokens.append(Token(";".join(a.token for a in targets), "--targets",
+                            (Condition("arch", frozenset(targets)),)))
+    instances = narrow(catalog, tokens)
+    archs = {instance.point.arch for instance in instances}
+    return Selection(instances, tuple(a for a in ARCH if a in archs))
+
+
+def narrow(catalog: Catalog, tokens: Sequence[Token]) -> tuple[Instance, ...]:
+    """Applies the tokens in turn; the first one that leaves nothing is named in the error."""
+    remaining = catalog.instances
+    for index, token in enumerate(tokens):
+        narrowed = tuple(i for i in remaining if token.holds(i))
+        if narrowed:
+            remaining = narrowed
+            continue
+        if not any(token.holds(i) for i in catalog.instances):
+            problem = f"{token.text!r} matches none of the {len(catalog.instances)} instances"
+        else:
+            by_source = defaultdict(list)
+            for earlier in tokens[:index]:
+                by_source[earlier.source].append(earlier.text)
+            before = " and ".join(f"{source} {','.join(texts)!r}"
+                                  for source, texts in by_source.items())
+            problem = (f"{token.text!r} matches none of the {len(remaining)} instances left "
+                       f"by {before}")
+        raise FilterError(f"{problem}, so nothing would be built", token.source)
+    return remaining
+
+
+def _preset_tokens(config: Config, catalog: Catalog, name: str) -> tuple[Token, ...]:
+    preset = config.presets[name]
+    try:
+        tokens = parse_filter(preset.filter, f"preset {name!r}", catalog)
+        narrow(catalog, tokens)
+    except FilterError as err:
+        raise config.error(preset.line, f"presets.{name}.filter: {err.message}",
+                           details=err.details) from None
+    return tokens
+
+
+class _BadTerm(Exception):
+    """A term the grammar rejects; parse_filter says which token held it and, when the problem
+    is a word the grammar does not know, lists the valid tokens."""
+
+    def __init__(self, message: str, term: str, list_tokens: bool = False) -> None:
+        super().__init__(message)
+        self.term = term
+        self.list_tokens = list_tokens
+
+
+def _bare_values() -> dict[str, list[tuple[str, AxisValue]]]:
+    """Each enum token and the axes it is a value of; a token of two axes is ambiguous bare."""
+    owners = defaultdict(list)
+    for axis in ENUM_AXES.values():
+        for value in axis:
+            owners[value.token].append((axis.name, value))
+    return dict(owners)
+
+
+_BARE_VALUES = _bare_values()
+
+_HDIM = re.compile(r"(\d+)(?:x(\d+))?")
+_PADDING = {"pad": True, "nopad": False}
+_GLOB_CHARS = set("*?[")
+
+
+def _alternatives(body: str) -> tuple[Term, ...]:
+    """The '|'-separated terms of a token. A plain term after an axis=value one is another value
+    of that axis when it can be (mask=none|causal), and a term of its own otherwise."""
+    terms: list[Term] = []
+    axis = None  # the axis the last axis=value term named
+    for text in body.split("|"):
+        if "=" in text:
+            axis, _, value = text.partition("=")
+            terms.append(_axis_term(axis, value, text))
+        else:
+            joined = _value_of(axis, text) if axis else None
+            terms.append(joined or _term(text))
+    return tuple(terms)
+
+
+def _term(text: str) -> Term:
+    if not text:
+        raise _BadTerm("empty alternative", text)
+    if _GLOB_CHARS & set(text):
+        return NameGlob(text)
+    if text.startswith("hdim") and (dims := _HDIM.fullmatch(text[len("hdim"):])):
+        return _head_dims(dims)
+    if text in _PADDING:
+        return Condition("pad_seqlen", frozenset({_PADDING[text]}))
+    owners = _BARE_VALUES.get(text)
+    if not owners:
+        raise _BadTerm(f"unknown token {text!r}", text, list_tokens=True)
+    if len(owners) > 1:
+        axes = [axis for axis, _ in owners]
+        raise _BadTerm(f"{text!r} is a value of more than one axis ({', '.join(axes)}); write "
+                       f"{' or '.join(f'{axis}={text}' for axis in axes)}", text)
+    axis, value = owners[0]
+    return Condition(axis, frozenset({value}))
+
+
+def _axis_term(axis: str, text: str, term: str) -> Term:
+    """axis=text, written as `term`."""
+    if axis == "hdim":
+        dims = _HDIM.fullmatch(text)
+        if not dims:
+            raise _BadTerm(f"{term!r}: hdim= takes N or QxV, e.g. hdim=128, hdim=192x128", term)
+        return _head_dims(dims)
+    if axis not in CONDITION_AXES:
+        raise _BadTerm(f"unknown axis {axis!r} in {term!r}", term, list_tokens=True)
+    return Condition(axis, frozenset({_axis_value(axis, text, term)}))
+
+
+def _value_of(axis: str, text: str) -> Term | None:
+    try:
+        return _axis_term(axis, text, text)
+    except _BadTerm:
+        return None
+
+
+def _axis_value(axis: str, text: str, term: str):
+    if axis in ENUM_AXES:
+        value = ENUM_AXES[axis].get(text)
+        if value is None:
+            raise _BadTerm(f"{term!r}: unknown {axis} {text!r}; valid: "
+                           f"{', '.join(ENUM_AXES[axis].tokens)}", term)
+        return value
+    if axis in INT_AXES:
+        if not text.isdigit():
+            raise _BadTerm(f"{term!r}: {axis} takes a number, not {text!r}", term)
+        return int(text)
+    assert axis in BOOL_AXES, axis
+    if text not in ("true", "false"):
+        raise _BadTerm(f"{term!r}: {axis} takes true or false, not {text!r}", term)
+    return text == "true"
+
+
+def _head_dims(match: re.Match) -> HeadDims:
+    hdim_q = int(match[1])
+    return HeadDims(hdim_q, int(match[2]) if match[2] else hdim_q)
+
+
+def _vocabulary(catalog: Catalog) -> str:
+    """The valid tokens, grouped by axis, for error messages."""
+    hdims = sorted({(i.point.traits.hdim_q, i.point.traits.hdim_v) for i in catalog.instances})
+    hdim_tokens = [f"hdim{q}" if q == v else f"hdim{q}x{v}" for q, v in hdims]
+    # A value of several axes is listed as axis=value, as a bare one would be ambiguous.
+    groups = {name: [value.token if len(_BARE_VALUES[value.token]) == 1
+                     else f"{name}={value.token}" for value in axis]
+              for name, axis in ENUM_AXES.items()}
+    groups["hdim"] = [*hdim_tokens, "hdim_q=N", "hdim_v=N"]
+    groups["pad_seqlen"] = [*_PADDING, "pad_seqlen=true|false"]
+    width = max(map(len, MATRIX_AXES))
+    lines = [f"  {axis:<{width}}  {', '.join(groups[axis])}" for axis in MATRIX_AXES]
+    lines.append(f"  {'name':<{width}}  a glob with * ? or [, e.g. *_sm90a_*")
+    return ("valid tokens (',' joins tokens that must all hold, '|' alternatives, "
+            "a leading '!' negates):\n" + "\n".join(lines))

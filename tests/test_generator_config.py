@@ -1,0 +1,124 @@
+"""instances.yaml validation: every mistake is one `file:line: message` with the valid choices,
+exit status 2, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import pytest
+
+from generator.config import DEFAULT_CONFIG, load
+from generator.errors import ConfigError
+from generator.schema import ENUM_AXES, REGISTRY_TOKEN_ARRAYS
+
+
+# (old, new): a mistake to put into the base config; marker: a fragment of the line the error
+# must name; message: what the error must say.
+MISTAKES = {
+    "unknown top-level key": (("rules: []", "rules: []\nrulez: []"), "rulez:",
+                              "unknown key 'rulez'; valid: matrix, tiles, rules, presets"),
+    "unknown matrix axis": (("  mode: [batch]", "  mode: [batch]\n  layout: [row]"), "  layout:",
+                            "matrix: unknown key 'layout'; valid: dtype, hdim, mask"),
+    "unknown enum value": (("mask: [none, causal]", "mask: [none, casual]"), "casual",
+                           "matrix.mask: unknown value 'casual'; valid: none, causal"),
+    "unknown arch": (("arch: [sm80, sm90a]", "arch: [sm80, sm90]"), "sm90]",
+                     "matrix.arch: unknown value 'sm90'; valid: sm80, sm90a"),
+    "value on a later line": (("    - [128, 128]", "    - [128, 0]"), "[128, 0]",
+                              "matrix.hdim: expected a positive integer, got an integer 0"),
+    "listed twice": (("dtype: [fp16, bf16]", "dtype: [fp16, fp16]"), "dtype:",
+                     "matrix.dtype: 'fp16' is listed twice"),
+    "axis not a list": (("dtype: [fp16, bf16]", "dtype: fp16"), "dtype:",
+                        "matrix.dtype: expected a list, got a string 'fp16'"),
+    "empty axis": (("dtype: [fp16, bf16]", "dtype: []"), "dtype:",
+                   "matrix.dtype: needs at least one entry"),
+    "hdim not a pair": (("    - [64, 64]", "    - 64"), "    - 64",
+                        "matrix.hdim: expected a [hdim_q, hdim_v] pair, got an integer 64"),
+    "pad_seqlen not a boolean": (("pad_seqlen: [false, true]", "pad_seqlen: [false, 1]"),
+                                 "pad_seqlen:", "matrix.pad_seqlen: expected true or false, got an integer 1"),
+    "missing matrix axis": (("  vlayout: [row]\n", ""), "matrix:", "matrix: missing field 'vlayout'"),
+    "missing tile field": (("    warps: 4\n", ""), "  - pipeline: fa2", "tiles[1]: missing field 'warps'"),
+    "tile size as string": (("    block_m: 64", "    block_m: '64'"), "block_m: '64'",
+                            "tiles[1].block_m: expected a positive integer, got a string '64'"),
+    "tile size as boolean": (("    stages: 2\n    why", "    stages: yes\n    why"), "stages: yes",
+                             "tiles[1].stages: expected a positive integer, got a boolean true"),
+    "unknown tile key": (("    why: d128", "    why: d128\n    block_k: 32"), "block_k",
+                         "tiles[1]: unknown key 'block_k'"),
+    "empty why": (("    why: d128", "    why: ''"), "why: ''",
+                  "tiles[1].why: expected a non-empty string"),
+    "rule on unknown axis": (("rules: []", "rules:\n  - when: {dtypes: bf16}\n    reason: r"),
+                             "dtypes", "rules[0].when: unknown key 'dtypes'; valid: dtype, hdim_q"),
+    "rule with bad value": (("rules: []", "rules:\n  - when: {dtype: [bf16, fp8]}\n    reason: r"),
+                            "fp8", "rules[0].when.dtype: unknown value 'fp8'; valid: fp16, bf16"),
+    "rule without conditions": (("rules: []", "rules:\n  - when: {}\n    reason: r"), "when: {}",
+                                "rules[0].when: needs at least one condition"),
+    "rule without reason": (("rules: []", "rules:\n  - when: {dtype: bf16}"), "when:",
+                            "rules[0]: missing field 'reason'"),
+    "rules not a list": (("rules: []", "rules: {}"), "rules:", "rules: expected a list, got a mapping"),
+    "preset without default": (("  default: {", "  everything: {"), "presets:",
+                               "presets: missing field 'default'"),
+    "preset filter not a string": (('filter: "fp16,hdim64,mask=none"', "filter: [fp16]"), "minimal",
+                                   "presets.minimal.filter: expected a string"),
+    "preset with unknown token": (('filter: "fp16,hdim64,mask=none"', 'filter: "fp16,fp61"'),
+                                  "minimal", "presets.minimal.filter: unknown token 'fp61'"),
+    "preset selecting nothing": (('filter: "fp16,hdim64,mask=none"', 'filter: "fp16,hdim46"'),
+                                 "minimal", "presets.minimal.filter: 'hdim46' matches none of the 32"),
+    "preset with ambiguous token": (('filter: "fp16,hdim64,mask=none"', 'filter: "fp16,none"'),
+                                    "minimal", "'none' is a value of more than one axis (mask, bias)"),
+    "duplicate key": (("  bias: [none]", "  bias: [none]\n  bias:  [none]"), "bias:  [none]",
+                      "duplicate key 'bias'"),
+    "malformed YAML": (("  bias: [none]", "  bias: none: x"), "bias: none: x", "invalid YAML"),
+}
+
+
+@pytest.mark.parametrize("name", MISTAKES)
+def test_mistake_is_reported_at_its_line(name, config_error, line_of):
+    replacement, marker, message = MISTAKES[name]
+    error, text = config_error(replacement)
+    assert error.line == line_of(text, marker), str(error)
+    assert message in error.message
+    assert str(error).startswith(f"{error.file}:{error.line}: ")
+
+
+def test_cli_reports_one_line_exit_2_and_writes_nothing(make_config, run_cli, tmp_path, line_of):
+    path = make_config(("mask: [none, causal]", "mask: [none, casual]"))
+    out = tmp_path / "out"
+    result = run_cli("--config", path, "--out", out)
+    assert result.returncode == 2
+    line = line_of(path.read_text(), "casual")
+    assert result.stderr == (f"{path.as_posix()}:{line}: matrix.mask: unknown value 'casual'; "
+                             f"valid: none, causal\n")
+    assert result.stdout == ""
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text", ["", "- just\n- a list\n"])
+def test_file_must_be_a_mapping(text, make_config):
+    with pytest.raises(ConfigError, match="expected a mapping") as caught:
+        load(make_config(text=text))
+    assert caught.value.line == 1
+
+
+def test_missing_file_is_a_user_error(run_cli, tmp_path):
+    result = run_cli("--config", tmp_path / "absent.yaml", "--list")
+    assert result.returncode == 2
+    assert "cannot read config" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_repository_config_loads():
+    config = load(DEFAULT_CONFIG)
+    assert {"default", "minimal"} <= set(config.presets)
+    assert all(preset.why for preset in config.presets.values())
+    assert all(entry.why for entry in config.tiles)
+
+
+def test_registry_token_arrays_are_indexed_by_enum_value():
+    # registry.h's arrays are indexed by the enumerator's integer value, so the values of each
+    # axis must be exactly 0..n-1.
+    for axis in REGISTRY_TOKEN_ARRAYS.values():
+        assert sorted(value.value for value in axis) == list(range(len(axis.values)))
+
+
+def test_schema_tokens_are_identifier_parts():
+    # Tokens become parts of instance names, hence of C++ function names and file names.
+    for axis in ENUM_AXES.values():
+        for token in axis.tokens:
+            assert token.isidentifier() or token.isalnum(), token
+        assert axis.name_default in (None, *axis.tokens)

@@ -1,0 +1,250 @@
+"""The --filter grammar, presets and --targets: every form, and every way of getting it wrong."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from generator.catalog import build_catalog
+from generator.config import DEFAULT_CONFIG, load
+from generator.errors import ConfigError, GeneratorError
+from generator.selection import parse_filter, parse_targets, select
+
+
+@pytest.fixture
+def selected(build):
+    """selected(filter=..., preset=..., targets=...) -> names of the selected instances."""
+    config, catalog = build()
+
+    def selected_(filter_text="", preset="default", targets=None):
+        parsed_targets = parse_targets(targets) if targets is not None else None
+        selection = select(config, catalog, preset, filter_text, parsed_targets)
+        return [instance.name for instance in selection.instances]
+
+    return selected_
+
+
+@pytest.mark.parametrize("filter_text, count, every_name_has", [
+    ("", 32, "fwd_"),
+    ("fp16", 16, "_fp16_"),
+    ("bf16,hdim128", 8, "bf16_d128"),
+    ("causal", 16, "_causal_"),
+    ("sm90a", 16, "_sm90a_"),
+    ("fa2", 32, "_fa2_"),
+    ("row,batch", 32, "fwd_"),
+    ("pad", 16, "_pad"),
+    ("hdim64", 16, "_d64_"),
+    ("hdim64x64", 16, "_d64_"),
+    ("hdim=128", 16, "_d128_"),
+    ("hdim_q=128", 16, "_d128_"),
+    ("hdim_v=64", 16, "_d64_"),
+    ("dtype=bf16", 16, "_bf16_"),
+    ("arch=sm80", 16, "_sm80_"),
+    ("pad_seqlen=true", 16, "_pad"),
+    ("fp16|bf16", 32, "fwd_"),
+    ("mask=none|causal", 32, "fwd_"),
+    ("causal|*_pad", 24, "fwd_"),
+    ("fp16|mask=causal", 24, "fwd_"),
+    ("mask=causal|fp16", 24, "fwd_"),
+    ("hdim_q=64|128", 32, "fwd_"),
+    ("hdim=64|hdim128", 32, "fwd_"),
+    ("*_sm90a_*", 16, "_sm90a_"),
+    ("fwd_bf16_d??_*", 8, "_d64_"),
+    ("*_m[6]4n32*", 16, "_m64n32"),
+    (" fp16 , causal ", 8, "_fp16_d"),
+])
+def test_filter_forms(selected, filter_text, count, every_name_has):
+    names = selected(filter_text)
+    assert len(names) == count
+    assert all(every_name_has in name for name in names)
+
+
+@pytest.mark.parametrize("filter_text, excluded", [
+    ("!causal", "_causal_"),
+    ("!*_pad", "_pad"),
+    ("!sm80", "_sm80_"),
+    ("mask=none", "_causal_"),
+    ("nopad", "_pad"),
+    ("pad_seqlen=false", "_pad"),
+])
+def test_negations_and_complements(selected, filter_text, excluded):
+    names = selected(filter_text)
+    assert len(names) == 16
+    assert not any(excluded in name for name in names)
+
+
+def test_negated_alternatives_mean_neither(selected):
+    names = selected("!fp16|causal")
+    assert len(names) == 8
+    assert all("_bf16_" in name and "_causal_" not in name for name in names)
+    with pytest.raises(GeneratorError, match=re.escape("'!fp16|bf16' matches none of the 32")):
+        selected("!fp16|bf16")
+
+
+def test_tokens_combine_by_and(selected):
+    assert selected("bf16,hdim128,causal,sm90a,nopad") == ["fwd_bf16_d128_causal_fa2_sm90a_m64n32"]
+
+
+@pytest.mark.parametrize("filter_text, count, every_name_has", [
+    ("hdim128x64", 16, "_d128x64_"),
+    ("hdim=128x64", 16, "_d128x64_"),
+    ("hdim128", 16, "_d128_"),  # hdim_q and hdim_v both 128
+    ("hdim_q=128", 32, "_d128"),
+    ("hdim_v=64", 32, "_d"),
+    ("hdim_q=128,hdim_v=64", 16, "_d128x64_"),
+])
+def test_unequal_head_dims(build, filter_text, count, every_name_has):
+    tile = ("  - {pipeline: fa2, hdim_q: 128, hdim_v: 64, block_m: 64, block_n: 32, warps: 4, "
+            "stages: 2, why: x}\n")
+    config, catalog = build(("    - [128, 128]", "    - [128, 128]\n    - [128, 64]"),
+                            ("rules: []", tile + "rules: []"))
+    names = [i.name for i in select(config, catalog, "default", filter_text).instances]
+    assert len(names) == count
+    assert all(every_name_has in name for name in names)
+
+
+def test_unknown_token_lists_the_valid_ones_by_axis(selected):
+    with pytest.raises(GeneratorError) as caught:
+        selected("fp16,fp61")
+    error = caught.value
+    assert str(error).startswith("--filter: unknown token 'fp61'\n")
+    lines = error.details.splitlines()
+    assert any(line.split() == ["dtype", "fp16,", "bf16"] for line in lines)
+    assert any(line.split()[:3] == ["hdim", "hdim64,", "hdim128,"] for line in lines)
+    assert any(line.split() == ["mask", "mask=none,", "causal"] for line in lines)
+    assert any(line.split() == ["arch", "sm80,", "sm90a"] for line in lines)
+    assert any(line.split()[:3] == ["pad_seqlen", "pad,", "nopad,"] for line in lines)
+    assert any(line.split()[0] == "name" for line in lines)
+
+
+def test_bare_value_of_two_axes_is_ambiguous(selected):
+    with pytest.raises(GeneratorError, match=r"'none' is a value of more than one axis "
+                                             r"\(mask, bias\); write mask=none or bias=none"):
+        selected("none")
+
+
+@pytest.mark.parametrize("filter_text, message", [
+    ("fp16,,causal", "empty token in 'fp16,,causal'"),
+    ("fp16,", "empty token"),
+    ("fp16|", "empty alternative in 'fp16|'"),
+    ("dtpye=fp16", "unknown axis 'dtpye' in 'dtpye=fp16'"),
+    ("mask=casual", "'mask=casual': unknown mask 'casual'; valid: none, causal"),
+    ("mask=none|casual", "unknown token 'casual' in 'mask=none|casual'"),
+    ("hdim_q=big", "'hdim_q=big': hdim_q takes a number, not 'big'"),
+    ("pad_seqlen=yes", "'pad_seqlen=yes': pad_seqlen takes true or false, not 'yes'"),
+    ("hdim=64y", "'hdim=64y': hdim= takes N or QxV"),
+    ("!fp16|fp61", "unknown token 'fp61' in '!fp16|fp61'"),
+])
+def test_malformed_filters(selected, filter_text, message):
+    with pytest.raises(GeneratorError) as caught:
+        selected(filter_text)
+    assert message in caught.value.message
+
+
+def test_token_that_matches_nothing_is_named(selected):
+    with pytest.raises(GeneratorError) as caught:
+        selected("fp16,hdim256")
+    assert str(caught.value) == ("--filter: 'hdim256' matches none of the 32 instances, "
+                                 "so nothing would be built")
+
+
+def test_token_that_empties_the_selection_names_what_came_before(selected):
+    with pytest.raises(GeneratorError) as caught:
+        selected("fp16,hdim64,causal,*_sm80_m128n64_pad,nopad")
+    assert caught.value.message == (
+        "'nopad' matches none of the 1 instances left by --filter "
+        "'fp16,hdim64,causal,*_sm80_m128n64_pad', so nothing would be built")
+
+
+def test_glob_that_matches_nothing_is_an_error(selected):
+    with pytest.raises(GeneratorError, match=r"'\*_sm100_\*' matches none of the 32"):
+        selected("*_sm100_*")
+
+
+def test_presets(selected):
+    assert len(selected(preset="minimal")) == 4
+    assert selected(preset="minimal", filter_text="sm90a,nopad") == ["fwd_fp16_d64_fa2_sm90a_m128n64"]
+
+
+def test_unknown_preset_lists_the_valid_ones(selected):
+    with pytest.raises(GeneratorError) as caught:
+        selected(preset="nightly")
+    assert str(caught.value) == "--preset: unknown preset 'nightly'; valid: default, minimal"
+
+
+def test_preset_and_filter_that_exclude_each_other(selected):
+    with pytest.raises(GeneratorError) as caught:
+        selected(preset="minimal", filter_text="causal")
+    assert caught.value.message == (
+        "'causal' matches none of the 4 instances left by preset 'minimal' "
+        "'fp16,hdim64,mask=none', so nothing would be built")
+
+
+def test_a_broken_preset_fails_every_run(build):
+    config, catalog = build(('filter: "fp16,hdim64,mask=none"', 'filter: "fp16,hdim96"'))
+    with pytest.raises(ConfigError, match="presets.minimal.filter: 'hdim96' matches none"):
+        select(config, catalog, "default")
+
+
+@pytest.mark.parametrize("text, tokens", [
+    ("sm80,sm90a", ["sm80", "sm90a"]),
+    ("80;90a", ["sm80", "sm90a"]),
+    ("80,90a", ["sm80", "sm90a"]),
+    (" 90a ; ", ["sm90a"]),
+    ("sm90a;80;90a", ["sm90a", "sm80"]),
+])
+def test_target_forms(text, tokens):
+    assert [arch.token for arch in parse_targets(text)] == tokens
+
+
+@pytest.mark.parametrize("text, message", [
+    ("90", "unknown target '90'; valid: sm80 (80), sm90a (90a)"),
+    ("sm_80", "unknown target 'sm_80'"),
+    ("", "no target given"),
+])
+def test_bad_targets(text, message):
+    with pytest.raises(GeneratorError) as caught:
+        parse_targets(text)
+    assert caught.value.where == "--targets"
+    assert message in caught.value.message
+
+
+def test_targets_keep_only_their_arch(build):
+    config, catalog = build()
+    selection = select(config, catalog, "default", "", parse_targets("90a"))
+    assert len(selection.instances) == 16
+    assert [arch.token for arch in selection.targets] == ["sm90a"]
+
+
+def test_selection_targets_are_the_archs_with_instances(build):
+    config, catalog = build()
+    selection = select(config, catalog, "default", "sm80", parse_targets("80;90a"))
+    assert [arch.token for arch in selection.targets] == ["sm80"]
+
+
+def test_target_outside_the_matrix_selects_nothing(build):
+    config, catalog = build(("arch: [sm80, sm90a]", "arch: [sm80]"))
+    with pytest.raises(GeneratorError, match="--targets: 'sm90a' matches none of the 16"):
+        select(config, catalog, "default", "", parse_targets("sm90a"))
+
+
+DEFAULT_CATALOG = build_catalog(load(DEFAULT_CONFIG))
+VALID_TERMS = ["fp16", "bf16", "causal", "mask=none", "bias=none", "sm80", "sm90a", "pad",
+               "nopad", "hdim64", "hdim128", "hdim_q=64", "hdim_v=128", "fa2", "*_pad",
+               "*_sm90a_*", "fwd_bf16*", "dtype=bf16", "arch=sm80"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(terms=st.lists(st.sampled_from(VALID_TERMS), min_size=1, max_size=3))
+def test_negation_is_the_complement_of_the_alternatives(terms):
+    catalog = DEFAULT_CATALOG
+    alternatives = "|".join(terms)
+    (token,) = parse_filter(alternatives, "--filter", catalog)
+    (negated,) = parse_filter(f"!{alternatives}", "--filter", catalog)
+    singles = [parse_filter(term, "--filter", catalog)[0] for term in terms]
+    for instance in catalog.instances:
+        assert token.holds(instance) == any(single.holds(instance) for single in singles)
+        assert negated.holds(instance) == (not token.holds(instance))
