@@ -1,0 +1,47 @@
+// The table of compiled instances, as the generator renders it (build/gen/dispatch_table.cpp).
+//
+// Internal to libfmha: the dispatcher (runtime/src/dispatcher.cpp) reads it, the generated
+// dispatch table defines it, and each generated instance TU defines one LaunchFn. This header
+// includes only declarations, so the dispatch TU stays a light host-compiler TU.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "fmha/fmha.h"
+
+namespace fmha::detail {
+
+// Launches one instance's kernel; arguments were checked and the instance selected before.
+using LaunchFn = cudaError_t (*)(const FwdArgs& args, cudaStream_t stream);
+
+struct InstanceEntry {
+  const char* name;
+  FwdTraits traits;
+  const char* pipeline;
+  const char* arch;  // generator token, e.g. "sm90a"
+  int arch_cc;       // compute capability as major*10+minor, e.g. 90
+  bool arch_exact;   // an 'a' target (sm90a) runs only on that exact compute capability
+  int block_m;       // query rows per CTA
+  int block_n;       // key rows per main-loop step
+  bool pad_seqlen;   // false: needs seqlen_q % block_m == 0 and seqlen_k % block_n == 0
+  LaunchFn launch;
+};
+
+// Sorted by the generator in the order of preference: the dispatcher runs the first entry
+// whose traits match and whose constraints hold.
+extern const InstanceEntry kInstances[];
+extern const int kNumInstances;
+
+// Targets this build compiled machine code for (generator tokens, e.g. "sm80").
+extern const char* const kCompiledTargets[];
+extern const int kNumCompiledTargets;
+
+// The generator's filter token for each enum value, indexed by the enum's integer value, so a
+// miss can name the --filter that would build the missing instance.
+extern const char* const kDataTypeTokens[];
+extern const char* const kMaskTokens[];
+extern const char* const kBiasTokens[];
+extern const char* const kVLayoutTokens[];
+extern const char* const kModeTokens[];
+
+}  // namespace fmha::detail

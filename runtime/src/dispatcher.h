@@ -1,0 +1,25 @@
+// Instance selection: the functional match on a problem's traits, then the generator's order of
+// preference (the table is sorted), then the instance's own constraints (tile divisibility).
+#pragma once
+
+#include "fmha/fmha.h"
+#include "fmha/registry.h"
+
+#include <string>
+
+namespace fmha::detail {
+
+// Compute capability of the current device as major*10+minor, or a failed status.
+Status current_device_cc(int* cc);
+
+// The entry that runs `args` on a device of compute capability `cc`, or a kNoInstance status
+// naming the traits asked for, the nearest compiled instances and the filter that builds one.
+Status select_instance(const FwdArgs& args, int cc, const InstanceEntry** chosen);
+
+// The entry called `name`, if it can run `args` on a device of compute capability `cc`.
+Status find_instance(const std::string& name, const FwdArgs& args, int cc,
+                     const InstanceEntry** chosen);
+
+InstanceInfo to_info(const InstanceEntry& entry);
+
+}  // namespace fmha::detail
