@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: check and time a build tree made elsewhere.
+#
+#   bash scripts/device_check.sh [BUILD_DIR] [all|test|bench]
+#
+# BUILD_DIR (default build/dev) holds libfmha, fmha._C and fmha_fwd, built on a machine with
+# nvcc (scripts/build_dev.sh). Logs and bench.json go to $OUT (default /tmp/fmha-out); the
+# benchmark table prints last.
+set -uo pipefail
+build=${1:-build/dev}
+mode=${2:-all}
+out=${OUT:-/tmp/fmha-out}
+mkdir -p "$out"
+export PYTHONPATH="$PWD/$build/python:$PWD" PYTHONUNBUFFERED=1
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
+python3 -c "import fmha, torch; print('fmha targets', fmha.compiled_targets(), len(fmha.instances()), 'instances; torch', torch.__version__)" || exit 1
+
+status=0
+if [[ $mode == all || $mode == test ]]; then
+  # The C++ path: dispatcher + example program, validated against a float64 CPU reference.
+  for args in "-prec=fp16 -d=128 -s=1000 -mask=0" "-prec=bf16 -d=128 -s=1000 -s_k=777 -mask=1" \
+              "-prec=bf16 -d=64 -s=1024 -h=8 -h_k=2 -mask=1" "-prec=fp16 -d=64 -s=4097 -b=1 -h=2 -mask=0"; do
+    "$build/fmha_fwd" $args -v=1 -b=1 -h=4 2>&1 | tee -a "$out/example.log" || status=1
+  done
+  python3 -m pytest tests/test_fwd_gpu.py tests/test_api_checks.py -q -p no:cacheprovider \
+    2>&1 | tee "$out/pytest_gpu.log" | tail -n 25
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $mode == all || $mode == bench ]]; then
+  python3 -m bench --json "$out/bench.json" 2>"$out/bench_rows.log" | tee "$out/bench.txt" || status=1
+fi
+exit $status
