@@ -102,8 +102,8 @@ MODE = EnumAxis("mode", (
 # What fmha/kernels/fwd_fa2_sm80.cuh static_asserts, checked here too so that a bad tile is
 # reported at its line in instances.yaml instead of deep inside an nvcc run.
 _FA2_CONSTRAINTS = (
-    TileConstraint("block_m == 16 * warps (each warp owns 16 query rows)",
-                   lambda tile, hdim: tile.block_m == 16 * tile.warps),
+    TileConstraint("block_m == 16 * warps or 32 * warps (each warp owns 16 or 32 query rows)",
+                   lambda tile, hdim: tile.block_m in (16 * tile.warps, 32 * tile.warps)),
     TileConstraint("block_n % 16 == 0 (keys are consumed in 16-wide MMA k-steps)",
                    lambda tile, hdim: tile.block_n % 16 == 0),
     TileConstraint("stages == 2 (K and V are double-buffered)",

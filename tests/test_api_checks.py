@@ -15,9 +15,9 @@ from fmha import _C  # noqa: E402
 
 def qkv(b=2, sq=16, sk=16, hq=4, hk=4, d=64, dv=64, dtype=torch.float16, device="cpu"):
     return (
-        torch.randn(b, sq, hq, d, dtype=dtype, device=device),
-        torch.randn(b, sk, hk, d, dtype=dtype, device=device),
-        torch.randn(b, sk, hk, dv, dtype=dtype, device=device),
+        torch.randn(b, sq, hq, d, device=device).to(dtype),
+        torch.randn(b, sk, hk, d, device=device).to(dtype),
+        torch.randn(b, sk, hk, dv, device=device).to(dtype),
     )
 
 

@@ -132,7 +132,7 @@ def test_tile_that_matches_nothing_is_an_error(config_error, line_of):
 
 
 @pytest.mark.parametrize("old, new, reason", [
-    ("warps: 4", "warps: 2", "block_m == 16 * warps"),
+    ("warps: 4", "warps: 3", "block_m == 16 * warps or 32 * warps"),
     ("block_n: 32", "block_n: 40", "block_n % 16 == 0"),
     ("stages: 2\n    why", "stages: 3\n    why", "stages == 2"),
     ("hdim_v: 128\n", "hdim_v: 96\n", "hdim_q and hdim_v multiples of 64"),

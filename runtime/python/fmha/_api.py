@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from fmha import _C
-from fmha._checks import DTYPE_CODES, Problem, check_inputs, check_options
+from fmha._checks import DTYPE_CODES, Problem, check_devices, check_inputs, check_options
 
 
 class MissingInstanceError(ValueError):
@@ -111,6 +111,7 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, instance=None):
     scale = check_options(causal, softmax_scale, problem.hdim_q)
     if instance is not None and not isinstance(instance, str):
         raise TypeError(f"fmha.fwd: instance must be a str or None, got {type(instance).__name__}")
+    check_devices(q, k, v)
     return _fwd_op(q, k, v, causal, scale, instance)
 
 
@@ -121,6 +122,7 @@ def select(q, k, v, causal=False, softmax_scale=None) -> dict:
     """
     p = check_inputs(q, k, v)
     scale = check_options(causal, softmax_scale, p.hdim_q)
+    check_devices(q, k, v)
     with torch.cuda.device(q.device):
         code, message, info = _C.select(
             DTYPE_CODES[q.dtype], _mask_code(causal), p.batch, p.seqlen_q, p.seqlen_k,

@@ -1,7 +1,7 @@
 """Argument checks for fmha.fwd: every bad call fails here, before anything reaches the GPU.
 
-Order matters for the messages: type, dtype, rank, shapes, strides, then devices, so a
-problem is described in the terms of the first thing wrong with it.
+Order matters for the messages: type, dtype, rank, shapes, strides, options, then devices, so
+a problem is described in the terms of the first thing wrong with it.
 """
 
 from __future__ import annotations
@@ -71,7 +71,12 @@ def check_inputs(q, k, v) -> Problem:
                 f"fmha.fwd: {name}'s last (head) dimension must be contiguous, got strides "
                 f"{tuple(t.stride())}; pass {name}.contiguous() or a view of a contiguous tensor"
             )
-    for name, t in named:
+    return Problem(b, sq, sk, hq, hk, dq, dv)
+
+
+def check_devices(q, k, v) -> None:
+    """Last of the checks, so that CPU and meta tensors reach every other one first."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if t.device.type != "cuda":
             raise ValueError(f"fmha.fwd: {name} is on {t.device}; fmha.fwd needs CUDA tensors")
         if t.device != q.device:
@@ -79,7 +84,6 @@ def check_inputs(q, k, v) -> Problem:
                 f"fmha.fwd: {name} is on {t.device} but q is on {q.device}; "
                 "all tensors must be on one GPU"
             )
-    return Problem(b, sq, sk, hq, hk, dq, dv)
 
 
 def check_options(causal, softmax_scale, hdim_q: int) -> float:

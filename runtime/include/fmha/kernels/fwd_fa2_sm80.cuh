@@ -1,9 +1,10 @@
 // FlashAttention-2 forward pipeline for sm80-class GPUs (runs on sm90 too).
 //
 // One CTA computes one (query tile, head, batch): kBlockM query rows against every visible key,
-// kBlockN keys per step. Each warp owns 16 query rows end to end, so the softmax statistics of
-// a row never leave the 4 lanes that hold it. Per step:
-//   K tile -> S = Q K^T (mma.sync, Q fragments stay in registers for the whole loop)
+// kBlockN keys per step. Each warp owns 16 or 32 query rows end to end, so the softmax
+// statistics of a row never leave the 4 lanes that hold it. Per step:
+//   K tile -> S = Q K^T (mma.sync; Q fragments in registers at 16 rows per warp, re-read
+//             from shared memory at 32, where registers go to the larger O and S)
 //          -> online softmax in fp32 (exp2, scale folded into one FFMA per score)
 //   V tile -> O += P V (P re-packed from the S accumulators, never touching shared memory)
 // K and V stream through a two-stage shared-memory ring with cp.async: the loads of step j+1
@@ -40,8 +41,18 @@ struct FwdConfig {
   static constexpr int kThreads = kNumWarps * 32;
   static constexpr int kElementBytes = 2;
 
+  // Every warp reads the whole K and V tile from shared memory each step, so rows per warp set
+  // the shared-memory traffic per FLOP: at 16 rows, d128, 8 warps read 256 KB a 64-key step,
+  // more than the ~1.5k cycles of mma.sync it feeds can hide (128 B/cycle/SM); 32 rows halve it.
+  static constexpr int kRowsPerWarp = kBlockM / kNumWarps;
+  static constexpr int kMFrags = kRowsPerWarp / 16;  // m16 fragments per warp
+  // At 32 rows the O and S accumulators alone take 192 registers (d128, 64 keys), so Q is
+  // re-read per step (8 KB per warp) instead of held.
+  static constexpr bool kQInRegisters = kMFrags == 1;
+
   static_assert(sizeof(Element) == kElementBytes, "fa2 takes 16-bit inputs");
-  static_assert(kBlockM == 16 * kNumWarps, "fa2: each warp owns 16 query rows");
+  static_assert(kBlockM % kNumWarps == 0 && (kRowsPerWarp == 16 || kRowsPerWarp == 32),
+                "fa2: each warp owns 16 or 32 query rows");
   static_assert(kBlockN % 16 == 0, "fa2: key tiles come in mma k-steps of 16");
   static_assert(kStages == 2, "fa2 double-buffers K and V");
 
@@ -76,10 +87,19 @@ template <int kCols>
 struct SwizzledTile {
   static constexpr int kChunks = kCols / 8;
   static constexpr int kRowBytes = kCols * 2;
-  static_assert(kChunks % 8 == 0, "the 8-way XOR swizzle needs head dims that are multiples of 64");
+  static_assert(kChunks % 8 == 0 && (kChunks & (kChunks - 1)) == 0,
+                "the 8-way XOR swizzle needs head dims of 64 * 2^k");
 
   __device__ static uint32_t offset(int row, int chunk) {
     return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+  }
+
+  // offset(row + 16 * i, chunk + 2 * j) from offset(row, chunk): the chunk bits of an offset
+  // sit below the row bits (kChunks is a power of two), so stepping whole chunk pairs is an XOR
+  // with a constant and stepping 16 rows an add. In the unrolled loops every ldmatrix address
+  // is then one per-lane base plus compile-time terms, instead of a register per (i, j).
+  __device__ static uint32_t step(uint32_t base, int i, int j) {
+    return (base ^ (j << 5)) + i * 16 * kRowBytes;
   }
 };
 
@@ -165,21 +185,42 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const __grid_constan
   sm80::cp_async_wait<1>();
   __syncthreads();
 
-  uint32_t q_frag[kDimQK / 16][4];  // this warp's 16 rows of Q as mma A fragments
+  constexpr int kMFrags = Cfg::kMFrags;
+  const int warp_row0 = warp * Cfg::kRowsPerWarp;  // first row of this warp within the tile
+  // A fragment of Q for m16 fragment `mf`, k-step `kt`, straight from shared memory.
+  // Per-lane ldmatrix bases (see SwizzledTile::step). Q and V: lanes 0-15 address rows 0-15
+  // at the low chunk, 16-31 the same rows at the high chunk. K: lanes 8i..8i+7 address matrix
+  // i = (keys +0/+8) x (d chunk lo/hi).
+  const uint32_t q_lane = QTile::offset(warp_row0 + lane % 16, lane / 16);
+  const uint32_t k_lane = QTile::offset((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+  const uint32_t v_lane = VTile::offset(lane % 16, lane / 16);
+  auto load_q = [&](uint32_t (&a)[4], int mf, int kt) {
+    sm80::ldmatrix_x4(a, s_q + QTile::step(q_lane, mf, kt));
+  };
+  uint32_t q_frag[Cfg::kQInRegisters ? kDimQK / 16 : 1][4];  // held only at 16 rows per warp
+  if constexpr (Cfg::kQInRegisters) {
 #pragma unroll
-  for (int kt = 0; kt < kDimQK / 16; ++kt) {
-    sm80::ldmatrix_x4(q_frag[kt], s_q + QTile::offset(warp * 16 + lane % 16, kt * 2 + lane / 16));
+    for (int kt = 0; kt < kDimQK / 16; ++kt) load_q(q_frag[kt], 0, kt);
   }
 
-  float o_acc[kDTiles][4];
+  float o_acc[kMFrags][kDTiles][4];
 #pragma unroll
-  for (int dt = 0; dt < kDTiles; ++dt) {
+  for (int mf = 0; mf < kMFrags; ++mf) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o_acc[dt][e] = 0.f;
+    for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[mf][dt][e] = 0.f;
+    }
   }
-  // Each lane holds two rows: lane/4 (accumulator elements 0,1) and lane/4 + 8 (elements 2,3).
-  float row_max[2] = {-INFINITY, -INFINITY};  // of raw scores, before scaling
-  float row_sum[2] = {0.f, 0.f};              // this lane's partial sum; reduced at the end
+  // Each lane holds two rows per m16 fragment: lane/4 (accumulator elements 0,1) and
+  // lane/4 + 8 (elements 2,3).
+  float row_max[kMFrags][2];  // of raw scores, before scaling
+  float row_sum[kMFrags][2];  // this lane's partial sums; reduced across the quad at the end
+#pragma unroll
+  for (int mf = 0; mf < kMFrags; ++mf) {
+    row_max[mf][0] = row_max[mf][1] = -INFINITY;
+    row_sum[mf][0] = row_sum[mf][1] = 0.f;
+  }
 
   for (int it = 0; it < n_end; ++it) {
     const int n_block = n_end - 1 - it;
@@ -193,36 +234,54 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const __grid_constan
       sm80::cp_async_commit();
     }
 
-    // S = Q K^T for this warp's 16 rows: (16, kBlockN) in kNTiles accumulator tiles.
-    float s[kNTiles][4];
+    // S = Q K^T for this warp's rows: kMFrags x (16, kBlockN) in n8 accumulator tiles. Each
+    // K fragment read from shared memory feeds kMFrags mma.
+    float s[kMFrags][kNTiles][4];
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
+    for (int mf = 0; mf < kMFrags; ++mf) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+      for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mf][nt][e] = 0.f;
+      }
     }
     const uint32_t s_k_stage = s_k + stage * Cfg::kKTileBytes;
 #pragma unroll
     for (int kt = 0; kt < kDimQK / 16; ++kt) {
+      uint32_t a[kMFrags][4];
+#pragma unroll
+      for (int mf = 0; mf < kMFrags; ++mf) {
+        if constexpr (Cfg::kQInRegisters) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a[mf][r] = q_frag[kt][r];
+        } else {
+          load_q(a[mf], mf, kt);
+        }
+      }
 #pragma unroll
       for (int np = 0; np < kNTiles / 2; ++np) {
-        // Matrices: (keys np*16+0..7, d k-lo), (same keys, d k-hi), then keys +8.
-        uint32_t b[4];
-        sm80::ldmatrix_x4(b, s_k_stage + QTile::offset(np * 16 + (lane / 16) * 8 + lane % 8,
-                                                       kt * 2 + (lane / 8) % 2));
-        sm80::mma_16816<Element>(s[2 * np], q_frag[kt], b[0], b[1]);
-        sm80::mma_16816<Element>(s[2 * np + 1], q_frag[kt], b[2], b[3]);
+        uint32_t b[4];  // keys np*16 + 0..15, d in k-step kt
+        sm80::ldmatrix_x4(b, s_k_stage + QTile::step(k_lane, np, kt));
+#pragma unroll
+        for (int mf = 0; mf < kMFrags; ++mf) {
+          sm80::mma_16816<Element>(s[mf][2 * np], a[mf], b[0], b[1]);
+          sm80::mma_16816<Element>(s[mf][2 * np + 1], a[mf], b[2], b[3]);
+        }
       }
     }
 
     if (Mask::is_edge_tile(m_block, n_block, p.seqlen_k)) {
-      const int row0 = m_block * kBlockM + warp * 16 + lane / 4;
       const int col0 = n_block * kBlockN + (lane % 4) * 2;
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
+      for (int mf = 0; mf < kMFrags; ++mf) {
+        const int row0 = m_block * kBlockM + warp_row0 + mf * 16 + lane / 4;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (!Mask::is_visible(row0 + (e / 2) * 8, col0 + nt * 8 + e % 2, p.seqlen_k)) {
-            s[nt][e] = -INFINITY;
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (!Mask::is_visible(row0 + (e / 2) * 8, col0 + nt * 8 + e % 2, p.seqlen_k)) {
+              s[mf][nt][e] = -INFINITY;
+            }
           }
         }
       }
@@ -230,42 +289,50 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const __grid_constan
 
     // Online softmax: new running max, rescale what was accumulated, exponentiate.
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float m = row_max[h];
+    for (int mf = 0; mf < kMFrags; ++mf) {
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) m = fmaxf(m, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
-      // A row with nothing visible yet keeps max -inf; subtracting 0 instead keeps exp2 at 0
-      // rather than NaN from (-inf) - (-inf).
-      const float m_scaled = m == -INFINITY ? 0.f : m * p.scale_log2;
-      const float correction = sm80::fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
-      row_max[h] = m;
-      row_sum[h] *= correction;
+      for (int h = 0; h < 2; ++h) {
+        float m = row_max[mf][h];
 #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        o_acc[dt][2 * h] *= correction;
-        o_acc[dt][2 * h + 1] *= correction;
-      }
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          m = fmaxf(m, fmaxf(s[mf][nt][2 * h], s[mf][nt][2 * h + 1]));
+        }
+        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
+        // A row with nothing visible yet keeps max -inf; subtracting 0 instead keeps exp2 at 0
+        // rather than NaN from (-inf) - (-inf).
+        const float m_scaled = m == -INFINITY ? 0.f : m * p.scale_log2;
+        const float correction = sm80::fast_exp2(row_max[mf][h] * p.scale_log2 - m_scaled);
+        row_max[mf][h] = m;
+        row_sum[mf][h] *= correction;
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o_acc[mf][dt][2 * h] *= correction;
+          o_acc[mf][dt][2 * h + 1] *= correction;
+        }
 #pragma unroll
-        for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          s[nt][e] = sm80::fast_exp2(s[nt][e] * p.scale_log2 - m_scaled);
-          row_sum[h] += s[nt][e];
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+          for (int e = 2 * h; e < 2 * h + 2; ++e) {
+            s[mf][nt][e] = sm80::fast_exp2(s[mf][nt][e] * p.scale_log2 - m_scaled);
+            row_sum[mf][h] += s[mf][nt][e];
+          }
         }
       }
     }
 
     // P as A fragments: the accumulators of n-tiles 2t and 2t+1 are exactly the A fragment of
     // k-step t, so P goes from S to the next mma without a trip through shared memory.
-    uint32_t p_frag[kBlockN / 16][4];
+    uint32_t p_frag[kMFrags][kBlockN / 16][4];
 #pragma unroll
-    for (int t = 0; t < kBlockN / 16; ++t) {
-      p_frag[t][0] = sm80::pack2<Element>(s[2 * t][0], s[2 * t][1]);
-      p_frag[t][1] = sm80::pack2<Element>(s[2 * t][2], s[2 * t][3]);
-      p_frag[t][2] = sm80::pack2<Element>(s[2 * t + 1][0], s[2 * t + 1][1]);
-      p_frag[t][3] = sm80::pack2<Element>(s[2 * t + 1][2], s[2 * t + 1][3]);
+    for (int mf = 0; mf < kMFrags; ++mf) {
+#pragma unroll
+      for (int t = 0; t < kBlockN / 16; ++t) {
+        p_frag[mf][t][0] = sm80::pack2<Element>(s[mf][2 * t][0], s[mf][2 * t][1]);
+        p_frag[mf][t][1] = sm80::pack2<Element>(s[mf][2 * t][2], s[mf][2 * t][3]);
+        p_frag[mf][t][2] = sm80::pack2<Element>(s[mf][2 * t + 1][0], s[mf][2 * t + 1][1]);
+        p_frag[mf][t][3] = sm80::pack2<Element>(s[mf][2 * t + 1][2], s[mf][2 * t + 1][3]);
+      }
     }
 
     sm80::cp_async_wait<2>();  // this step's V tile has landed (the next step's K, V may fly)
@@ -275,40 +342,46 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const __grid_constan
     for (int t = 0; t < kBlockN / 16; ++t) {
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        // Transposed loads of V (keys x d): (keys t*16+0..7, d pair lo), (keys +8, d lo), hi...
-        uint32_t b[4];
-        sm80::ldmatrix_x4_trans(b, s_v_stage + VTile::offset(t * 16 + lane % 16, dp * 2 + lane / 16));
-        sm80::mma_16816<Element>(o_acc[2 * dp], p_frag[t], b[0], b[1]);
-        sm80::mma_16816<Element>(o_acc[2 * dp + 1], p_frag[t], b[2], b[3]);
+        uint32_t b[4];  // V (keys x d) transposed: keys t*16 + 0..15, d tiles 2dp and 2dp+1
+        sm80::ldmatrix_x4_trans(b, s_v_stage + VTile::step(v_lane, t, dp));
+#pragma unroll
+        for (int mf = 0; mf < kMFrags; ++mf) {
+          sm80::mma_16816<Element>(o_acc[mf][2 * dp], p_frag[mf][t], b[0], b[1]);
+          sm80::mma_16816<Element>(o_acc[mf][2 * dp + 1], p_frag[mf][t], b[2], b[3]);
+        }
       }
     }
   }
 
   // Epilogue: O / rowsum, rounded to Element, staged through this warp's own rows of the Q
-  // region (only this warp read them), then written with 16-byte stores, one row per 8 lanes.
-  uint32_t s_o = s_q;
+  // region (only this warp read them), then written with 16-byte stores, one row per 8 lanes
+  // at d64 (16 at d128).
+  const uint32_t s_o = s_q;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float sum = row_sum[h];
-    sum += __shfl_xor_sync(0xffffffff, sum, 1);
-    sum += __shfl_xor_sync(0xffffffff, sum, 2);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;  // no visible key: output 0, not NaN
-    const int row = warp * 16 + lane / 4 + h * 8;
+  for (int mf = 0; mf < kMFrags; ++mf) {
 #pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt) {
-      const uint32_t packed =
-          sm80::pack2<Element>(o_acc[dt][2 * h] * inv, o_acc[dt][2 * h + 1] * inv);
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_o + VTile::offset(row, dt) + (lane % 4) * 4),
-                   "r"(packed));
+    for (int h = 0; h < 2; ++h) {
+      float sum = row_sum[mf][h];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;  // no visible key: output 0, not NaN
+      const int row = warp_row0 + mf * 16 + lane / 4 + h * 8;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const uint32_t packed =
+            sm80::pack2<Element>(o_acc[mf][dt][2 * h] * inv, o_acc[mf][dt][2 * h + 1] * inv);
+        asm volatile("st.shared.b32 [%0], %1;\n"
+                     ::"r"(s_o + VTile::offset(row, dt) + (lane % 4) * 4), "r"(packed));
+      }
     }
   }
   __syncwarp();
-  constexpr int kOutChunks = 16 * VTile::kChunks;  // this warp's 16 rows in 16-byte pieces
+  constexpr int kOutChunks = Cfg::kRowsPerWarp * VTile::kChunks;  // this warp's rows, 16 B each
   static_assert(kOutChunks % 32 == 0, "the output rows must split evenly over a warp");
 #pragma unroll
   for (int i = 0; i < kOutChunks / 32; ++i) {
     const int idx = lane + i * 32;
-    const int row = warp * 16 + idx / VTile::kChunks;
+    const int row = warp_row0 + idx / VTile::kChunks;
     const int chunk = idx % VTile::kChunks;
     if (!Cfg::kPadSeqlen || row < p.seqlen_q - m_block * kBlockM) {
       uint4 val;
