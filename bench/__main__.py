@@ -9,7 +9,6 @@ after warm-up. Prints a table and, with --json, writes every row.
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
+from fmha.timing import median_ms
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -39,20 +39,6 @@ def parse_args(argv):
     if unknown:
         p.error(f"unknown dtype {sorted(unknown)}; valid: {', '.join(DTYPES)}")
     return args
-
-
-def median_ms(fn, warmup, repeat):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def run_case(dtype, d, s, causal, args):

@@ -5,26 +5,12 @@ scaled_dot_product_attention on the same shapes; without a GPU it says so and li
 """
 
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 import fmha
-
-
-def median_ms(fn, repeat=20):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+from fmha.timing import median_ms
 
 
 def main():
