@@ -12,7 +12,7 @@ from pathlib import Path
 import jinja2
 
 from .model import Instance
-from .schema import REGISTRY_TOKEN_ARRAYS
+from .schema import ARCH, REGISTRY_TOKEN_ARRAYS
 from .selection import Selection
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -65,6 +65,10 @@ def render(selection: Selection, source: str) -> dict[str, str]:
         source=source,
         rows=[_dispatch_row(i) for i in selection.instances],
         targets=[arch.token for arch in selection.targets],
+        # Every target the schema knows, best first for a device that runs several: a miss then
+        # names the target that would build code for the device, compiled or not.
+        known_targets=[{"token": a.token, "cc": a.cc, "exact": _cpp_bool(a.exact)}
+                       for a in sorted(ARCH, key=lambda a: (-a.cc, not a.exact))],
         token_arrays=[{"name": name, "tokens": [value.token for value in
                                                  sorted(axis, key=lambda value: value.value)]}
                       for name, axis in REGISTRY_TOKEN_ARRAYS.items()],

@@ -29,9 +29,15 @@ bool fits_tiles(const InstanceEntry& e, const FwdArgs& args) {
   return e.pad_seqlen || (args.seqlen_q % e.block_m == 0 && args.seqlen_k % e.block_n == 0);
 }
 
-// The generator target that builds code for a device: Hopper gets its arch-specific target,
-// everything from sm80 on runs sm80 code.
-const char* target_for(int cc) { return cc == 90 ? "sm90a" : "sm80"; }
+bool runs_on(const TargetInfo& t, int cc) { return t.exact ? cc == t.cc : cc >= t.cc; }
+
+// The generator target that builds the best code for a device (the first known one it runs).
+const char* target_for(int cc) {
+  for (int i = 0; i < kNumKnownTargets; ++i) {
+    if (runs_on(kKnownTargets[i], cc)) return kKnownTargets[i].token;
+  }
+  return "(none: this GPU is older than every target)";
+}
 
 std::string describe(const FwdTraits& t) {
   std::ostringstream s;

@@ -36,6 +36,16 @@ extern const int kNumInstances;
 extern const char* const kCompiledTargets[];
 extern const int kNumCompiledTargets;
 
+// Every target the generator knows (compiled here or not), best first for a device that could
+// run several, e.g. sm90a before sm80 on an H100.
+struct TargetInfo {
+  const char* token;
+  int cc;
+  bool exact;
+};
+extern const TargetInfo kKnownTargets[];
+extern const int kNumKnownTargets;
+
 // The generator's filter token for each enum value, indexed by the enum's integer value, so a
 // miss can name the --filter that would build the missing instance.
 extern const char* const kDataTypeTokens[];
