@@ -20,15 +20,34 @@ using Stream = CUstream_st*;  // a cudaStream_t; nullptr is the legacy default s
 
 enum class DataType : int { kFP16 = 0, kBF16 = 1 };
 
-// Top-left aligned causal mask: query i sees keys j <= i (FlashAttention-2's convention
-// when seqlen_q == seqlen_k).
-enum class MaskType : int { kNone = 0, kCausalTopLeft = 1 };
+// Which keys a query row sees. Query row i is aligned with key row i + offset, where the
+// offset is 0 for MaskAlign::kTopLeft (torch SDPA's is_causal) and seqlen_k - seqlen_q for
+// kBottomRight (FlashAttention-2's causal since 2.1); in group mode the lengths are the
+// sequence's own.
+//   kCausal: row i sees keys j <= i + offset.
+//   kWindow: row i sees keys i + offset - window_left <= j <= i + offset + window_right; a
+//            negative size leaves that side unbounded, so (-1, 0) is causal.
+// A row that sees no key gets output 0 and log-sum-exp -inf.
+enum class MaskType : int { kNone = 0, kCausal = 1, kWindow = 2 };
+enum class MaskAlign : int { kTopLeft = 0, kBottomRight = 1 };
 
-enum class BiasType : int { kNone = 0 };
-enum class VLayout : int { kRowMajor = 0 };  // V is (seqlen_k, hdim_v) per head
-enum class Mode : int { kBatch = 0 };
+// kElementwise: an additive bias of the input dtype, broadcast to (batch, nhead_q, seqlen_q,
+// seqlen_k) through its strides (a stride of 0 broadcasts). kAlibi: ALiBi, the logit of (i, j)
+// gets -slope * |i + offset - j| (offset as for the mask), with fp32 slopes per head or per
+// (batch, head).
+enum class BiasType : int { kNone = 0, kElementwise = 1, kAlibi = 2 };
 
-// The functional traits of a problem: an instance runs a problem only when all of them match.
+// V per (batch, head): kRowMajor is (seqlen_k, hdim_v) with hdim contiguous, like K;
+// kColMajor is (hdim_v, seqlen_k) with seqlen contiguous (V^T stored).
+enum class VLayout : int { kRowMajor = 0, kColMajor = 1 };
+
+// kBatch: every sequence of the batch has seqlen_q / seqlen_k rows (fewer when seqused_*
+// says so). kGroup (FlashAttention's varlen): sequences of different lengths packed along one
+// token dimension, delimited by cu_seqlens_q / cu_seqlens_k.
+enum class Mode : int { kBatch = 0, kGroup = 1 };
+
+// The functional traits of a problem: an instance runs a problem only when all of them match
+// (head dims may also be smaller than a head-dim-padded instance's, see InstanceInfo).
 struct FwdTraits {
   DataType dtype = DataType::kFP16;
   int hdim_q = 0;
@@ -37,34 +56,79 @@ struct FwdTraits {
   BiasType bias = BiasType::kNone;
   VLayout vlayout = VLayout::kRowMajor;
   Mode mode = Mode::kBatch;
+  bool lse = false;      // writes the log-sum-exp of every row
+  bool dropout = false;  // dropout_p > 0
+  bool softcap = false;  // softcap > 0
 };
 
-// One forward problem. Tensors are (batch, seqlen, nhead, hdim) in any stride order whose last
-// (hdim) dimension is contiguous; strides are in elements. Pointers must be 16-byte aligned and
-// every stride a multiple of 8 elements, so that each row moves in 16-byte pieces.
+// One forward problem. Q, K, V and O are (batch, seqlen, nhead, hdim) in any stride order whose
+// hdim dimension is contiguous (V: see VLayout); strides are in elements. Pointers must be
+// 16-byte aligned and every stride of Q, K, V and O (other than the contiguous one) a multiple
+// of 8 elements, so that each row moves in 16-byte pieces.
 struct FMHA_API FwdArgs {
   DataType dtype = DataType::kFP16;
-  MaskType mask = MaskType::kNone;
+  Mode mode = Mode::kBatch;
 
   const void* q = nullptr;  // (batch, seqlen_q, nhead_q, hdim_q)
   const void* k = nullptr;  // (batch, seqlen_k, nhead_k, hdim_q)
-  const void* v = nullptr;  // (batch, seqlen_k, nhead_k, hdim_v)
+  const void* v = nullptr;  // (batch, seqlen_k, nhead_k, hdim_v), in vlayout
   void* o = nullptr;        // (batch, seqlen_q, nhead_q, hdim_v)
 
   int batch = 0;
-  int seqlen_q = 0;
+  int seqlen_q = 0;  // group mode: the longest sequence's length (it sizes the grid)
   int seqlen_k = 0;
   int nhead_q = 0;
   int nhead_k = 0;  // nhead_q must be a multiple of it (MQA/GQA share K/V heads)
   int hdim_q = 0;
   int hdim_v = 0;
 
+  // Group mode ignores the batch strides: a sequence's rows start at its cu_seqlens entry.
   int64_t q_batch_stride = 0, q_seq_stride = 0, q_head_stride = 0;
   int64_t k_batch_stride = 0, k_seq_stride = 0, k_head_stride = 0;
   int64_t v_batch_stride = 0, v_seq_stride = 0, v_head_stride = 0;
   int64_t o_batch_stride = 0, o_seq_stride = 0, o_head_stride = 0;
+  VLayout vlayout = VLayout::kRowMajor;
+  int64_t v_dim_stride = 1;  // 1 for kRowMajor; for kColMajor v_seq_stride is 1 and this is not
+
+  // Group mode: sequence b owns rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of Q and O (and
+  // likewise of K and V); device int32 arrays of batch + 1 non-decreasing entries from 0.
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  // Optional in both modes: sequence b uses only its first seqused_q[b] query rows and
+  // seqused_k[b] keys (batch mode's effective lengths, or group mode's physical padding after
+  // each sequence); device int32 arrays of batch entries. Output rows past seqused_q are left
+  // untouched.
+  const int32_t* seqused_q = nullptr;
+  const int32_t* seqused_k = nullptr;
 
   float softmax_scale = 0.f;  // applied to QK^T; callers usually pass 1/sqrt(hdim_q)
+
+  MaskType mask = MaskType::kNone;
+  MaskAlign mask_align = MaskAlign::kTopLeft;
+  int window_left = -1;  // kWindow only; negative: unbounded
+  int window_right = -1;
+
+  BiasType bias = BiasType::kNone;
+  const void* bias_ptr = nullptr;  // kElementwise: dtype elements, the key dimension contiguous
+  int64_t bias_batch_stride = 0, bias_head_stride = 0, bias_seq_stride = 0;  // group mode: per
+                                                                             // sequence b
+  const float* alibi_slopes = nullptr;  // kAlibi: slope of (b, h) at b * alibi_batch_stride + h
+  int64_t alibi_batch_stride = 0;       // 0: one slope per head
+
+  float softcap = 0.f;  // > 0: logits become softcap * tanh(logits / softcap)
+
+  // Dropout on the attention probabilities: each is kept with probability 1 - dropout_p and
+  // scaled by 1 / (1 - dropout_p). The pattern is a function of (seed, offset, batch, head,
+  // row, key) only, so a call is reproducible; dropout_mask() writes it out.
+  float dropout_p = 0.f;
+  uint64_t dropout_seed = 0;
+  uint32_t dropout_offset = 0;
+
+  // Optional: the natural-log log-sum-exp of every row's (scaled, biased) logits, fp32;
+  // (batch, nhead_q, seqlen_q) with the row dimension contiguous. In group mode row i of
+  // sequence b is at lse[h * lse_head_stride + cu_seqlens_q[b] + i] (batch stride ignored).
+  float* lse = nullptr;
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;
 
   FwdTraits traits() const;
 };
@@ -87,6 +151,7 @@ struct InstanceInfo {
   int block_m = 0;
   int block_n = 0;
   bool pad_seqlen = false;  // handles sequence lengths that are not multiples of the tile
+  bool pad_hdim = false;    // also runs head dims below its own that are multiples of 8
 };
 
 // Runs the forward pass on `stream`. Checks the arguments and picks an instance first; on any
@@ -100,7 +165,18 @@ FMHA_API Status fwd_instance(const std::string& instance, const FwdArgs& args, S
 
 // The instance fwd() would run for `args` on the current device, without launching; on a miss
 // the status names the traits asked for and the generator filter that would build one.
+// Pointers are not read (they may be null).
 FMHA_API Status select(const FwdArgs& args, InstanceInfo* chosen);
+
+// Why select() chooses what it chooses, in words: the instance and the rule that ranked it
+// first, or the nearest compiled instances and the generator filter that would build one.
+FMHA_API Status explain(const FwdArgs& args, std::string* explanation);
+
+// Writes the dropout keep pattern fwd() applies for (seed, offset, p): keep[b][h][i][j] is 1
+// where the probability of query row i and key j of head h of sequence b is kept, else 0;
+// uint8, contiguous (batch, nhead, seqlen_q, seqlen_k). For tests and for reproducing a run.
+FMHA_API Status dropout_mask(uint64_t seed, uint32_t offset, float dropout_p, int batch,
+                             int nhead, int seqlen_q, int seqlen_k, uint8_t* keep, Stream stream);
 
 // Every instance compiled into this library, in the dispatcher's order of preference.
 FMHA_API std::vector<InstanceInfo> instances();
@@ -110,5 +186,8 @@ FMHA_API std::vector<std::string> compiled_targets();
 
 FMHA_API const char* to_string(DataType);
 FMHA_API const char* to_string(MaskType);
+FMHA_API const char* to_string(BiasType);
+FMHA_API const char* to_string(VLayout);
+FMHA_API const char* to_string(Mode);
 
 }  // namespace fmha

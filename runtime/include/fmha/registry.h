@@ -24,6 +24,8 @@ struct InstanceEntry {
   int block_m;       // query rows per CTA
   int block_n;       // key rows per main-loop step
   bool pad_seqlen;   // false: needs seqlen_q % block_m == 0 and seqlen_k % block_n == 0
+  bool pad_hdim;     // true: also runs hdim_q <= traits.hdim_q and hdim_v <= traits.hdim_v
+                     // that are multiples of 8; false: exactly the traits' head dims
   LaunchFn launch;
 };
 

@@ -1,7 +1,11 @@
-// The attention mask as a policy answering three questions for a (query tile, key tile) pair:
-// which key tiles a query tile visits at all, whether a visited tile needs per-element checks
-// (an edge tile), and the per-element predicate. The main loop runs interior tiles with no
-// checks, so the cost of masking is paid on O(1) tiles per query tile, not on all of them.
+// The attention mask of one query tile, as a policy answering three questions: which key tiles
+// the query tile visits at all, whether a visited tile needs per-element checks (an edge tile),
+// and the per-element predicate. The main loop runs interior tiles with no checks, so masking
+// costs O(1) edge tiles per query tile, and fully masked tiles are never loaded.
+//
+// Row i is aligned with key i + offset (0 for top-left, seqlen_k - seqlen_q for bottom-right)
+// and sees keys in [i + offset - left, i + offset + right]: causal is (unbounded, 0), a window
+// is what the caller gave (a negative size is unbounded), no mask is unbounded both ways.
 #pragma once
 
 #include "fmha/fmha.h"
@@ -9,27 +13,51 @@
 namespace fmha {
 
 template <MaskType kMask, bool kPadSeqlen, int kBlockM, int kBlockN>
-struct MaskPolicy {
-  static constexpr bool kCausal = kMask == MaskType::kCausalTopLeft;
+struct TileMask {
+  static constexpr bool kHasRight = kMask != MaskType::kNone;
+  static constexpr bool kHasLeft = kMask == MaskType::kWindow;
 
-  // One past the last key tile that query tile `m_block` sees. Top-left causal: query row i
-  // sees keys 0..i, so the tile's last row bounds the keys.
-  __device__ static int n_block_end(int m_block, int seqlen_k) {
-    const int keys = kCausal ? min(seqlen_k, (m_block + 1) * kBlockM) : seqlen_k;
+  int seqlen_k;
+  int offset;
+  int left;   // finite: an unbounded side is set past every key
+  int right;
+
+  __device__ TileMask(int seqlen_q, int seqlen_k_, bool bottom_right, int window_left,
+                      int window_right)
+      : seqlen_k(seqlen_k_), offset(bottom_right ? seqlen_k_ - seqlen_q : 0) {
+    // seqlen_q + seqlen_k reaches past every key from any row, and stays far from overflow.
+    const int unbounded = seqlen_q + seqlen_k_;
+    left = kHasLeft && window_left >= 0 ? window_left : unbounded;
+    right = kMask == MaskType::kCausal ? 0
+            : kHasRight && window_right >= 0 ? window_right : unbounded;
+  }
+
+  // The key tiles [begin, end) that rows first_row..last_row see; empty when end <= begin.
+  __device__ int n_block_begin(int first_row) const {
+    if (!kHasLeft) return 0;
+    const int first_key = first_row + offset - left;
+    return first_key > 0 ? first_key / kBlockN : 0;
+  }
+  __device__ int n_block_end(int last_row) const {
+    int keys = seqlen_k;
+    if (kHasRight) keys = min(keys, max(last_row + offset + right + 1, 0));
     return (keys + kBlockN - 1) / kBlockN;
   }
 
-  // True when some element of the tile is invisible: the tile crosses the causal diagonal, or
-  // it runs past the end of the keys.
-  __device__ static bool is_edge_tile(int m_block, int n_block, int seqlen_k) {
-    const int last_key = (n_block + 1) * kBlockN - 1;
-    const bool crosses_diagonal = kCausal && last_key > m_block * kBlockM;
+  // True when some element of key tile n_block is invisible to some row of the query tile
+  // starting at first_row: it crosses either window edge, or runs past the last key.
+  __device__ bool is_edge_tile(int first_row, int n_block) const {
+    const int first_key = n_block * kBlockN;
+    const int last_key = first_key + kBlockN - 1;
+    const bool crosses_right = kHasRight && last_key > first_row + offset + right;
+    const bool crosses_left = kHasLeft && first_key < first_row + kBlockM - 1 + offset - left;
     const bool past_keys = kPadSeqlen && last_key >= seqlen_k;
-    return crosses_diagonal || past_keys;
+    return crosses_right || crosses_left || past_keys;
   }
 
-  __device__ static bool is_visible(int row, int col, int seqlen_k) {
-    return (!kPadSeqlen || col < seqlen_k) && (!kCausal || col <= row);
+  __device__ bool is_visible(int row, int col) const {
+    return (!kPadSeqlen || col < seqlen_k) && (!kHasRight || col <= row + offset + right) &&
+           (!kHasLeft || col >= row + offset - left);
   }
 };
 

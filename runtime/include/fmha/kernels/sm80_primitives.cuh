@@ -14,10 +14,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
-// 16-byte asynchronous copy; when `valid` is false the 16 bytes are zero-filled and global
-// memory is not read (src-size 0), which is how rows past the sequence end become zeros.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
+// 16-byte asynchronous copy of which only the first `src_bytes` (0..16) are read from global
+// memory; the rest of the 16 bytes is zero-filled. This is how rows and columns past the end
+// of a sequence or head dim become zeros. `src` must be 16-byte aligned even when partial.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes));
 }
@@ -83,6 +83,19 @@ template <>
 __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
+}
+
+template <typename Element>
+__device__ __forceinline__ float to_float(Element x);
+
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) {
+  return __half2float(x);
+}
+
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
 }
 
 // 2^x on the special-function unit; exp2(-inf) = 0, which the masked softmax relies on.
