@@ -6,9 +6,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from .config import Config, Matrix
+from .config import Config, Matrix, TileEntry
 from .dispatch import check_dispatchable, dispatch_order
 from .model import FwdTraits, Instance, MatrixPoint
+from .schema import MATRIX_AXES
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,12 @@ def build_catalog(config: Config) -> Catalog:
 def expand(matrix: Matrix) -> tuple[MatrixPoint, ...]:
     """The cross product of the matrix axes, in the order the YAML lists their values."""
     return tuple(
-        MatrixPoint(FwdTraits(dtype, hdim_q, hdim_v, mask, bias, vlayout, mode),
-                    pipeline, arch, pad_seqlen)
-        for dtype, (hdim_q, hdim_v), mask, bias, vlayout, mode, pipeline, arch, pad_seqlen
-        in itertools.product(matrix.dtype, matrix.hdim, matrix.mask, matrix.bias, matrix.vlayout,
-                             matrix.mode, matrix.pipeline, matrix.arch, matrix.pad_seqlen))
+        MatrixPoint(FwdTraits(dtype, hdim_q, hdim_v, mask, bias, vlayout, mode, lse, dropout,
+                              softcap),
+                    pipeline, arch, pad_seqlen, pad_hdim)
+        for (dtype, (hdim_q, hdim_v), mask, bias, vlayout, mode, lse, dropout, softcap, pipeline,
+             arch, pad_seqlen, pad_hdim)
+        in itertools.product(*(getattr(matrix, axis) for axis in MATRIX_AXES)))
 
 
 def prune(points: tuple[MatrixPoint, ...], config: Config) -> tuple[MatrixPoint, ...]:
@@ -51,24 +53,41 @@ def prune(points: tuple[MatrixPoint, ...], config: Config) -> tuple[MatrixPoint,
 
 def assign_tiles(points: tuple[MatrixPoint, ...], config: Config) -> tuple[Instance, ...]:
     """Gives each point the one `tiles:` entry that matches it. None, two, or an entry no point
-    uses are configuration errors: a tile choice must be explicit, single and alive."""
+    uses are configuration errors: a tile choice must be explicit, single and alive. So is a
+    tile whose shared memory exceeds what an arch it is used on allows: the launch would fail.
+
+    Points differ in many axes a tile does not depend on, so the entry is looked up once per
+    (pipeline, arch, hdim_q, hdim_v)."""
     instances = []
-    used = set()
+    used: dict[tuple, TileEntry] = {}
     for point in points:
-        entries = [entry for entry in config.tiles if entry.matches(point)]
-        key = (f"pipeline={point.pipeline.token}, arch={point.arch.token}, "
-               f"hdim_q={point.traits.hdim_q}, hdim_v={point.traits.hdim_v}")
-        if not entries:
-            raise config.error(config.section_lines["tiles"], f"tiles: no entry matches {key}; "
-                                                              f"add one")
-        if len(entries) > 1:
-            first, second = entries[:2]
-            raise config.error(second.line, f"tiles: this entry and the one at line {first.line} "
-                                            f"both match {key}; each instance needs exactly one")
-        used.add(entries[0])
-        instances.append(Instance(point, entries[0].tile))
+        key = (point.pipeline, point.arch, point.traits.hdim_q, point.traits.hdim_v)
+        if key not in used:
+            used[key] = _tile_entry(point, config)
+        instances.append(Instance(point, used[key].tile))
     for entry in config.tiles:
-        if entry not in used:
+        if entry not in used.values():
             raise config.error(entry.line, "tiles: this entry matches no instance; "
                                            "fix or remove it")
+    for (pipeline, arch, *_), entry in used.items():
+        smem = pipeline.shared_memory
+        needed = smem.bytes(entry.tile, entry.hdim)
+        if needed > arch.smem_limit:
+            raise config.error(entry.line, f"{entry.label}: the tile needs {needed} bytes of "
+                                           f"shared memory ({smem.formula}), more than the "
+                                           f"{arch.smem_limit} a CTA may use on {arch.token}")
     return tuple(instances)
+
+
+def _tile_entry(point: MatrixPoint, config: Config) -> TileEntry:
+    entries = [entry for entry in config.tiles if entry.matches(point)]
+    key = (f"pipeline={point.pipeline.token}, arch={point.arch.token}, "
+           f"hdim_q={point.traits.hdim_q}, hdim_v={point.traits.hdim_v}")
+    if not entries:
+        raise config.error(config.section_lines["tiles"], f"tiles: no entry matches {key}; "
+                                                          f"add one")
+    if len(entries) > 1:
+        first, second = entries[:2]
+        raise config.error(second.line, f"tiles: this entry and the one at line {first.line} "
+                                        f"both match {key}; each instance needs exactly one")
+    return entries[0]

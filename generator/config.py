@@ -38,9 +38,13 @@ class Matrix:
     bias: tuple[EnumValue, ...]
     vlayout: tuple[EnumValue, ...]
     mode: tuple[EnumValue, ...]
+    lse: tuple[bool, ...]
+    dropout: tuple[bool, ...]
+    softcap: tuple[bool, ...]
     pipeline: tuple[Pipeline, ...]
     arch: tuple[Arch, ...]
     pad_seqlen: tuple[bool, ...]
+    pad_hdim: tuple[bool, ...]
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class TileEntry:
     """One row of `tiles:`: the tile of every point with its pipeline and head dims, on its arch
     or, when arch is not given, on every arch."""
 
+    label: str  # its place in the file, tiles[i], for messages
     pipeline: Pipeline
     arch: Arch | None
     hdim: tuple[int, int]
@@ -76,9 +81,16 @@ class Rule:
 @dataclass(frozen=True)
 class Preset:
     name: str
-    filter: str  # in the --filter grammar; "" selects everything
+    # Filters in the --filter grammar; the preset selects what any of them selects (a union,
+    # as CK's receipts are). "" selects everything.
+    filters: tuple[str, ...]
     why: str
     line: int
+
+    @property
+    def filter(self) -> str:
+        """The filters as one line, for listings: alternatives joined by ' + '."""
+        return " + ".join(self.filters)
 
 
 @dataclass(frozen=True)
@@ -188,7 +200,7 @@ class _Reader:
                                        f"{constraint.reason}; got block_m={tile.block_m}, "
                                        f"block_n={tile.block_n}, warps={tile.warps}, "
                                        f"stages={tile.stages}, hdim_q={hdim[0]}, hdim_v={hdim[1]}")
-        return TileEntry(pipeline, arch, hdim, tile, field("why", self.text), line)
+        return TileEntry(label, pipeline, arch, hdim, tile, field("why", self.text), line)
 
     def rule(self, data, label: str, line: int) -> Rule:
         fields = self.mapping(data, label, line, required=("when", "reason"))
@@ -220,12 +232,23 @@ class _Reader:
                                             f"got {_describe(name)}")
             preset_label = f"{label}.{name}"
             fields = self.mapping(raw, preset_label, name_line, required=("filter", "why"))
-            filter_text = fields["filter"]
-            if not isinstance(filter_text, str):  # may be empty: "" selects everything
-                raise self.error(fields.line_of("filter"), f"{preset_label}.filter: expected a "
-                                 f"string in the --filter grammar, got {_describe(filter_text)}")
+            raw_filter = fields["filter"]
+            filter_line = fields.line_of("filter")
+            if isinstance(raw_filter, LineList):  # a union: every entry is a whole filter
+                filters = tuple(raw_filter)
+                bad = [f for f in filters if not isinstance(f, str) or not f.strip()]
+                if not filters or bad:
+                    raise self.error(filter_line, f"{preset_label}.filter: a list of filters "
+                                     f"needs non-empty strings in the --filter grammar, got "
+                                     f"{_describe(bad[0]) if bad else 'an empty list'}")
+            elif isinstance(raw_filter, str):  # may be empty: "" selects everything
+                filters = (raw_filter,)
+            else:
+                raise self.error(filter_line, f"{preset_label}.filter: expected a string in the "
+                                 f"--filter grammar or a list of them (their union), got "
+                                 f"{_describe(raw_filter)}")
             why = self.text(fields["why"], f"{preset_label}.why", fields.line_of("why"))
-            presets[name] = Preset(name, filter_text, why, name_line)
+            presets[name] = Preset(name, filters, why, name_line)
         return presets
 
     # -- building blocks ---------------------------------------------------------------------

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from .schema import BIAS, MASK, MODE, VLAYOUT, Arch, DataType, EnumValue, Pipeline
+from .schema import (BIAS, MASK, MODE, TRAIT_BOOL_AXES, VLAYOUT, Arch, DataType, EnumValue,
+                     Pipeline)
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,9 @@ class FwdTraits:
     bias: EnumValue
     vlayout: EnumValue
     mode: EnumValue
+    lse: bool  # writes the log-sum-exp of every row
+    dropout: bool
+    softcap: bool
 
 
 @dataclass(frozen=True)
@@ -31,10 +35,14 @@ class MatrixPoint:
     pipeline: Pipeline
     arch: Arch
     pad_seqlen: bool  # False: the kernel needs seqlens that are multiples of its tile
+    pad_hdim: bool  # True: it also runs head dims below its own that are multiples of 8
 
     def value(self, axis: str):
         """The value on one of schema.CONDITION_AXES: the point's own fields, or its traits'."""
-        return getattr(self if axis in ("pipeline", "arch", "pad_seqlen") else self.traits, axis)
+        return getattr(self if axis in _POINT_AXES else self.traits, axis)
+
+
+_POINT_AXES = ("pipeline", "arch", "pad_seqlen", "pad_hdim")
 
 
 @dataclass(frozen=True)
@@ -55,9 +63,10 @@ class Instance:
 
     @cached_property
     def name(self) -> str:
-        """The identity of the instance, in a fixed order: fwd, dtype, head dims, the traits
-        that differ from their defaults, pipeline, arch, tile, and `pad` for padded kernels.
-        E.g. fwd_bf16_d128_causal_fa2_sm90a_m128n64_pad."""
+        """The identity of the instance, in a fixed order: fwd, dtype, head dims, the enum
+        traits that differ from their defaults, the boolean traits that are on, pipeline, arch,
+        tile, then `pad` for sequence-length and `hpad` for head-dim padding. E.g.
+        fwd_bf16_d128_causal_alibi_col_group_lse_dropout_softcap_fa2_sm90a_m128n64_pad_hpad."""
         traits, point, tile = self.point.traits, self.point, self.tile
         hdim = (f"d{traits.hdim_q}" if traits.hdim_q == traits.hdim_v
                 else f"d{traits.hdim_q}x{traits.hdim_v}")
@@ -65,11 +74,12 @@ class Instance:
                        ((MASK, traits.mask), (BIAS, traits.bias), (VLAYOUT, traits.vlayout),
                         (MODE, traits.mode))
                        if value.token != axis.name_default]
-        parts = ["fwd", traits.dtype.token, hdim, *non_default, point.pipeline.token,
-                 point.arch.token, f"m{tile.block_m}n{tile.block_n}"]
-        if point.pad_seqlen:
-            parts.append("pad")
-        return "_".join(parts)
+        flags = [axis for axis in TRAIT_BOOL_AXES if getattr(traits, axis)]
+        padding = [token for token, on in (("pad", point.pad_seqlen), ("hpad", point.pad_hdim))
+                   if on]
+        return "_".join(["fwd", traits.dtype.token, hdim, *non_default, *flags,
+                         point.pipeline.token, point.arch.token, f"m{tile.block_m}n{tile.block_n}",
+                         *padding])
 
 
 @dataclass(frozen=True)

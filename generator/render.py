@@ -11,9 +11,9 @@ from pathlib import Path
 
 import jinja2
 
-from .model import Instance
-from .schema import ARCH, REGISTRY_TOKEN_ARRAYS
-from .selection import Selection
+from .model import FwdTraits, Instance
+from .schema import ARCH, REGISTRY_TOKEN_ARRAYS, TRAIT_BOOL_AXES
+from .selection import Selection, Shard
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 MANIFEST = "manifest.json"
@@ -36,9 +36,13 @@ def instance_record(instance: Instance) -> dict:
         "bias": traits.bias.token,
         "vlayout": traits.vlayout.token,
         "mode": traits.mode.token,
+        "lse": traits.lse,
+        "dropout": traits.dropout,
+        "softcap": traits.softcap,
         "pipeline": point.pipeline.token,
         "arch": point.arch.token,
         "pad_seqlen": point.pad_seqlen,
+        "pad_hdim": point.pad_hdim,
         "block_m": tile.block_m,
         "block_n": tile.block_n,
         "warps": tile.warps,
@@ -51,16 +55,21 @@ def json_text(data) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
-def render(selection: Selection, source: str) -> dict[str, str]:
+def render(selection: Selection, source: str, shard: Shard | None = None) -> dict[str, str]:
     """Every generated file, by name relative to the output directory; the manifest comes last
     so that a writer that stops early leaves the previous manifest in charge. `source` is the
-    configuration's file name, for the do-not-edit banners."""
+    configuration's file name, for the do-not-edit banners.
+
+    With a shard, only its TUs are rendered and listed in instances.cmake, while
+    dispatch_table.cpp and the manifest still describe the whole selection: the objects that N
+    shard jobs build then link against one and the same table."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, autoescape=False)
+    built = shard.take(selection.instances) if shard else selection.instances
     instance_template = env.get_template("instance.cu.j2")
     files = {tu_name(i): instance_template.render(source=source, **_instance_fields(i))
-             for i in selection.instances}
+             for i in built}
     files["dispatch_table.cpp"] = env.get_template("dispatch_table.cpp.j2").render(
         source=source,
         rows=[_dispatch_row(i) for i in selection.instances],
@@ -73,25 +82,33 @@ def render(selection: Selection, source: str) -> dict[str, str]:
                                                  sorted(axis, key=lambda value: value.value)]}
                       for name, axis in REGISTRY_TOKEN_ARRAYS.items()],
     )
+    built_targets = [arch for arch in selection.targets
+                     if any(i.point.arch == arch for i in built)]
     files["instances.cmake"] = env.get_template("instances.cmake.j2").render(
         source=source,
+        shard=str(shard) if shard else "",
         targets=[{"token": arch.token, "gencode": arch.gencode,
-                  "sources": sorted(tu_name(i) for i in selection.instances
-                                    if i.point.arch == arch)}
-                 for arch in selection.targets],
+                  "sources": sorted(tu_name(i) for i in built if i.point.arch == arch)}
+                 for arch in built_targets],
     )
     files[MANIFEST] = json_text({
         "targets": [arch.token for arch in selection.targets],
+        # null, or which part of the selection's TUs this directory holds.
+        "shard": {"index": shard.index, "count": shard.count,
+                  "tus": [tu_name(i) for i in built]} if shard else None,
         "instances": [instance_record(i) for i in selection.instances],
     })
     return files
 
 
 def manifest_sources(out_dir: Path) -> set[str]:
-    """The TUs the previous run wrote into `out_dir`, from its manifest: the generated files
-    this run may delete. Without a readable manifest the generator owns nothing there."""
+    """The TUs the previous run wrote into `out_dir`, from its manifest (a shard's own, when it
+    was sharded): the generated files this run may delete. Without a readable manifest the
+    generator owns nothing there."""
     try:
         manifest = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+        if manifest.get("shard") is not None:
+            return set(manifest["shard"]["tus"])
         return {record["tu"] for record in manifest["instances"]}
     except (OSError, ValueError, KeyError, TypeError):
         return set()
@@ -115,8 +132,9 @@ def _instance_fields(instance: Instance) -> dict:
         "block_n": tile.block_n,
         "warps": tile.warps,
         "stages": tile.stages,
-        "mask": traits.mask.cpp,
+        **_trait_fields(traits),
         "pad_seqlen": _cpp_bool(point.pad_seqlen),
+        "pad_hdim": _cpp_bool(point.pad_hdim),
     }
 
 
@@ -127,10 +145,7 @@ def _dispatch_row(instance: Instance) -> dict:
         "dtype": traits.dtype.cpp,
         "hdim_q": traits.hdim_q,
         "hdim_v": traits.hdim_v,
-        "mask": traits.mask.cpp,
-        "bias": traits.bias.cpp,
-        "vlayout": traits.vlayout.cpp,
-        "mode": traits.mode.cpp,
+        **_trait_fields(traits),
         "pipeline": point.pipeline.token,
         "arch": point.arch.token,
         "arch_cc": point.arch.cc,
@@ -138,4 +153,16 @@ def _dispatch_row(instance: Instance) -> dict:
         "block_m": tile.block_m,
         "block_n": tile.block_n,
         "pad_seqlen": _cpp_bool(point.pad_seqlen),
+        "pad_hdim": _cpp_bool(point.pad_hdim),
+    }
+
+
+def _trait_fields(traits: FwdTraits) -> dict:
+    """The C++ spellings of the traits after the head dims, as both templates pass them."""
+    return {
+        "mask": traits.mask.cpp,
+        "bias": traits.bias.cpp,
+        "vlayout": traits.vlayout.cpp,
+        "mode": traits.mode.cpp,
+        **{axis: _cpp_bool(getattr(traits, axis)) for axis in TRAIT_BOOL_AXES},
     }

@@ -34,6 +34,7 @@ class Arch:
     cc: int  # compute capability as major*10+minor, as registry.h's arch_cc
     exact: bool  # an 'a' target carries features that exist only on exactly this cc
     gencode: str  # the nvcc flag that compiles an instance TU for this target
+    smem_limit: int  # bytes of shared memory one CTA may opt into on the target's GPU
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,22 @@ class TileConstraint:
 
 
 @dataclass(frozen=True)
+class SharedMemory:
+    """How much shared memory a pipeline's CTA takes for a tile, checked against each arch's
+    limit so that an oversized tile is reported at its line instead of failing at launch."""
+
+    formula: str  # the same in words, for the error message
+    bytes: Callable[[Any, tuple[int, int]], int]  # (model.Tile, (hdim_q, hdim_v)) -> bytes
+
+
+@dataclass(frozen=True)
 class Pipeline:
     token: str
     header: str  # the kernel header an instance TU includes
     config_template: str  # class template taking the instance's compile-time parameters
     launcher: str  # function template launching the kernel for one config
     tile_constraints: tuple[TileConstraint, ...]
+    shared_memory: SharedMemory
 
 
 AxisValue = Union[EnumValue, Arch, Pipeline]
@@ -81,22 +92,30 @@ DTYPE = EnumAxis("dtype", (
     DataType("bf16", "fmha::DataType::kBF16", 1, element="__nv_bfloat16"),
 ))
 
-# causal is top-left aligned: query i sees keys j <= i (FlashAttention-2's convention).
+# causal and window are aligned top-left or bottom-right at run time (FwdArgs::mask_align), so
+# the alignment is not an axis.
 MASK = EnumAxis("mask", (
     EnumValue("none", "fmha::MaskType::kNone", 0),
-    EnumValue("causal", "fmha::MaskType::kCausalTopLeft", 1),
+    EnumValue("causal", "fmha::MaskType::kCausal", 1),
+    EnumValue("window", "fmha::MaskType::kWindow", 2),
 ), name_default="none")
 
 BIAS = EnumAxis("bias", (
     EnumValue("none", "fmha::BiasType::kNone", 0),
+    EnumValue("elementwise", "fmha::BiasType::kElementwise", 1),
+    EnumValue("alibi", "fmha::BiasType::kAlibi", 2),
 ), name_default="none")
 
+# col: V stored transposed, (hdim_v, seqlen_k) with the sequence contiguous.
 VLAYOUT = EnumAxis("vlayout", (
     EnumValue("row", "fmha::VLayout::kRowMajor", 0),
+    EnumValue("col", "fmha::VLayout::kColMajor", 1),
 ), name_default="row")
 
+# group: FlashAttention's varlen, sequences packed along one token dimension.
 MODE = EnumAxis("mode", (
     EnumValue("batch", "fmha::Mode::kBatch", 0),
+    EnumValue("group", "fmha::Mode::kGroup", 1),
 ), name_default="batch")
 
 # What fmha/kernels/fwd_fa2_sm80.cuh static_asserts, checked here too so that a bad tile is
@@ -108,20 +127,32 @@ _FA2_CONSTRAINTS = (
                    lambda tile, hdim: tile.block_n % 16 == 0),
     TileConstraint("stages == 2 (K and V are double-buffered)",
                    lambda tile, hdim: tile.stages == 2),
-    # 64 rather than the MMA's 16: shared-memory rows are XOR-swizzled in 8 chunks of 16 bytes.
-    TileConstraint("hdim_q and hdim_v multiples of 64 (the 8-way shared-memory swizzle)",
-                   lambda tile, hdim: all(d % 64 == 0 for d in hdim)),
+    # 32 rather than the MMA's 16: shared-memory rows are XOR-swizzled in atoms of 32 or 64
+    # columns (4 or 8 chunks of 16 bytes).
+    TileConstraint("hdim_q and hdim_v multiples of 32 (the shared-memory swizzle's atoms)",
+                   lambda tile, hdim: all(d % 32 == 0 for d in hdim)),
 )
+
+# FwdConfig::kSmemBytes of fwd_fa2_sm80.cuh: the Q region (it also stages O in the epilogue, so
+# it fits the wider head dim) and one K and one V tile per stage, of 2-byte elements.
+_FA2_SHARED_MEMORY = SharedMemory(
+    "2 * (block_m * max(hdim_q, hdim_v) + stages * block_n * (hdim_q + hdim_v))",
+    lambda tile, hdim: 2 * (tile.block_m * max(hdim)
+                            + tile.stages * tile.block_n * (hdim[0] + hdim[1])))
 
 PIPELINE = EnumAxis("pipeline", (
     Pipeline("fa2", header="fmha/kernels/fwd_fa2_sm80.cuh", config_template="fmha::fa2::FwdConfig",
-             launcher="fmha::fa2::launch_fwd", tile_constraints=_FA2_CONSTRAINTS),
+             launcher="fmha::fa2::launch_fwd", tile_constraints=_FA2_CONSTRAINTS,
+             shared_memory=_FA2_SHARED_MEMORY),
 ))
 
 # sm80 also embeds compute_80 PTX, so newer GPUs without their own target can still JIT it.
+# The shared-memory limits are the opt-in maxima per CTA of A100 (163 KB) and H100/H200 (227 KB).
 ARCH = EnumAxis("arch", (
-    Arch("sm80", cc=80, exact=False, gencode="-gencode=arch=compute_80,code=[sm_80,compute_80]"),
-    Arch("sm90a", cc=90, exact=True, gencode="-gencode=arch=compute_90a,code=sm_90a"),
+    Arch("sm80", cc=80, exact=False, gencode="-gencode=arch=compute_80,code=[sm_80,compute_80]",
+         smem_limit=166912),
+    Arch("sm90a", cc=90, exact=True, gencode="-gencode=arch=compute_90a,code=sm_90a",
+         smem_limit=232448),
 ))
 
 ENUM_AXES: dict[str, EnumAxis] = {
@@ -137,11 +168,15 @@ REGISTRY_TOKEN_ARRAYS: dict[str, EnumAxis] = {
 }
 
 INT_AXES = ("hdim_q", "hdim_v")
-BOOL_AXES = ("pad_seqlen",)
+# lse, dropout and softcap are functional traits (fmha::FwdTraits): a problem asks for them.
+# pad_seqlen and pad_hdim are capabilities of an instance: which shapes it also runs.
+TRAIT_BOOL_AXES = ("lse", "dropout", "softcap")
+BOOL_AXES = (*TRAIT_BOOL_AXES, "pad_seqlen", "pad_hdim")
 
 # The axes a rule's `when:` and a filter's `axis=value` can name, in instance-name order.
-CONDITION_AXES = ("dtype", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode", "pipeline",
-                  "arch", "pad_seqlen")
+CONDITION_AXES = ("dtype", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode", "lse",
+                  "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim")
 
-# The axes of `matrix:` in instances.yaml; `hdim` lists (hdim_q, hdim_v) pairs.
-MATRIX_AXES = ("dtype", "hdim", "mask", "bias", "vlayout", "mode", "pipeline", "arch", "pad_seqlen")
+# The axes of `matrix:` in instances.yaml, in its order; `hdim` lists (hdim_q, hdim_v) pairs.
+MATRIX_AXES = ("dtype", "hdim", "mask", "bias", "vlayout", "mode", "lse", "dropout", "softcap",
+               "pipeline", "arch", "pad_seqlen", "pad_hdim")

@@ -1,8 +1,10 @@
 """Choosing the instances to build from the catalog: the --filter grammar (GRAMMAR below),
-presets (named filters in the config) and --targets, all of which must hold."""
+presets (named filters in the config) and --targets, all of which must hold; and --shard,
+which splits the selected TUs between build jobs."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections import defaultdict
 from collections.abc import Sequence
@@ -14,16 +16,17 @@ from .catalog import Catalog
 from .config import Config
 from .errors import GeneratorError
 from .model import Condition, Instance
-from .schema import (ARCH, BOOL_AXES, CONDITION_AXES, ENUM_AXES, INT_AXES, MATRIX_AXES, Arch,
-                     AxisValue)
+from .schema import (ARCH, BOOL_AXES, CONDITION_AXES, ENUM_AXES, INT_AXES, MATRIX_AXES,
+                     TRAIT_BOOL_AXES, Arch, AxisValue)
 
 
 GRAMMAR = """\
 A filter is comma-separated tokens that must all hold. A token is
-  a value          fp16, causal, sm90a, fa2, row, batch (the axis is implied)
+  a value          fp16, causal, alibi, col, group, sm90a, fa2 (the axis is implied)
   a head dim       hdim128 (hdim_q = hdim_v = 128), hdim192x128 (hdim_q 192, hdim_v 128)
-  padding          pad, nopad
-  axis=value       mask=none, hdim_q=192, pad_seqlen=true, hdim=128
+  a flag           lse, dropout, softcap: the trait is on (!lse: off)
+  padding          pad, nopad (sequence lengths); hpad, nohpad (head dims)
+  axis=value       mask=none, hdim_q=192, lse=true, pad_hdim=false, hdim=128
   alternatives     fp16|bf16, causal|*_pad, mask=none|causal (causal joins the axis before)
   a negation       !causal; !fp16|bf16 (neither)
   a name glob      any term with * ? or [ matches instance names (fnmatch): *_sm90a_*
@@ -115,20 +118,84 @@ def parse_targets(text: str) -> tuple[Arch, ...]:
     return tuple(archs)
 
 
+@dataclass(frozen=True)
+class Shard:
+    """Part `index` (from 1) of `count` disjoint parts of a selection's TUs, for a build split
+    over several jobs (--shard K/N)."""
+
+    index: int
+    count: int
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    def take(self, instances: Sequence[Instance]) -> tuple[Instance, ...]:
+        """This shard's instances, in their given order.
+
+        Instances are dealt round-robin in order of a compile-cost proxy: the larger head dims
+        first (more unrolled MMA code per step), then the traits that add code (padding,
+        dropout, bias) and the arch, so that every shard gets its share of each such class.
+        Within a class the order is a hash of the name: names sort in periods (dtype, mask,
+        ...) that round-robin would alias with, e.g. dealing every padded TU to half of four
+        shards. The split depends on nothing but the selection."""
+        def cost(instance: Instance) -> tuple:
+            point, traits = instance.point, instance.point.traits
+            return (-traits.hdim_q - traits.hdim_v, -traits.hdim_q, point.pad_seqlen,
+                    point.pad_hdim, traits.dropout, traits.bias.value, point.arch.token,
+                    hashlib.sha256(instance.name.encode()).hexdigest())
+
+        dealt = sorted(instances, key=cost)[self.index - 1::self.count]
+        mine = {instance.name for instance in dealt}
+        return tuple(instance for instance in instances if instance.name in mine)
+
+
+def parse_shard(text: str) -> Shard:
+    """--shard K/N with 1 <= K <= N."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not match or not 1 <= int(match[1]) <= int(match[2]):
+        raise GeneratorError(f"expected K/N with 1 <= K <= N, e.g. 2/4; got {text!r}", "--shard")
+    return Shard(int(match[1]), int(match[2]))
+
+
 def select(config: Config, catalog: Catalog, preset: str, filter_text: str = "",
            targets: tuple[Arch, ...] | None = None) -> Selection:
     """The instances that pass the preset, the filter and the targets (all must hold). Every
     preset of the config is checked on the way, so a broken one fails every run, not just the
     run that happens to use it."""
-    preset_tokens = {name: _preset_tokens(config, catalog, name) for name in config.presets}
+    preset_tokens = check_presets(config, catalog)
     if preset not in preset_tokens:
         raise GeneratorError(f"unknown preset {preset!r}; valid: {', '.join(config.presets)}",
                              "--preset")
-    tokens = [*preset_tokens[preset], *parse_filter(filter_text, "--filter", catalog)]
+    options = _option_tokens(catalog, filter_text, targets)
+    return _selection(narrow(catalog, [*preset_tokens[preset], *options]))
+
+
+def select_each_preset(config: Config, catalog: Catalog, filter_text: str = "",
+                       targets: tuple[Arch, ...] | None = None) -> dict[str, Selection]:
+    """What each preset selects with the filter and the targets, for --presets: a preset they
+    empty has an empty selection here rather than an error."""
+    options = _option_tokens(catalog, filter_text, targets)
+    return {name: _selection(tuple(i for i in catalog.instances
+                                   if all(token.holds(i) for token in (*tokens, *options))))
+            for name, tokens in check_presets(config, catalog).items()}
+
+
+def check_presets(config: Config, catalog: Catalog) -> dict[str, tuple[Token, ...]]:
+    """Every preset's parsed filter; a preset that does not parse or selects nothing is an
+    error at its line."""
+    return {name: _preset_tokens(config, catalog, name) for name in config.presets}
+
+
+def _option_tokens(catalog: Catalog, filter_text: str,
+                   targets: tuple[Arch, ...] | None) -> list[Token]:
+    tokens = list(parse_filter(filter_text, "--filter", catalog))
     if targets is not None:
         tokens.append(Token(";".join(a.token for a in targets), "--targets",
                             (Condition("arch", frozenset(targets)),)))
-    instances = narrow(catalog, tokens)
+    return tokens
+
+
+def _selection(instances: tuple[Instance, ...]) -> Selection:
     archs = {instance.point.arch for instance in instances}
     return Selection(instances, tuple(a for a in ARCH if a in archs))
 
@@ -155,15 +222,34 @@ def narrow(catalog: Catalog, tokens: Sequence[Token]) -> tuple[Instance, ...]:
     return remaining
 
 
+@dataclass(frozen=True)
+class AllOf:
+    """One filter of a union preset: holds when all its tokens do."""
+
+    tokens: tuple[Token, ...]
+
+    def holds(self, instance: Instance) -> bool:
+        return all(token.holds(instance) for token in self.tokens)
+
+
 def _preset_tokens(config: Config, catalog: Catalog, name: str) -> tuple[Token, ...]:
+    """A preset of one filter is its tokens; a union of several is one token whose
+    alternatives are the filters. Each filter must parse and select something by itself."""
     preset = config.presets[name]
-    try:
-        tokens = parse_filter(preset.filter, f"preset {name!r}", catalog)
-        narrow(catalog, tokens)
-    except FilterError as err:
-        raise config.error(preset.line, f"presets.{name}.filter: {err.message}",
-                           details=err.details) from None
-    return tokens
+    source = f"preset {name!r}"
+    filters = []
+    for index, text in enumerate(preset.filters):
+        where = f"presets.{name}.filter" + (f"[{index}]" if len(preset.filters) > 1 else "")
+        try:
+            tokens = parse_filter(text, source, catalog)
+            narrow(catalog, tokens)
+        except FilterError as err:
+            raise config.error(preset.line, f"{where}: {err.message}",
+                               details=err.details) from None
+        filters.append(tokens)
+    if len(filters) == 1:
+        return filters[0]
+    return (Token(preset.filter, source, tuple(AllOf(tokens) for tokens in filters)),)
 
 
 class _BadTerm(Exception):
@@ -188,7 +274,13 @@ def _bare_values() -> dict[str, list[tuple[str, AxisValue]]]:
 _BARE_VALUES = _bare_values()
 
 _HDIM = re.compile(r"(\d+)(?:x(\d+))?")
-_PADDING = {"pad": True, "nopad": False}
+# Bare words of the boolean axes: a trait flag is named after its axis and means it is on (as
+# in instance names); each padding axis has a word for either value.
+_BOOL_WORDS: dict[str, tuple[str, bool]] = {
+    **{axis: (axis, True) for axis in TRAIT_BOOL_AXES},
+    "pad": ("pad_seqlen", True), "nopad": ("pad_seqlen", False),
+    "hpad": ("pad_hdim", True), "nohpad": ("pad_hdim", False),
+}
 _GLOB_CHARS = set("*?[")
 
 
@@ -214,8 +306,9 @@ def _term(text: str) -> Term:
         return NameGlob(text)
     if text.startswith("hdim") and (dims := _HDIM.fullmatch(text[len("hdim"):])):
         return _head_dims(dims)
-    if text in _PADDING:
-        return Condition("pad_seqlen", frozenset({_PADDING[text]}))
+    if text in _BOOL_WORDS:
+        axis, value = _BOOL_WORDS[text]
+        return Condition(axis, frozenset({value}))
     owners = _BARE_VALUES.get(text)
     if not owners:
         raise _BadTerm(f"unknown token {text!r}", text, list_tokens=True)
@@ -277,7 +370,9 @@ def _vocabulary(catalog: Catalog) -> str:
                      else f"{name}={value.token}" for value in axis]
               for name, axis in ENUM_AXES.items()}
     groups["hdim"] = [*hdim_tokens, "hdim_q=N", "hdim_v=N"]
-    groups["pad_seqlen"] = [*_PADDING, "pad_seqlen=true|false"]
+    for axis in BOOL_AXES:
+        words = [word for word, (word_axis, _) in _BOOL_WORDS.items() if word_axis == axis]
+        groups[axis] = [*words, f"{axis}=true|false"]
     width = max(map(len, MATRIX_AXES))
     lines = [f"  {axis:<{width}}  {', '.join(groups[axis])}" for axis in MATRIX_AXES]
     lines.append(f"  {'name':<{width}}  a glob with * ? or [, e.g. *_sm90a_*")

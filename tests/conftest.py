@@ -17,11 +17,15 @@ if str(REPO_ROOT) not in sys.path:
 from generator.catalog import build_catalog  # noqa: E402
 from generator.config import load  # noqa: E402
 from generator.errors import ConfigError  # noqa: E402
+from generator.model import FwdTraits, Instance, MatrixPoint, Tile  # noqa: E402
+from generator.schema import ARCH, BIAS, DTYPE, MASK, MODE, PIPELINE, VLAYOUT  # noqa: E402
 from generator.selection import select  # noqa: E402
 
 # A configuration independent of the repository's instances.yaml, so the tests keep their
 # meaning when the real matrix or its tiles are tuned. Its d128 tile differs from the d64 one
-# so that tile order and names can be told apart.
+# so that tile order and names can be told apart. It has every axis, most with one value (32
+# instances); tests widen an axis by replacing its line, e.g. ("lse: [false]", "lse: [false,
+# true]").
 BASE_CONFIG = """\
 matrix:
   dtype: [fp16, bf16]
@@ -32,9 +36,13 @@ matrix:
   bias: [none]
   vlayout: [row]
   mode: [batch]
+  lse: [false]
+  dropout: [false]
+  softcap: [false]
   pipeline: [fa2]
   arch: [sm80, sm90a]
   pad_seqlen: [false, true]
+  pad_hdim: [false]
 tiles:
   - {pipeline: fa2, hdim_q: 64, hdim_v: 64, block_m: 128, block_n: 64, warps: 8, stages: 2, why: d64}
   - pipeline: fa2
@@ -114,3 +122,18 @@ def run_cli():
                               capture_output=True, text=True, timeout=60)
 
     return run
+
+
+@pytest.fixture
+def make_instance():
+    """make_instance(dtype=..., hdim=(q, v), mask=..., lse=..., arch=..., pad_seqlen=..., ...):
+    one Instance built directly, without a config; unnamed traits take their defaults."""
+
+    def make(dtype="fp16", hdim=(64, 64), mask="none", bias="none", vlayout="row", mode="batch",
+             lse=False, dropout=False, softcap=False, pipeline=PIPELINE.get("fa2"), arch="sm80",
+             pad_seqlen=False, pad_hdim=False, tile=Tile(128, 64, 8, 2)) -> Instance:
+        traits = FwdTraits(DTYPE.get(dtype), *hdim, MASK.get(mask), BIAS.get(bias),
+                           VLAYOUT.get(vlayout), MODE.get(mode), lse, dropout, softcap)
+        return Instance(MatrixPoint(traits, pipeline, ARCH.get(arch), pad_seqlen, pad_hdim), tile)
+
+    return make

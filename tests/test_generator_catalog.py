@@ -1,63 +1,85 @@
-"""Expansion, pruning rules, tile assignment, instance names, dispatch order and the
-no-shadowing proof."""
+"""Expansion, pruning rules, tile assignment (and its shared-memory check) and instance names.
+The dispatch order and the no-shadowing proof are in test_generator_dispatch.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
+import time
 
 import pytest
 
 from generator.catalog import build_catalog
 from generator.config import DEFAULT_CONFIG, load
-from generator.dispatch import check_dispatchable, dispatch_order
-from generator.errors import GeneratorError
-from generator.model import FwdTraits, Instance, MatrixPoint, Tile
-from generator.schema import ARCH, BIAS, DTYPE, MASK, MODE, PIPELINE, VLAYOUT
+from generator.model import Tile
 
-
-def make_instance(dtype="fp16", hdim=(64, 64), mask="none", arch="sm80", pad_seqlen=False,
-                  tile=Tile(128, 64, 8, 2), pipeline=PIPELINE.get("fa2")) -> Instance:
-    traits = FwdTraits(DTYPE.get(dtype), *hdim, MASK.get(mask), BIAS.get("none"),
-                       VLAYOUT.get("row"), MODE.get("batch"))
-    return Instance(MatrixPoint(traits, pipeline, ARCH.get(arch), pad_seqlen), tile)
+EVERY_AXIS = (("bias: [none]", "bias: [none, elementwise, alibi]"),
+              ("vlayout: [row]", "vlayout: [row, col]"), ("mode: [batch]", "mode: [batch, group]"),
+              ("lse: [false]", "lse: [false, true]"),
+              ("dropout: [false]", "dropout: [false, true]"),
+              ("softcap: [false]", "softcap: [false, true]"),
+              ("pad_hdim: [false]", "pad_hdim: [false, true]"))
+GROUP_NEEDS_PADDING = ("rules: []", "rules:\n  - when: {mode: group, pad_seqlen: false}\n"
+                                    "    reason: ragged")
 
 
 def names(catalog) -> list[str]:
     return [instance.name for instance in catalog.instances]
 
 
-def test_default_matrix_has_32_instances():
-    # 2 dtypes x 2 hdims x 2 masks x 2 archs x 2 paddings
+def test_repository_matrix():
+    # 2 dtypes x 7 head dims x 3 masks x 3 biases x 2 V layouts x 2 archs x 2 dropout x 2
+    # softcap = 2016 trait combinations, each with 5 instances the rules keep: batch mode with
+    # lse false/true x (unpadded, fully padded), and group mode padded with lse.
+    start = time.perf_counter()
     catalog = build_catalog(load(DEFAULT_CONFIG))
-    assert len(catalog.instances) == 32 and catalog.pruned == 0
-    assert len(set(names(catalog))) == 32
+    assert time.perf_counter() - start < 5  # about 0.6 s on an idle machine
+    assert len(catalog.instances) == 10080 and catalog.pruned == 32256 - 10080
+    assert len(set(names(catalog))) == 10080
+    for instance in catalog.instances:
+        point = instance.point
+        assert point.pad_seqlen == point.pad_hdim
+        assert point.traits.mode.token == "batch" or (point.pad_seqlen and point.traits.lse)
 
 
 def test_expansion_covers_every_combination(build):
-    _, catalog = build()
-    combos = {(i.point.traits.dtype.token, i.point.traits.hdim_q, i.point.traits.mask.token,
-               i.point.arch.token, i.point.pad_seqlen) for i in catalog.instances}
-    assert len(combos) == len(catalog.instances) == 32
+    _, catalog = build(*EVERY_AXIS, GROUP_NEEDS_PADDING)
+    # 32 base points x 3 x 2 x 2 x 2 x 2 x 2 x 2, less the unpadded group-mode ones.
+    assert len(catalog.instances) == 32 * 3 * 64 - 32 * 3 * 64 // 4
+    assert len(set(names(catalog))) == len(catalog.instances)
 
 
-@pytest.mark.parametrize("instance, name", [
-    (make_instance(), "fwd_fp16_d64_fa2_sm80_m128n64"),
-    (make_instance("bf16", (128, 128), "causal", "sm90a", True),
+@pytest.mark.parametrize("fields, name", [
+    ({}, "fwd_fp16_d64_fa2_sm80_m128n64"),
+    ({"dtype": "bf16", "hdim": (128, 128), "mask": "causal", "arch": "sm90a", "pad_seqlen": True},
      "fwd_bf16_d128_causal_fa2_sm90a_m128n64_pad"),
-    (make_instance(hdim=(192, 128), tile=Tile(64, 32, 4, 2)), "fwd_fp16_d192x128_fa2_sm80_m64n32"),
+    ({"hdim": (192, 128), "tile": Tile(64, 32, 4, 2)}, "fwd_fp16_d192x128_fa2_sm80_m64n32"),
+    ({"dtype": "bf16", "hdim": (128, 128), "mask": "causal", "bias": "alibi", "vlayout": "col",
+      "mode": "group", "lse": True, "dropout": True, "softcap": True, "arch": "sm90a",
+      "pad_seqlen": True, "pad_hdim": True},
+     "fwd_bf16_d128_causal_alibi_col_group_lse_dropout_softcap_fa2_sm90a_m128n64_pad_hpad"),
+    ({"mask": "window", "bias": "elementwise", "softcap": True, "pad_hdim": True},
+     "fwd_fp16_d64_window_elementwise_softcap_fa2_sm80_m128n64_hpad"),
+    ({"lse": True}, "fwd_fp16_d64_lse_fa2_sm80_m128n64"),
 ])
-def test_name_grammar(instance, name):
-    assert instance.name == name
+def test_name_grammar(make_instance, fields, name):
+    assert make_instance(**fields).name == name
 
 
 def test_names_are_identifiers_and_carry_every_trait(build):
-    _, catalog = build()
+    _, catalog = build(*EVERY_AXIS, GROUP_NEEDS_PADDING)
     for instance in catalog.instances:
-        assert re.fullmatch(r"[a-z0-9_]+", instance.name)
-        assert instance.name.endswith("_pad") == instance.point.pad_seqlen
-        assert ("_causal_" in instance.name) == (instance.point.traits.mask.token == "causal")
-        assert f"_{instance.point.arch.token}_" in instance.name
+        point, traits = instance.point, instance.point.traits
+        name = instance.name
+        assert re.fullmatch(r"[a-z0-9_]+", name)
+        assert name.endswith("_hpad") == point.pad_hdim
+        assert name.removesuffix("_hpad").endswith("_pad") == point.pad_seqlen
+        for token, on in (("causal", traits.mask.token == "causal"),
+                          ("alibi", traits.bias.token == "alibi"),
+                          ("col", traits.vlayout.token == "col"),
+                          ("group", traits.mode.token == "group"), ("lse", traits.lse),
+                          ("dropout", traits.dropout), ("softcap", traits.softcap)):
+            assert (f"_{token}_" in name) == on, (name, token)
+        assert f"_{point.arch.token}_" in name
 
 
 def test_tile_comes_from_the_yaml(build):
@@ -83,6 +105,21 @@ def test_rules_on_arch_and_padding(build):
         point = instance.point
         assert not (point.arch.token == "sm80" and point.pad_seqlen)
         assert not (point.arch.token == "sm90a" and point.traits.dtype.token == "fp16")
+
+
+def test_rules_on_the_boolean_axes(build):
+    rules = ("rules:\n"
+             "  - when: {pad_seqlen: false, pad_hdim: true}\n    reason: one\n"
+             "  - when: {lse: false, dropout: true}\n    reason: two")
+    _, catalog = build(("lse: [false]", "lse: [false, true]"),
+                       ("dropout: [false]", "dropout: [false, true]"),
+                       ("pad_hdim: [false]", "pad_hdim: [false, true]"), ("rules: []", rules))
+    # 32 x 2 x 2 x 2 points; (nopad, hpad) drops a quarter, (no lse, dropout) a quarter of the rest
+    assert len(catalog.instances) == 256 * 3 // 4 * 3 // 4
+    for instance in catalog.instances:
+        point = instance.point
+        assert point.pad_seqlen or not point.pad_hdim
+        assert point.traits.lse or not point.traits.dropout
 
 
 def test_rule_that_matches_nothing_is_an_error(config_error, line_of):
@@ -135,7 +172,7 @@ def test_tile_that_matches_nothing_is_an_error(config_error, line_of):
     ("warps: 4", "warps: 3", "block_m == 16 * warps or 32 * warps"),
     ("block_n: 32", "block_n: 40", "block_n % 16 == 0"),
     ("stages: 2\n    why", "stages: 3\n    why", "stages == 2"),
-    ("hdim_v: 128\n", "hdim_v: 96\n", "hdim_q and hdim_v multiples of 64"),
+    ("hdim_v: 128\n", "hdim_v: 80\n", "hdim_q and hdim_v multiples of 32"),
 ])
 def test_tile_violating_a_pipeline_constraint_is_an_error(config_error, line_of, old, new, reason):
     error, text = config_error((old, new))
@@ -143,42 +180,38 @@ def test_tile_violating_a_pipeline_constraint_is_an_error(config_error, line_of,
     assert f"tiles[1]: pipeline fa2 needs {reason}" in error.message
 
 
-def test_dispatch_order_prefers_newer_arch_then_unpadded_then_larger_tile(build):
-    _, catalog = build()
-    keys = [(i.point.arch.cc, i.point.pad_seqlen, i.tile.block_m * i.tile.block_n)
-            for i in catalog.instances]
-    assert keys == sorted(keys, key=lambda k: (-k[0], k[1], -k[2]))
-    assert catalog.instances[0].name == "fwd_bf16_d64_causal_fa2_sm90a_m128n64"
-    assert catalog.instances[-1].name == "fwd_fp16_d128_fa2_sm80_m64n32_pad"
+def test_head_dims_that_are_multiples_of_32_are_valid(build):
+    tile = ("  - {pipeline: fa2, hdim_q: 96, hdim_v: 32, block_m: 128, block_n: 64, warps: 4, "
+            "stages: 2, why: x}\n")
+    _, catalog = build(("    - [128, 128]", "    - [128, 128]\n    - [96, 32]"),
+                       ("rules: []", tile + "rules: []"))
+    assert any(name.startswith("fwd_fp16_d96x32_") for name in names(catalog))
 
 
-def test_dispatch_order_is_independent_of_input_order():
-    instances = [make_instance(arch=a, pad_seqlen=p, hdim=h) for a in ("sm80", "sm90a")
-                 for p in (True, False) for h in ((64, 64), (128, 128))]
-    assert dispatch_order(instances) == dispatch_order(reversed(instances))
-    assert [i.name for i in dispatch_order(instances)][:2] == [
-        "fwd_fp16_d128_fa2_sm90a_m128n64", "fwd_fp16_d64_fa2_sm90a_m128n64"]
+# d128 with a 256x128 tile of 8 warps: 2 * (256 * 128 + 2 * 128 * 256) = 196608 bytes, past
+# sm80's 166912 and within sm90a's 232448.
+BIG_TILE = (("block_m: 64\n    block_n: 32\n    warps: 4",
+             "block_m: 256\n    block_n: 128\n    warps: 8"),)
 
 
-def test_shadowed_instance_is_an_error():
-    # A second pipeline serving the same traits, arch and padding could never be chosen.
-    fa2 = PIPELINE.get("fa2")
-    other = dataclasses.replace(fa2, token="fa2b")
-    first, second = make_instance(pipeline=fa2), make_instance(pipeline=other)
-    with pytest.raises(GeneratorError, match="fwd_fp16_d64_fa2b_sm80_m128n64 is shadowed by "
-                                             "fwd_fp16_d64_fa2_sm80_m128n64"):
-        check_dispatchable(dispatch_order([first, second]))
+def test_tile_past_an_archs_shared_memory_is_an_error(config_error, line_of):
+    error, text = config_error(*BIG_TILE)
+    assert error.line == line_of(text, "  - pipeline: fa2")
+    assert error.message == (
+        "tiles[1]: the tile needs 196608 bytes of shared memory (2 * (block_m * max(hdim_q, "
+        "hdim_v) + stages * block_n * (hdim_q + hdim_v))), more than the 166912 a CTA may use "
+        "on sm80")
 
 
-def test_padded_and_arch_siblings_are_not_shadowed():
-    check_dispatchable(dispatch_order([make_instance(arch=a, pad_seqlen=p)
-                                       for a in ("sm80", "sm90a") for p in (False, True)]))
+def test_shared_memory_is_checked_only_on_the_archs_a_tile_is_used_on(build):
+    _, catalog = build(*BIG_TILE, ("arch: [sm80, sm90a]", "arch: [sm90a]"))
+    assert {i.tile.block_m for i in catalog.instances if i.point.traits.hdim_q == 128} == {256}
+    rule = "rules:\n  - when: {arch: sm80, hdim_q: 128}\n    reason: too big for A100"
+    build(*BIG_TILE, ("rules: []", rule))
 
 
-def test_duplicate_names_are_an_error():
-    # Warps and stages are not in the name: two tiles differing only there would collide.
-    first = make_instance(tile=Tile(128, 64, 8, 2))
-    second = make_instance(tile=Tile(128, 64, 4, 2))
-    with pytest.raises(GeneratorError, match="two different instances are named "
-                                             "fwd_fp16_d64_fa2_sm80_m128n64"):
-        check_dispatchable(dispatch_order([first, second]))
+def test_repository_tiles_fit_their_archs():
+    # The largest, d256 with 64x64, takes 160 KB of A100's 163.
+    config = load(DEFAULT_CONFIG)
+    for entry in config.tiles:
+        assert entry.pipeline.shared_memory.bytes(entry.tile, entry.hdim) <= 166912

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import time
 
-SUMMARY_FIELDS = ("name", "dtype", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode",
-                  "pipeline", "arch", "pad_seqlen", "block_m", "block_n", "warps", "stages", "tu")
+import pytest
+
+SUMMARY_FIELDS = ("name", "dtype", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode", "lse",
+                  "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim", "block_m",
+                  "block_n", "warps", "stages", "tu")
+DEFAULT_SELECTED = "252 of 10080 instances selected (22176 pruned)"
 
 
 def test_default_render(run_cli, tmp_path):
@@ -15,10 +19,11 @@ def test_default_render(run_cli, tmp_path):
     result = run_cli("--out", out)
     assert time.perf_counter() - start < 5
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"generator: 32 of 32 instances selected (0 pruned), 35 files "
-                             f"written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
-    assert len(list(out.glob("*.cu"))) == 32
-    assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {p.name for p in out.iterdir()}
+    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 252 TUs (sm80 126, sm90a 126), "
+                             f"255 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
+    assert len(list(out.glob("*.cu"))) == 252
+    assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {
+        p.name for p in out.iterdir()}
 
 
 def test_second_run_writes_nothing(run_cli, tmp_path):
@@ -26,7 +31,7 @@ def test_second_run_writes_nothing(run_cli, tmp_path):
     run_cli("--out", out)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     result = run_cli("--out", out)
-    assert "0 files written, 35 unchanged, 0 removed" in result.stdout
+    assert "0 files written, 255 unchanged, 0 removed" in result.stdout
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
 
 
@@ -35,16 +40,17 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     run_cli("--out", out)
     result = run_cli("--out", out, "--preset", "minimal", "--targets", "90a")
     assert result.returncode == 0, result.stderr
-    assert "2 of 32 instances selected" in result.stdout and "30 removed" in result.stdout
+    # minimal's instances leave out the log-sum-exp, default's write it: none are shared.
+    assert "2 of 10080 instances selected" in result.stdout and "252 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
-        "fwd_fp16_d64_fa2_sm90a_m128n64.cu", "fwd_fp16_d64_fa2_sm90a_m128n64_pad.cu"]
+        "fwd_fp16_d64_fa2_sm90a_m128n64.cu", "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu"]
 
 
 def test_list(run_cli):
-    result = run_cli("--list", "--filter", "bf16,hdim128,causal", "--targets", "sm90a")
+    result = run_cli("--list", "--filter", "bf16,hdim128,causal,mode=batch", "--targets", "sm90a")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["fwd_bf16_d128_causal_fa2_sm90a_m128n64",
-                                     "fwd_bf16_d128_causal_fa2_sm90a_m128n64_pad"]
+    assert result.stdout.split() == ["fwd_bf16_d128_causal_lse_fa2_sm90a_m128n64",
+                                     "fwd_bf16_d128_causal_lse_fa2_sm90a_m128n64_pad_hpad"]
 
 
 def test_json(run_cli):
@@ -55,16 +61,20 @@ def test_json(run_cli):
     for record in records:
         assert tuple(record) == SUMMARY_FIELDS
         assert record["tu"] == f"{record['name']}.cu"
-        assert (record["dtype"], record["hdim_q"], record["mask"]) == ("fp16", 64, "none")
+        assert (record["dtype"], record["hdim_q"], record["mask"], record["lse"]) == (
+            "fp16", 64, "none", False)
+        assert record["pad_seqlen"] == record["pad_hdim"]
 
 
 def test_json_and_summary_leave_out_pruned_instances(run_cli, make_config, tmp_path):
-    path = make_config(("rules: []", "rules:\n  - when: {dtype: bf16, mask: causal}\n    reason: x"))
+    path = make_config(("rules: []",
+                        "rules:\n  - when: {dtype: bf16, mask: causal}\n    reason: x"))
     records = json.loads(run_cli("--config", path, "--json").stdout)
     assert len(records) == 24
     assert not any(r["dtype"] == "bf16" and r["mask"] == "causal" for r in records)
     result = run_cli("--config", path, "--out", tmp_path / "gen")
-    assert result.stdout.startswith("generator: 24 of 24 instances selected (8 pruned), 27 files")
+    assert result.stdout.startswith("generator: 24 of 24 instances selected (8 pruned), 24 TUs "
+                                    "(sm80 12, sm90a 12), 27 files")
 
 
 def test_quiet(run_cli, tmp_path):
@@ -72,14 +82,19 @@ def test_quiet(run_cli, tmp_path):
     assert result.returncode == 0 and result.stdout == ""
 
 
-def test_user_errors_exit_2_without_traceback_or_output(run_cli, tmp_path):
+@pytest.mark.parametrize("args", [
+    ["--filter", "fp61"], ["--filter", "none"], ["--filter", "hdim512"], ["--preset", "nightly"],
+    ["--targets", "sm75"], ["--list", "--json"], ["--shard", "0/2"], ["--shard", "3/2"],
+    ["--shard", "two"], ["--presets", "--shard", "1/2"], ["--explain", "dtype=fp16,hdim=64",
+                                                          "--json"],
+    ["--explain", "hdim=64"], ["--list", "--presets"],
+])
+def test_user_errors_exit_2_without_traceback_or_output(run_cli, tmp_path, args):
     out = tmp_path / "gen"
-    for args in (["--filter", "fp61"], ["--filter", "none"], ["--filter", "hdim256"],
-                 ["--preset", "nightly"], ["--targets", "sm75"], ["--list", "--json"]):
-        result = run_cli("--out", out, *args)
-        assert result.returncode == 2, args
-        assert "Traceback" not in result.stderr and result.stdout == "", args
-        assert not out.exists(), args
+    result = run_cli("--out", out, *args)
+    assert result.returncode == 2, args
+    assert "Traceback" not in result.stderr and result.stdout == "", args
+    assert not out.exists(), args
 
 
 def test_unknown_filter_token_lists_valid_tokens(run_cli):
@@ -89,9 +104,171 @@ def test_unknown_filter_token_lists_valid_tokens(run_cli):
     assert any(line.split()[:1] == ["mask"] and "causal" in line for line in lines[1:])
 
 
-def test_help_documents_the_filter_grammar(run_cli):
+def test_help_documents_the_filter_grammar_and_the_options(run_cli):
     result = run_cli("--help")
     assert result.returncode == 0
+    words = " ".join(result.stdout.split())
     for text in ("--filter", "--preset", "--targets", "--list", "--json", "--out", "--config",
-                 "axis=value", "hdim128", "mask=none", "glob"):
-        assert text in result.stdout
+                 "--presets", "--shard", "--explain", "axis=value", "hdim128", "mask=none",
+                 "glob", "hpad", "lse", "seqlen_q", "dispatch_table.cpp and manifest.json still"):
+        assert text in words, text
+
+
+# -- --presets ---------------------------------------------------------------------------------
+
+def test_presets_table(run_cli):
+    result = run_cli("--presets")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["preset", "instances", "TUs", "sm80", "sm90a", "why"]
+    rows = {line.split()[0]: line.split()[1:5] for line in lines[1:] if not line.startswith(" ")}
+    assert rows == {"default": ["252", "252", "126", "126"], "minimal": ["4", "4", "2", "2"],
+                    "flash_attn": ["2016", "2016", "1008", "1008"],
+                    "pytorch": ["448", "448", "224", "224"],
+                    "coverage": ["568", "568", "284", "284"],
+                    "all": ["10080", "10080", "5040", "5040"]}
+    assert "CI smoke build: one kernel per arch" in result.stdout
+    assert max(map(len, lines)) <= 100
+
+
+def test_presets_json_with_targets_and_filter(run_cli):
+    result = run_cli("--presets", "--json", "--targets", "90a", "--filter", "fp16")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [row["preset"] for row in rows] == ["default", "minimal", "flash_attn", "pytorch",
+                                               "coverage", "all"]
+    default = rows[0]
+    assert default == {
+        "preset": "default", "filters": ["bias=none,vlayout=row,lse=true,dropout=false,softcap=false"],
+        "instances": 63, "tus": 63, "tus_per_target": {"sm80": 0, "sm90a": 63},
+        "why": default["why"]}
+    assert default["why"].startswith("What `pip install .` builds:")
+    assert rows[1]["instances"] == 2
+
+
+def test_presets_count_an_emptied_preset_as_zero(run_cli):
+    rows = json.loads(run_cli("--presets", "--json", "--filter", "dropout").stdout)
+    assert {row["preset"]: row["instances"] for row in rows} == {
+        "default": 0, "minimal": 0, "flash_attn": 1008, "pytorch": 224, "coverage": 60,
+        "all": 5040}
+
+
+# -- --shard -----------------------------------------------------------------------------------
+
+def test_shards_split_the_selection(run_cli, tmp_path):
+    whole = run_cli("--list").stdout.split()
+    parts = [run_cli("--list", "--shard", f"{index}/4").stdout.split() for index in range(1, 5)]
+    assert sorted(sum(parts, [])) == sorted(whole)
+    assert all(part == [name for name in whole if name in part] for part in parts)
+    assert [len(part) for part in parts] == [63, 63, 63, 63]
+    assert parts[1] == run_cli("--list", "--shard", "2/4").stdout.split()  # deterministic
+
+
+def test_shard_render(run_cli, tmp_path):
+    out = tmp_path / "gen"
+    result = run_cli("--out", out, "--shard", "2/4")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"generator: {DEFAULT_SELECTED}; shard 2/4: 63 TUs (sm80 ")
+    assert "66 files written" in result.stdout
+    tus = sorted(p.name for p in out.glob("*.cu"))
+    listed = run_cli("--list", "--shard", "2/4").stdout.split()
+    assert tus == sorted(f"{name}.cu" for name in listed)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["instances"]) == 252
+    assert (manifest["shard"]["index"], manifest["shard"]["count"]) == (2, 4)
+    assert sorted(manifest["shard"]["tus"]) == tus
+    assert (out / "dispatch_table.cpp").read_text().count("&instances::launch_") == 252
+
+
+def test_bad_shard_message(run_cli):
+    result = run_cli("--list", "--shard", "5/4")
+    assert result.returncode == 2
+    assert result.stderr == "--shard: expected K/N with 1 <= K <= N, e.g. 2/4; got '5/4'\n"
+
+
+# -- --explain ---------------------------------------------------------------------------------
+
+def test_explain_hit_names_the_rule_and_the_runner_up(run_cli):
+    result = run_cli("--explain", "dtype=bf16,hdim=120,mask=causal,seqlen_q=1000,arch=8.6")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == ("problem: dtype=bf16,hdim=120x120,mask=causal,bias=none,vlayout=row,"
+                        "mode=batch,lse=false,dropout=false,softcap=false,seqlen_q=1000,"
+                        "seqlen_k=1024,seqused=false,arch=86")
+    assert lines[1] == "chosen:  fwd_bf16_d128_causal_lse_fa2_sm80_m128n64_pad_hpad"
+    assert lines[2] == (
+        "why:     4 of the 252 selected instances serve it; it goes ahead of the runner-up "
+        "fwd_bf16_d192x128_causal_lse_fa2_sm80_m128n64_pad_hpad by rule 5 of the dispatch order, "
+        "the tightest padded head dims first: head dims 128x128 against head dims 192x128")
+    assert lines[3] == "serving, in dispatch order:"
+    assert len(lines) == 8
+
+
+def test_explain_prefers_the_exact_target_and_the_fast_path(run_cli):
+    result = run_cli("--explain", "dtype=fp16,hdim=64,lse=true,arch=sm90a")
+    lines = result.stdout.splitlines()
+    assert lines[1] == "chosen:  fwd_fp16_d64_lse_fa2_sm90a_m128n64"
+    assert "by rule 3 of the dispatch order, unpadded seqlens first: pad_seqlen=false against " \
+           "pad_seqlen=true" in lines[2]
+
+
+def test_explain_only_one_serving(run_cli):
+    result = run_cli("--explain", "dtype=fp16,hdim=64,arch=80", "--preset", "minimal",
+                     "--filter", "nopad")
+    assert result.stdout.splitlines()[1:] == [
+        "chosen:  fwd_fp16_d64_fa2_sm80_m128n64",
+        "why:     the only one of the 2 selected instances that serves it"]
+
+
+def test_explain_miss_lists_the_nearest_and_a_filter_that_fits(run_cli):
+    result = run_cli("--explain", "dtype=bf16,hdim=128,bias=alibi,vlayout=col,arch=80")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1] == "no instance of the 252 selected serves it; the nearest:"
+    assert lines[2] == ("  fwd_bf16_d128_lse_fa2_sm80_m128n64: bias=none (the call: alibi); "
+                        "vlayout=row (the call: col)")
+    assert lines[5] == "the matrix has one that fits: fwd_bf16_d128_alibi_col_fa2_sm80_m128n64"
+    assert lines[6] == ("build it with: python -m generator --preset all --filter 'bf16,hdim128,"
+                        "mask=none,bias=alibi,vlayout=col,mode=batch,dropout=false,softcap=false,"
+                        "sm80'")
+    # The suggested filter builds it, and what it builds fits.
+    suggested = lines[6].split("--filter ")[1].strip("'")
+    explained = run_cli("--explain", "dtype=bf16,hdim=128,bias=alibi,vlayout=col,arch=80",
+                        "--preset", "all", "--filter", suggested)
+    assert explained.stdout.splitlines()[1].startswith("chosen:  fwd_bf16_d128_alibi_col_")
+
+
+def test_explain_miss_keeps_this_runs_preset_and_adds_the_target(run_cli):
+    result = run_cli("--explain", "dtype=fp16,hdim=64,arch=80", "--targets", "90a")
+    assert result.stdout.splitlines()[-1] == (
+        "build it with: python -m generator --preset default --filter 'fp16,hdim64,mask=none,"
+        "bias=none,vlayout=row,mode=batch,dropout=false,softcap=false,sm80' --targets sm90a,sm80")
+
+
+def test_explain_miss_outside_the_matrix(run_cli):
+    result = run_cli("--explain", "dtype=fp16,hdim=512,arch=90")
+    lines = result.stdout.splitlines()
+    assert "no instance of the whole matrix serves it either; the nearest there:" in lines
+    assert lines[-1] == "extend the matrix (instances.yaml) to build one"
+    assert all(line.endswith("(the call: 512x512)") for line in lines[2:-1] if line[:2] == "  ")
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("hdim=64", "needs dtype= (fp16, bf16)"),
+    ("dtype=fp16", "needs hdim=N or QxV (or hdim_q= and hdim_v=)"),
+    ("dtype=fp32,hdim=64", "unknown dtype 'fp32'; valid: fp16, bf16"),
+    ("dtype=fp16,hdim=64,mask=casual", "unknown mask 'casual'; valid: none, causal, window"),
+    ("dtype=fp16,hdim=64,lse=yes", "lse takes true or false, not 'yes'"),
+    ("dtype=fp16,hdim=6x", "hdim takes N or QxV (positive), e.g. 128 or 192x128, not '6x'"),
+    ("dtype=fp16,hdim=64,hdim_q=64", "give hdim= or hdim_q=/hdim_v=, not both"),
+    ("dtype=fp16,hdim=64,seqlen_q=0", "seqlen_q takes a positive integer, not '0'"),
+    ("dtype=fp16,hdim=64,arch=hopper", "arch 'hopper' is neither a target (sm80, sm90a) nor a "
+                                       "compute capability (e.g. 90 or 8.6)"),
+    ("dtype=fp16,hdim=64,head=2", "unknown key 'head'; valid: dtype, hdim, hdim_q"),
+    ("dtype=fp16,fp16", "expected key=value, got 'fp16'"),
+    ("dtype=fp16,dtype=bf16,hdim=64", "dtype is given twice"),
+])
+def test_explain_problem_errors(run_cli, problem, message):
+    result = run_cli("--explain", problem)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"--explain: {message}")

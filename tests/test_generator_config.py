@@ -3,11 +3,13 @@ exit status 2, no traceback, nothing written."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from generator.config import DEFAULT_CONFIG, load
 from generator.errors import ConfigError
-from generator.schema import ENUM_AXES, REGISTRY_TOKEN_ARRAYS
+from generator.schema import ENUM_AXES, MATRIX_AXES, REGISTRY_TOKEN_ARRAYS
 
 
 # (old, new): a mistake to put into the base config; marker: a fragment of the line the error
@@ -18,7 +20,9 @@ MISTAKES = {
     "unknown matrix axis": (("  mode: [batch]", "  mode: [batch]\n  layout: [row]"), "  layout:",
                             "matrix: unknown key 'layout'; valid: dtype, hdim, mask"),
     "unknown enum value": (("mask: [none, causal]", "mask: [none, casual]"), "casual",
-                           "matrix.mask: unknown value 'casual'; valid: none, causal"),
+                           "matrix.mask: unknown value 'casual'; valid: none, causal, window"),
+    "unknown bias": (("bias: [none]", "bias: [none, alibbi]"), "alibbi",
+                     "matrix.bias: unknown value 'alibbi'; valid: none, elementwise, alibi"),
     "unknown arch": (("arch: [sm80, sm90a]", "arch: [sm80, sm90]"), "sm90]",
                      "matrix.arch: unknown value 'sm90'; valid: sm80, sm90a"),
     "value on a later line": (("    - [128, 128]", "    - [128, 0]"), "[128, 0]",
@@ -33,6 +37,12 @@ MISTAKES = {
                         "matrix.hdim: expected a [hdim_q, hdim_v] pair, got an integer 64"),
     "pad_seqlen not a boolean": (("pad_seqlen: [false, true]", "pad_seqlen: [false, 1]"),
                                  "pad_seqlen:", "matrix.pad_seqlen: expected true or false, got an integer 1"),
+    "lse not a boolean": (("lse: [false]", "lse: [false, 'true']"), "lse:",
+                          "matrix.lse: expected true or false, got a string 'true'"),
+    "pad_hdim listed twice": (("pad_hdim: [false]", "pad_hdim: [false, false]"), "pad_hdim:",
+                              "matrix.pad_hdim: false is listed twice"),
+    "missing new axis": (("  softcap: [false]\n", ""), "matrix:",
+                         "matrix: missing field 'softcap'"),
     "missing matrix axis": (("  vlayout: [row]\n", ""), "matrix:", "matrix: missing field 'vlayout'"),
     "missing tile field": (("    warps: 4\n", ""), "  - pipeline: fa2", "tiles[1]: missing field 'warps'"),
     "tile size as string": (("    block_m: 64", "    block_m: '64'"), "block_m: '64'",
@@ -47,6 +57,8 @@ MISTAKES = {
                              "dtypes", "rules[0].when: unknown key 'dtypes'; valid: dtype, hdim_q"),
     "rule with bad value": (("rules: []", "rules:\n  - when: {dtype: [bf16, fp8]}\n    reason: r"),
                             "fp8", "rules[0].when.dtype: unknown value 'fp8'; valid: fp16, bf16"),
+    "rule with bad boolean": (("rules: []", "rules:\n  - when: {dropout: 1}\n    reason: r"),
+                              "dropout: 1", "rules[0].when.dropout: expected true or false, got an integer 1"),
     "rule without conditions": (("rules: []", "rules:\n  - when: {}\n    reason: r"), "when: {}",
                                 "rules[0].when: needs at least one condition"),
     "rule without reason": (("rules: []", "rules:\n  - when: {dtype: bf16}"), "when:",
@@ -54,8 +66,12 @@ MISTAKES = {
     "rules not a list": (("rules: []", "rules: {}"), "rules:", "rules: expected a list, got a mapping"),
     "preset without default": (("  default: {", "  everything: {"), "presets:",
                                "presets: missing field 'default'"),
-    "preset filter not a string": (('filter: "fp16,hdim64,mask=none"', "filter: [fp16]"), "minimal",
-                                   "presets.minimal.filter: expected a string"),
+    "preset filter not a string": (('filter: "fp16,hdim64,mask=none"', "filter: 5"), "minimal",
+                                   "presets.minimal.filter: expected a string in the --filter "
+                                   "grammar or a list of them (their union), got an integer 5"),
+    "preset with an empty union": (('filter: "fp16,hdim64,mask=none"', "filter: []"), "minimal",
+                                   "presets.minimal.filter: a list of filters needs non-empty "
+                                   "strings in the --filter grammar, got an empty list"),
     "preset with unknown token": (('filter: "fp16,hdim64,mask=none"', 'filter: "fp16,fp61"'),
                                   "minimal", "presets.minimal.filter: unknown token 'fp61'"),
     "preset selecting nothing": (('filter: "fp16,hdim64,mask=none"', 'filter: "fp16,hdim46"'),
@@ -84,7 +100,7 @@ def test_cli_reports_one_line_exit_2_and_writes_nothing(make_config, run_cli, tm
     assert result.returncode == 2
     line = line_of(path.read_text(), "casual")
     assert result.stderr == (f"{path.as_posix()}:{line}: matrix.mask: unknown value 'casual'; "
-                             f"valid: none, causal\n")
+                             f"valid: none, causal, window\n")
     assert result.stdout == ""
     assert not out.exists()
 
@@ -122,3 +138,14 @@ def test_schema_tokens_are_identifier_parts():
         for token in axis.tokens:
             assert token.isidentifier() or token.isalnum(), token
         assert axis.name_default in (None, *axis.tokens)
+
+
+def test_matrix_axes_are_in_the_order_of_instances_yaml():
+    # The schema's order is the one of the repository's matrix (and of the instance names).
+    config = load(DEFAULT_CONFIG)
+    assert list(config.matrix.__dataclass_fields__) == list(MATRIX_AXES)
+    text = DEFAULT_CONFIG.read_text()
+    matrix = text[text.index("\nmatrix:"):text.index("\ntiles:")]
+    keys = [line.split(":")[0].strip() for line in matrix.splitlines()
+            if re.match(r"  [a-z]", line)]
+    assert keys == list(MATRIX_AXES)

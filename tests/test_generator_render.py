@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -16,7 +17,7 @@ from generator.catalog import build_catalog
 from generator.config import DEFAULT_CONFIG, load
 from generator.output import sync, write_if_changed
 from generator.render import MANIFEST, manifest_sources, render
-from generator.selection import parse_targets, select
+from generator.selection import parse_shard, parse_targets, select
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CUDA_INCLUDE = Path("/usr/local/cuda/include")
@@ -30,13 +31,14 @@ def out(tmp_path) -> Path:
 
 @pytest.fixture
 def rendered(build):
-    """rendered(filter=..., targets=...) -> {file name: text} for the base config."""
+    """rendered(filter=..., targets=..., shard=...) -> {file name: text} for the base config."""
     config, catalog = build()
 
-    def rendered_(filter_text="", targets=None):
+    def rendered_(filter_text="", targets=None, shard=None):
         selection = select(config, catalog, "default", filter_text,
                            parse_targets(targets) if targets else None)
-        return render(selection, source="config.yaml")
+        return render(selection, source="config.yaml",
+                      shard=parse_shard(shard) if shard else None)
 
     return rendered_
 
@@ -60,7 +62,10 @@ cudaError_t launch_fwd_bf16_d128_causal_fa2_sm90a_m64n32_pad(const FwdArgs& args
   using Config = fmha::fa2::FwdConfig<
       /*Element=*/__nv_bfloat16, /*kHeadDimQK=*/128, /*kHeadDimV=*/128,
       /*kBlockM=*/64, /*kBlockN=*/32, /*kNumWarps=*/4, /*kStages=*/2,
-      /*kMask=*/fmha::MaskType::kCausalTopLeft, /*kPadSeqlen=*/true>;
+      /*kMask=*/fmha::MaskType::kCausal, /*kBias=*/fmha::BiasType::kNone,
+      /*kVLayout=*/fmha::VLayout::kRowMajor, /*kMode=*/fmha::Mode::kBatch,
+      /*kLse=*/false, /*kDropout=*/false, /*kSoftcap=*/false,
+      /*kPadSeqlen=*/true, /*kPadHdim=*/false>;
   return fmha::fa2::launch_fwd<Config>(args, stream);
 }
 
@@ -72,7 +77,45 @@ def test_fp16_tu_uses_half(rendered):
     (text,) = [t for name, t in rendered("fp16,hdim64,mask=none,sm80,nopad").items()
                if name.endswith(".cu")]
     assert "/*Element=*/__half," in text
-    assert "/*kMask=*/fmha::MaskType::kNone, /*kPadSeqlen=*/false>" in text
+    assert "/*kMask=*/fmha::MaskType::kNone, /*kBias=*/fmha::BiasType::kNone," in text
+    assert "/*kPadSeqlen=*/false, /*kPadHdim=*/false>" in text
+
+
+def test_every_trait_reaches_the_tu_and_the_table(build):
+    config, catalog = build(("bias: [none]", "bias: [none, alibi]"),
+                            ("vlayout: [row]", "vlayout: [row, col]"),
+                            ("mode: [batch]", "mode: [batch, group]"),
+                            ("lse: [false]", "lse: [false, true]"),
+                            ("dropout: [false]", "dropout: [false, true]"),
+                            ("softcap: [false]", "softcap: [false, true]"),
+                            ("pad_hdim: [false]", "pad_hdim: [false, true]"),
+                            ("rules: []", "rules:\n  - when: {mode: group, pad_seqlen: false}\n"
+                                          "    reason: ragged"))
+    selection = select(config, catalog, "default", "bf16,hdim128,window|causal,alibi,col,group,"
+                                                   "lse,dropout,softcap,sm90a,hpad")
+    files = render(selection, source="config.yaml")
+    name = "fwd_bf16_d128_causal_alibi_col_group_lse_dropout_softcap_fa2_sm90a_m64n32_pad_hpad"
+    assert """\
+      /*kMask=*/fmha::MaskType::kCausal, /*kBias=*/fmha::BiasType::kAlibi,
+      /*kVLayout=*/fmha::VLayout::kColMajor, /*kMode=*/fmha::Mode::kGroup,
+      /*kLse=*/true, /*kDropout=*/true, /*kSoftcap=*/true,
+      /*kPadSeqlen=*/true, /*kPadHdim=*/true>;
+""" in files[f"{name}.cu"]
+    assert f"""\
+    {{"{name}",
+     {{/*dtype=*/fmha::DataType::kBF16, /*hdim_q=*/128, /*hdim_v=*/128,
+      /*mask=*/fmha::MaskType::kCausal, /*bias=*/fmha::BiasType::kAlibi,
+      /*vlayout=*/fmha::VLayout::kColMajor, /*mode=*/fmha::Mode::kGroup,
+      /*lse=*/true, /*dropout=*/true, /*softcap=*/true}},
+     /*pipeline=*/"fa2", /*arch=*/"sm90a", /*arch_cc=*/90, /*arch_exact=*/true,
+     /*block_m=*/64, /*block_n=*/32, /*pad_seqlen=*/true, /*pad_hdim=*/true,
+     &instances::launch_{name}}},
+""" in files["dispatch_table.cpp"]
+    record = json.loads(files[MANIFEST])["instances"][0]
+    assert {key: record[key] for key in ("mask", "bias", "vlayout", "mode", "lse", "dropout",
+                                         "softcap", "pad_seqlen", "pad_hdim")} == {
+        "mask": "causal", "bias": "alibi", "vlayout": "col", "mode": "group", "lse": True,
+        "dropout": True, "softcap": True, "pad_seqlen": True, "pad_hdim": True}
 
 
 def test_dispatch_table(rendered):
@@ -89,23 +132,25 @@ def test_dispatch_table(rendered):
     {"fwd_fp16_d64_fa2_sm90a_m128n64",
      {/*dtype=*/fmha::DataType::kFP16, /*hdim_q=*/64, /*hdim_v=*/64,
       /*mask=*/fmha::MaskType::kNone, /*bias=*/fmha::BiasType::kNone,
-      /*vlayout=*/fmha::VLayout::kRowMajor, /*mode=*/fmha::Mode::kBatch},
+      /*vlayout=*/fmha::VLayout::kRowMajor, /*mode=*/fmha::Mode::kBatch,
+      /*lse=*/false, /*dropout=*/false, /*softcap=*/false},
      /*pipeline=*/"fa2", /*arch=*/"sm90a", /*arch_cc=*/90, /*arch_exact=*/true,
-     /*block_m=*/128, /*block_n=*/64, /*pad_seqlen=*/false,
+     /*block_m=*/128, /*block_n=*/64, /*pad_seqlen=*/false, /*pad_hdim=*/false,
      &instances::launch_fwd_fp16_d64_fa2_sm90a_m128n64},
 """ in text
     assert 'const char* const kCompiledTargets[] = {"sm80", "sm90a"};' in text
     assert 'const char* const kDataTypeTokens[] = {"fp16", "bf16"};' in text
-    assert 'const char* const kMaskTokens[] = {"none", "causal"};' in text
-    assert 'const char* const kBiasTokens[] = {"none"};' in text
-    assert 'const char* const kVLayoutTokens[] = {"row"};' in text
-    assert 'const char* const kModeTokens[] = {"batch"};' in text
+    assert 'const char* const kMaskTokens[] = {"none", "causal", "window"};' in text
+    assert 'const char* const kBiasTokens[] = {"none", "elementwise", "alibi"};' in text
+    assert 'const char* const kVLayoutTokens[] = {"row", "col"};' in text
+    assert 'const char* const kModeTokens[] = {"batch", "group"};' in text
 
 
 def test_instances_cmake(rendered):
     text = rendered("fp16,hdim64,mask=none")["instances.cmake"]
     assert 'set(FMHA_GENERATED_DISPATCH_SOURCE "${CMAKE_CURRENT_LIST_DIR}/dispatch_table.cpp")' in text
     assert 'set(FMHA_GENERATED_TARGETS "sm80;sm90a")' in text
+    assert 'set(FMHA_GENERATED_SHARD "")' in text
     assert ('set(FMHA_GENERATED_GENCODE_sm80 '
             '"-gencode=arch=compute_80,code=[sm_80,compute_80]")') in text
     assert 'set(FMHA_GENERATED_GENCODE_sm90a "-gencode=arch=compute_90a,code=sm_90a")' in text
@@ -130,11 +175,43 @@ def test_manifest(rendered):
     manifest = json.loads(files[MANIFEST])
     assert manifest["targets"] == ["sm80", "sm90a"]
     assert [record["tu"] for record in manifest["instances"]] == [n for n in files if n.endswith(".cu")]
+    assert manifest["shard"] is None
     assert manifest["instances"][0] == {
         "name": "fwd_bf16_d64_causal_fa2_sm90a_m128n64", "dtype": "bf16", "hdim_q": 64,
         "hdim_v": 64, "mask": "causal", "bias": "none", "vlayout": "row", "mode": "batch",
-        "pipeline": "fa2", "arch": "sm90a", "pad_seqlen": False, "block_m": 128, "block_n": 64,
-        "warps": 8, "stages": 2, "tu": "fwd_bf16_d64_causal_fa2_sm90a_m128n64.cu"}
+        "lse": False, "dropout": False, "softcap": False, "pipeline": "fa2", "arch": "sm90a",
+        "pad_seqlen": False, "pad_hdim": False, "block_m": 128, "block_n": 64, "warps": 8,
+        "stages": 2, "tu": "fwd_bf16_d64_causal_fa2_sm90a_m128n64.cu"}
+
+
+def test_shard_renders_its_tus_and_the_whole_table(rendered):
+    whole = rendered()
+    tus = [name for name in whole if name.endswith(".cu")]
+    parts = [rendered(shard=f"{index}/3") for index in (1, 2, 3)]
+    part_tus = [[name for name in files if name.endswith(".cu")] for files in parts]
+    assert sorted(sum(part_tus, [])) == sorted(tus)
+    assert [len(names) for names in part_tus] == [11, 11, 10]
+    for index, (files, names) in enumerate(zip(parts, part_tus), 1):
+        assert all(files[name] == whole[name] for name in names)
+        # The table and the manifest's instances are the whole selection's, byte for byte.
+        assert files["dispatch_table.cpp"] == whole["dispatch_table.cpp"]
+        manifest = json.loads(files[MANIFEST])
+        assert manifest["instances"] == json.loads(whole[MANIFEST])["instances"]
+        assert manifest["shard"] == {"index": index, "count": 3, "tus": names}
+        # instances.cmake lists this shard's TUs only.
+        cmake = files["instances.cmake"]
+        assert f'set(FMHA_GENERATED_SHARD "{index}/3")' in cmake
+        assert sorted(re.findall(r"/(fwd_\w+\.cu)", cmake)) == sorted(names)
+
+
+def test_a_shard_owns_only_its_own_tus(rendered, out):
+    first = rendered(shard="1/2")
+    sync(out, first, owned=manifest_sources(out))
+    assert manifest_sources(out) == {name for name in first if name.endswith(".cu")}
+    # The other half's TUs, instances.cmake and the manifest; the table is the same.
+    report = sync(out, rendered(), owned=manifest_sources(out))
+    assert (report.written, report.removed) == (16 + 2, 0)
+    assert len(manifest_sources(out)) == 32
 
 
 def test_rendering_is_deterministic(rendered):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from generator.catalog import build_catalog
 from generator.config import DEFAULT_CONFIG, load
 from generator.errors import ConfigError, GeneratorError
-from generator.selection import parse_filter, parse_targets, select
+from generator.selection import Shard, parse_filter, parse_shard, parse_targets, select
 
 
 @pytest.fixture
@@ -114,9 +114,13 @@ def test_unknown_token_lists_the_valid_ones_by_axis(selected):
     lines = error.details.splitlines()
     assert any(line.split() == ["dtype", "fp16,", "bf16"] for line in lines)
     assert any(line.split()[:3] == ["hdim", "hdim64,", "hdim128,"] for line in lines)
-    assert any(line.split() == ["mask", "mask=none,", "causal"] for line in lines)
+    assert any(line.split() == ["mask", "mask=none,", "causal,", "window"] for line in lines)
+    assert any(line.split() == ["bias", "bias=none,", "elementwise,", "alibi"] for line in lines)
     assert any(line.split() == ["arch", "sm80,", "sm90a"] for line in lines)
+    assert any(line.split() == ["lse", "lse,", "lse=true|false"] for line in lines)
     assert any(line.split()[:3] == ["pad_seqlen", "pad,", "nopad,"] for line in lines)
+    assert any(line.split() == ["pad_hdim", "hpad,", "nohpad,", "pad_hdim=true|false"]
+               for line in lines)
     assert any(line.split()[0] == "name" for line in lines)
 
 
@@ -131,7 +135,9 @@ def test_bare_value_of_two_axes_is_ambiguous(selected):
     ("fp16,", "empty token"),
     ("fp16|", "empty alternative in 'fp16|'"),
     ("dtpye=fp16", "unknown axis 'dtpye' in 'dtpye=fp16'"),
-    ("mask=casual", "'mask=casual': unknown mask 'casual'; valid: none, causal"),
+    ("mask=casual", "'mask=casual': unknown mask 'casual'; valid: none, causal, window"),
+    ("lse=1", "'lse=1': lse takes true or false, not '1'"),
+    ("nolse", "unknown token 'nolse'"),
     ("mask=none|casual", "unknown token 'casual' in 'mask=none|casual'"),
     ("hdim_q=big", "'hdim_q=big': hdim_q takes a number, not 'big'"),
     ("pad_seqlen=yes", "'pad_seqlen=yes': pad_seqlen takes true or false, not 'yes'"),
@@ -162,6 +168,66 @@ def test_token_that_empties_the_selection_names_what_came_before(selected):
 def test_glob_that_matches_nothing_is_an_error(selected):
     with pytest.raises(GeneratorError, match=r"'\*_sm100_\*' matches none of the 32"):
         selected("*_sm100_*")
+
+
+BOOLEAN_AXES = (("lse: [false]", "lse: [false, true]"),
+                 ("dropout: [false]", "dropout: [false, true]"),
+                 ("softcap: [false]", "softcap: [false, true]"),
+                 ("pad_hdim: [false]", "pad_hdim: [false, true]"))
+
+
+@pytest.mark.parametrize("filter_text, holds", [
+    ("lse", lambda i: i.point.traits.lse),
+    ("!lse", lambda i: not i.point.traits.lse),
+    ("lse=true", lambda i: i.point.traits.lse),
+    ("lse=false", lambda i: not i.point.traits.lse),
+    ("dropout", lambda i: i.point.traits.dropout),
+    ("dropout=false", lambda i: not i.point.traits.dropout),
+    ("softcap", lambda i: i.point.traits.softcap),
+    ("hpad", lambda i: i.point.pad_hdim),
+    ("nohpad", lambda i: not i.point.pad_hdim),
+    ("pad_hdim=true", lambda i: i.point.pad_hdim),
+    ("pad,nohpad", lambda i: i.point.pad_seqlen and not i.point.pad_hdim),
+    ("lse|dropout", lambda i: i.point.traits.lse or i.point.traits.dropout),
+    ("lse=true|false", lambda i: True),
+    ("!lse|softcap", lambda i: not i.point.traits.lse and not i.point.traits.softcap),
+])
+def test_boolean_axes(build, filter_text, holds):
+    config, catalog = build(*BOOLEAN_AXES)
+    selection = select(config, catalog, "default", filter_text).instances
+    assert selection == tuple(i for i in catalog.instances if holds(i))
+    assert 0 < len(selection)
+
+
+def test_bool_words_are_not_values_of_an_enum_axis():
+    from generator.selection import _BARE_VALUES, _BOOL_WORDS
+    assert not _BOOL_WORDS.keys() & _BARE_VALUES.keys()
+
+
+def test_repository_presets_parse_and_select():
+    config = load(DEFAULT_CONFIG)
+    counts = {name: len(select(config, DEFAULT_CATALOG, name).instances)
+              for name in config.presets}
+    assert counts == {"default": 252, "minimal": 4, "flash_attn": 2016, "pytorch": 448,
+                      "coverage": 568, "all": 10080}
+
+
+def test_union_preset_selects_what_any_of_its_filters_selects(build):
+    union = 'filter: ["fp16,hdim64,mask=none", "bf16,causal,sm90a,pad"]'
+    config, catalog = build(('filter: "fp16,hdim64,mask=none"', union))
+    names = {i.name for i in select(config, catalog, "minimal").instances}
+    first = {i.name for i in select(config, catalog, "default", "fp16,hdim64,mask=none").instances}
+    second = {i.name for i in select(config, catalog, "default", "bf16,causal,sm90a,pad").instances}
+    assert names == first | second and first and second and not first & second
+    # --filter narrows the union like any preset.
+    assert {i.name for i in select(config, catalog, "minimal", "bf16").instances} == second
+
+
+def test_each_filter_of_a_union_must_select_something(build):
+    union = 'filter: ["fp16,hdim64", "bf16,hdim96"]'
+    config, catalog = build(('filter: "fp16,hdim64,mask=none"', union))
+    with pytest.raises(ConfigError, match=r"presets.minimal.filter\[1\]: 'hdim96' matches none"):
+        select(config, catalog, "default")
 
 
 def test_presets(selected):
@@ -232,9 +298,10 @@ def test_target_outside_the_matrix_selects_nothing(build):
 
 
 DEFAULT_CATALOG = build_catalog(load(DEFAULT_CONFIG))
-VALID_TERMS = ["fp16", "bf16", "causal", "mask=none", "bias=none", "sm80", "sm90a", "pad",
-               "nopad", "hdim64", "hdim128", "hdim_q=64", "hdim_v=128", "fa2", "*_pad",
-               "*_sm90a_*", "fwd_bf16*", "dtype=bf16", "arch=sm80"]
+VALID_TERMS = ["fp16", "bf16", "causal", "window", "mask=none", "bias=none", "alibi", "col",
+               "group", "lse", "dropout", "softcap", "lse=false", "sm80", "sm90a", "pad", "nopad",
+               "hpad", "nohpad", "pad_hdim=true", "hdim64", "hdim128", "hdim_q=64", "hdim_v=128",
+               "fa2", "*_pad", "*_sm90a_*", "fwd_bf16*", "dtype=bf16", "arch=sm80"]
 
 
 @settings(max_examples=60, deadline=None)
@@ -245,6 +312,44 @@ def test_negation_is_the_complement_of_the_alternatives(terms):
     (token,) = parse_filter(alternatives, "--filter", catalog)
     (negated,) = parse_filter(f"!{alternatives}", "--filter", catalog)
     singles = [parse_filter(term, "--filter", catalog)[0] for term in terms]
-    for instance in catalog.instances:
+    for instance in catalog.instances[::17]:  # a spread sample keeps 60 examples quick
         assert token.holds(instance) == any(single.holds(instance) for single in singles)
         assert negated.holds(instance) == (not token.holds(instance))
+
+
+@pytest.mark.parametrize("text, index, count", [("1/1", 1, 1), ("2/4", 2, 4), (" 4 / 4 ", 4, 4)])
+def test_shard_forms(text, index, count):
+    assert parse_shard(text) == Shard(index, count)
+    assert str(parse_shard(text)) == f"{index}/{count}"
+
+
+@pytest.mark.parametrize("text", ["0/4", "5/4", "1/0", "2", "a/b", "-1/2", "1/2/3", ""])
+def test_bad_shards(text):
+    with pytest.raises(GeneratorError) as caught:
+        parse_shard(text)
+    assert caught.value.where == "--shard"
+    assert caught.value.message == f"expected K/N with 1 <= K <= N, e.g. 2/4; got {text!r}"
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 7, 8])
+def test_shards_are_a_balanced_partition_in_dispatch_order(count):
+    instances = select(load(DEFAULT_CONFIG), DEFAULT_CATALOG, "default").instances
+    shards = [Shard(index, count).take(instances) for index in range(1, count + 1)]
+    names = [[i.name for i in shard] for shard in shards]
+    assert sorted(sum(names, [])) == sorted(i.name for i in instances)  # disjoint, whole
+    for shard in shards:  # each in dispatch order
+        assert list(shard) == [i for i in instances if i in shard]
+    sizes = [len(shard) for shard in shards]
+    assert max(sizes) - min(sizes) <= 1
+    # Head dims (the cost proxy) and padding are spread as evenly as the counts.
+    for measure in (lambda i: i.point.traits.hdim_q + i.point.traits.hdim_v,
+                    lambda i: i.point.pad_seqlen):
+        totals = [sum(map(measure, shard)) for shard in shards]
+        assert max(totals) - min(totals) <= max(map(measure, instances))
+    assert names == [[i.name for i in Shard(index, count).take(instances)]
+                     for index in range(1, count + 1)]
+
+
+def test_more_shards_than_instances_leaves_some_empty():
+    instances = select(load(DEFAULT_CONFIG), DEFAULT_CATALOG, "minimal").instances
+    assert [len(Shard(index, 6).take(instances)) for index in range(1, 7)] == [1, 1, 1, 1, 0, 0]

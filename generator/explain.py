@@ -1,0 +1,268 @@
+"""--explain PROBLEM: the instance the runtime would run for a problem among the selected ones,
+and the rule of preference that put it first; on a miss, the nearest selected instances and a
+--filter that would build one that fits.
+
+It answers with dispatch.serves and dispatch.PREFERENCE, the matching rule and the order that
+the C++ dispatcher applies to the table this selection renders, so no GPU is needed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+from .catalog import Catalog
+from .config import Config
+from .dispatch import (EQUAL_TRAITS, PREFERENCE, Problem, deciding_criterion, describe_problem,
+                       first_serving, serves, unmet)
+from .errors import GeneratorError
+from .model import FwdTraits, Instance
+from .schema import ARCH, ENUM_AXES, TRAIT_BOOL_AXES, Arch
+from .selection import Selection, parse_filter, select_each_preset
+
+_ENUM_KEYS = ("dtype", "mask", "bias", "vlayout", "mode")
+_DEFAULTS = {"mask": "none", "bias": "none", "vlayout": "row", "mode": "batch", "lse": "false",
+             "dropout": "false", "softcap": "false", "seqlen_q": "1024", "seqlen_k": "1024",
+             "seqused": "false"}
+PROBLEM_KEYS = ("dtype", "hdim", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode",
+                *TRAIT_BOOL_AXES, "seqlen_q", "seqlen_k", "seqused", "arch")
+
+# The device a problem runs on unless it says: the newest one a target is built for.
+_NEWEST = max(ARCH, key=lambda arch: (arch.cc, arch.exact))
+
+PROBLEM_HELP = f"""\
+PROBLEM (--explain) is comma-separated key=value:
+  dtype            {', '.join(ENUM_AXES['dtype'].tokens)} (required)
+  hdim             N or QxV, or hdim_q=N and hdim_v=N (required; hdim_v defaults to hdim_q)
+  mask, bias, vlayout, mode       as in the matrix (default: none, none, row, batch)
+  lse, dropout, softcap           true or false (default: false)
+  seqlen_q, seqlen_k              positive integers (default: 1024)
+  seqused          true or false: per-batch effective lengths are given (default: false)
+  arch             the device: a target (sm90a, 90a) or a compute capability (90, 8.6);
+                   default: cc {_NEWEST.cc} ({_NEWEST.token}'s)
+e.g. --explain dtype=bf16,hdim=128,mask=causal,lse=true,seqlen_q=1000,arch=sm90a"""
+
+# How many of the nearest instances a miss lists.
+NEAREST = 3
+
+
+def _error(message: str) -> GeneratorError:
+    return GeneratorError(message, "--explain")
+
+
+def parse_problem(text: str) -> Problem:
+    """PROBLEM_HELP's syntax; every mistake names the key and the valid values. It needs no
+    config, so a mistake is reported before the catalog is built."""
+    fields: dict[str, str] = {}
+    for word in (part.strip() for part in text.split(",")):
+        key, equals, value = (part.strip() for part in word.partition("="))
+        if not (key and equals and value):
+            raise _error(f"expected key=value, got {word!r}; keys: {', '.join(PROBLEM_KEYS)}")
+        if key not in PROBLEM_KEYS:
+            raise _error(f"unknown key {key!r}; valid: {', '.join(PROBLEM_KEYS)}")
+        if key in fields:
+            raise _error(f"{key} is given twice")
+        fields[key] = value
+    if "dtype" not in fields:
+        raise _error(f"needs dtype= ({', '.join(ENUM_AXES['dtype'].tokens)})")
+    values = {**_DEFAULTS, **fields}
+    hdim_q, hdim_v = _head_dims(fields)
+    traits = FwdTraits(hdim_q=hdim_q, hdim_v=hdim_v,
+                       **{key: _enum_value(key, values[key]) for key in _ENUM_KEYS},
+                       **{key: _bool_value(key, values[key]) for key in TRAIT_BOOL_AXES})
+    return Problem(
+        traits, seqlen_q=_positive(values, "seqlen_q"), seqlen_k=_positive(values, "seqlen_k"),
+        seqused=_bool_value("seqused", values["seqused"]),
+        cc=_compute_capability(fields.get("arch", _NEWEST.token)))
+
+
+def _enum_value(key: str, text: str):
+    value = ENUM_AXES[key].get(text)
+    if value is None:
+        raise _error(f"unknown {key} {text!r}; valid: {', '.join(ENUM_AXES[key].tokens)}")
+    return value
+
+
+def _bool_value(key: str, text: str) -> bool:
+    if text not in ("true", "false"):
+        raise _error(f"{key} takes true or false, not {text!r}")
+    return text == "true"
+
+
+def _positive(values: dict[str, str], key: str) -> int:
+    if not values[key].isdigit() or int(values[key]) == 0:
+        raise _error(f"{key} takes a positive integer, not {values[key]!r}")
+    return int(values[key])
+
+
+def _head_dims(fields: dict[str, str]) -> tuple[int, int]:
+    if "hdim" in fields:
+        if "hdim_q" in fields or "hdim_v" in fields:
+            raise _error("give hdim= or hdim_q=/hdim_v=, not both")
+        dims = re.fullmatch(r"(\d+)(?:x(\d+))?", fields["hdim"])
+        if not dims or int(dims[1]) == 0 or (dims[2] and int(dims[2]) == 0):
+            raise _error(f"hdim takes N or QxV (positive), e.g. 128 or 192x128, "
+                         f"not {fields['hdim']!r}")
+        return int(dims[1]), int(dims[2] or dims[1])
+    if "hdim_q" not in fields:
+        raise _error("needs hdim=N or QxV (or hdim_q= and hdim_v=)")
+    hdim_q = _positive(fields, "hdim_q")
+    return hdim_q, _positive(fields, "hdim_v") if "hdim_v" in fields else hdim_q
+
+
+def _compute_capability(text: str) -> int:
+    """A target token (sm90a, 90a) stands for the GPU it is built for; 90 and 9.0 are cc 9.0."""
+    arch = ARCH.get(text) or ARCH.get(f"sm{text}")
+    if arch is not None:
+        return arch.cc
+    if dims := re.fullmatch(r"(\d+)\.(\d)", text):
+        return int(dims[1]) * 10 + int(dims[2])
+    if re.fullmatch(r"\d{2,3}", text):
+        return int(text)
+    targets = ", ".join(ARCH.tokens)
+    raise _error(f"arch {text!r} is neither a target ({targets}) nor a compute capability "
+                 f"(e.g. 90 or 8.6)")
+
+
+# What an unmet requirement (dispatch.REQUIREMENTS, by name) looks like for one instance and
+# problem, in words: the instance's side, then the call's in parentheses.
+def _seqlen_mismatch(instance: Instance, problem: Problem) -> str:
+    if problem.traits.mode.token != "batch":
+        return f"pad_seqlen=false runs batch mode only (the call: {problem.traits.mode.token})"
+    if problem.seqused:
+        return "pad_seqlen=false runs no seqused (the call gives it)"
+    tile = instance.tile
+    return (f"pad_seqlen=false needs seqlen_q % {tile.block_m} == 0 and seqlen_k % "
+            f"{tile.block_n} == 0 (the call: {problem.seqlen_q} and {problem.seqlen_k})")
+
+
+def _hdim_mismatch(instance: Instance, problem: Problem) -> str:
+    have, want = instance.point.traits, problem.traits
+    call = f"(the call: {want.hdim_q}x{want.hdim_v})"
+    if instance.point.pad_hdim:
+        return f"pads head dims up to {have.hdim_q}x{have.hdim_v} in steps of 8 {call}"
+    return f"head dims {have.hdim_q}x{have.hdim_v} {call}"
+
+
+def _arch_mismatch(instance: Instance, problem: Problem) -> str:
+    arch = instance.point.arch
+    needs = f"runs only on cc {arch.cc}" if arch.exact else f"needs cc {arch.cc} or newer"
+    return f"{arch.token} {needs} (the device: cc {problem.cc})"
+
+
+def _trait_mismatch(trait: str) -> Callable[[Instance, Problem], str]:
+    def mismatch(instance: Instance, problem: Problem) -> str:
+        have, want = (getattr(t, trait) for t in (instance.point.traits, problem.traits))
+        spell = (lambda v: str(v).lower()) if isinstance(have, bool) else (lambda v: v.token)
+        return f"{trait}={spell(have)} (the call: {spell(want)})"
+    return mismatch
+
+
+_MISMATCH: dict[str, Callable[[Instance, Problem], str]] = {
+    "arch": _arch_mismatch,
+    "hdim": _hdim_mismatch,
+    "lse": lambda instance, problem: "lse=false (the call asks for the log-sum-exp)",
+    "seqlen": _seqlen_mismatch,
+    **{trait: _trait_mismatch(trait) for trait in EQUAL_TRAITS},
+}
+
+
+def mismatches(instance: Instance, problem: Problem) -> list[str]:
+    """Why `instance` does not serve `problem`, one phrase per unmet requirement."""
+    return [_MISMATCH[requirement.name](instance, problem)
+            for requirement in unmet(instance, problem)]
+
+
+def explain(problem: Problem, selection: Selection, config: Config, catalog: Catalog,
+            preset: str, targets: tuple[Arch, ...] | None) -> str:
+    """The explanation as printed, for the selection this run's preset, --filter and --targets
+    made; on a miss the config's presets are searched for one that builds a fitting instance."""
+    lines = [f"problem: {describe_problem(problem)}"]
+    serving = [i for i in selection.instances if serves(i, problem)]
+    if serving:
+        lines += _hit(serving, len(selection.instances))
+    else:
+        lines += _miss(problem, selection, catalog, select_each_preset(config, catalog), preset,
+                       targets)
+    return "\n".join(lines) + "\n"
+
+
+def _hit(serving: list[Instance], selected: int) -> list[str]:
+    chosen = serving[0]
+    lines = [f"chosen:  {chosen.name}"]
+    if len(serving) == 1:
+        return lines + [f"why:     the only one of the {selected} selected instances that "
+                        f"serves it"]
+    runner_up = serving[1]
+    criterion = deciding_criterion(chosen, runner_up)
+    rule = PREFERENCE.index(criterion) + 1
+    lines.append(f"why:     {len(serving)} of the {selected} selected instances serve it; it "
+                 f"goes ahead of the runner-up {runner_up.name} by rule {rule} of the dispatch "
+                 f"order, {criterion.prefers}: {criterion.shows(chosen)} against "
+                 f"{criterion.shows(runner_up)}")
+    lines.append("serving, in dispatch order:")
+    lines += [f"  {instance.name}" for instance in serving]
+    return lines
+
+
+def _nearest(instances: Sequence[Instance], problem: Problem) -> list[str]:
+    """The instances with the fewest unmet requirements (ties in dispatch order), with why each
+    does not serve."""
+    ranked = sorted(instances, key=lambda i: len(unmet(i, problem)))[:NEAREST]
+    return [f"  {i.name}: {'; '.join(mismatches(i, problem))}" for i in ranked]
+
+
+def _miss(problem: Problem, selection: Selection, catalog: Catalog,
+          presets: dict[str, Selection], preset: str,
+          targets: tuple[Arch, ...] | None) -> list[str]:
+    """`presets`: what each preset selects without --filter and --targets."""
+    lines = [f"no instance of the {len(selection.instances)} selected serves it; the nearest:",
+             *_nearest(selection.instances, problem)]
+    # The preset to build a fitting instance with: this run's when it has one (then --filter or
+    # --targets left it out), else the one that builds the least.
+    fits = {name: fit for name, chosen in presets.items()
+            if (fit := first_serving(chosen.instances, problem)) is not None}
+    if fits:
+        chosen_preset = preset if preset in fits else min(
+            fits, key=lambda name: len(presets[name].instances))
+        fit = fits[chosen_preset]
+    else:
+        fit = first_serving(catalog.instances, problem)
+    if fit is None:
+        return lines + ["no instance of the whole matrix serves it either; the nearest there:",
+                        *_nearest(catalog.instances, problem),
+                        "extend the matrix (instances.yaml) to build one"]
+    filter_text = fitting_filter(fit, problem, catalog)
+    lines.append(f"the matrix has one that fits: {fit.name}")
+    if not fits:
+        return lines + [f"but no preset selects it; add one whose filter admits "
+                        f"{filter_text!r}"]
+    command = f"python -m generator --preset {chosen_preset} --filter '{filter_text}'"
+    if targets is not None and fit.point.arch not in targets:
+        command += f" --targets {','.join(a.token for a in (*targets, fit.point.arch))}"
+    return lines + [f"build it with: {command}"]
+
+
+def fitting_filter(fit: Instance, problem: Problem, catalog: Catalog) -> str:
+    """A --filter whose every instance serves `problem`, starting from `fit`'s traits: the
+    traits serves() compares are always named; lse, arch and the padding are named only where
+    leaving them out would admit an instance that does not fit."""
+    traits, point = fit.point.traits, fit.point
+    hdim = (f"hdim{traits.hdim_q}" if traits.hdim_q == traits.hdim_v
+            else f"hdim{traits.hdim_q}x{traits.hdim_v}")
+    core = [traits.dtype.token, hdim,
+            *(f"{axis}={getattr(traits, axis).token}" for axis in ("mask", "bias", "vlayout",
+                                                                   "mode")),
+            *(f"{axis}={str(getattr(traits, axis)).lower()}" for axis in ("dropout", "softcap"))]
+    optional = [f"lse={str(traits.lse).lower()}", point.arch.token,
+                "pad" if point.pad_seqlen else "nopad", "hpad" if point.pad_hdim else "nohpad"]
+    core_tokens = parse_filter(",".join(core), "--explain", catalog)
+    candidates = [i for i in catalog.instances if all(t.holds(i) for t in core_tokens)]
+    kept = list(optional)
+    for token in optional:
+        trial = [t for t in kept if t != token]
+        trial_tokens = parse_filter(",".join(trial), "--explain", catalog) if trial else ()
+        if all(serves(i, problem) for i in candidates
+               if all(t.holds(i) for t in trial_tokens)):
+            kept = trial
+    return ",".join([*core, *kept])

@@ -1,0 +1,239 @@
+"""The runtime's matching rule (serves), the order of preference, and the proof that every
+instance is the one the dispatcher runs for some problem."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from generator.catalog import build_catalog
+from generator.config import DEFAULT_CONFIG, load
+from generator.dispatch import (PREFERENCE, REQUIREMENTS, Problem, check_dispatchable,
+                                deciding_criterion, dispatch_order, first_serving, serves)
+from generator.errors import GeneratorError
+from generator.model import FwdTraits, Tile
+from generator.schema import BIAS, DTYPE, MASK, MODE, PIPELINE, VLAYOUT
+
+
+def problem(dtype="fp16", hdim=(64, 64), mask="none", bias="none", vlayout="row", mode="batch",
+            lse=False, dropout=False, softcap=False, seqlen=(1024, 1024), seqused=False,
+            cc=80) -> Problem:
+    traits = FwdTraits(DTYPE.get(dtype), *hdim, MASK.get(mask), BIAS.get(bias),
+                       VLAYOUT.get(vlayout), MODE.get(mode), lse, dropout, softcap)
+    return Problem(traits, *seqlen, seqused=seqused, cc=cc)
+
+
+# -- serves ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("trait, value", [
+    ("dtype", "bf16"), ("mask", "causal"), ("bias", "alibi"), ("vlayout", "col"),
+    ("dropout", True), ("softcap", True),
+])
+def test_functional_traits_must_be_equal(make_instance, trait, value):
+    instance = make_instance(pad_seqlen=True)
+    assert serves(instance, problem())
+    assert not serves(instance, problem(**{trait: value}))
+    assert serves(make_instance(pad_seqlen=True, **{trait: value}), problem(**{trait: value}))
+
+
+def test_an_lse_instance_also_serves_calls_without_lse(make_instance):
+    assert serves(make_instance(lse=True), problem(lse=False))
+    assert serves(make_instance(lse=True), problem(lse=True))
+    assert not serves(make_instance(lse=False), problem(lse=True))
+
+
+@pytest.mark.parametrize("hdim, served", [
+    ((128, 128), True), ((120, 128), True), ((8, 8), True), ((64, 128), True),
+    ((136, 128), False),  # larger than the instance's
+    ((100, 128), False),  # not a multiple of 8
+    ((0, 128), False),
+])
+def test_head_dim_padding(make_instance, hdim, served):
+    assert serves(make_instance(hdim=(128, 128), pad_hdim=True), problem(hdim=hdim)) == served
+    assert serves(make_instance(hdim=(128, 128)), problem(hdim=hdim)) == (hdim == (128, 128))
+
+
+@pytest.mark.parametrize("arch, cc, served", [
+    ("sm80", 80, True), ("sm80", 86, True), ("sm80", 90, True), ("sm80", 100, True),
+    ("sm80", 75, False), ("sm90a", 90, True), ("sm90a", 80, False), ("sm90a", 100, False),
+])
+def test_arch_runs_on_the_device(make_instance, arch, cc, served):
+    assert serves(make_instance(arch=arch), problem(cc=cc)) == served
+
+
+@pytest.mark.parametrize("changes, served", [
+    ({}, True),
+    ({"seqlen": (128 * 3, 64 * 5)}, True),
+    ({"seqlen": (1000, 1024)}, False),
+    ({"seqlen": (1024, 1000)}, False),
+    ({"seqused": True}, False),
+    ({"mode": "group"}, False),
+])
+def test_unpadded_seqlens(make_instance, changes, served):
+    # The tile is 128x64: seqlen_q % 128 == 0 and seqlen_k % 64 == 0.
+    assert serves(make_instance(), problem(**changes)) == served
+    group = {"mode": "group"} if "mode" in changes else {}
+    assert serves(make_instance(pad_seqlen=True, **group), problem(**changes))
+
+
+def test_requirements_are_named_once():
+    assert len({r.name for r in REQUIREMENTS}) == len(REQUIREMENTS)
+
+
+# -- the order of preference -------------------------------------------------------------------
+
+def test_padded_head_dims_take_the_tightest_that_fits(make_instance):
+    padded = [make_instance(hdim=hdim, pad_seqlen=True, pad_hdim=True)
+              for hdim in ((256, 256), (64, 64), (128, 128), (192, 128))]
+    ordered = dispatch_order(padded)
+    assert first_serving(ordered, problem(hdim=(120, 120))).name == \
+        "fwd_fp16_d128_fa2_sm80_m128n64_pad_hpad"
+    assert first_serving(ordered, problem(hdim=(64, 64))).point.traits.hdim_q == 64
+    assert first_serving(ordered, problem(hdim=(136, 128))).point.traits.hdim_q == 192
+    assert first_serving(ordered, problem(hdim=(136, 136))).point.traits.hdim_q == 256
+    assert first_serving(ordered, problem(hdim=(264, 8))) is None
+
+
+def test_exact_head_dims_before_padded_ones(make_instance):
+    exact = make_instance(hdim=(128, 128), pad_seqlen=True)
+    padded = make_instance(hdim=(128, 128), pad_seqlen=True, pad_hdim=True)
+    assert dispatch_order([padded, exact]) == (exact, padded)
+    assert deciding_criterion(exact, padded).prefers == "exact head dims first"
+
+
+def test_leanest_first_and_lse_serves_what_lean_does_not(make_instance):
+    lean, with_lse = make_instance(), make_instance(lse=True)
+    ordered = dispatch_order([with_lse, lean])
+    assert ordered == (lean, with_lse)
+    assert first_serving(ordered, problem(lse=False)) is lean
+    assert first_serving(ordered, problem(lse=True)) is with_lse
+
+
+def test_order_arch_then_exactness_then_padding_then_tile(make_instance):
+    instances = [make_instance(arch=arch, pad_seqlen=pad, tile=tile)
+                 for arch in ("sm80", "sm90a") for pad in (True, False)
+                 for tile in (Tile(128, 64, 8, 2), Tile(64, 64, 4, 2))]
+    keys = [(i.point.arch.cc, i.point.pad_seqlen, -i.tile.block_m)
+            for i in dispatch_order(instances)]
+    assert keys == sorted(keys, key=lambda k: (-k[0], k[1], k[2]))
+
+
+def test_dispatch_order_of_a_config(build):
+    _, catalog = build()
+    keys = [(i.point.arch.cc, i.point.pad_seqlen, i.tile.block_m * i.tile.block_n)
+            for i in catalog.instances]
+    assert keys == sorted(keys, key=lambda k: (-k[0], k[1], -k[2]))
+    assert catalog.instances[0].name == "fwd_bf16_d64_causal_fa2_sm90a_m128n64"
+    assert catalog.instances[-1].name == "fwd_fp16_d128_fa2_sm80_m64n32_pad"
+
+
+def test_dispatch_order_is_independent_of_input_order(make_instance):
+    instances = [make_instance(arch=a, pad_seqlen=p, hdim=h) for a in ("sm80", "sm90a")
+                 for p in (True, False) for h in ((64, 64), (128, 128))]
+    assert dispatch_order(instances) == dispatch_order(reversed(instances))
+    assert [i.name for i in dispatch_order(instances)][:2] == [
+        "fwd_fp16_d128_fa2_sm90a_m128n64", "fwd_fp16_d64_fa2_sm90a_m128n64"]
+
+
+def test_every_criterion_says_what_it_prefers(make_instance):
+    first, second = make_instance(arch="sm90a"), make_instance(arch="sm80")
+    criterion = deciding_criterion(first, second)
+    assert criterion is PREFERENCE[0]
+    assert (criterion.shows(first), criterion.shows(second)) == ("sm90a (cc 90)", "sm80 (cc 80)")
+
+
+DEFAULT_CATALOG = build_catalog(load(DEFAULT_CONFIG))
+
+
+@settings(max_examples=100, deadline=None)
+@given(dtype=st.sampled_from(DTYPE.tokens), mask=st.sampled_from(MASK.tokens),
+       bias=st.sampled_from(BIAS.tokens), vlayout=st.sampled_from(VLAYOUT.tokens),
+       mode=st.sampled_from(MODE.tokens),
+       flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+       hdim=st.tuples(st.integers(1, 40), st.integers(1, 40)).map(lambda d: (d[0] * 8, d[1] * 8)),
+       seqlen=st.tuples(st.integers(1, 4096), st.integers(1, 4096)), seqused=st.booleans(),
+       cc=st.sampled_from([75, 80, 86, 89, 90, 100]))
+def test_repository_matrix_serves_every_call_on_its_newest_arch(dtype, mask, bias, vlayout, mode,
+                                                                 flags, hdim, seqlen, seqused,
+                                                                 cc):
+    call = problem(dtype, hdim, mask, bias, vlayout, mode, *flags, seqlen=seqlen,
+                   seqused=seqused, cc=cc)
+    chosen = first_serving(DEFAULT_CATALOG.instances, call)
+    # Head dims up to 256 that are multiples of 8, on cc 8.0 and newer: always served, by the
+    # exact sm90a code on cc 9.0 and by the portable sm80 code elsewhere.
+    if cc < 80 or max(hdim) > 256:
+        assert chosen is None
+        return
+    assert chosen is not None and chosen.point.arch.cc == (90 if cc == 90 else 80)
+    position = DEFAULT_CATALOG.instances.index(chosen)
+    assert not any(serves(i, call) for i in DEFAULT_CATALOG.instances[:position])
+
+
+# -- the no-shadowing proof --------------------------------------------------------------------
+
+def test_shadowed_instance_is_an_error_naming_both(make_instance):
+    # A second pipeline serving the same traits, arch and padding could never be chosen.
+    other = dataclasses.replace(PIPELINE.get("fa2"), token="fa2b")
+    first, second = make_instance(), make_instance(pipeline=other)
+    with pytest.raises(GeneratorError) as caught:
+        check_dispatchable(dispatch_order([first, second]))
+    assert caught.value.message.startswith(
+        "fwd_fp16_d64_fa2b_sm80_m128n64 is shadowed by fwd_fp16_d64_fa2_sm80_m128n64: for every "
+        "problem tried that it serves (e.g. dtype=fp16,hdim=64x64,")
+
+
+def test_padded_instance_shadowed_by_a_padded_head_dim_sibling(make_instance):
+    # Both pad everything and run on sm80; the one with the larger tile comes first and serves
+    # every shape the other does.
+    big = make_instance(pad_seqlen=True, pad_hdim=True)
+    small = make_instance(pad_seqlen=True, pad_hdim=True, tile=Tile(64, 64, 4, 2),
+                          pipeline=dataclasses.replace(PIPELINE.get("fa2"), token="fa2b"))
+    with pytest.raises(GeneratorError, match=f"{small.name} is shadowed by {big.name}"):
+        check_dispatchable(dispatch_order([big, small]))
+
+
+def test_instance_that_serves_nothing_is_an_error(build):
+    # Unpadded group mode: pad_seqlen=false runs batch mode only.
+    with pytest.raises(GeneratorError) as caught:
+        build(("mode: [batch]", "mode: [batch, group]"))
+    assert caught.value.message == (
+        "fwd_bf16_d64_causal_group_fa2_sm90a_m128n64 serves no problem, so the dispatcher can "
+        "never run it (seqlen: needs batch mode, no seqused, and seqlen_q and seqlen_k multiples "
+        "of block_m and block_n when pad_seqlen=false); prune it with a rule")
+
+
+def test_padding_siblings_are_not_shadowed(make_instance):
+    # Each has a witness: unpadded tile multiples, ragged seqlens, smaller head dims.
+    check_dispatchable(dispatch_order([
+        make_instance(arch=arch, pad_seqlen=pad_seqlen, pad_hdim=pad_hdim, lse=lse)
+        for arch in ("sm80", "sm90a") for pad_seqlen in (False, True)
+        for pad_hdim in (False, True) for lse in (False, True)]))
+
+
+def test_every_combination_of_the_axes_is_dispatchable(build):
+    _, catalog = build(("bias: [none]", "bias: [none, alibi]"),
+                       ("mode: [batch]", "mode: [batch, group]"),
+                       ("lse: [false]", "lse: [false, true]"),
+                       ("pad_hdim: [false]", "pad_hdim: [false, true]"),
+                       ("rules: []", "rules:\n  - when: {mode: group, pad_seqlen: false}\n"
+                                     "    reason: ragged"))
+    assert len(catalog.instances) == 32 * 2 * 2 * 2 * 2 * 3 // 4
+
+
+def test_duplicate_names_are_an_error(make_instance):
+    # Warps and stages are not in the name: two tiles differing only there would collide.
+    first = make_instance(tile=Tile(128, 64, 8, 2))
+    second = make_instance(tile=Tile(128, 64, 4, 2))
+    with pytest.raises(GeneratorError, match="two different instances are named "
+                                             "fwd_fp16_d64_fa2_sm80_m128n64"):
+        check_dispatchable(dispatch_order([first, second]))
+
+
+def test_repository_proof_is_fast():
+    start = time.perf_counter()
+    check_dispatchable(DEFAULT_CATALOG.instances)
+    assert time.perf_counter() - start < 3  # about 0.3 s on an idle machine
