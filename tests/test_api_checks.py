@@ -1,16 +1,25 @@
 """Bad calls fail with a clear TypeError/ValueError before anything reaches a GPU.
 
 These run without a GPU: the checks come before the device check (Python) and before any
-CUDA call (C++), so CPU tensors and bare integers reach every one of them.
+CUDA call (C++), so CPU tensors and bare integers reach every one of them. Where a test needs
+a call to get past the device check, it uses fake CUDA tensors (FakeTensorMode: shapes,
+strides and devices without memory), which run the custom op's fake implementation, or it
+switches the device check off and reads the FwdArgs the call would pass to C++.
 """
 
+import math
 import re
 
 import pytest
 
 torch = pytest.importorskip("torch")
 fmha = pytest.importorskip("fmha", reason="the fmha module is not built")
-from fmha import _C  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+from fmha import _C, _api  # noqa: E402
+from fmha._checks import check_options  # noqa: E402
+
+CPU_ONLY = not torch.cuda.is_available()
 
 
 def qkv(b=2, sq=16, sk=16, hq=4, hk=4, d=64, dv=64, dtype=torch.float16, device="cpu"):
@@ -19,6 +28,20 @@ def qkv(b=2, sq=16, sk=16, hq=4, hk=4, d=64, dv=64, dtype=torch.float16, device=
         torch.randn(b, sk, hk, d, device=device).to(dtype),
         torch.randn(b, sk, hk, dv, device=device).to(dtype),
     )
+
+
+def packed(total_q=40, total_k=48, hq=4, hk=4, d=64, dv=64, batch=2, dtype=torch.float16):
+    """Group-mode (varlen) inputs on the CPU: q, k, v and the group-mode keyword arguments."""
+    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    return (
+        torch.randn(total_q, hq, d).to(dtype),
+        torch.randn(total_k, hk, d).to(dtype),
+        torch.randn(total_k, hk, dv).to(dtype),
+        dict(cu_seqlens_q=cu, cu_seqlens_k=cu.clone(), max_seqlen_q=20, max_seqlen_k=24),
+    )
+
+
+# ---- q, k, v -------------------------------------------------------------------------------
 
 
 def test_non_tensor_is_a_type_error():
@@ -86,10 +109,86 @@ def test_transposed_bhsd_views_pass_the_checks():
         fmha.fwd(q, k, v)
 
 
+def test_v_with_its_sequence_contiguous_passes_the_checks():
+    q, k, _ = qkv()
+    vt = torch.randn(2, 4, 64, 16, dtype=q.dtype)  # (b, hk, dv, sk): V^T stored
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        fmha.fwd(q, k, vt.permute(0, 3, 1, 2))
+
+
+def test_v_with_neither_dim_contiguous():
+    q, k, _ = qkv()
+    v = torch.randn(2, 32, 4, 128, dtype=q.dtype)[:, ::2, :, ::2]
+    with pytest.raises(ValueError, match="v must have its head dimension .* or its sequence"):
+        fmha.fwd(q, k, v)
+
+
 def test_meta_tensors_are_not_cuda():
     q, k, v = qkv(device="meta")
     with pytest.raises(ValueError, match="q is on meta"):
         fmha.fwd(q, k, v)
+
+
+# ---- group mode (varlen) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change,error,message",
+    [
+        (dict(cu_seqlens_k=None), ValueError,
+         "needs both cu_seqlens_q and cu_seqlens_k, got only cu_seqlens_q"),
+        (dict(max_seqlen_q=None), ValueError, "group mode needs max_seqlen_q"),
+        (dict(max_seqlen_k=7.0), TypeError, "max_seqlen_k must be an int, got float"),
+        (dict(max_seqlen_k=True), TypeError, "max_seqlen_k must be an int, got bool"),
+        (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be non-negative, got -1"),
+        (dict(cu_seqlens_q=[0, 20, 40]), TypeError,
+         "cu_seqlens_q must be a torch.Tensor, got list"),
+        (dict(cu_seqlens_k=torch.zeros(3, dtype=torch.int64)), TypeError,
+         "cu_seqlens_k has dtype torch.int64; it must be torch.int32"),
+        (dict(cu_seqlens_q=torch.zeros(3, 1, dtype=torch.int32)), ValueError,
+         r"cu_seqlens_q must be 1-D with batch \+ 1 entries, got shape \(3, 1\)"),
+        (dict(cu_seqlens_q=torch.zeros(0, dtype=torch.int32)), ValueError,
+         r"cu_seqlens_q must be 1-D with batch \+ 1 entries, got shape \(0,\)"),
+        (dict(cu_seqlens_k=torch.zeros(4, dtype=torch.int32)), ValueError,
+         "cu_seqlens_q has 3 entries but cu_seqlens_k has 4"),
+    ],
+)
+def test_group_mode_arguments(change, error, message):
+    q, k, v, group = packed()
+    with pytest.raises(error, match=message):
+        fmha.fwd(q, k, v, **{**group, **change})
+
+
+def test_max_seqlen_without_cu_seqlens():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="max_seqlen_q is for group mode"):
+        fmha.fwd(q, k, v, max_seqlen_q=16)
+
+
+def test_group_mode_needs_3d_tensors():
+    q, k, v = qkv()
+    _, _, _, group = packed()
+    with pytest.raises(ValueError, match=r"in group mode q must be 3-D \(total_tokens, nheads"):
+        fmha.fwd(q, k, v, **group)
+
+
+def test_group_mode_token_counts_of_k_and_v():
+    q, k, v, group = packed()
+    with pytest.raises(ValueError, match="k has 48 tokens but v has 47"):
+        fmha.fwd(q, k, v[:47], **group)
+
+
+def test_group_mode_cu_seqlens_device_is_checked_last():
+    q, k, v, group = packed()
+    with pytest.raises(ValueError, match="q is on cpu"):
+        fmha.fwd(q, k, v, **group)
+    with FakeTensorMode():
+        q, k, v = (torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in (q, k, v))
+        with pytest.raises(ValueError, match="cu_seqlens_q is on cpu but q is on cuda:0"):
+            fmha.fwd(q, k, v, **group)
+
+
+# ---- options ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -100,6 +199,29 @@ def test_meta_tensors_are_not_cuda():
         (dict(softmax_scale=0.0), ValueError, "softmax_scale must be finite and positive, got 0.0"),
         (dict(softmax_scale=float("nan")), ValueError, "finite and positive"),
         (dict(instance=3), TypeError, "instance must be a str or None, got int"),
+        (dict(window_size=4), TypeError, r"window_size must be a \(left, right\) pair of ints"),
+        (dict(window_size=(1, 2, 3)), TypeError, "window_size must be a"),
+        (dict(window_size=(1.0, 2)), TypeError, "window_size must be a"),
+        (dict(window_size=(-2, 0)), ValueError,
+         r"entries must be -1 \(unbounded\) or non-negative"),
+        (dict(window_size=(0, -5)), ValueError, "entries must be -1"),
+        (dict(causal=True, window_size=(16, 4)), ValueError,
+         "causal=True sees no key to the right, so window_size's right must be 0 or -1"),
+        (dict(mask_align=0), TypeError, "mask_align must be a str, got int"),
+        (dict(mask_align="bottom-right"), ValueError, "mask_align must be 'top_left'"),
+        (dict(softcap="30"), TypeError, "softcap must be a float, got str"),
+        (dict(softcap=-1.0), ValueError, "softcap must be finite and non-negative"),
+        (dict(softcap=float("inf")), ValueError, "softcap must be finite"),
+        (dict(dropout_p=None), TypeError, "dropout_p must be a float, got NoneType"),
+        (dict(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
+        (dict(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0, 1\)"),
+        (dict(dropout_p=float("nan")), ValueError, r"dropout_p must be in \[0, 1\)"),
+        (dict(dropout_seed=1.5), TypeError, "dropout_seed must be an int or None, got float"),
+        (dict(dropout_seed=-1), ValueError, r"dropout_seed must be in \[0, 2\*\*64\)"),
+        (dict(dropout_seed=2**64), ValueError, r"dropout_seed must be in \[0, 2\*\*64\)"),
+        (dict(dropout_offset=None), TypeError, "dropout_offset must be an int, got NoneType"),
+        (dict(dropout_offset=2**32), ValueError, r"dropout_offset must be in \[0, 2\*\*32\)"),
+        (dict(return_lse=1), TypeError, "return_lse must be a bool, got int"),
     ],
 )
 def test_bad_options(kwargs, error, message):
@@ -108,16 +230,342 @@ def test_bad_options(kwargs, error, message):
         fmha.fwd(q, k, v, **kwargs)
 
 
-# The C++ checks, reached through the bindings with integers: they run before any CUDA call.
-def cpp_fwd(**overrides):
-    args = dict(
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(window_size=(128, 0), mask_align="bottom_right"), dict(dropout_seed=2**64 - 1),
+     dict(dropout_offset=2**32 - 1, dropout_p=0.5), dict(softcap=0), dict(softmax_scale=1)],
+)
+def test_good_options_reach_the_device_check(kwargs):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        fmha.fwd(q, k, v, **kwargs)
+
+
+# (causal, window_size) -> (mask, window_left, window_right), FlashAttention's conventions.
+@pytest.mark.parametrize(
+    "causal,window,expected",
+    [
+        (False, (-1, -1), (_C.MASK_NONE, -1, -1)),
+        (True, (-1, -1), (_C.MASK_CAUSAL, -1, -1)),
+        (False, (-1, 0), (_C.MASK_WINDOW, -1, 0)),  # any size given makes a window
+        (True, (-1, 0), (_C.MASK_WINDOW, -1, 0)),
+        (True, (64, -1), (_C.MASK_WINDOW, 64, 0)),  # causal + window = window (left, 0)
+        (True, (64, 0), (_C.MASK_WINDOW, 64, 0)),
+        (False, (64, 8), (_C.MASK_WINDOW, 64, 8)),
+        (False, (-1, 8), (_C.MASK_WINDOW, -1, 8)),
+        (False, (0, 0), (_C.MASK_WINDOW, 0, 0)),
+    ],
+)
+def test_causal_and_window_make_the_mask(causal, window, expected):
+    o = check_options(causal, None, window, "bottom_right", 0.0, 0.0, None, 0, False, 64)
+    assert (o.mask, o.window_left, o.window_right) == expected
+    assert o.mask_align == _C.ALIGN_BOTTOM_RIGHT
+    assert math.isclose(o.softmax_scale, 0.125)
+
+
+# ---- bias, attn_mask, ALiBi, seqused ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(bias=1.0), TypeError, "bias must be a torch.Tensor, got float"),
+        (dict(bias=torch.zeros(16, 16)), TypeError,
+         "bias has dtype torch.float32; it must be q's dtype torch.float16"),
+        (dict(bias=torch.zeros(16, 15, dtype=torch.float16)), ValueError,
+         r"bias of shape \(16, 15\) does not broadcast to \(batch, nheads, seqlen_q, seqlen_k\) "
+         r"= \(2, 4, 16, 16\)"),
+        (dict(bias=torch.zeros(3, 4, 16, 16, dtype=torch.float16)), ValueError,
+         "does not broadcast"),
+        (dict(bias=torch.zeros(1, 2, 4, 16, 16, dtype=torch.float16)), ValueError,
+         "does not broadcast"),
+        (dict(attn_mask=torch.zeros(16, 16, dtype=torch.int32)), TypeError,
+         r"attn_mask has dtype torch.int32; it must be torch.bool .* or q's dtype"),
+        (dict(attn_mask=torch.ones(2, 16, 16, dtype=torch.bool)), ValueError,
+         r"attn_mask of shape \(2, 16, 16\) does not broadcast"),
+        (dict(bias=torch.zeros(16, 16, dtype=torch.float16),
+              attn_mask=torch.ones(16, 16, dtype=torch.bool)), ValueError,
+         "pass bias or attn_mask, not both"),
+        (dict(alibi_slopes=[0.5] * 4), TypeError, "alibi_slopes must be a torch.Tensor, got list"),
+        (dict(alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError,
+         "alibi_slopes has dtype torch.float16; it must be torch.float32"),
+        (dict(alibi_slopes=torch.ones(2)), ValueError,
+         r"alibi_slopes must be \(nheads,\) = \(4,\) or \(batch, nheads\) = \(2, 4\), "
+         r"got shape \(2,\)"),
+        (dict(alibi_slopes=torch.ones(3, 4)), ValueError, "alibi_slopes must be"),
+        (dict(alibi_slopes=torch.ones(4), bias=torch.zeros(16, 16, dtype=torch.float16)),
+         ValueError, "alibi_slopes cannot be combined with bias or attn_mask"),
+        (dict(seqused_k=(16, 16)), TypeError, "seqused_k must be a torch.Tensor, got tuple"),
+        (dict(seqused_q=torch.full((2,), 16)), TypeError,
+         "seqused_q has dtype torch.int64; it must be torch.int32"),
+        (dict(seqused_q=torch.full((3,), 16, dtype=torch.int32)), ValueError,
+         r"seqused_q must be \(batch,\) = \(2,\), got shape \(3,\)"),
+    ],
+)
+def test_bad_bias_and_lengths(kwargs, error, message):
+    q, k, v = qkv()
+    with pytest.raises(error, match=message):
+        fmha.fwd(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(bias=torch.zeros(16, 16, dtype=torch.float16)),
+        dict(bias=torch.zeros(4, 1, 16, dtype=torch.float16)),
+        dict(bias=torch.zeros(2, 1, 16, 1, dtype=torch.float16)),
+        dict(attn_mask=torch.ones(16, 16, dtype=torch.bool)),
+        dict(attn_mask=torch.zeros(2, 4, 16, 16, dtype=torch.float16)),
+        dict(alibi_slopes=torch.ones(4)),
+        dict(alibi_slopes=torch.ones(2, 4)),
+        dict(seqused_q=torch.full((2,), 8, dtype=torch.int32),
+             seqused_k=torch.full((2,), 8, dtype=torch.int32)),
+    ],
+)
+def test_good_bias_and_lengths_reach_the_device_check(kwargs):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="q is on cpu"):
+        fmha.fwd(q, k, v, **kwargs)
+
+
+def test_group_mode_bias_broadcasts_to_the_longest_sequences():
+    q, k, v, group = packed()
+    bias = torch.zeros(1, 4, 20, 24, dtype=torch.float16)
+    with pytest.raises(ValueError, match="q is on cpu"):
+        fmha.fwd(q, k, v, bias=bias, **group)
+    with pytest.raises(ValueError, match=r"\(batch, nheads, max_seqlen_q, max_seqlen_k\) = "
+                                         r"\(2, 4, 20, 24\)"):
+        fmha.fwd(q, k, v, bias=bias[..., :20, :20], **group)
+
+
+def test_every_tensor_is_device_checked():
+    with FakeTensorMode():
+        q, k, v = qkv(device="cuda")
+        slopes = torch.ones(4)  # on the CPU
+        with pytest.raises(ValueError, match="alibi_slopes is on cpu but q is on cuda:0"):
+            fmha.fwd(q, k, v, alibi_slopes=slopes)
+
+
+# ---- what a valid call builds ----------------------------------------------------------------
+
+
+def test_fake_call_returns_the_documented_shapes():
+    with FakeTensorMode():
+        q, k, v = qkv(b=2, sq=16, sk=24, hq=8, hk=2, d=64, dv=128, device="cuda")
+        out = fmha.fwd(q, k, v, causal=True)
+        assert out.shape == (2, 16, 8, 128) and out.dtype == q.dtype
+        out, lse = fmha.fwd(q, k, v, return_lse=True, dropout_p=0.1, softcap=30.0)
+        assert out.shape == (2, 16, 8, 128)
+        assert lse.shape == (2, 8, 16) and lse.dtype == torch.float32
+        qg, kg, vg = (torch.empty(n, h, d, dtype=q.dtype, device="cuda")
+                      for n, h, d in ((40, 8, 64), (48, 2, 64), (48, 2, 128)))
+        cu = torch.zeros(3, dtype=torch.int32, device="cuda")
+        out, lse = fmha.fwd(qg, kg, vg, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=20,
+                            max_seqlen_k=24, return_lse=True)
+        assert out.shape == (40, 8, 128) and lse.shape == (8, 40)
+
+
+def test_torch_compile_traces_the_op_fullgraph():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def attention(q, k, v, slopes):
+        out, lse = fmha.fwd(q, k, v, causal=True, return_lse=True, dropout_p=0.1)
+        return out + fmha.fwd(q, k, v, window_size=(8, 0), alibi_slopes=slopes), lse
+
+    torch._dynamo.reset()
+    with FakeTensorMode():
+        q, k, v = qkv(device="cuda")
+        out, lse = torch.compile(attention, backend=backend, fullgraph=True)(
+            q, k, v, torch.ones(4, device="cuda"))
+        assert out.shape == q.shape and lse.shape == (2, 4, 16)
+    code = graphs[0].code
+    assert code.count("torch.ops.fmha.fwd.default") == 2
+    assert "torch.randint" in code  # the unseeded dropout draws its seed inside the graph
+
+
+@pytest.fixture
+def no_device_check(monkeypatch):
+    """Lets CPU tensors through the device check, to read the FwdArgs a call would build."""
+    monkeypatch.setattr(_api, "check_devices", lambda **tensors: None)
+
+
+def build_args(q, k, v, lse=False, **kwargs) -> "_C.FwdArgs":
+    options = {**_api._OPTION_DEFAULTS, **kwargs}
+    ops = _api._prepare(q, k, v, options.pop("causal", False), options.pop("softmax_scale", None),
+                        **options, materialize=True)
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
+    lse_t = torch.empty(_api._lse_shape(q, ops.cu_seqlens_q is not None, True)) if lse else None
+    return _api._make_args(ops, out, lse_t), ops, out, lse_t
+
+
+def test_args_of_a_batch_call(no_device_check):
+    b, h, s, d = 2, 4, 16, 64
+    q = torch.randn(b, h, s, d, dtype=torch.bfloat16).transpose(1, 2)  # (b, s, h, d) view
+    k, v = torch.randn(b, s, 2, d, dtype=q.dtype), torch.randn(b, s, 2, 128, dtype=q.dtype)
+    a, _, out, lse = build_args(q, k, v, lse=True, causal=True, mask_align="bottom_right")
+    assert (a.dtype, a.mode, a.mask, a.mask_align) == (
+        _C.DTYPE_BF16, _C.MODE_BATCH, _C.MASK_CAUSAL, _C.ALIGN_BOTTOM_RIGHT)
+    assert (a.batch, a.seqlen_q, a.seqlen_k, a.nhead_q, a.nhead_k, a.hdim_q, a.hdim_v) == (
+        2, 16, 16, 4, 2, 64, 128)
+    assert (a.q_batch_stride, a.q_seq_stride, a.q_head_stride) == (h * s * d, d, s * d)
+    assert (a.v_batch_stride, a.v_seq_stride, a.v_head_stride, a.v_dim_stride) == (
+        s * 2 * 128, 2 * 128, 128, 1)
+    assert a.vlayout == _C.VLAYOUT_ROW_MAJOR
+    assert (a.o, a.o_batch_stride, a.o_seq_stride, a.o_head_stride) == (
+        out.data_ptr(), 16 * 4 * 128, 4 * 128, 128)
+    assert (a.lse, a.lse_batch_stride, a.lse_head_stride) == (lse.data_ptr(), 4 * 16, 16)
+    assert (a.q, a.k, a.v) == (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    assert a.softmax_scale == pytest.approx(0.125)
+    assert a.traits() == dict(dtype=_C.DTYPE_BF16, hdim_q=64, hdim_v=128, mask=_C.MASK_CAUSAL,
+                              bias=_C.BIAS_NONE, vlayout=_C.VLAYOUT_ROW_MAJOR,
+                              mode=_C.MODE_BATCH, lse=True, dropout=False, softcap=False)
+
+
+def test_args_of_a_group_call(no_device_check):
+    q, k, v, group = packed(total_q=40, total_k=16)  # max_seqlen_k 24 > 16 tokens
+    a, ops, out, lse = build_args(q, k, v, lse=True, **group)
+    assert (a.mode, a.batch, a.seqlen_q, a.seqlen_k) == (_C.MODE_GROUP, 2, 20, 16)
+    assert (a.cu_seqlens_q, a.cu_seqlens_k) == (
+        group["cu_seqlens_q"].data_ptr(), group["cu_seqlens_k"].data_ptr())
+    assert (a.q_batch_stride, a.q_seq_stride, a.q_head_stride) == (0, 4 * 64, 64)
+    assert (a.o_batch_stride, a.o_seq_stride, a.o_head_stride) == (0, 4 * 64, 64)
+    assert lse.shape == (4, 40) and (a.lse_batch_stride, a.lse_head_stride) == (0, 40)
+
+
+def test_args_of_a_column_major_v(no_device_check):
+    q, k, _ = qkv()
+    vt = torch.randn(2, 4, 64, 16, dtype=q.dtype)  # (b, hk, dv, sk)
+    a, *_ = build_args(q, k, vt.permute(0, 3, 1, 2))
+    assert a.vlayout == _C.VLAYOUT_COL_MAJOR
+    assert (a.v_batch_stride, a.v_seq_stride, a.v_head_stride, a.v_dim_stride) == (
+        4 * 64 * 16, 1, 64 * 16, 16)
+
+
+def test_args_of_a_broadcast_bias_without_copies(no_device_check):
+    q, k, v = qkv(sq=16, sk=24)
+    bias = torch.randn(4, 1, 24, dtype=q.dtype)  # (h, 1, sk): every query row alike
+    a, ops, *_ = build_args(q, k, v, bias=bias)
+    assert a.bias == _C.BIAS_ELEMENTWISE and a.bias_ptr == bias.data_ptr()
+    assert (a.bias_batch_stride, a.bias_head_stride, a.bias_seq_stride) == (0, 24, 0)
+    assert ops.bias.shape == (2, 4, 16, 24)
+
+
+def test_args_of_a_bias_broadcast_along_keys_copy_one_row(no_device_check):
+    q, k, v = qkv(sq=16, sk=24)
+    bias = torch.randn(16, 1, dtype=q.dtype)  # one value per query row
+    a, ops, *_ = build_args(q, k, v, bias=bias)
+    assert ops.bias.stride() == (0, 0, 24, 1)
+    assert torch.equal(ops.bias[1, 2], bias.expand(16, 24))
+
+
+def test_args_of_a_boolean_attn_mask(no_device_check):
+    q, k, v = qkv()
+    mask = torch.rand(16, 16) > 0.5
+    a, ops, *_ = build_args(q, k, v, attn_mask=mask)
+    assert ops.bias.dtype == q.dtype and a.bias == _C.BIAS_ELEMENTWISE
+    expected = torch.zeros(16, 16, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    assert torch.equal(ops.bias[0, 0], expected)
+
+
+@pytest.mark.parametrize("shape,batch_stride", [((4,), 0), ((2, 4), 4)])
+def test_args_of_alibi(no_device_check, shape, batch_stride):
+    q, k, v = qkv()
+    slopes = torch.rand(shape)
+    a, *_ = build_args(q, k, v, alibi_slopes=slopes, window_size=(4, 4))
+    assert (a.bias, a.alibi_slopes, a.alibi_batch_stride) == (
+        _C.BIAS_ALIBI, slopes.data_ptr(), batch_stride)
+    assert (a.mask, a.window_left, a.window_right) == (_C.MASK_WINDOW, 4, 4)
+
+
+def test_args_of_dropout_and_softcap(no_device_check):
+    q, k, v = qkv()
+    a, *_ = build_args(q, k, v, dropout_p=0.25, dropout_seed=2**64 - 1, dropout_offset=7,
+                       softcap=30.0)
+    assert (a.dropout_p, a.dropout_seed, a.dropout_offset, a.softcap) == (0.25, 2**64 - 1, 7, 30.0)
+    assert a.traits()["dropout"] and a.traits()["softcap"]
+    torch.manual_seed(0)
+    first = build_args(q, k, v, dropout_p=0.25)[0].dropout_seed
+    torch.manual_seed(0)
+    assert build_args(q, k, v, dropout_p=0.25)[0].dropout_seed == first  # manual_seed repeats it
+
+
+def test_args_of_seqused(no_device_check):
+    q, k, v = qkv()
+    used = torch.full((2,), 8, dtype=torch.int32)
+    a, *_ = build_args(q, k, v, seqused_q=used, seqused_k=used)
+    assert a.seqused_q == a.seqused_k == used.data_ptr()
+
+
+# ---- select, explain, dropout_mask -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", [fmha.select, fmha.explain])
+def test_select_and_explain_check_like_fwd(api):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="window_size entries must be -1"):
+        api(q, k, v, window_size=(-3, 0))
+    with pytest.raises(TypeError, match="bias has dtype torch.float32"):
+        api(q, k, v, bias=torch.zeros(16, 16))
+    with pytest.raises(ValueError, match="q is on cpu"):
+        api(q, k, v, causal=True, return_lse=True, dropout_p=0.1)
+    name = api.__name__
+    with pytest.raises(TypeError, match=f"fmha.{name}: unexpected keyword argument 'instance'"):
+        api(q, k, v, instance="x")
+    with pytest.raises(TypeError, match=f"fmha.{name}: unexpected keyword argument 'casual'"):
+        api(q, k, v, casual=True)
+
+
+@pytest.mark.parametrize(
+    "args,error,message",
+    [
+        ((1.5, 0, 0.1, 1, 1, 1, 1), TypeError, "seed must be an int, got float"),
+        ((2**64, 0, 0.1, 1, 1, 1, 1), ValueError, r"seed must be in \[0, 2\*\*64\)"),
+        ((0, -1, 0.1, 1, 1, 1, 1), ValueError, r"offset must be in \[0, 2\*\*32\)"),
+        ((0, 0, "0.1", 1, 1, 1, 1), TypeError, "dropout_p must be a float, got str"),
+        ((0, 0, 1.0, 1, 1, 1, 1), ValueError, r"dropout_p must be in \[0, 1\)"),
+        ((0, 0, 0.1, -1, 1, 1, 1), ValueError, "batch must be non-negative, got -1"),
+        ((0, 0, 0.1, 1, 1, 1, 2.0), TypeError, "seqlen_k must be an int, got float"),
+    ],
+)
+def test_dropout_mask_arguments(args, error, message):
+    with pytest.raises(error, match=message):
+        fmha.dropout_mask(*args)
+
+
+def test_dropout_mask_needs_a_cuda_device():
+    with pytest.raises(ValueError, match="device must be a CUDA device, got cpu"):
+        fmha.dropout_mask(0, 0, 0.1, 1, 1, 4, 4, device="cpu")
+
+
+# ---- the C++ checks, reached through the bindings with an FwdArgs of integers ----------------
+
+# Head dims no instance has (not a multiple of 8), so that a call passing every check stops at
+# the dispatcher (kNoInstance, or kCudaError without a GPU) and never launches.
+UNSERVED_HDIM = 4
+
+
+def cpp_args(**overrides) -> "_C.FwdArgs":
+    """A valid batch-mode problem at fake, aligned addresses (nothing dereferences them)."""
+    a = _C.FwdArgs()
+    fields = dict(
         dtype=_C.DTYPE_FP16, mask=_C.MASK_NONE, q=4096, k=4096, v=4096, o=4096, batch=1,
         seqlen_q=16, seqlen_k=16, nhead_q=2, nhead_k=2, hdim_q=64, hdim_v=64,
-        q_strides=(2048, 128, 64), k_strides=(2048, 128, 64), v_strides=(2048, 128, 64),
-        o_strides=(2048, 128, 64), softmax_scale=0.125, stream=0, instance=None,
+        q_batch_stride=2048, q_seq_stride=128, q_head_stride=64,
+        k_batch_stride=2048, k_seq_stride=128, k_head_stride=64,
+        v_batch_stride=2048, v_seq_stride=128, v_head_stride=64,
+        o_batch_stride=2048, o_seq_stride=128, o_head_stride=64, softmax_scale=0.125,
     )
-    args.update(overrides)
-    return _C.fwd(*args.values())
+    for name, value in {**fields, **overrides}.items():
+        setattr(a, name, value)
+    return a
+
+
+def cpp_fwd(**overrides):
+    return _C.fwd(cpp_args(**overrides), 0, None)
 
 
 @pytest.mark.parametrize(
@@ -125,24 +573,153 @@ def cpp_fwd(**overrides):
     [
         (dict(q=4098), "q must be 16-byte aligned"),
         (dict(o=0), "o is a null pointer"),
-        (dict(k_strides=(2048, 132, 64)), "k seq stride is 132; it must be a non-negative multiple of 8"),
+        (dict(k_seq_stride=132), "k seq stride is 132; it must be a non-negative multiple of 8"),
+        (dict(v_head_stride=-8), "v head stride is -8"),
         (dict(nhead_k=3), r"nhead_q \(2\) must be a positive multiple of nhead_k \(3\)"),
         (dict(softmax_scale=-1.0), "softmax_scale must be finite and positive"),
         (dict(hdim_v=0), "hdim_q and hdim_v must be positive"),
         (dict(batch=70000), "batch and nhead_q must be at most 65535"),
         (dict(seqlen_k=-1), "must be non-negative"),
+        (dict(dtype=2), "unknown dtype 2; valid: kFP16, kBF16"),
+        (dict(mode=-1), "unknown mode -1"),
+        (dict(mask=3), "unknown mask type 3"),
+        (dict(mask_align=2), "unknown mask alignment 2"),
+        (dict(bias=3), "unknown bias type 3"),
+        (dict(vlayout=5), "unknown V layout 5"),
+        (dict(mask=_C.MASK_WINDOW, window_left=-2),
+         r"window_left and window_right must be -1 \(unbounded\) or non-negative, got \(-2, -1\)"),
+        (dict(softcap=-1.0), "softcap must be finite and non-negative"),
+        (dict(softcap=float("nan")), "softcap must be finite"),
+        (dict(dropout_p=1.0), r"dropout_p must be in \[0, 1\)"),
+        (dict(dropout_p=float("nan")), r"dropout_p must be in \[0, 1\)"),
+        (dict(cu_seqlens_q=4096), "batch mode must not get them"),
+        (dict(bias_ptr=4096), "bias_ptr is set but the bias type is not BiasType::kElementwise"),
+        (dict(bias=_C.BIAS_ELEMENTWISE, bias_ptr=4096, alibi_slopes=4096),
+         "alibi_slopes is set but the bias type is not BiasType::kAlibi"),
+        (dict(mode=_C.MODE_GROUP), "cu_seqlens_q is a null pointer; Mode::kGroup needs"),
+        (dict(mode=_C.MODE_GROUP, cu_seqlens_q=4096, cu_seqlens_k=4098),
+         "cu_seqlens_k must be 4-byte aligned"),
+        (dict(seqused_q=4097), "seqused_q must be 4-byte aligned"),
+        (dict(bias=_C.BIAS_ELEMENTWISE), "BiasType::kElementwise needs bias_ptr"),
+        (dict(bias=_C.BIAS_ELEMENTWISE, bias_ptr=4097), "bias_ptr must be aligned to its 2-byte"),
+        (dict(bias=_C.BIAS_ELEMENTWISE, bias_ptr=4098, bias_seq_stride=-1),
+         "bias_seq_stride is -1; it must be non-negative"),
+        (dict(bias=_C.BIAS_ALIBI), "BiasType::kAlibi needs alibi_slopes"),
+        (dict(bias=_C.BIAS_ALIBI, alibi_slopes=4098), "alibi_slopes must be 4-byte aligned"),
+        (dict(bias=_C.BIAS_ALIBI, alibi_slopes=4096, alibi_batch_stride=-2),
+         "alibi_batch_stride is -2"),
+        (dict(lse=4098), "lse must be 4-byte aligned"),
+        (dict(lse=4096, lse_head_stride=-16), "lse_head_stride is -16"),
+        (dict(v_dim_stride=2), "v_dim_stride is 2; VLayout::kRowMajor needs 1"),
+        (dict(vlayout=_C.VLAYOUT_COL_MAJOR), "v_seq_stride is 128; VLayout::kColMajor needs 1"),
+        (dict(vlayout=_C.VLAYOUT_COL_MAJOR, v_seq_stride=1, v_dim_stride=12),
+         "v_dim_stride is 12; VLayout::kColMajor needs a positive multiple of 8"),
+        (dict(vlayout=_C.VLAYOUT_COL_MAJOR, v_seq_stride=1, v_dim_stride=16, v_head_stride=4),
+         "v head stride is 4"),
     ],
 )
 def test_cpp_rejects_bad_arguments_before_any_cuda_call(overrides, message):
-    code, text, _ = cpp_fwd(**overrides)
-    assert code == _C.STATUS_INVALID_ARGUMENT
+    code, text, chosen = cpp_fwd(**overrides)
+    assert code == _C.STATUS_INVALID_ARGUMENT, text
     assert re.search(message, text), text
+    assert chosen == ""
+
+
+def passes_checks(code: int, text: str) -> bool:
+    """Past every argument check: the dispatcher found nothing (UNSERVED_HDIM), or there is no
+    GPU to ask."""
+    return code in (_C.STATUS_NO_INSTANCE, _C.STATUS_CUDA_ERROR) and "fmha::fwd:" not in text
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),
+        # The window sizes are read for MaskType::kWindow only.
+        dict(mask=_C.MASK_CAUSAL, window_left=-7, window_right=-9),
+        dict(mask=_C.MASK_WINDOW, mask_align=_C.ALIGN_BOTTOM_RIGHT, window_left=0,
+             window_right=-1),
+        # Group mode ignores batch strides.
+        dict(mode=_C.MODE_GROUP, cu_seqlens_q=4096, cu_seqlens_k=4100, q_batch_stride=3,
+             o_batch_stride=-1, lse=4096, lse_batch_stride=-5, lse_head_stride=64),
+        dict(vlayout=_C.VLAYOUT_COL_MAJOR, v_seq_stride=1, v_dim_stride=16),
+        dict(bias=_C.BIAS_ELEMENTWISE, bias_ptr=4098),  # 2-byte aligned is enough
+        dict(bias=_C.BIAS_ALIBI, alibi_slopes=4100),
+        dict(seqused_q=4100, seqused_k=4104, dropout_p=0.5, softcap=50.0),
+        dict(seqlen_k=0, k=0, v=0),  # no keys: K and V are not read
+    ],
+)
+def test_cpp_accepts_valid_arguments(overrides):
+    code, text, _ = cpp_fwd(hdim_q=UNSERVED_HDIM, hdim_v=UNSERVED_HDIM, **overrides)
+    assert passes_checks(code, text), text
+
+
+def test_cpp_empty_problem_needs_no_pointers():
+    code, text, _ = cpp_fwd(batch=0, q=0, k=0, v=0, o=0, hdim_q=UNSERVED_HDIM,
+                            hdim_v=UNSERVED_HDIM)
+    assert passes_checks(code, text), text
+
+
+def test_cpp_select_and_explain_read_no_pointers():
+    args = cpp_args(q=0, k=0, v=0, o=0, hdim_q=UNSERVED_HDIM, hdim_v=UNSERVED_HDIM,
+                    mode=_C.MODE_GROUP, bias=_C.BIAS_ALIBI)
+    code, text, info = _C.select(args)
+    assert passes_checks(code, text) and info is None, text
+    code, text, explanation = _C.explain(args)
+    if CPU_ONLY:
+        assert code == _C.STATUS_CUDA_ERROR, text
+    else:  # a miss is explained, not an error
+        assert code == _C.STATUS_OK and "hdim_q=4" in explanation and "--filter" in explanation
+    args.mask = 9
+    assert _C.select(args)[0] == _C.STATUS_INVALID_ARGUMENT
+    assert _C.explain(args)[0] == _C.STATUS_INVALID_ARGUMENT
+
+
+def test_cpp_fwd_args_fields():
+    a = _C.FwdArgs()
+    assert (a.q, a.lse, a.v_dim_stride, a.window_left, a.window_right) == (0, 0, 1, -1, -1)
+    assert a.traits() == dict(dtype=0, hdim_q=0, hdim_v=0, mask=0, bias=0, vlayout=0, mode=0,
+                              lse=False, dropout=False, softcap=False)
+    a.lse, a.dropout_p, a.softcap, a.mask = 2**40, 0.1, 1.0, _C.MASK_WINDOW
+    assert a.lse == 2**40
+    assert a.traits() == dict(dtype=0, hdim_q=0, hdim_v=0, mask=_C.MASK_WINDOW, bias=0,
+                              vlayout=0, mode=0, lse=True, dropout=True, softcap=True)
+    a.dropout_seed = 2**64 - 1
+    assert a.dropout_seed == 2**64 - 1
+    with pytest.raises(TypeError):
+        a.dropout_offset = 2**32
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((0, 0, 1.0, 1, 1, 4, 4, 4096, 0), r"dropout_p must be in \[0, 1\)"),
+        ((0, 0, float("nan"), 1, 1, 4, 4, 4096, 0), r"dropout_p must be in \[0, 1\)"),
+        ((0, 0, 0.1, 1, -1, 4, 4, 4096, 0), "must be non-negative"),
+        ((0, 0, 0.1, 70000, 1, 4, 4, 4096, 0), "at most 65535"),
+        ((0, 0, 0.1, 1, 1, 4, 4, 0, 0), "keep is a null pointer"),
+    ],
+)
+def test_cpp_dropout_mask_checks(args, message):
+    code, text = _C.dropout_mask(*args)
+    assert code == _C.STATUS_INVALID_ARGUMENT and re.search(message, text), text
+
+
+def test_cpp_empty_dropout_mask_launches_nothing():
+    assert _C.dropout_mask(0, 0, 0.5, 2, 4, 0, 16, 0, 0) == (_C.STATUS_OK, "")
 
 
 def test_cpp_reports_the_compiled_matrix():
     names = [i["name"] for i in fmha.instances()]
     assert names and len(names) == len(set(names))
     assert set(fmha.compiled_targets()) <= {"sm80", "sm90a"}
+    keys = {"name", "dtype", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode", "lse",
+            "dropout", "softcap", "pipeline", "arch", "block_m", "block_n", "pad_seqlen",
+            "pad_hdim"}
     for inst in fmha.instances():
+        assert set(inst) == keys
         assert inst["arch"] in fmha.compiled_targets()
-        assert inst["dtype"] in ("fp16", "bf16") and inst["mask"] in ("none", "causal")
+        assert inst["dtype"] in ("fp16", "bf16")
+        assert inst["mask"] in ("none", "causal", "window")
+        assert inst["bias"] in ("none", "elementwise", "alibi")
+        assert inst["vlayout"] in ("row", "col") and inst["mode"] in ("batch", "group")

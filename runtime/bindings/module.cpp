@@ -1,10 +1,9 @@
 // fmha._C: the C++ API for Python. It takes plain integers (pointers, shapes, strides, the
 // stream handle), not torch tensors, so it builds against no torch C++ headers; the Python
-// package turns tensors into these arguments after checking them.
+// package turns tensors into an FwdArgs after checking them.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -16,22 +15,23 @@ namespace py = pybind11;
 
 namespace {
 
-using Strides = std::array<int64_t, 3>;  // batch, seq, head (in elements)
+using Args = py::class_<fmha::FwdArgs>;
 
-fmha::FwdArgs make_args(int dtype, int mask, int batch, int seqlen_q, int seqlen_k, int nhead_q,
-                        int nhead_k, int hdim_q, int hdim_v, float softmax_scale) {
-  fmha::FwdArgs a;
-  a.dtype = static_cast<fmha::DataType>(dtype);
-  a.mask = static_cast<fmha::MaskType>(mask);
-  a.batch = batch;
-  a.seqlen_q = seqlen_q;
-  a.seqlen_k = seqlen_k;
-  a.nhead_q = nhead_q;
-  a.nhead_k = nhead_k;
-  a.hdim_q = hdim_q;
-  a.hdim_v = hdim_v;
-  a.softmax_scale = softmax_scale;
-  return a;
+// A pointer field as an integer property: a tensor's data_ptr(), 0 for none.
+template <typename Ptr>
+void pointer_property(Args& cls, const char* name, Ptr fmha::FwdArgs::*field) {
+  cls.def_property(
+      name, [field](const fmha::FwdArgs& a) { return reinterpret_cast<uintptr_t>(a.*field); },
+      [field](fmha::FwdArgs& a, uintptr_t value) { a.*field = reinterpret_cast<Ptr>(value); });
+}
+
+// An enum field as an int property (the module's *_ constants); the C++ checks reject values
+// outside the enum.
+template <typename Enum>
+void enum_property(Args& cls, const char* name, Enum fmha::FwdArgs::*field) {
+  cls.def_property(
+      name, [field](const fmha::FwdArgs& a) { return static_cast<int>(a.*field); },
+      [field](fmha::FwdArgs& a, int value) { a.*field = static_cast<Enum>(value); });
 }
 
 py::dict info_dict(const fmha::InstanceInfo& i) {
@@ -41,31 +41,43 @@ py::dict info_dict(const fmha::InstanceInfo& i) {
   d["hdim_q"] = i.traits.hdim_q;
   d["hdim_v"] = i.traits.hdim_v;
   d["mask"] = fmha::to_string(i.traits.mask);
+  d["bias"] = fmha::to_string(i.traits.bias);
+  d["vlayout"] = fmha::to_string(i.traits.vlayout);
+  d["mode"] = fmha::to_string(i.traits.mode);
+  d["lse"] = i.traits.lse;
+  d["dropout"] = i.traits.dropout;
+  d["softcap"] = i.traits.softcap;
   d["pipeline"] = i.pipeline;
   d["arch"] = i.arch;
   d["block_m"] = i.block_m;
   d["block_n"] = i.block_n;
   d["pad_seqlen"] = i.pad_seqlen;
+  d["pad_hdim"] = i.pad_hdim;
   return d;
 }
 
-// (status code, message, instance name): the Python side maps codes to exception types.
-using Result = std::tuple<int, std::string, std::string>;
+// FwdArgs::traits() with enums as ints, like the FwdArgs properties: the args may hold values
+// outside the enums, which have no token.
+py::dict traits_dict(const fmha::FwdTraits& t) {
+  py::dict d;
+  d["dtype"] = static_cast<int>(t.dtype);
+  d["hdim_q"] = t.hdim_q;
+  d["hdim_v"] = t.hdim_v;
+  d["mask"] = static_cast<int>(t.mask);
+  d["bias"] = static_cast<int>(t.bias);
+  d["vlayout"] = static_cast<int>(t.vlayout);
+  d["mode"] = static_cast<int>(t.mode);
+  d["lse"] = t.lse;
+  d["dropout"] = t.dropout;
+  d["softcap"] = t.softcap;
+  return d;
+}
 
-Result fwd(int dtype, int mask, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, int batch,
-           int seqlen_q, int seqlen_k, int nhead_q, int nhead_k, int hdim_q, int hdim_v,
-           Strides q_strides, Strides k_strides, Strides v_strides, Strides o_strides,
-           float softmax_scale, uintptr_t stream, std::optional<std::string> instance) {
-  fmha::FwdArgs a = make_args(dtype, mask, batch, seqlen_q, seqlen_k, nhead_q, nhead_k, hdim_q,
-                              hdim_v, softmax_scale);
-  a.q = reinterpret_cast<const void*>(q);
-  a.k = reinterpret_cast<const void*>(k);
-  a.v = reinterpret_cast<const void*>(v);
-  a.o = reinterpret_cast<void*>(o);
-  std::tie(a.q_batch_stride, a.q_seq_stride, a.q_head_stride) = std::tuple_cat(q_strides);
-  std::tie(a.k_batch_stride, a.k_seq_stride, a.k_head_stride) = std::tuple_cat(k_strides);
-  std::tie(a.v_batch_stride, a.v_seq_stride, a.v_head_stride) = std::tuple_cat(v_strides);
-  std::tie(a.o_batch_stride, a.o_seq_stride, a.o_head_stride) = std::tuple_cat(o_strides);
+int code(const fmha::Status& st) { return static_cast<int>(st.code); }
+
+// (status code, message, instance name): the Python side maps codes to exception types.
+std::tuple<int, std::string, std::string> fwd(const fmha::FwdArgs& args, uintptr_t stream,
+                                              std::optional<std::string> instance) {
   std::string chosen;
   fmha::Status st;
   {
@@ -73,30 +85,106 @@ Result fwd(int dtype, int mask, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t
                                      // the first launch's module load can take a while
     const auto s = reinterpret_cast<fmha::Stream>(stream);
     if (instance) {
-      st = fmha::fwd_instance(*instance, a, s);
-      chosen = *instance;
+      st = fmha::fwd_instance(*instance, args, s);
+      if (st.ok()) chosen = *instance;
     } else {
-      st = fmha::fwd(a, s, &chosen);
+      st = fmha::fwd(args, s, &chosen);
     }
   }
-  return {static_cast<int>(st.code), st.message, chosen};
+  return {code(st), st.message, chosen};
 }
 
-std::tuple<int, std::string, py::object> select_instance(int dtype, int mask, int batch, int seqlen_q,
-                                                int seqlen_k, int nhead_q, int nhead_k,
-                                                int hdim_q, int hdim_v, float softmax_scale) {
-  const fmha::FwdArgs a = make_args(dtype, mask, batch, seqlen_q, seqlen_k, nhead_q, nhead_k,
-                                    hdim_q, hdim_v, softmax_scale);
+std::tuple<int, std::string, py::object> select_instance(const fmha::FwdArgs& args) {
   fmha::InstanceInfo info;
-  const fmha::Status st = fmha::select(a, &info);
+  const fmha::Status st = fmha::select(args, &info);
   py::object chosen = st.ok() ? py::object(info_dict(info)) : py::none();
-  return {static_cast<int>(st.code), st.message, chosen};
+  return {code(st), st.message, chosen};
+}
+
+std::tuple<int, std::string, std::string> explain(const fmha::FwdArgs& args) {
+  std::string text;
+  const fmha::Status st = fmha::explain(args, &text);
+  return {code(st), st.message, text};
+}
+
+std::tuple<int, std::string> dropout_mask(uint64_t seed, uint32_t offset, float dropout_p,
+                                          int batch, int nhead, int seqlen_q, int seqlen_k,
+                                          uintptr_t keep, uintptr_t stream) {
+  fmha::Status st;
+  {
+    py::gil_scoped_release release;
+    st = fmha::dropout_mask(seed, offset, dropout_p, batch, nhead, seqlen_q, seqlen_k,
+                            reinterpret_cast<uint8_t*>(keep),
+                            reinterpret_cast<fmha::Stream>(stream));
+  }
+  return {code(st), st.message};
+}
+
+void bind_args(py::module_& m) {
+  Args cls(m, "FwdArgs",
+           "fmha::FwdArgs: one forward problem. Pointers are integers (data_ptr(), 0 for none), "
+           "enums are ints (the module's DTYPE_*, MODE_*, MASK_*, ALIGN_*, BIAS_*, VLAYOUT_* "
+           "constants), strides are in elements.");
+  cls.def(py::init<>());
+  enum_property(cls, "dtype", &fmha::FwdArgs::dtype);
+  enum_property(cls, "mode", &fmha::FwdArgs::mode);
+  pointer_property(cls, "q", &fmha::FwdArgs::q);
+  pointer_property(cls, "k", &fmha::FwdArgs::k);
+  pointer_property(cls, "v", &fmha::FwdArgs::v);
+  pointer_property(cls, "o", &fmha::FwdArgs::o);
+  cls.def_readwrite("batch", &fmha::FwdArgs::batch)
+      .def_readwrite("seqlen_q", &fmha::FwdArgs::seqlen_q)
+      .def_readwrite("seqlen_k", &fmha::FwdArgs::seqlen_k)
+      .def_readwrite("nhead_q", &fmha::FwdArgs::nhead_q)
+      .def_readwrite("nhead_k", &fmha::FwdArgs::nhead_k)
+      .def_readwrite("hdim_q", &fmha::FwdArgs::hdim_q)
+      .def_readwrite("hdim_v", &fmha::FwdArgs::hdim_v)
+      .def_readwrite("q_batch_stride", &fmha::FwdArgs::q_batch_stride)
+      .def_readwrite("q_seq_stride", &fmha::FwdArgs::q_seq_stride)
+      .def_readwrite("q_head_stride", &fmha::FwdArgs::q_head_stride)
+      .def_readwrite("k_batch_stride", &fmha::FwdArgs::k_batch_stride)
+      .def_readwrite("k_seq_stride", &fmha::FwdArgs::k_seq_stride)
+      .def_readwrite("k_head_stride", &fmha::FwdArgs::k_head_stride)
+      .def_readwrite("v_batch_stride", &fmha::FwdArgs::v_batch_stride)
+      .def_readwrite("v_seq_stride", &fmha::FwdArgs::v_seq_stride)
+      .def_readwrite("v_head_stride", &fmha::FwdArgs::v_head_stride)
+      .def_readwrite("o_batch_stride", &fmha::FwdArgs::o_batch_stride)
+      .def_readwrite("o_seq_stride", &fmha::FwdArgs::o_seq_stride)
+      .def_readwrite("o_head_stride", &fmha::FwdArgs::o_head_stride)
+      .def_readwrite("v_dim_stride", &fmha::FwdArgs::v_dim_stride);
+  enum_property(cls, "vlayout", &fmha::FwdArgs::vlayout);
+  pointer_property(cls, "cu_seqlens_q", &fmha::FwdArgs::cu_seqlens_q);
+  pointer_property(cls, "cu_seqlens_k", &fmha::FwdArgs::cu_seqlens_k);
+  pointer_property(cls, "seqused_q", &fmha::FwdArgs::seqused_q);
+  pointer_property(cls, "seqused_k", &fmha::FwdArgs::seqused_k);
+  cls.def_readwrite("softmax_scale", &fmha::FwdArgs::softmax_scale);
+  enum_property(cls, "mask", &fmha::FwdArgs::mask);
+  enum_property(cls, "mask_align", &fmha::FwdArgs::mask_align);
+  cls.def_readwrite("window_left", &fmha::FwdArgs::window_left)
+      .def_readwrite("window_right", &fmha::FwdArgs::window_right);
+  enum_property(cls, "bias", &fmha::FwdArgs::bias);
+  pointer_property(cls, "bias_ptr", &fmha::FwdArgs::bias_ptr);
+  cls.def_readwrite("bias_batch_stride", &fmha::FwdArgs::bias_batch_stride)
+      .def_readwrite("bias_head_stride", &fmha::FwdArgs::bias_head_stride)
+      .def_readwrite("bias_seq_stride", &fmha::FwdArgs::bias_seq_stride);
+  pointer_property(cls, "alibi_slopes", &fmha::FwdArgs::alibi_slopes);
+  cls.def_readwrite("alibi_batch_stride", &fmha::FwdArgs::alibi_batch_stride)
+      .def_readwrite("softcap", &fmha::FwdArgs::softcap)
+      .def_readwrite("dropout_p", &fmha::FwdArgs::dropout_p)
+      .def_readwrite("dropout_seed", &fmha::FwdArgs::dropout_seed)
+      .def_readwrite("dropout_offset", &fmha::FwdArgs::dropout_offset);
+  pointer_property(cls, "lse", &fmha::FwdArgs::lse);
+  cls.def_readwrite("lse_batch_stride", &fmha::FwdArgs::lse_batch_stride)
+      .def_readwrite("lse_head_stride", &fmha::FwdArgs::lse_head_stride);
+  cls.def(
+      "traits", [](const fmha::FwdArgs& a) { return traits_dict(a.traits()); },
+      "FwdArgs::traits(): what an instance must match, enums as ints.");
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "libfmha bindings: pointers, shapes and strides in; see the fmha package";
+  m.doc() = "libfmha bindings: an FwdArgs of pointers, shapes and strides in; see the fmha package";
 
   m.attr("STATUS_OK") = static_cast<int>(fmha::Status::Code::kOk);
   m.attr("STATUS_INVALID_ARGUMENT") = static_cast<int>(fmha::Status::Code::kInvalidArgument);
@@ -104,14 +192,34 @@ PYBIND11_MODULE(_C, m) {
   m.attr("STATUS_CUDA_ERROR") = static_cast<int>(fmha::Status::Code::kCudaError);
   m.attr("DTYPE_FP16") = static_cast<int>(fmha::DataType::kFP16);
   m.attr("DTYPE_BF16") = static_cast<int>(fmha::DataType::kBF16);
+  m.attr("MODE_BATCH") = static_cast<int>(fmha::Mode::kBatch);
+  m.attr("MODE_GROUP") = static_cast<int>(fmha::Mode::kGroup);
   m.attr("MASK_NONE") = static_cast<int>(fmha::MaskType::kNone);
-  m.attr("MASK_CAUSAL") = static_cast<int>(fmha::MaskType::kCausalTopLeft);
+  m.attr("MASK_CAUSAL") = static_cast<int>(fmha::MaskType::kCausal);
+  m.attr("MASK_WINDOW") = static_cast<int>(fmha::MaskType::kWindow);
+  m.attr("ALIGN_TOP_LEFT") = static_cast<int>(fmha::MaskAlign::kTopLeft);
+  m.attr("ALIGN_BOTTOM_RIGHT") = static_cast<int>(fmha::MaskAlign::kBottomRight);
+  m.attr("BIAS_NONE") = static_cast<int>(fmha::BiasType::kNone);
+  m.attr("BIAS_ELEMENTWISE") = static_cast<int>(fmha::BiasType::kElementwise);
+  m.attr("BIAS_ALIBI") = static_cast<int>(fmha::BiasType::kAlibi);
+  m.attr("VLAYOUT_ROW_MAJOR") = static_cast<int>(fmha::VLayout::kRowMajor);
+  m.attr("VLAYOUT_COL_MAJOR") = static_cast<int>(fmha::VLayout::kColMajor);
 
-  m.def("fwd", &fwd,
-        "Run the forward pass, with the dispatcher's instance or the one named; returns "
-        "(status code, message, instance name).");
-  m.def("select", &select_instance,
-        "The instance fwd would run on the current device; returns (code, message, info).");
+  bind_args(m);
+  m.def("fwd", &fwd, py::arg("args"), py::arg("stream"), py::arg("instance") = py::none(),
+        "Run the forward pass on the stream (a cudaStream_t as an int), with the dispatcher's "
+        "instance or the one named; returns (status code, message, instance name).");
+  m.def("select", &select_instance, py::arg("args"),
+        "The instance fwd would run on the current device; returns (code, message, info dict "
+        "or None).");
+  m.def("explain", &explain, py::arg("args"),
+        "Why select chooses what it chooses, or what would build an instance on a miss; "
+        "returns (code, message, text).");
+  m.def("dropout_mask", &dropout_mask, py::arg("seed"), py::arg("offset"), py::arg("dropout_p"),
+        py::arg("batch"), py::arg("nhead"), py::arg("seqlen_q"), py::arg("seqlen_k"),
+        py::arg("keep"), py::arg("stream"),
+        "Write fwd's dropout keep pattern (uint8, contiguous (batch, nhead, seqlen_q, "
+        "seqlen_k)) to the device pointer `keep`; returns (code, message).");
   m.def("instances", [] {
     py::list out;
     for (const auto& i : fmha::instances()) out.append(info_dict(i));

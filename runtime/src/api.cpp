@@ -3,9 +3,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <sstream>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "dispatcher.h"
@@ -27,18 +27,33 @@ Status invalid(const std::string& message) {
 
 bool is_empty(const FwdArgs& a) { return a.batch == 0 || a.seqlen_q == 0 || a.nhead_q == 0; }
 
-Status check_tensor(const char* name, const void* ptr, int64_t batch_stride, int64_t seq_stride,
-                    int64_t head_stride) {
+bool aligned(const void* ptr, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+}
+
+// An enum's value, checked against its enumerators 0..last: an int cast into the enum (as the
+// bindings do) can hold anything, and the dispatcher indexes token tables with it.
+template <typename Enum>
+Status check_enum(const char* name, Enum value, Enum last, const char* valid) {
+  const int v = static_cast<int>(value);
+  if (v >= 0 && v <= static_cast<int>(last)) return Status::Ok();
+  return invalid("unknown " + std::string(name) + " " + std::to_string(v) + "; valid: " + valid);
+}
+
+struct Stride {
+  const char* name;
+  int64_t value;
+};
+
+// A Q/K/V/O operand: present, 16-byte aligned, and each of `strides` a non-negative multiple of
+// 8 elements, so that every row starts on a 16-byte boundary.
+Status check_operand(const char* name, const void* ptr, std::initializer_list<Stride> strides) {
   if (ptr == nullptr) return invalid(std::string(name) + " is a null pointer");
-  if (reinterpret_cast<uintptr_t>(ptr) % kAlignBytes != 0) {
-    return invalid(std::string(name) + " must be 16-byte aligned");
-  }
-  const int64_t strides[] = {batch_stride, seq_stride, head_stride};
-  const char* stride_names[] = {"batch", "seq", "head"};
-  for (int i = 0; i < 3; ++i) {
-    if (strides[i] < 0 || strides[i] % kAlignElements != 0) {
+  if (!aligned(ptr, kAlignBytes)) return invalid(std::string(name) + " must be 16-byte aligned");
+  for (const Stride& stride : strides) {
+    if (stride.value < 0 || stride.value % kAlignElements != 0) {
       std::ostringstream s;
-      s << name << " " << stride_names[i] << " stride is " << strides[i]
+      s << name << " " << stride.name << " stride is " << stride.value
         << "; it must be a non-negative multiple of " << kAlignElements
         << " elements (rows move in 16-byte pieces)";
       return invalid(s.str());
@@ -47,9 +62,43 @@ Status check_tensor(const char* name, const void* ptr, int64_t batch_stride, int
   return Status::Ok();
 }
 
-// Shapes, traits and scale always; pointers, alignment and strides only when `check_memory`
-// (select() describes a problem without tensors).
+Status check_non_negative(std::initializer_list<Stride> strides) {
+  for (const Stride& stride : strides) {
+    if (stride.value < 0) {
+      return invalid(std::string(stride.name) + " is " + std::to_string(stride.value) +
+                     "; it must be non-negative");
+    }
+  }
+  return Status::Ok();
+}
+
+// A device int32 array: present when `needed`, and 4-byte aligned. Its values live on the
+// device, so they are the caller's contract (non-decreasing cu_seqlens from 0, seqused within
+// the lengths): reading them here would synchronize with the stream.
+Status check_int_array(const char* name, const int32_t* ptr, bool needed, const char* why) {
+  if (ptr == nullptr) {
+    return needed ? invalid(std::string(name) + " is a null pointer; " + why) : Status::Ok();
+  }
+  if (!aligned(ptr, alignof(int32_t))) {
+    return invalid(std::string(name) + " must be 4-byte aligned");
+  }
+  return Status::Ok();
+}
+
+// Shapes, traits and options always; pointers, alignment and strides only when `check_memory`
+// (select() and explain() describe a problem without tensors). The window sizes are read only
+// for MaskType::kWindow: the other masks ignore them, as fmha.h says.
 Status check_args(const FwdArgs& a, bool check_memory) {
+  for (const Status& st :
+       {check_enum("dtype", a.dtype, DataType::kBF16, "kFP16, kBF16"),
+        check_enum("mode", a.mode, Mode::kGroup, "kBatch, kGroup"),
+        check_enum("mask type", a.mask, MaskType::kWindow, "kNone, kCausal, kWindow"),
+        check_enum("mask alignment", a.mask_align, MaskAlign::kBottomRight,
+                   "kTopLeft, kBottomRight"),
+        check_enum("bias type", a.bias, BiasType::kAlibi, "kNone, kElementwise, kAlibi"),
+        check_enum("V layout", a.vlayout, VLayout::kColMajor, "kRowMajor, kColMajor")}) {
+    if (!st.ok()) return st;
+  }
   if (a.batch < 0 || a.seqlen_q < 0 || a.seqlen_k < 0 || a.nhead_q < 0 || a.nhead_k < 0) {
     return invalid("batch, seqlen_q, seqlen_k, nhead_q and nhead_k must be non-negative");
   }
@@ -60,28 +109,116 @@ Status check_args(const FwdArgs& a, bool check_memory) {
       << ")";
     return invalid(s.str());
   }
-  if (!(std::isfinite(a.softmax_scale) && a.softmax_scale > 0.f)) {
-    return invalid("softmax_scale must be finite and positive");
-  }
-  if (a.dtype != DataType::kFP16 && a.dtype != DataType::kBF16) return invalid("unknown dtype");
-  if (a.mask != MaskType::kNone && a.mask != MaskType::kCausalTopLeft) {
-    return invalid("unknown mask type");
-  }
   if (a.batch > kMaxGridYZ || a.nhead_q > kMaxGridYZ) {
     return invalid("batch and nhead_q must be at most 65535");
   }
+  if (!(std::isfinite(a.softmax_scale) && a.softmax_scale > 0.f)) {
+    return invalid("softmax_scale must be finite and positive");
+  }
+  if (a.mask == MaskType::kWindow && (a.window_left < -1 || a.window_right < -1)) {
+    std::ostringstream s;
+    s << "window_left and window_right must be -1 (unbounded) or non-negative, got ("
+      << a.window_left << ", " << a.window_right << ")";
+    return invalid(s.str());
+  }
+  if (!(std::isfinite(a.softcap) && a.softcap >= 0.f)) {
+    return invalid("softcap must be finite and non-negative (0 turns soft-capping off)");
+  }
+  if (!(std::isfinite(a.dropout_p) && a.dropout_p >= 0.f && a.dropout_p < 1.f)) {
+    return invalid("dropout_p must be in [0, 1)");
+  }
+  // Operands the problem's traits would ignore are a caller's mistake, not something to drop.
+  if (a.mode == Mode::kBatch && (a.cu_seqlens_q != nullptr || a.cu_seqlens_k != nullptr)) {
+    return invalid("cu_seqlens_q/cu_seqlens_k are for Mode::kGroup; batch mode must not get them");
+  }
+  if (a.bias != BiasType::kElementwise && a.bias_ptr != nullptr) {
+    return invalid("bias_ptr is set but the bias type is not BiasType::kElementwise");
+  }
+  if (a.bias != BiasType::kAlibi && a.alibi_slopes != nullptr) {
+    return invalid("alibi_slopes is set but the bias type is not BiasType::kAlibi");
+  }
   if (is_empty(a) || !check_memory) return Status::Ok();
-  for (auto [name, ptr, bs, ss, hs] :
-       {std::tuple{"q", a.q, a.q_batch_stride, a.q_seq_stride, a.q_head_stride},
-        std::tuple{"o", static_cast<const void*>(a.o), a.o_batch_stride, a.o_seq_stride,
-                   a.o_head_stride}}) {
-    if (Status st = check_tensor(name, ptr, bs, ss, hs); !st.ok()) return st;
+
+  // Group mode ignores the batch strides: a sequence starts at its cu_seqlens entry.
+  const bool batch_mode = a.mode == Mode::kBatch;
+  auto batch_stride = [&](int64_t stride) { return batch_mode ? stride : 0; };
+  if (Status st = check_operand("q", a.q, {{"batch", batch_stride(a.q_batch_stride)},
+                                           {"seq", a.q_seq_stride},
+                                           {"head", a.q_head_stride}});
+      !st.ok()) {
+    return st;
+  }
+  if (Status st = check_operand("o", a.o, {{"batch", batch_stride(a.o_batch_stride)},
+                                           {"seq", a.o_seq_stride},
+                                           {"head", a.o_head_stride}});
+      !st.ok()) {
+    return st;
   }
   if (a.seqlen_k > 0) {
-    for (auto [name, ptr, bs, ss, hs] :
-         {std::tuple{"k", a.k, a.k_batch_stride, a.k_seq_stride, a.k_head_stride},
-          std::tuple{"v", a.v, a.v_batch_stride, a.v_seq_stride, a.v_head_stride}}) {
-      if (Status st = check_tensor(name, ptr, bs, ss, hs); !st.ok()) return st;
+    if (Status st = check_operand("k", a.k, {{"batch", batch_stride(a.k_batch_stride)},
+                                             {"seq", a.k_seq_stride},
+                                             {"head", a.k_head_stride}});
+        !st.ok()) {
+      return st;
+    }
+    // V moves in 16-byte pieces along its contiguous dimension, hdim or seqlen.
+    const bool row_major = a.vlayout == VLayout::kRowMajor;
+    if (row_major && a.v_dim_stride != 1) {
+      return invalid("v_dim_stride is " + std::to_string(a.v_dim_stride) +
+                     "; VLayout::kRowMajor needs 1 (the head dim contiguous)");
+    }
+    if (!row_major && a.v_seq_stride != 1) {
+      return invalid("v_seq_stride is " + std::to_string(a.v_seq_stride) +
+                     "; VLayout::kColMajor needs 1 (the sequence contiguous)");
+    }
+    if (!row_major && (a.v_dim_stride <= 0 || a.v_dim_stride % kAlignElements != 0)) {
+      return invalid("v_dim_stride is " + std::to_string(a.v_dim_stride) +
+                     "; VLayout::kColMajor needs a positive multiple of 8 elements");
+    }
+    if (Status st = check_operand(
+            "v", a.v,
+            {{"batch", batch_stride(a.v_batch_stride)},
+             {row_major ? "seq" : "dim", row_major ? a.v_seq_stride : a.v_dim_stride},
+             {"head", a.v_head_stride}});
+        !st.ok()) {
+      return st;
+    }
+  }
+
+  const char* group_why = "Mode::kGroup needs cu_seqlens_q and cu_seqlens_k";
+  for (const Status& st :
+       {check_int_array("cu_seqlens_q", a.cu_seqlens_q, !batch_mode, group_why),
+        check_int_array("cu_seqlens_k", a.cu_seqlens_k, !batch_mode, group_why),
+        check_int_array("seqused_q", a.seqused_q, false, ""),
+        check_int_array("seqused_k", a.seqused_k, false, "")}) {
+    if (!st.ok()) return st;
+  }
+
+  if (a.bias == BiasType::kElementwise) {
+    if (a.bias_ptr == nullptr) return invalid("BiasType::kElementwise needs bias_ptr");
+    if (!aligned(a.bias_ptr, 2)) return invalid("bias_ptr must be aligned to its 2-byte elements");
+    if (Status st = check_non_negative({{"bias_batch_stride", a.bias_batch_stride},
+                                        {"bias_head_stride", a.bias_head_stride},
+                                        {"bias_seq_stride", a.bias_seq_stride}});
+        !st.ok()) {
+      return st;
+    }
+  }
+  if (a.bias == BiasType::kAlibi) {
+    if (a.alibi_slopes == nullptr) return invalid("BiasType::kAlibi needs alibi_slopes");
+    if (!aligned(a.alibi_slopes, alignof(float))) {
+      return invalid("alibi_slopes must be 4-byte aligned (fp32)");
+    }
+    if (Status st = check_non_negative({{"alibi_batch_stride", a.alibi_batch_stride}}); !st.ok()) {
+      return st;
+    }
+  }
+  if (a.lse != nullptr) {
+    if (!aligned(a.lse, alignof(float))) return invalid("lse must be 4-byte aligned (fp32)");
+    if (Status st = check_non_negative({{"lse_batch_stride", batch_stride(a.lse_batch_stride)},
+                                        {"lse_head_stride", a.lse_head_stride}});
+        !st.ok()) {
+      return st;
     }
   }
   return Status::Ok();
@@ -116,6 +253,12 @@ FwdTraits FwdArgs::traits() const {
   t.hdim_q = hdim_q;
   t.hdim_v = hdim_v;
   t.mask = mask;
+  t.bias = bias;
+  t.vlayout = vlayout;
+  t.mode = mode;
+  t.lse = lse != nullptr;
+  t.dropout = dropout_p > 0.f;
+  t.softcap = softcap > 0.f;
   return t;
 }
 
@@ -126,6 +269,16 @@ Status select(const FwdArgs& args, InstanceInfo* chosen) {
   const detail::InstanceEntry* entry = nullptr;
   if (Status st = detail::select_instance(args, cc, &entry); !st.ok()) return st;
   if (chosen != nullptr) *chosen = detail::to_info(*entry);
+  return Status::Ok();
+}
+
+// A miss is what explain() is for, so it is explained, not returned as an error: the status
+// fails only for invalid arguments or a device that cannot be queried.
+Status explain(const FwdArgs& args, std::string* explanation) {
+  if (Status st = check_args(args, /*check_memory=*/false); !st.ok()) return st;
+  int cc = 0;
+  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
+  if (explanation != nullptr) *explanation = detail::explain_selection(args, cc);
   return Status::Ok();
 }
 
@@ -150,5 +303,8 @@ std::vector<std::string> compiled_targets() {
 
 const char* to_string(DataType t) { return detail::kDataTypeTokens[static_cast<int>(t)]; }
 const char* to_string(MaskType t) { return detail::kMaskTokens[static_cast<int>(t)]; }
+const char* to_string(BiasType t) { return detail::kBiasTokens[static_cast<int>(t)]; }
+const char* to_string(VLayout t) { return detail::kVLayoutTokens[static_cast<int>(t)]; }
+const char* to_string(Mode t) { return detail::kModeTokens[static_cast<int>(t)]; }
 
 }  // namespace fmha

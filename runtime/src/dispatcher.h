@@ -1,5 +1,6 @@
-// Instance selection: the functional match on a problem's traits, then the generator's order of
-// preference (the table is sorted), then the instance's own constraints (tile divisibility).
+// Instance selection: the functional match on a problem's traits and head dims, the device's
+// architecture, then the instance's own constraints (tile divisibility), over the generator's
+// order of preference (the table is sorted). generator/dispatch.py mirrors the rule.
 #pragma once
 
 #include "fmha/fmha.h"
@@ -16,9 +17,14 @@ Status current_device_cc(int* cc);
 // naming the traits asked for, the nearest compiled instances and the filter that builds one.
 Status select_instance(const FwdArgs& args, int cc, const InstanceEntry** chosen);
 
-// The entry called `name`, if it can run `args` on a device of compute capability `cc`.
+// The entry called `name`, if it can run `args` on a device of compute capability `cc`; if it
+// cannot, the status names the condition that fails.
 Status find_instance(const std::string& name, const FwdArgs& args, int cc,
                      const InstanceEntry** chosen);
+
+// select_instance() in words: the chosen entry and why it ranks before every other entry that
+// could run `args`, or on a miss the nearest entries and the filter that builds one.
+std::string explain_selection(const FwdArgs& args, int cc);
 
 InstanceInfo to_info(const InstanceEntry& entry);
 

@@ -1,15 +1,32 @@
 """fmha.fwd and friends: torch tensors in, one generated kernel instance launched.
 
 fwd is a torch.library custom op with a fake (meta) implementation, so torch.compile traces
-it with fullgraph=True; the op passes pointers, strides and the current stream to fmha._C.
+it with fullgraph=True; the op turns its tensors into an fmha._C.FwdArgs (pointers, strides)
+and launches on the current stream. select and explain check and describe the same call
+through the same FwdArgs, without launching.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from fmha import _C
-from fmha._checks import DTYPE_CODES, Problem, check_devices, check_inputs, check_options
+from fmha._checks import (
+    DTYPE_CODES,
+    OFFSET_LIMIT,
+    SEED_LIMIT,
+    Options,
+    Problem,
+    bias_target,
+    check_bias,
+    check_devices,
+    check_inputs,
+    check_instance,
+    check_mode,
+    check_options,
+    check_seqused,
+    v_layout,
+)
 
 
 class MissingInstanceError(ValueError):
@@ -26,55 +43,153 @@ def _raise_for(code: int, message: str) -> None:
     raise RuntimeError(message)
 
 
-def _mask_code(causal: bool) -> int:
-    return _C.MASK_CAUSAL if causal else _C.MASK_NONE
+# The seeds an unseeded dropout call draws: [0, 2**63 - 1), what torch.randint's int64 takes.
+_DRAWN_SEED_LIMIT = 2**63 - 1
 
 
-def _strides(t: torch.Tensor) -> tuple:
-    """(batch, seq, head) strides in elements of a (batch, seq, head, dim) tensor."""
-    return t.stride(0), t.stride(1), t.stride(2)
+class _Operands(NamedTuple):
+    """A checked call, in the order fmha::fwd's custom op takes it."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    bias: Optional[torch.Tensor]  # elementwise, a (batch, nheads, seqlen_q, seqlen_k) view
+    alibi_slopes: Optional[torch.Tensor]
+    cu_seqlens_q: Optional[torch.Tensor]  # given: group mode
+    cu_seqlens_k: Optional[torch.Tensor]
+    seqused_q: Optional[torch.Tensor]
+    seqused_k: Optional[torch.Tensor]
+    max_seqlen_q: int  # group mode only; 0 in batch mode
+    max_seqlen_k: int
+    softmax_scale: float
+    mask: int
+    mask_align: int
+    window_left: int
+    window_right: int
+    softcap: float
+    dropout_p: float
+    # A CPU int64 scalar holding the uint64 seed's bits; None without dropout, and in
+    # select/explain, which draw no seed.
+    dropout_seed: Optional[torch.Tensor]
+    dropout_offset: int
+    return_lse: bool
 
 
-def _output_shape(q: torch.Tensor, v: torch.Tensor) -> tuple:
-    return q.shape[0], q.shape[1], q.shape[2], v.shape[3]
+def _bias_operand(bias, attn_mask, dtype: torch.dtype, p: Problem, materialize: bool):
+    """The elementwise bias as a (batch, nheads, seqlen_q, seqlen_k) view: broadcast dims get
+    stride 0, and only a key dimension that is not contiguous is copied. A boolean attn_mask
+    becomes an additive 0/-inf bias. Without `materialize` (select, explain: nothing runs, no
+    pointer is read) neither copy nor conversion happens."""
+    t = bias if bias is not None else attn_mask
+    if t is None:
+        return None
+    if materialize and t.dtype == torch.bool:
+        t = torch.zeros_like(t, dtype=dtype).masked_fill_(t.logical_not(), float("-inf"))
+    batch, nhead, seqlen_q, seqlen_k = bias_target(p)
+    rows = t.expand(*t.shape[:-1], seqlen_k) if t.dim() else t.expand(seqlen_k)
+    if materialize and rows.stride(-1) != 1 and seqlen_k > 1:
+        rows = rows.contiguous()  # the kernels read a row of keys in one piece
+    return rows.expand(batch, nhead, seqlen_q, seqlen_k)  # new leading dims get stride 0
 
 
-def _launch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    causal: bool,
-    softmax_scale: float,
-    instance: Optional[str],
-) -> str:
-    """Runs the kernel into `out` on the current stream; returns the instance's name."""
-    p = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3])
-    with torch.cuda.device(q.device):  # the dispatcher picks by the current device's arch
-        code, message, name = _C.fwd(
-            DTYPE_CODES[q.dtype],
-            _mask_code(causal),
-            q.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            out.data_ptr(),
-            p.batch,
-            p.seqlen_q,
-            p.seqlen_k,
-            p.nhead_q,
-            p.nhead_k,
-            p.hdim_q,
-            p.hdim_v,
-            _strides(q),
-            _strides(k),
-            _strides(v),
-            _strides(out),
-            softmax_scale,
-            torch.cuda.current_stream(q.device).cuda_stream,
-            instance,
-        )
-    _raise_for(code, message)
-    return name
+def _seed_operand(seed: Optional[int]) -> torch.Tensor:
+    """The dropout seed as a CPU int64 tensor. A tensor, not an int, so that torch.compile keeps
+    the draw of an unseeded call in the graph (a fresh seed per call, from torch's default
+    generator, so torch.manual_seed makes it reproducible) and never merges two such calls."""
+    if seed is None:
+        return torch.randint(_DRAWN_SEED_LIMIT, (), dtype=torch.int64)
+    return torch.tensor(seed - SEED_LIMIT if seed >= SEED_LIMIT // 2 else seed, dtype=torch.int64)
+
+
+def _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
+             alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
+             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+             materialize: bool) -> _Operands:
+    """Every check of a call, then its operands: what fwd, select and explain share."""
+    group = check_mode(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    p = check_inputs(q, k, v, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o: Options = check_options(causal, softmax_scale, window_size, mask_align, softcap,
+                               dropout_p, dropout_seed, dropout_offset, return_lse, p.hdim_q)
+    check_bias(bias, attn_mask, alibi_slopes, q.dtype, p)
+    check_seqused(seqused_q, seqused_k, p)
+    check_devices(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  seqused_q=seqused_q, seqused_k=seqused_k, bias=bias, attn_mask=attn_mask,
+                  alibi_slopes=alibi_slopes)
+    if materialize and alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
+        alibi_slopes = alibi_slopes.contiguous()  # slope (b, h) is at b * batch stride + h
+    seed = _seed_operand(o.dropout_seed) if materialize and o.dropout_p > 0 else None
+    return _Operands(
+        q, k, v, _bias_operand(bias, attn_mask, q.dtype, p, materialize), alibi_slopes,
+        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+        max_seqlen_q if group else 0, max_seqlen_k if group else 0,
+        o.softmax_scale, o.mask, o.mask_align, o.window_left, o.window_right, o.softcap,
+        o.dropout_p, seed, o.dropout_offset, o.return_lse,
+    )
+
+
+def _make_args(ops: _Operands, out: Optional[torch.Tensor],
+               lse: Optional[torch.Tensor]) -> "_C.FwdArgs":
+    """The one translation of a checked call into fmha::FwdArgs (pointers, sizes, strides)."""
+    q, k, v = ops.q, ops.k, ops.v
+    a = _C.FwdArgs()
+    a.dtype = DTYPE_CODES[q.dtype]
+    a.q, a.k, a.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    a.nhead_q, a.nhead_k = q.shape[-2], k.shape[-2]
+    a.hdim_q, a.hdim_v = q.shape[-1], v.shape[-1]
+    group = ops.cu_seqlens_q is not None
+    if group:
+        a.mode = _C.MODE_GROUP
+        a.batch = ops.cu_seqlens_q.shape[0] - 1
+        # No sequence is longer than all tokens together; this also makes a call without
+        # tokens an empty problem.
+        a.seqlen_q = min(ops.max_seqlen_q, q.shape[0])
+        a.seqlen_k = min(ops.max_seqlen_k, k.shape[0])
+        a.cu_seqlens_q, a.cu_seqlens_k = ops.cu_seqlens_q.data_ptr(), ops.cu_seqlens_k.data_ptr()
+    else:
+        a.mode = _C.MODE_BATCH
+        a.batch, a.seqlen_q, a.seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        a.q_batch_stride, a.k_batch_stride, a.v_batch_stride = q.stride(0), k.stride(0), v.stride(0)
+    # (seq, head) are the last dims but one of every mode's layout; batch is dim 0 of batch mode.
+    a.q_seq_stride, a.q_head_stride = q.stride(-3), q.stride(-2)
+    a.k_seq_stride, a.k_head_stride = k.stride(-3), k.stride(-2)
+    a.vlayout, a.v_seq_stride, a.v_dim_stride = v_layout(v)
+    a.v_head_stride = v.stride(-2)
+    if out is not None:
+        a.o = out.data_ptr()
+        a.o_seq_stride, a.o_head_stride = out.stride(-3), out.stride(-2)
+        a.o_batch_stride = 0 if group else out.stride(0)
+    if ops.seqused_q is not None:
+        a.seqused_q = ops.seqused_q.data_ptr()
+    if ops.seqused_k is not None:
+        a.seqused_k = ops.seqused_k.data_ptr()
+
+    a.softmax_scale = ops.softmax_scale
+    a.mask, a.mask_align = ops.mask, ops.mask_align
+    a.window_left, a.window_right = ops.window_left, ops.window_right
+    if ops.bias is not None:
+        a.bias = _C.BIAS_ELEMENTWISE
+        a.bias_ptr = ops.bias.data_ptr()
+        a.bias_batch_stride, a.bias_head_stride, a.bias_seq_stride = ops.bias.stride()[:3]
+    elif ops.alibi_slopes is not None:
+        a.bias = _C.BIAS_ALIBI
+        a.alibi_slopes = ops.alibi_slopes.data_ptr()
+        a.alibi_batch_stride = ops.alibi_slopes.stride(0) if ops.alibi_slopes.dim() == 2 else 0
+    a.softcap = ops.softcap
+    a.dropout_p = ops.dropout_p
+    if ops.dropout_seed is not None:
+        a.dropout_seed = int(ops.dropout_seed.item()) % SEED_LIMIT
+    a.dropout_offset = ops.dropout_offset
+    if lse is not None:
+        a.lse = lse.data_ptr()
+        a.lse_head_stride = lse.stride(-2)
+        a.lse_batch_stride = 0 if group else lse.stride(0)
+    return a
+
+
+def _lse_shape(q: torch.Tensor, group: bool, return_lse: bool) -> tuple:
+    if not return_lse:
+        return (0,)
+    return (q.shape[1], q.shape[0]) if group else (q.shape[0], q.shape[2], q.shape[1])
 
 
 @torch.library.custom_op("fmha::fwd", mutates_args=())
@@ -82,58 +197,192 @@ def _fwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: bool,
+    bias: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    seqused_q: Optional[torch.Tensor],
+    seqused_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     softmax_scale: float,
+    mask: int,
+    mask_align: int,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    dropout_seed: Optional[torch.Tensor],
+    dropout_offset: int,
+    return_lse: bool,
     instance: Optional[str],
-) -> torch.Tensor:
-    out = torch.empty(_output_shape(q, v), dtype=q.dtype, device=q.device)
-    _launch(q, k, v, out, causal, softmax_scale, instance)
-    return out
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out, lse); lse has no elements unless return_lse."""
+    ops = _Operands(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                    seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align,
+                    window_left, window_right, softcap, dropout_p, dropout_seed, dropout_offset,
+                    return_lse)
+    group = cu_seqlens_q is not None
+    out_shape, lse_shape = (*q.shape[:-1], v.shape[-1]), _lse_shape(q, group, return_lse)
+    if seqused_q is None:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    else:  # the kernel leaves rows past seqused_q alone: give them a defined, empty-row value
+        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    args = _make_args(ops, out, lse if return_lse else None)
+    with torch.cuda.device(q.device):  # the dispatcher picks by the current device's arch
+        code, message, _ = _C.fwd(args, torch.cuda.current_stream(q.device).cuda_stream, instance)
+    _raise_for(code, message)
+    return out, lse
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, causal, softmax_scale, instance):
-    return q.new_empty(_output_shape(q, v))
+def _fwd_fake(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+              max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align, window_left,
+              window_right, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
+              instance):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None, return_lse), dtype=torch.float32)
+    return out, lse
 
 
-def fwd(q, k, v, causal=False, softmax_scale=None, *, instance=None):
-    """Attention forward: softmax(q k^T * softmax_scale) v, per head.
+def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
+        mask_align="top_left", bias=None, attn_mask=None, alibi_slopes=None, softcap=0.0,
+        dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False, cu_seqlens_q=None,
+        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
+        instance=None):
+    """Attention forward: softmax(q k^T * softmax_scale + bias, masked) v, per head.
 
-    q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_k, headdim);
-    v: (batch, seqlen_k, nheads_k, headdim_v); float16 or bfloat16 CUDA tensors whose last
-    dimension is contiguous (any other strides, e.g. a (b, h, s, d) tensor's transpose(1, 2)).
-    nheads must be a multiple of nheads_k (MQA/GQA). causal: top-left aligned (query i sees
-    keys 0..i). softmax_scale defaults to 1/sqrt(headdim). instance: run this compiled
-    instance (a name from fmha.instances()) instead of the dispatcher's choice.
-    Returns (batch, seqlen_q, nheads, headdim_v), contiguous.
+    Batch mode: q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim),
+    v (batch, seqlen_k, nheads_k, headdim_v); returns out (batch, seqlen_q, nheads, headdim_v).
+    Group mode (varlen, when cu_seqlens_q/cu_seqlens_k are given): sequences packed along the
+    first dim, q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim[_v]); cu_seqlens_*
+    are int32 CUDA tensors of batch + 1 non-decreasing offsets from 0 (not checked: they live on
+    the GPU), max_seqlen_q/max_seqlen_k the longest sequence's lengths; out (total_q, nheads,
+    headdim_v). float16 or bfloat16 CUDA tensors; q and k with the head dim contiguous (any other
+    strides, e.g. a (b, h, s, d) tensor's transpose(1, 2)); v likewise, or with its sequence dim
+    contiguous (v = vt.transpose(-1, -2) of a V^T). nheads must be a multiple of nheads_k.
+
+    Mask: causal=True sees keys j <= i (+ seqlen_k - seqlen_q with mask_align="bottom_right",
+    FlashAttention's causal; "top_left" is torch SDPA's is_causal). window_size=(left, right):
+    keys i - left <= j <= i + right (same alignment), -1 unbounded; with causal=True right must
+    be 0 or -1 (the window (left, 0), FlashAttention's convention). A row that sees no key
+    returns 0 (and log-sum-exp -inf).
+    bias: an additive bias of q's dtype broadcastable to (batch, nheads, seqlen_q, seqlen_k)
+    (group mode: (batch, nheads, max_seqlen_q, max_seqlen_k), indexed per sequence).
+    attn_mask: torch SDPA's: bool (True takes part) or an additive bias of q's dtype.
+    alibi_slopes: float32 (nheads,) or (batch, nheads); the logit of (i, j) gets
+    -slope * |i + offset - j|. softcap > 0: logits become softcap * tanh(logits / softcap).
+    dropout_p: drop probabilities with this chance (kept ones scaled by 1 / (1 - dropout_p));
+    the pattern is fmha.dropout_mask(dropout_seed, dropout_offset, ...). dropout_seed None draws
+    int(torch.randint(2**63 - 1, ())) from torch's default generator, so torch.manual_seed makes
+    a call reproducible.
+    seqused_q/seqused_k: int32 CUDA (batch,): sequence b uses only its first seqused_q[b] rows
+    and seqused_k[b] keys; the other rows of out are 0 and of lse -inf.
+    softmax_scale defaults to 1/sqrt(headdim). instance: run this compiled instance (a name from
+    fmha.instances()) instead of the dispatcher's choice.
+
+    Returns out, or (out, lse) with return_lse=True: the natural-log log-sum-exp of every row's
+    logits, float32 (batch, nheads, seqlen_q), or (nheads, total_q) in group mode.
     """
-    problem = check_inputs(q, k, v)
-    scale = check_options(causal, softmax_scale, problem.hdim_q)
-    if instance is not None and not isinstance(instance, str):
-        raise TypeError(f"fmha.fwd: instance must be a str or None, got {type(instance).__name__}")
-    check_devices(q, k, v)
-    return _fwd_op(q, k, v, causal, scale, instance)
+    check_instance(instance)
+    ops = _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
+                   alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                   materialize=True)
+    out, lse = _fwd_op(*ops, instance)
+    return (out, lse) if return_lse else out
 
 
-def select(q, k, v, causal=False, softmax_scale=None) -> dict:
-    """The compiled instance fwd would run for these inputs on their GPU, without running it.
+# The keyword options of fwd that select and explain share.
+_OPTION_DEFAULTS = dict(
+    window_size=(-1, -1), mask_align="top_left", bias=None, attn_mask=None, alibi_slopes=None,
+    softcap=0.0, dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False,
+    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+    seqused_k=None,
+)
+
+# select() and explain() read no pointer, but FwdArgs says that the log-sum-exp is wanted by its
+# pointer being set: any non-null (aligned) value says so.
+_LSE_WANTED = 16
+
+
+def _described(api: str, q, k, v, causal, softmax_scale, options: dict) -> "_C.FwdArgs":
+    unknown = sorted(set(options) - set(_OPTION_DEFAULTS))
+    if unknown:
+        raise TypeError(f"fmha.{api}: unexpected keyword argument {unknown[0]!r}; it takes "
+                        f"fmha.fwd's, without instance")
+    ops = _prepare(q, k, v, causal, softmax_scale, **{**_OPTION_DEFAULTS, **options},
+                   materialize=False)
+    args = _make_args(ops, out=None, lse=None)
+    if ops.return_lse:
+        args.lse = _LSE_WANTED
+    return args
+
+
+def select(q, k, v, causal=False, softmax_scale=None, **options) -> dict:
+    """The compiled instance fwd would run for these arguments (fwd's, without instance) on q's
+    GPU, without running it: a dict as fmha.instances() lists them.
 
     Raises MissingInstanceError, naming the filter that would build a fitting instance.
     """
-    p = check_inputs(q, k, v)
-    scale = check_options(causal, softmax_scale, p.hdim_q)
-    check_devices(q, k, v)
+    args = _described("select", q, k, v, causal, softmax_scale, options)
     with torch.cuda.device(q.device):
-        code, message, info = _C.select(
-            DTYPE_CODES[q.dtype], _mask_code(causal), p.batch, p.seqlen_q, p.seqlen_k,
-            p.nhead_q, p.nhead_k, p.hdim_q, p.hdim_v, scale,
-        )
+        code, message, info = _C.select(args)
     _raise_for(code, message)
     return info
 
 
+def explain(q, k, v, causal=False, softmax_scale=None, **options) -> str:
+    """Why fwd would run the instance it runs for these arguments (fwd's, without instance) on
+    q's GPU: the instance, the rule that ranks it before every other instance that could run the
+    call, and the instances that come close; or, when none fits, the nearest ones and the
+    generator filter that would build one. Raises only for invalid arguments."""
+    args = _described("explain", q, k, v, causal, softmax_scale, options)
+    with torch.cuda.device(q.device):
+        code, message, text = _C.explain(args)
+    _raise_for(code, message)
+    return text
+
+
+def dropout_mask(seed, offset, dropout_p, batch, nhead, seqlen_q, seqlen_k,
+                 device=None) -> torch.Tensor:
+    """The dropout pattern fwd applies with dropout_seed=seed, dropout_offset=offset and this
+    dropout_p: a uint8 CUDA tensor (batch, nhead, seqlen_q, seqlen_k), 1 where the probability
+    of query row i and key j of head h of sequence b is kept. device: a CUDA device, default
+    the current one."""
+    ints = dict(seed=(seed, SEED_LIMIT, "2**64"), offset=(offset, OFFSET_LIMIT, "2**32"),
+                batch=(batch, None, ""), nhead=(nhead, None, ""), seqlen_q=(seqlen_q, None, ""),
+                seqlen_k=(seqlen_k, None, ""))
+    for name, (value, limit, limit_text) in ints.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"fmha.dropout_mask: {name} must be an int, got {type(value).__name__}")
+        if value < 0 or (limit is not None and value >= limit):
+            bounds = f"in [0, {limit_text})" if limit is not None else "non-negative"
+            raise ValueError(f"fmha.dropout_mask: {name} must be {bounds}, got {value}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(
+            f"fmha.dropout_mask: dropout_p must be a float, got {type(dropout_p).__name__}"
+        )
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"fmha.dropout_mask: dropout_p must be in [0, 1), got {dropout_p}")
+    device = torch.device("cuda" if device is None else device)
+    if device.type != "cuda":
+        raise ValueError(f"fmha.dropout_mask: device must be a CUDA device, got {device}")
+    keep = torch.empty((batch, nhead, seqlen_q, seqlen_k), dtype=torch.uint8, device=device)
+    with torch.cuda.device(keep.device):
+        code, message = _C.dropout_mask(seed, offset, float(dropout_p), batch, nhead, seqlen_q,
+                                        seqlen_k, keep.data_ptr(),
+                                        torch.cuda.current_stream(keep.device).cuda_stream)
+    _raise_for(code, message)
+    return keep
+
+
 def instances() -> list[dict]:
-    """Every compiled instance, in the dispatcher's order of preference."""
+    """Every compiled instance, in the dispatcher's order of preference: a dict of its traits
+    (name, dtype, hdim_q, hdim_v, mask, bias, vlayout, mode, lse, dropout, softcap), pipeline,
+    arch, tile (block_m, block_n) and padding (pad_seqlen, pad_hdim)."""
     return _C.instances()
 
 

@@ -1,25 +1,35 @@
-"""Argument checks for fmha.fwd: every bad call fails here, before anything reaches the GPU.
+"""Argument checks for fmha.fwd (and select/explain, which describe a fwd call): every bad call
+fails here, before anything reaches the GPU.
 
-Order matters for the messages: type, dtype, rank, shapes, strides, options, then devices, so
-a problem is described in the terms of the first thing wrong with it.
+Order matters for the messages: types, dtypes, ranks, shapes, strides, options, then devices, so
+a problem is described in the terms of the first thing wrong with it, and CPU or meta tensors
+reach every check but the last. The entries of cu_seqlens_* and seqused_* live on the GPU and
+are the caller's contract (cu_seqlens non-decreasing from 0 within the packed lengths, seqused
+within each sequence's length): reading them would synchronize with the stream.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from fmha import _C
 
 DTYPE_CODES = {torch.float16: _C.DTYPE_FP16, torch.bfloat16: _C.DTYPE_BF16}
+MASK_ALIGNS = {"top_left": _C.ALIGN_TOP_LEFT, "bottom_right": _C.ALIGN_BOTTOM_RIGHT}
+SEED_LIMIT = 2**64  # dropout_seed is a uint64_t
+OFFSET_LIMIT = 2**32  # dropout_offset is a uint32_t
 
 
 @dataclass(frozen=True)
 class Problem:
-    """The shape of one forward call, as the C++ API takes it."""
+    """The shape of one forward call. In group mode batch is len(cu_seqlens_q) - 1 and the
+    sequence lengths are max_seqlen_q / max_seqlen_k."""
 
+    group: bool
     batch: int
     seqlen_q: int
     seqlen_k: int
@@ -29,7 +39,75 @@ class Problem:
     hdim_v: int
 
 
-def check_inputs(q, k, v) -> Problem:
+@dataclass(frozen=True)
+class Options:
+    """The scalar options of a call, as fmha::FwdArgs takes them."""
+
+    softmax_scale: float
+    mask: int
+    mask_align: int
+    window_left: int
+    window_right: int
+    softcap: float
+    dropout_p: float
+    dropout_seed: Optional[int]  # None: drawn from torch's default generator at call time
+    dropout_offset: int
+    return_lse: bool
+
+
+def _is_int(x) -> bool:
+    # SymInt: under torch.compile an int argument may be traced symbolically.
+    return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(x, bool)
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def v_layout(v: torch.Tensor) -> tuple[int, int, int]:
+    """(vlayout, seq stride, head-dim stride) of a (..., seqlen_k, nheads_k, headdim_v) V:
+    row-major when its head dim is contiguous, column-major (V^T stored) when its sequence dim
+    is; None for the layout when neither. A dimension of size 1 counts as contiguous."""
+    seq_stride = v.stride(-3) if v.size(-3) > 1 else 1
+    dim_stride = v.stride(-1) if v.size(-1) > 1 else 1
+    if dim_stride == 1:
+        return _C.VLAYOUT_ROW_MAJOR, v.stride(-3), 1
+    if seq_stride == 1:
+        return _C.VLAYOUT_COL_MAJOR, 1, dim_stride
+    return None, seq_stride, dim_stride
+
+
+def check_mode(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> bool:
+    """Whether the call is in group mode (varlen), and that its group arguments are complete."""
+    group = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if group and (cu_seqlens_q is None or cu_seqlens_k is None):
+        raise ValueError(
+            "fmha.fwd: group mode (varlen) needs both cu_seqlens_q and cu_seqlens_k, got only "
+            + ("cu_seqlens_q" if cu_seqlens_k is None else "cu_seqlens_k")
+        )
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not group:
+            if value is not None:
+                raise ValueError(
+                    f"fmha.fwd: {name} is for group mode (with cu_seqlens_q/cu_seqlens_k); "
+                    "batch mode takes the lengths from the tensors"
+                )
+            continue
+        if value is None:
+            raise ValueError(f"fmha.fwd: group mode needs {name} (the longest sequence's length)")
+        if not _is_int(value):
+            raise TypeError(f"fmha.fwd: {name} must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"fmha.fwd: {name} must be non-negative, got {value}")
+    return group
+
+
+def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k) -> Problem:
     named = (("q", q), ("k", k), ("v", v))
     for name, t in named:
         if not isinstance(t, torch.Tensor):
@@ -44,19 +122,49 @@ def check_inputs(q, k, v) -> Problem:
                 f"fmha.fwd: {name} has dtype {t.dtype} but q has {q.dtype}; "
                 "q, k and v must share one dtype"
             )
+    cu_named = (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    if group:
+        for name, t in cu_named:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"fmha.fwd: {name} must be a torch.Tensor, got {type(t).__name__}"
+                )
+            if t.dtype != torch.int32:
+                raise TypeError(f"fmha.fwd: {name} has dtype {t.dtype}; it must be torch.int32")
     for name, t in named:
-        if t.dim() != 4:
+        if group and t.dim() != 3:
+            raise ValueError(
+                f"fmha.fwd: in group mode {name} must be 3-D (total_tokens, nheads, headdim), "
+                f"got shape {_shape(t)}"
+            )
+        if not group and t.dim() != 4:
             raise ValueError(
                 f"fmha.fwd: {name} must be 4-D (batch, seqlen, nheads, headdim), "
-                f"got shape {tuple(t.shape)}"
+                f"got shape {_shape(t)}"
             )
-    b, sq, hq, dq = q.shape
-    bk, sk, hk, dk = k.shape
-    bv, sv, hv, dv = v.shape
-    if not (bk == b and bv == b):
-        raise ValueError(f"fmha.fwd: batch sizes differ: q {b}, k {bk}, v {bv}")
-    if sv != sk:
-        raise ValueError(f"fmha.fwd: k has seqlen {sk} but v has {sv}")
+    if group:
+        for name, t in cu_named:
+            if t.dim() != 1 or t.shape[0] < 1:
+                raise ValueError(
+                    f"fmha.fwd: {name} must be 1-D with batch + 1 entries, got shape {_shape(t)}"
+                )
+        if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+            raise ValueError(
+                f"fmha.fwd: cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k "
+                f"has {cu_seqlens_k.shape[0]}; both are batch + 1"
+            )
+        (sq, hq, dq), (sk, hk, dk), (sv, hv, dv) = q.shape, k.shape, v.shape
+        b = cu_seqlens_q.shape[0] - 1
+        if sv != sk:
+            raise ValueError(f"fmha.fwd: k has {sk} tokens but v has {sv}")
+        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+    else:
+        (b, sq, hq, dq), (bk, sk, hk, dk), (bv, sv, hv, dv) = q.shape, k.shape, v.shape
+        if not (bk == b and bv == b):
+            raise ValueError(f"fmha.fwd: batch sizes differ: q {b}, k {bk}, v {bv}")
+        if sv != sk:
+            raise ValueError(f"fmha.fwd: k has seqlen {sk} but v has {sv}")
+        seqlen_q, seqlen_k = sq, sk
     if hv != hk:
         raise ValueError(f"fmha.fwd: k has {hk} heads but v has {hv}")
     if dk != dq:
@@ -65,37 +173,184 @@ def check_inputs(q, k, v) -> Problem:
         raise ValueError(
             f"fmha.fwd: q's {hq} heads must be a multiple of k/v's {hk} heads (MQA/GQA)"
         )
-    for name, t in named:
+    for name, t in named[:2]:
         if t.stride(-1) != 1 and t.size(-1) > 1:
             raise ValueError(
                 f"fmha.fwd: {name}'s last (head) dimension must be contiguous, got strides "
                 f"{tuple(t.stride())}; pass {name}.contiguous() or a view of a contiguous tensor"
             )
-    return Problem(b, sq, sk, hq, hk, dq, dv)
+    if v_layout(v)[0] is None:
+        raise ValueError(
+            f"fmha.fwd: v must have its head dimension (last) or its sequence dimension "
+            f"contiguous, got shape {_shape(v)} and strides {tuple(v.stride())}; pass "
+            "v.contiguous(), or a transpose of a contiguous V^T for the column-major layout"
+        )
+    return Problem(group, b, seqlen_q, seqlen_k, hq, hk, dq, dv)
 
 
-def check_devices(q, k, v) -> None:
-    """Last of the checks, so that CPU and meta tensors reach every other one first."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.device.type != "cuda":
-            raise ValueError(f"fmha.fwd: {name} is on {t.device}; fmha.fwd needs CUDA tensors")
-        if t.device != q.device:
+def _mask(causal: bool, window_size) -> tuple[int, int, int]:
+    """(mask type, window_left, window_right) in FlashAttention's conventions."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(
+            f"fmha.fwd: window_size must be a (left, right) pair of ints, got {window_size!r}"
+        )
+    left, right = window_size
+    if not (_is_int(left) and _is_int(right)):
+        raise TypeError(
+            f"fmha.fwd: window_size must be a (left, right) pair of ints, got {window_size!r}"
+        )
+    if left < -1 or right < -1:
+        raise ValueError(
+            f"fmha.fwd: window_size entries must be -1 (unbounded) or non-negative, got "
+            f"{tuple(window_size)}"
+        )
+    if causal and right > 0:
+        raise ValueError(
+            f"fmha.fwd: causal=True sees no key to the right, so window_size's right must be "
+            f"0 or -1, got {tuple(window_size)}"
+        )
+    if left == -1 and right == -1:
+        return (_C.MASK_CAUSAL if causal else _C.MASK_NONE), -1, -1
+    # A window: with causal=True it is (left, 0), FlashAttention's convention.
+    return _C.MASK_WINDOW, left, 0 if causal else right
+
+
+def check_options(causal, softmax_scale, window_size, mask_align, softcap, dropout_p,
+                  dropout_seed, dropout_offset, return_lse, hdim_q: int) -> Options:
+    if not isinstance(causal, bool):
+        raise TypeError(f"fmha.fwd: causal must be a bool, got {type(causal).__name__}")
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(hdim_q) if hdim_q > 0 else 1.0
+    elif not _is_real(softmax_scale):
+        raise TypeError(
+            f"fmha.fwd: softmax_scale must be a float or None, got {type(softmax_scale).__name__}"
+        )
+    elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(
+            f"fmha.fwd: softmax_scale must be finite and positive, got {softmax_scale}"
+        )
+    else:
+        scale = float(softmax_scale)
+    mask, window_left, window_right = _mask(causal, window_size)
+    if not isinstance(mask_align, str):
+        raise TypeError(f"fmha.fwd: mask_align must be a str, got {type(mask_align).__name__}")
+    if mask_align not in MASK_ALIGNS:
+        raise ValueError(
+            f"fmha.fwd: mask_align must be 'top_left' (torch SDPA's is_causal) or 'bottom_right' "
+            f"(FlashAttention's causal), got {mask_align!r}"
+        )
+    if not _is_real(softcap):
+        raise TypeError(f"fmha.fwd: softcap must be a float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(
+            f"fmha.fwd: softcap must be finite and non-negative (0: off), got {softcap}"
+        )
+    if not _is_real(dropout_p):
+        raise TypeError(f"fmha.fwd: dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not (math.isfinite(dropout_p) and 0 <= dropout_p < 1):
+        raise ValueError(f"fmha.fwd: dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_seed is not None:
+        if not _is_int(dropout_seed):
+            raise TypeError(
+                f"fmha.fwd: dropout_seed must be an int or None, got {type(dropout_seed).__name__}"
+            )
+        if not 0 <= dropout_seed < SEED_LIMIT:
+            raise ValueError(f"fmha.fwd: dropout_seed must be in [0, 2**64), got {dropout_seed}")
+    if not _is_int(dropout_offset):
+        raise TypeError(
+            f"fmha.fwd: dropout_offset must be an int, got {type(dropout_offset).__name__}"
+        )
+    if not 0 <= dropout_offset < OFFSET_LIMIT:
+        raise ValueError(f"fmha.fwd: dropout_offset must be in [0, 2**32), got {dropout_offset}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"fmha.fwd: return_lse must be a bool, got {type(return_lse).__name__}")
+    return Options(scale, mask, MASK_ALIGNS[mask_align], window_left, window_right,
+                   float(softcap), float(dropout_p), dropout_seed, int(dropout_offset),
+                   return_lse)
+
+
+def _broadcasts(shape: tuple, target: tuple) -> bool:
+    return len(shape) <= len(target) and all(
+        s in (1, t) for s, t in zip(reversed(shape), reversed(target))
+    )
+
+
+def bias_target(p: Problem) -> tuple:
+    """The shape an elementwise bias broadcasts to; in group mode it is indexed per sequence."""
+    return (p.batch, p.nhead_q, p.seqlen_q, p.seqlen_k)
+
+
+def check_bias(bias, attn_mask, alibi_slopes, dtype: torch.dtype, p: Problem) -> None:
+    if bias is not None and attn_mask is not None:
+        raise ValueError("fmha.fwd: pass bias or attn_mask, not both (attn_mask is a bias)")
+    dims = "(batch, nheads, max_seqlen_q, max_seqlen_k)" if p.group else (
+        "(batch, nheads, seqlen_q, seqlen_k)")
+    for name, t in (("bias", bias), ("attn_mask", attn_mask)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fmha.fwd: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if name == "bias" and t.dtype != dtype:
+            raise TypeError(f"fmha.fwd: bias has dtype {t.dtype}; it must be q's dtype {dtype}")
+        if name == "attn_mask" and t.dtype not in (torch.bool, dtype):
+            raise TypeError(
+                f"fmha.fwd: attn_mask has dtype {t.dtype}; it must be torch.bool (True: take "
+                f"part) or q's dtype {dtype} (an additive bias)"
+            )
+        if not _broadcasts(_shape(t), bias_target(p)):
+            raise ValueError(
+                f"fmha.fwd: {name} of shape {_shape(t)} does not broadcast to {dims} = "
+                f"{bias_target(p)}"
+            )
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(
+            f"fmha.fwd: alibi_slopes must be a torch.Tensor, got {type(alibi_slopes).__name__}"
+        )
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(
+            f"fmha.fwd: alibi_slopes has dtype {alibi_slopes.dtype}; it must be torch.float32"
+        )
+    if _shape(alibi_slopes) not in ((p.nhead_q,), (p.batch, p.nhead_q)):
+        raise ValueError(
+            f"fmha.fwd: alibi_slopes must be (nheads,) = ({p.nhead_q},) or (batch, nheads) = "
+            f"({p.batch}, {p.nhead_q}), got shape {_shape(alibi_slopes)}"
+        )
+    if bias is not None or attn_mask is not None:
+        raise ValueError(
+            "fmha.fwd: alibi_slopes cannot be combined with bias or attn_mask (one bias per call)"
+        )
+
+
+def check_seqused(seqused_q, seqused_k, p: Problem) -> None:
+    for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fmha.fwd: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise TypeError(f"fmha.fwd: {name} has dtype {t.dtype}; it must be torch.int32")
+        if _shape(t) != (p.batch,):
+            raise ValueError(
+                f"fmha.fwd: {name} must be (batch,) = ({p.batch},), got shape {_shape(t)}"
+            )
+
+
+def check_instance(instance) -> None:
+    if instance is not None and not isinstance(instance, str):
+        raise TypeError(f"fmha.fwd: instance must be a str or None, got {type(instance).__name__}")
+
+
+def check_devices(**tensors: Optional[torch.Tensor]) -> None:
+    """Last of the checks, so that CPU and meta tensors reach every other one first. `tensors`
+    starts with q; None stands for an argument not given."""
+    q = next(iter(tensors.values()))
+    if q.device.type != "cuda":
+        raise ValueError(f"fmha.fwd: q is on {q.device}; fmha.fwd needs CUDA tensors")
+    for name, t in tensors.items():
+        if t is not None and t.device != q.device:
             raise ValueError(
                 f"fmha.fwd: {name} is on {t.device} but q is on {q.device}; "
                 "all tensors must be on one GPU"
             )
-
-
-def check_options(causal, softmax_scale, hdim_q: int) -> float:
-    """Returns the softmax scale to use (1/sqrt(hdim_q) when None)."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"fmha.fwd: causal must be a bool, got {type(causal).__name__}")
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(hdim_q) if hdim_q > 0 else 1.0
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(
-            f"fmha.fwd: softmax_scale must be a float or None, got {type(softmax_scale).__name__}"
-        )
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"fmha.fwd: softmax_scale must be finite and positive, got {softmax_scale}")
-    return float(softmax_scale)
