@@ -5,6 +5,11 @@ fixed hidden size (nheads * headdim = 2048), so every row does the same work at 
 FLOPs are 4 * b * h * s^2 * d (two GEMMs), halved for causal. Each backend gets its native
 layout: fmha (b, s, h, d), SDPA (b, h, s, d). Times are medians of CUDA-event-timed runs
 after warm-up. Prints a table and, with --json, writes every row.
+
+--features adds one row per trait at one sequence length (--feature-seqlen), each against the
+SDPA backends that can compute the same thing (attn_mask: cuDNN and memory-efficient; dropout:
+flash) and against fmha's own plain row, whose ratio shows what the trait costs. Windows count
+only the visible (query, key) pairs as FLOPs.
 """
 
 import argparse
@@ -19,7 +24,11 @@ import fmha
 from fmha.timing import median_ms
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+# The rows of the main grid compare with the two fast backends; the memory-efficient one is
+# only there for the bias rows, which flash cannot run.
+GRID_BACKENDS = ("sdpa_flash", "cudnn")
 
 
 def parse_args(argv):
@@ -33,6 +42,10 @@ def parse_args(argv):
     p.add_argument("--hidden", type=int, default=2048, help="nheads * headdim")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--features", action="store_true",
+                   help="also time one row per trait (bias, ALiBi, window, soft-cap, dropout, "
+                        "varlen, V^T, head-dim padding)")
+    p.add_argument("--feature-seqlen", type=int, default=4096)
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
     unknown = set(args.dtypes) - set(DTYPES)
@@ -41,45 +54,111 @@ def parse_args(argv):
     return args
 
 
+def time_sdpa(row, flops, backends, args, qt, kt, vt, **kwargs):
+    """Adds each SDPA backend's TFLOP/s on (b, h, s, d) inputs to the row (None where the
+    backend refuses the problem, with its reason)."""
+    for name in backends:
+        try:
+            with sdpa_kernel(SDPA_BACKENDS[name]):
+                call = lambda: F.scaled_dot_product_attention(qt, kt, vt, **kwargs)  # noqa: E731
+                ms = median_ms(call, args.warmup, args.repeat)
+            row[name] = flops / ms * 1e-9
+        except RuntimeError as err:  # backend unavailable for this shape/GPU
+            row[name] = None
+            row[f"{name}_error"] = str(err).splitlines()[0]
+
+
+def time_fmha(row, flops, args, q, k, v, **kwargs):
+    row["instance"] = fmha.select(q, k, v, **kwargs)["name"]
+    ms = median_ms(lambda: fmha.fwd(q, k, v, **kwargs), args.warmup, args.repeat)
+    row["fmha"] = flops / ms * 1e-9
+
+
 def run_case(dtype, d, s, causal, args):
     b, h = max(1, args.tokens // s), args.hidden // d
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
     row = {"dtype": str(dtype).removeprefix("torch."), "hdim": d, "causal": causal,
            "batch": b, "nheads": h, "seqlen": s}
-
-    row["instance"] = fmha.select(q, k, v, causal=causal)["name"]
-    ms = median_ms(lambda: fmha.fwd(q, k, v, causal=causal), args.warmup, args.repeat)
-    row["fmha"] = flops / ms * 1e-9
-
+    time_fmha(row, flops, args, q, k, v, causal=causal)
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    for name, backend in SDPA_BACKENDS.items():
-        try:
-            with sdpa_kernel(backend):
-                call = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)  # noqa: E731
-                ms = median_ms(call, args.warmup, args.repeat)
-            row[name] = flops / ms * 1e-9
-        except RuntimeError as err:  # backend unavailable for this shape/GPU
-            row[name] = None
-            row[f"{name}_error"] = str(err).splitlines()[0]
+    time_sdpa(row, flops, GRID_BACKENDS, args, qt, kt, vt, is_causal=causal)
     return row
 
 
-def format_table(rows):
-    cols = ["dtype", "hdim", "causal", "seqlen", "fmha", "sdpa_flash", "cudnn", "vs_flash", "vs_cudnn"]
-    lines = [" ".join(f"{c:>10}" for c in cols)]
+def visible_pairs(s, left, right):
+    """(query, key) pairs a window (left, right) leaves visible at seqlen_q = seqlen_k = s."""
+    i = torch.arange(s, dtype=torch.int64)
+    lo = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+    hi = (i + right).clamp(max=s - 1) if right >= 0 else torch.full_like(i, s - 1)
+    return int((hi - lo + 1).clamp(min=0).sum())
+
+
+def run_features(dtype, d, args):
+    """One row per trait at seqlen args.feature_seqlen, plus the plain row they compare with."""
+    s = args.feature_seqlen
+    b, h = max(1, args.tokens // s), args.hidden // d
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    full = 4 * b * h * s * s * d
+    rows = []
+
+    def row(feature, flops=full, sdpa=(), sdpa_kwargs=None, inputs=(q, k, v), **kwargs):
+        r = {"dtype": str(dtype).removeprefix("torch."), "hdim": d, "feature": feature,
+             "batch": b, "nheads": h, "seqlen": s}
+        try:
+            time_fmha(r, flops, args, *inputs, **kwargs)
+        except ValueError as err:  # not in this build: say so in the row
+            r["fmha"] = None
+            r["fmha_error"] = str(err).splitlines()[0]
+        time_sdpa(r, flops, sdpa, args, qt, kt, vt, **(sdpa_kwargs or {}))
+        rows.append(r)
+        print(json.dumps(r), file=sys.stderr, flush=True)
+
+    bias = torch.randn(1, h, s, s, device="cuda", dtype=dtype)
+    window = (256, 0)
+    row("plain", sdpa=GRID_BACKENDS)
+    row("bias(1,h,s,s)", sdpa=("cudnn", "sdpa_efficient"), sdpa_kwargs={"attn_mask": bias},
+        bias=bias)
+    row("alibi", alibi_slopes=torch.rand(h, device="cuda", dtype=torch.float32))
+    row(f"window{window}", flops=4 * b * h * d * visible_pairs(s, *window), window_size=window)
+    row("softcap30", softcap=30.0)
+    row("dropout0.1", sdpa=("sdpa_flash",), sdpa_kwargs={"dropout_p": 0.1}, dropout_p=0.1)
+    row("lse", return_lse=True)
+    v_col = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # (b, s, h, d), seq stride 1
+    row("v_colmajor", inputs=(q, k, v_col))
+    cu = torch.arange(0, (b + 1) * s, s, device="cuda", dtype=torch.int32)
+    packed = [t.reshape(b * s, h, d) for t in (q, k, v)]
+    row("varlen", inputs=packed, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s,
+        max_seqlen_k=s)
+    d_pad = d - 8  # a head dim the padded instance one size up serves
+    row(f"hdim{d_pad}(padded)", flops=full * d_pad // d,
+        inputs=tuple(t[..., :d_pad] for t in (q, k, v)))
+    return rows
+
+
+def format_table(rows, first):
+    cols = [first, "fmha", "sdpa_flash", "cudnn", "sdpa_efficient", "vs_flash", "vs_cudnn"]
+    lines = [" ".join(f"{c:>14}" for c in cols)]
     for r in rows:
         cells = []
         for c in cols:
             if c.startswith("vs_"):
                 other = r.get("sdpa_flash" if c == "vs_flash" else "cudnn")
-                val = f"{r['fmha'] / other:.2f}x" if other else "-"
+                val = f"{r['fmha'] / other:.2f}x" if other and r.get("fmha") else "-"
+            elif c == first:
+                val = " ".join(str(r[key]) for key in KEYS[first])
             else:
                 val = r.get(c)
                 val = "-" if val is None else f"{val:.1f}" if isinstance(val, float) else str(val)
-            cells.append(f"{val:>10}")
+            cells.append(f"{val:>14}")
         lines.append(" ".join(cells))
     return "\n".join(lines)
+
+
+# The columns that name a row, per table: the grid's (dtype hdim causal seqlen) and the
+# feature rows' (dtype hdim feature).
+KEYS = {"case": ("dtype", "hdim", "causal", "seqlen"), "feature": ("dtype", "hdim", "feature")}
 
 
 def main(argv=None):
@@ -94,13 +173,20 @@ def main(argv=None):
                 for s in args.seqlens:
                     rows.append(run_case(DTYPES[dt], d, s, causal, args))
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    feature_rows = []
+    if args.features:
+        for dt in args.dtypes:
+            for d in args.hdims:
+                feature_rows += run_features(DTYPES[dt], d, args)
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version(), "targets": fmha.compiled_targets()}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"info": info, "rows": rows}, f, indent=1)
+            json.dump({"info": info, "rows": rows, "feature_rows": feature_rows}, f, indent=1)
     print(f"{info['gpu']}, torch {info['torch']}, cuDNN {info['cudnn']}; TFLOP/s, medians")
-    print(format_table(rows))
+    print(format_table(rows, "case"))
+    if feature_rows:
+        print(format_table(feature_rows, "feature"))
 
 
 if __name__ == "__main__":

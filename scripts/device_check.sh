@@ -4,8 +4,9 @@
 #   bash scripts/device_check.sh [BUILD_DIR] [all|test|bench]
 #
 # BUILD_DIR (default build/dev) holds libfmha, fmha._C and fmha_fwd, built on a machine with
-# nvcc (scripts/build_dev.sh). Logs and bench.json go to $OUT (default /tmp/fmha-out); the
-# benchmark table prints last.
+# nvcc (scripts/build_dev.sh; `-DFMHA_PRESET=coverage` holds an instance of every trait). Logs,
+# bench.json and the property-test report go to $OUT (default /tmp/fmha-out); the benchmark
+# table prints last. FMHA_BENCH_ARGS adds arguments to `python -m bench`.
 set -uo pipefail
 build=${1:-build/dev}
 mode=${2:-all}
@@ -19,15 +20,27 @@ python3 -c "import fmha, torch; print('fmha targets', fmha.compiled_targets(), l
 status=0
 if [[ $mode == all || $mode == test ]]; then
   # The C++ path: dispatcher + example program, validated against a float64 CPU reference.
-  for args in "-prec=fp16 -d=128 -s=1000 -mask=0" "-prec=bf16 -d=128 -s=1000 -s_k=777 -mask=1" \
-              "-prec=bf16 -d=64 -s=1024 -h=8 -h_k=2 -mask=1" "-prec=fp16 -d=64 -s=4097 -b=1 -h=2 -mask=0"; do
-    "$build/fmha_fwd" $args -v=1 -b=1 -h=4 2>&1 | tee -a "$out/example.log" || status=1
+  for args in "-prec=fp16 -d=128 -s=1000 -mask=0" \
+              "-prec=bf16 -d=128 -s=1000 -s_k=777 -mask=b -lse=1" \
+              "-prec=bf16 -d=64 -s=1024 -h=8 -h_k=2 -mask=t:100,20" \
+              "-prec=fp16 -d=80 -s=555 -mask=1" \
+              "-prec=bf16 -d=64 -mode=1 -b=3 -s=100,300,0 -mask=b -lse=1" \
+              "-prec=fp16 -d=64 -mode=1 -b=2 -s=200,300 -s_qpad=256,320 -s_kpad=256,320 -mask=t" \
+              "-prec=bf16 -d=128 -s=512 -q_eff_lens=300,512 -kv_eff_lens=200,400 -b=2" \
+              "-prec=fp16 -d=128 -s=700 -bias=e:2 -mask=t" \
+              "-prec=bf16 -d=128 -s=700 -bias=a:1 -mask=b" \
+              "-prec=fp16 -d=64 -s=700 -vlayout=c -mask=t" \
+              "-prec=bf16 -d=64 -s=700 -p_drop=0.2 -drop_seed=7 -drop_offset=3" \
+              "-prec=fp16 -d=128 -s=700 -softcap=30 -mask=t"; do
+    "$build/fmha_fwd" -b=2 -h=4 $args -v=1 -kname=1 2>&1 | tee -a "$out/example.log" || status=1
   done
-  python3 -m pytest tests/test_fwd_gpu.py tests/test_api_checks.py -q -p no:cacheprovider \
+  FMHA_PROPERTY_REPORT="$out/properties.txt" python3 -m pytest tests/test_fwd_gpu.py \
+    tests/test_fwd_properties_gpu.py tests/test_api_checks.py -q -p no:cacheprovider \
     2>&1 | tee "$out/pytest_gpu.log" | tail -n 25
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if [[ $mode == all || $mode == bench ]]; then
-  python3 -m bench --json "$out/bench.json" 2>"$out/bench_rows.log" | tee "$out/bench.txt" || status=1
+  python3 -m bench --json "$out/bench.json" ${FMHA_BENCH_ARGS:-} 2>"$out/bench_rows.log" \
+    | tee "$out/bench.txt" || status=1
 fi
 exit $status
