@@ -1,0 +1,841 @@
+"""The float64 reference of fmha.fwd, its dropout pattern, and the problem builder of the GPU tests.
+
+Nothing here imports fmha: the reference is plain torch, so its own tests (test_reference.py)
+run on a CPU, and the GPU tests compare the kernels against it.
+
+- attention_reference(): the forward pass with every feature of fmha.fwd (masks and their
+  alignment, windows, elementwise bias / SDPA attn_mask, ALiBi, soft-capping, dropout given the
+  keep pattern, GQA, batch mode with seqused, group (varlen) mode with physical padding),
+  computed in float64 (the truth) or in the input precision (the yardstick of the pass rule).
+- philox4x32_10() and dropout_keep_mask(): runtime/include/fmha/kernels/philox.cuh in torch,
+  the uint8 (batch, nhead, seqlen_q, seqlen_k) keep tensor fmha.dropout_mask writes.
+- Spec, make_inputs() and compare(): a problem described in a few fields, its tensors (with
+  NaN poison where a kernel must not look), and the pass rule of the GPU tests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# Philox4x32-10 and the keep rule of philox.cuh.
+# ---------------------------------------------------------------------------------------------
+
+MASK32 = 0xFFFFFFFF
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+
+
+def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit words of the 64-bit product a * b, for a < 2^32 and int64 b < 2^32.
+
+    b is split into 16-bit halves so that no intermediate leaves int64's positive range.
+    """
+    p_lo = a * (b & 0xFFFF)  # < 2^48
+    p_hi = a * (b >> 16)  # < 2^48
+    t = p_lo + ((p_hi & 0xFFFF) << 16)  # < 2^49
+    return (p_hi >> 16) + (t >> 32), t & MASK32
+
+
+def philox4x32_10(counter: Sequence, key: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """Philox4x32 with 10 rounds: four int64 tensors holding 32-bit words.
+
+    counter: four ints or int64 tensors (broadcast together), key: two ints.
+    """
+    device = next((x.device for x in counter if isinstance(x, torch.Tensor)), None)
+    c = [torch.as_tensor(x, dtype=torch.int64, device=device) & MASK32 for x in counter]
+    c0, c1, c2, c3 = torch.broadcast_tensors(*c)
+    k0, k1 = int(key[0]) & MASK32, int(key[1]) & MASK32
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo32(PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + PHILOX_W0) & MASK32
+        k1 = (k1 + PHILOX_W1) & MASK32
+    return c0, c1, c2, c3
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """philox.cuh's drop_threshold: min(floor(p * 2^32), 2^32 - 1), p rounded to float32 first
+    (the C++ API takes a float)."""
+    p32 = torch.tensor(dropout_p, dtype=torch.float32).item()
+    scaled = p32 * 4294967296.0
+    return MASK32 if scaled >= 4294967295.0 else int(scaled)
+
+
+def dropout_keep_mask(seed: int, offset: int, dropout_p: float, batch: int, nhead: int,
+                      seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
+    """The keep pattern of (seed, offset, p): uint8 (batch, nhead, seqlen_q, seqlen_k), 1 = kept.
+
+    Word key_index % 4 of Philox(key = (seed lo, seed hi),
+    counter = (key_index / 4, row, batch * nhead + head, offset)) keeps when >= threshold.
+    """
+    groups = (seqlen_k + 3) // 4
+    bh = torch.arange(batch * nhead, device=device, dtype=torch.int64).view(-1, 1, 1)
+    row = torch.arange(seqlen_q, device=device, dtype=torch.int64).view(1, -1, 1)
+    grp = torch.arange(groups, device=device, dtype=torch.int64).view(1, 1, -1)
+    seed = int(seed)
+    words = philox4x32_10((grp, row, bh, int(offset)), (seed & MASK32, (seed >> 32) & MASK32))
+    w = torch.stack(words, dim=-1).reshape(batch * nhead, seqlen_q, 4 * groups)[..., :seqlen_k]
+    keep = (w >= dropout_threshold(dropout_p)).to(torch.uint8)
+    return keep.reshape(batch, nhead, seqlen_q, seqlen_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention reference.
+# ---------------------------------------------------------------------------------------------
+
+ALIGNS = ("top_left", "bottom_right")
+
+
+def window_bounds(causal: bool, window_size) -> tuple[int, int]:
+    """(left, right) key bounds relative to the aligned diagonal; -1 is unbounded.
+
+    causal alone is (-1, 0); causal with a window keeps its left size and clamps right to 0.
+    """
+    left, right = (-1, -1) if window_size is None else window_size
+    left = -1 if left is None or left < 0 else int(left)
+    right = -1 if right is None or right < 0 else int(right)
+    if causal:
+        right = 0
+    return left, right
+
+
+def visible(seqlen_q: int, seqlen_k: int, left: int, right: int, mask_align: str,
+            device=None) -> torch.Tensor:
+    """bool (seqlen_q, seqlen_k): row i sees key j iff i+off-left <= j <= i+off+right."""
+    if mask_align not in ALIGNS:
+        raise ValueError(f"mask_align must be one of {ALIGNS}, got {mask_align!r}")
+    off = 0 if mask_align == "top_left" else seqlen_k - seqlen_q
+    i = torch.arange(seqlen_q, device=device).view(-1, 1)
+    j = torch.arange(seqlen_k, device=device).view(1, -1)
+    vis = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        vis &= j >= i + off - left
+    if right >= 0:
+        vis &= j <= i + off + right
+    return vis
+
+
+def _attend(q, k, v, *, scale, softcap, bias, slopes, left, right, mask_align, keep, dropout_p,
+            compute_dtype):
+    """One batch of sequences of equal lengths.
+
+    q (B, sq, hq, d), k (B, sk, hk, d), v (B, sk, hk, dv); bias (B, hq, sq, sk) or None;
+    slopes (B, hq) or None; keep (B, hq, sq, sk) or None. Returns out (B, sq, hq, dv) in
+    compute_dtype and lse (B, hq, sq) in float64 (float32 for a low-precision compute_dtype).
+    """
+    B, sq, hq, _ = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    qh = q.permute(0, 2, 1, 3).to(compute_dtype)
+    kh = k.permute(0, 2, 1, 3).to(compute_dtype).repeat_interleave(hq // hk, dim=1)
+    vh = v.permute(0, 2, 1, 3).to(compute_dtype).repeat_interleave(hq // hk, dim=1)
+    # In low precision S = QK^T is rounded to the input dtype (as a PyTorch matmul returns it);
+    # everything after it is fp32 up to P, which is rounded again before P @ V.
+    s = (qh @ kh.transpose(-1, -2)).to(acc) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias.to(acc)
+    off = 0 if mask_align == "top_left" else sk - sq
+    i = torch.arange(sq, device=q.device).view(-1, 1)
+    j = torch.arange(sk, device=q.device).view(1, -1)
+    if slopes is not None:
+        s = s - slopes.to(acc).view(B, hq, 1, 1) * (i + off - j).abs().to(acc)
+    s = s.masked_fill(~visible(sq, sk, left, right, mask_align, device=q.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # -inf where a row sees nothing (also for sk == 0)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(s - safe.unsqueeze(-1))  # rows of only -inf: exp(-inf) = 0, output 0
+    if keep is not None:
+        p = p * keep.to(acc) / (1.0 - dropout_p)
+    out = p.to(compute_dtype) @ vh
+    return out.permute(0, 2, 1, 3), lse
+
+
+def as_bias(bias: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], dtype):
+    """The additive bias of a call: `bias`, or SDPA's attn_mask (bool: True attends -> 0, False
+    -> -inf, in the input dtype; float: a bias), left-padded to 4 dims."""
+    if bias is not None and attn_mask is not None:
+        raise ValueError("pass bias or attn_mask, not both")
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            bias = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device)
+            bias = bias.masked_fill(~attn_mask, float("-inf"))
+        else:
+            bias = attn_mask
+    if bias is None:
+        return None
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    return bias
+
+
+def _as_list(x, n, default):
+    if x is None:
+        return [default] * n if not isinstance(default, list) else default
+    if isinstance(x, torch.Tensor):
+        x = x.tolist()
+    return [int(e) for e in x]
+
+
+def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                        mask_align="top_left", bias=None, attn_mask=None, alibi_slopes=None,
+                        softcap=0.0, dropout_p=0.0, dropout_keep=None, cu_seqlens_q=None,
+                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+                        seqused_k=None, compute_dtype=torch.float64):
+    """fmha.fwd's semantics in plain torch: returns (out, lse).
+
+    Batch mode: q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv) -> out (b, sq, hq, dv),
+    lse (b, hq, sq). Group mode (cu_seqlens_q/k given): q (total_q, hq, d) ... -> out
+    (total_q, hq, dv), lse (hq, total_q). Rows the kernel leaves untouched (past seqused_q, or
+    outside every sequence) are NaN in both, so `~out.isnan()` marks what to compare.
+
+    logits = softmax_scale * q.k, then softcap * tanh(logits / softcap), then + bias (or
+    attn_mask) and ALiBi (-slope * |i + off - j|), then the mask; lse is of those logits (natural
+    log, -inf for rows that see no key, whose output is 0). With dropout_p > 0, dropout_keep is
+    the (b, hq, >= sq, >= sk) keep pattern (fmha.dropout_mask's), indexed by the sequence's
+    local (i, j): out = (P * keep / (1 - p)) @ V. The mask offset is 0 for top_left and
+    seqlen_k - seqlen_q for bottom_right, with the lengths the sequence really uses.
+
+    compute_dtype float64 gives the truth; the input dtype gives the same attention in the input
+    precision (S and P rounded to it, softmax in fp32), the yardstick of the pass rule.
+    """
+    if dropout_p > 0 and dropout_keep is None:
+        raise ValueError("dropout_p > 0 needs dropout_keep (fmha.dropout_mask's pattern)")
+    keep = dropout_keep if dropout_p > 0 else None
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    left, right = window_bounds(causal, window_size)
+    bias4 = as_bias(bias, attn_mask, q.dtype)
+    acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes.unsqueeze(0)
+    common = dict(scale=scale, softcap=float(softcap), left=left, right=right,
+                  mask_align=mask_align, dropout_p=float(dropout_p), compute_dtype=compute_dtype)
+    group = cu_seqlens_q is not None
+    if group != (cu_seqlens_k is not None):
+        raise ValueError("group mode needs both cu_seqlens_q and cu_seqlens_k")
+
+    if not group:
+        B, sq, hq, _ = q.shape
+        sk = k.shape[1]
+        dv = v.shape[-1]
+        if bias4 is not None:
+            bias4 = bias4.expand(B, hq, sq, sk)
+        if slopes is not None:
+            slopes = slopes.expand(B, hq)
+        if seqused_q is None and seqused_k is None:
+            kp = keep[:, :, :sq, :sk] if keep is not None else None
+            out, lse = _attend(q, k, v, bias=bias4, slopes=slopes, keep=kp, **common)
+            return out, lse
+        used_q = _as_list(seqused_q, B, sq)
+        used_k = _as_list(seqused_k, B, sk)
+        out = torch.full((B, sq, hq, dv), float("nan"), dtype=compute_dtype, device=q.device)
+        lse = torch.full((B, hq, sq), float("nan"), dtype=acc, device=q.device)
+        for b in range(B):
+            uq, uk = used_q[b], used_k[b]
+            o, l = _attend(
+                q[b:b + 1, :uq], k[b:b + 1, :uk], v[b:b + 1, :uk],
+                bias=None if bias4 is None else bias4[b:b + 1, :, :uq, :uk],
+                slopes=None if slopes is None else slopes[b:b + 1],
+                keep=None if keep is None else keep[b:b + 1, :, :uq, :uk], **common)
+            out[b, :uq] = o[0]
+            lse[b, :, :uq] = l[0]
+        return out, lse
+
+    cu_q = _as_list(cu_seqlens_q, 0, 0)
+    cu_k = _as_list(cu_seqlens_k, 0, 0)
+    B = len(cu_q) - 1
+    hq, dv = q.shape[1], v.shape[-1]
+    phys_q = [cu_q[b + 1] - cu_q[b] for b in range(B)]
+    phys_k = [cu_k[b + 1] - cu_k[b] for b in range(B)]
+    used_q = _as_list(seqused_q, B, phys_q)
+    used_k = _as_list(seqused_k, B, phys_k)
+    if bias4 is not None:
+        mq = max_seqlen_q if max_seqlen_q is not None else max(phys_q, default=0)
+        mk = max_seqlen_k if max_seqlen_k is not None else max(phys_k, default=0)
+        bias4 = bias4.expand(B, hq, mq, mk)
+    if slopes is not None:
+        slopes = slopes.expand(B, hq)
+    out = torch.full((q.shape[0], hq, dv), float("nan"), dtype=compute_dtype, device=q.device)
+    lse = torch.full((hq, q.shape[0]), float("nan"), dtype=acc, device=q.device)
+    for b in range(B):
+        uq, uk = used_q[b], used_k[b]
+        q0, k0 = cu_q[b], cu_k[b]
+        o, l = _attend(
+            q[q0:q0 + uq].unsqueeze(0), k[k0:k0 + uk].unsqueeze(0), v[k0:k0 + uk].unsqueeze(0),
+            bias=None if bias4 is None else bias4[b:b + 1, :, :uq, :uk],
+            slopes=None if slopes is None else slopes[b:b + 1],
+            keep=None if keep is None else keep[b:b + 1, :, :uq, :uk], **common)
+        out[q0:q0 + uq] = o[0]
+        lse[:, q0:q0 + uq] = l[0]
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Problems of the GPU tests: a spec, its tensors, and the pass rule.
+# ---------------------------------------------------------------------------------------------
+
+BIAS_KINDS = ("11", "attn_bool", "b1", "1h", "full", "key", "attn_float2d")
+ALIBI_KINDS = ("head", "batch_head")
+LAYOUTS = ("bshd", "bhsd", "poison")
+
+
+@dataclass
+class Spec:
+    """One fmha.fwd problem.
+
+    Batch mode: b, sq, sk (used_q / used_k: seqused per sequence). Group mode (seqlens_q set):
+    the used lengths of each sequence, pad_q / pad_k the physical rows after each (seqused is
+    passed when any pad is given). layout: "bshd" (contiguous), "bhsd" (transposes of (b, h, s,
+    d) storage) or "poison" (views into NaN-filled buffers that are longer in the sequence and
+    the head dim, and NaN in every row a kernel must not use). bias: one of BIAS_KINDS; alibi:
+    one of ALIBI_KINDS.
+    """
+
+    dtype: torch.dtype
+    d: int
+    dv: int
+    hq: int = 1
+    hk: int = 1
+    b: int = 1
+    sq: int = 1
+    sk: int = 1
+    used_q: Optional[list] = None
+    used_k: Optional[list] = None
+    seqlens_q: Optional[list] = None
+    seqlens_k: Optional[list] = None
+    pad_q: Optional[list] = None
+    pad_k: Optional[list] = None
+    causal: bool = False
+    window: tuple = (-1, -1)
+    align: str = "top_left"
+    bias: Optional[str] = None
+    alibi: Optional[str] = None
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+    seed: int = 0
+    offset: int = 0
+    lse: bool = False
+    vcol: bool = False
+    layout: str = "bshd"
+    scale: Optional[float] = None
+    qscale: float = 1.0
+
+    @property
+    def group(self) -> bool:
+        return self.seqlens_q is not None
+
+    @property
+    def windowed(self) -> bool:
+        return any(w is not None and w >= 0 for w in self.window)
+
+    @property
+    def mask(self) -> str:
+        return "window" if self.windowed else ("causal" if self.causal else "none")
+
+    def replace(self, **changes) -> "Spec":
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        dt = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(self.dtype, str(self.dtype))
+        parts = [dt, f"d{self.d}/{self.dv}", f"h{self.hq}/{self.hk}"]
+        if self.group:
+            parts.append(f"q{self.seqlens_q}+{self.pad_q} k{self.seqlens_k}+{self.pad_k}")
+        else:
+            parts.append(f"b{self.b} {self.sq}x{self.sk}")
+            if self.used_q or self.used_k:
+                parts.append(f"used q{self.used_q} k{self.used_k}")
+        if self.causal:
+            parts.append("causal")
+        if self.windowed:
+            parts.append(f"window{tuple(self.window)}")
+        if self.causal or self.windowed or self.alibi:
+            parts.append(self.align)
+        for name in ("bias", "alibi"):
+            if getattr(self, name):
+                parts.append(f"{name}={getattr(self, name)}")
+        if self.softcap:
+            parts.append(f"softcap={self.softcap}")
+        if self.dropout_p:
+            parts.append(f"dropout={self.dropout_p} seed={self.seed:#x} off={self.offset}")
+        if self.lse:
+            parts.append("lse")
+        if self.vcol:
+            parts.append("vcol")
+        if self.layout != "bshd":
+            parts.append(self.layout)
+        if self.scale is not None:
+            parts.append(f"scale={self.scale:.4g}")
+        return " ".join(parts)
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    fwd_kwargs: dict          # fmha.fwd's keyword arguments (no instance)
+    ref_kwargs: dict          # attention_reference's (no dropout_keep)
+    keep_shape: Optional[tuple] = None  # (batch, nhead, seqlen_q, seqlen_k) of the keep pattern
+    spec: Optional[Spec] = None
+    extra: dict = field(default_factory=dict)
+
+
+def _round8(x: int) -> int:
+    return (x + 7) // 8 * 8
+
+
+def _tensor(lead: tuple, s: int, h: int, dim: int, *, layout, dtype, device, gen, scale=1.0,
+            dead_rows=None, col=False):
+    """A (*lead, s, h, dim) view (lead = (b,) in batch mode, () in group mode) in the layout.
+
+    dead_rows: per lead index (batch) or, in group mode, a bool (s,) mask of the rows a kernel
+    must not use; NaN in the poison layout, random otherwise (a wrong answer if used).
+    col: seq dimension contiguous (V^T storage), its stride rounded up to a multiple of 8.
+    """
+    poison = layout == "poison"
+    fill = float("nan") if poison else 0.0
+    s_extra, d_extra = (3, 8) if poison else (0, 0)
+    if col:
+        s_store = _round8(s) + (8 if poison else 0)
+        buf = torch.full((*lead, h, dim + d_extra, s_store), fill, dtype=dtype, device=device)
+        inner = buf[..., :dim, :s]
+        n = len(lead)
+        view = inner.permute(*range(n), n + 2, n, n + 1)  # (*lead, s, h, dim), seq stride 1
+    elif layout == "bhsd":
+        buf = torch.empty((*lead, h, s, dim), dtype=dtype, device=device)
+        view = buf.transpose(-3, -2)
+    else:
+        buf = torch.full((*lead, s + s_extra, h, dim + d_extra), fill, dtype=dtype, device=device)
+        view = buf[..., :s, :, :dim]
+    values = torch.randn((*lead, s, h, dim), generator=gen, device="cpu", dtype=torch.float32)
+    view.copy_((values * scale).to(dtype))
+    if dead_rows is not None and poison:  # otherwise they keep their random values
+        for idx, rows in dead_rows:
+            target = view[idx] if idx is not None else view
+            target[rows] = float("nan")
+    return view
+
+
+def make_inputs(spec: Spec, device="cuda", seed: int = 0) -> Inputs:
+    """The tensors and keyword arguments of `spec`, drawn from a CPU generator seeded by seed."""
+    gen = torch.Generator().manual_seed(seed)
+    dt = spec.dtype
+    T = dict(dtype=dt, device=device, gen=gen)
+    fwd: dict = {}
+    ref: dict = {}
+    if spec.group:
+        nb = len(spec.seqlens_q)
+        pad_q = spec.pad_q or [0] * nb
+        pad_k = spec.pad_k or [0] * nb
+        phys_q = [u + p for u, p in zip(spec.seqlens_q, pad_q)]
+        phys_k = [u + p for u, p in zip(spec.seqlens_k, pad_k)]
+        cu_q = [0]
+        cu_k = [0]
+        for a, c in zip(phys_q, phys_k):
+            cu_q.append(cu_q[-1] + a)
+            cu_k.append(cu_k[-1] + c)
+        total_q, total_k = cu_q[-1], cu_k[-1]
+        dead_q = torch.zeros(total_q, dtype=torch.bool)
+        dead_k = torch.zeros(total_k, dtype=torch.bool)
+        for b in range(nb):
+            dead_q[cu_q[b] + spec.seqlens_q[b]:cu_q[b + 1]] = True
+            dead_k[cu_k[b] + spec.seqlens_k[b]:cu_k[b + 1]] = True
+        dq = [(None, dead_q.to(device))] if dead_q.any() else None
+        dk = [(None, dead_k.to(device))] if dead_k.any() else None
+        q = _tensor((), total_q, spec.hq, spec.d, layout=spec.layout, scale=spec.qscale,
+                    dead_rows=dq, **T)
+        k = _tensor((), total_k, spec.hk, spec.d, layout=spec.layout, dead_rows=dk, **T)
+        v = _tensor((), total_k, spec.hk, spec.dv, layout=spec.layout, dead_rows=dk,
+                    col=spec.vcol, **T)
+        max_q, max_k = max(phys_q, default=0), max(phys_k, default=0)
+        cu = dict(cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+                  cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+                  max_seqlen_q=max_q, max_seqlen_k=max_k)
+        fwd.update(cu)
+        ref.update(cu)
+        if spec.pad_q is not None or spec.pad_k is not None:
+            used = dict(seqused_q=torch.tensor(spec.seqlens_q, dtype=torch.int32, device=device),
+                        seqused_k=torch.tensor(spec.seqlens_k, dtype=torch.int32, device=device))
+            fwd.update(used)
+            ref.update(used)
+        nbatch, bias_sq, bias_sk = nb, max_q, max_k
+    else:
+        nb = spec.b
+        dq = dk = None
+        if spec.used_q is not None:
+            dq = [(b, slice(u, None)) for b, u in enumerate(spec.used_q) if u < spec.sq]
+        if spec.used_k is not None:
+            dk = [(b, slice(u, None)) for b, u in enumerate(spec.used_k) if u < spec.sk]
+        q = _tensor((nb,), spec.sq, spec.hq, spec.d, layout=spec.layout, scale=spec.qscale,
+                    dead_rows=dq, **T)
+        k = _tensor((nb,), spec.sk, spec.hk, spec.d, layout=spec.layout, dead_rows=dk, **T)
+        v = _tensor((nb,), spec.sk, spec.hk, spec.dv, layout=spec.layout, dead_rows=dk,
+                    col=spec.vcol, **T)
+        for name, used in (("seqused_q", spec.used_q), ("seqused_k", spec.used_k)):
+            if used is not None:
+                t = torch.tensor(used, dtype=torch.int32, device=device)
+                fwd[name] = t
+                ref[name] = t
+        nbatch, bias_sq, bias_sk = nb, spec.sq, spec.sk
+
+    if spec.causal:
+        fwd["causal"] = True
+        ref["causal"] = True
+    if spec.windowed:
+        fwd["window_size"] = tuple(spec.window)
+        ref["window_size"] = tuple(spec.window)
+    if spec.causal or spec.windowed or spec.alibi:
+        fwd["mask_align"] = spec.align
+        ref["mask_align"] = spec.align
+    if spec.scale is not None:
+        fwd["softmax_scale"] = spec.scale
+        ref["softmax_scale"] = spec.scale
+
+    if spec.bias:
+        name, tensor = _bias(spec.bias, nbatch, spec.hq, bias_sq, bias_sk, dt, device, gen)
+        fwd[name] = tensor
+        ref[name] = tensor
+    if spec.alibi:
+        shape = (spec.hq,) if spec.alibi == "head" else (nbatch, spec.hq)
+        slopes = (torch.rand(shape, generator=gen) * 0.5 + 0.01).to(device)
+        fwd["alibi_slopes"] = slopes
+        ref["alibi_slopes"] = slopes
+    if spec.softcap:
+        fwd["softcap"] = spec.softcap
+        ref["softcap"] = spec.softcap
+    keep_shape = None
+    if spec.dropout_p:
+        fwd.update(dropout_p=spec.dropout_p, dropout_seed=spec.seed, dropout_offset=spec.offset)
+        ref["dropout_p"] = spec.dropout_p
+        keep_shape = (nbatch, spec.hq, bias_sq, bias_sk)
+    if spec.lse:
+        fwd["return_lse"] = True
+    return Inputs(q, k, v, fwd, ref, keep_shape, spec)
+
+
+def _bias(kind, b, h, sq, sk, dtype, device, gen):
+    """(keyword, tensor) of a bias kind; group mode passes the longest lengths as sq, sk."""
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+    if kind == "11":
+        return "bias", randn(1, 1, sq, sk)
+    if kind == "b1":
+        return "bias", randn(b, 1, sq, sk)
+    if kind == "1h":
+        return "bias", randn(1, h, sq, sk)
+    if kind == "full":  # a view with a padded row stride: only the key dimension is contiguous
+        store = torch.randn((b, h, sq, _round8(sk) + 8), generator=gen).to(dtype).to(device)
+        return "bias", store[..., :sk]
+    if kind == "key":  # a key-padding bias, broadcast over heads and query rows
+        return "bias", randn(b, 1, 1, sk)
+    if kind == "attn_bool":
+        allowed = torch.rand((b, h, sq, sk), generator=gen) < 0.8
+        if sq > 0:
+            allowed[:, :, 0, :] = False  # every sequence's first row sees nothing
+            allowed[0, 0, sq // 2, :] = False
+        return "attn_mask", allowed.to(device)
+    if kind == "attn_float2d":
+        return "attn_mask", randn(sq, sk)
+    raise ValueError(f"unknown bias kind {kind!r}; valid: {BIAS_KINDS}")
+
+
+def ulp(x: float, dtype) -> float:
+    """The spacing of `dtype` numbers at |x|."""
+    if x == 0 or not math.isfinite(x):
+        return 0.0
+    mant = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}[dtype]
+    return 2.0 ** (math.floor(math.log2(abs(x))) - mant)
+
+
+@dataclass
+class Comparison:
+    err: float       # max |out - truth| over the defined elements
+    lowp_err: float  # the same for the input-precision computation
+    tol: float       # 2 * lowp_err + atol
+    ref_max: float   # max |truth|
+    lse_err: float = 0.0
+
+    @property
+    def rel(self) -> float:
+        return self.err / self.ref_max if self.ref_max > 0 else self.err
+
+    @property
+    def ratio(self) -> float:
+        return self.err / self.tol if self.tol > 0 else 0.0
+
+
+def compare(out, ref, lowp, *, dtype, lse=None, ref_lse=None, what: str = "") -> Comparison:
+    """The pass rule (FlashAttention-3's and FlexAttention's): the error against the float64
+    truth is at most twice the error of the same attention computed in the input precision,
+    plus 1e-4 and half an ulp of the largest output (the rounding any output pays once).
+
+    Elements that are NaN in `ref` (rows the kernel leaves untouched) are not compared. Rows
+    that see no key must be exactly 0 with lse -inf; lse elsewhere within 1e-3 + 1e-4 |lse|.
+    """
+    assert out.shape == ref.shape, f"{what}: output shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    defined = ~torch.isnan(ref)
+    o = out.double()
+    bad = torch.isnan(o) & defined
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} NaN output elements in rows the kernel must write "
+        f"(first at {tuple(bad.nonzero()[0].tolist())})")
+    if defined.any():
+        diff = (o - ref).abs()[defined]
+        err = diff.max().item()
+        lowp_err = (lowp.double() - ref).abs()[defined].max().item()
+        ref_max = ref.abs()[defined].max().item()
+    else:
+        err = lowp_err = ref_max = 0.0
+    tol = 2 * lowp_err + 1e-4 + 0.5 * ulp(ref_max, dtype)
+    where = ""
+    if err > tol:
+        full = (o - ref).abs().nan_to_num(0.0)
+        idx = tuple(torch.nonzero(full == full.max())[0].tolist())
+        where = f" at {idx}: got {o[idx].item():.6g}, want {ref[idx].item():.6g}"
+    assert err <= tol, (
+        f"{what}: max error {err:.4g} > {tol:.4g} (2 x {lowp_err:.4g} in {dtype} + atol){where}")
+
+    lse_err = 0.0
+    if ref_lse is not None:
+        assert lse is not None, f"{what}: no lse returned"
+        assert lse.shape == ref_lse.shape, (
+            f"{what}: lse shape {tuple(lse.shape)} != {tuple(ref_lse.shape)}")
+        assert lse.dtype == torch.float32, f"{what}: lse dtype {lse.dtype}, want float32"
+        l = lse.double()
+        empty = torch.isneginf(ref_lse)
+        finite = torch.isfinite(ref_lse)
+        if empty.any():
+            got = l[empty]
+            wrong = got[~torch.isneginf(got)][:4].tolist()
+            assert torch.isneginf(got).all(), (
+                f"{what}: rows that see no key must have lse -inf; got {wrong}")
+            # Their outputs must be exactly 0.
+            rows = empty.permute(0, 2, 1) if out.dim() == 4 else empty.transpose(0, 1)
+            zero_rows = o[rows]
+            assert (zero_rows == 0).all(), f"{what}: rows that see no key must be 0"
+        if finite.any():
+            assert not torch.isnan(l[finite]).any(), f"{what}: NaN lse in rows that see keys"
+            d = (l[finite] - ref_lse[finite]).abs()
+            lse_err = d.max().item()
+            tol_l = 1e-3 + 1e-4 * ref_lse[finite].abs()
+            bad = d > tol_l
+            assert not bad.any(), (
+                f"{what}: lse error {lse_err:.4g} (ref {ref_lse[finite][bad][0].item():.6g}, "
+                f"got {l[finite][bad][0].item():.6g})")
+    return Comparison(err, lowp_err, tol, ref_max, lse_err)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cases of one compiled instance (tests/test_fwd_gpu.py).
+# ---------------------------------------------------------------------------------------------
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+# (left, right, causal) of the window instances' cases, taken in turn.
+WINDOW_CASES = [(37, -1, False), (-1, 5, False), (16, 16, False), (0, 0, False), (64, -1, True),
+                (-1, 0, False), (100, 3, False), (2, 50, False), (0, -1, False)]
+SOFTCAPS = (5.0, 30.0, 1.0)
+DROPOUT_PS = (0.17, 0.5, 0.9)
+
+
+def trait(inst: dict, key: str):
+    """An instance's trait, with the defaults of a manifest that predates the key."""
+    defaults = dict(mask="none", bias="none", vlayout="row", mode="batch", lse=False,
+                    dropout=False, softcap=False, pad_seqlen=True, pad_hdim=False)
+    return inst.get(key, defaults.get(key))
+
+
+def _floor8(x: int) -> int:
+    return max(8, x // 8 * 8)
+
+
+def _shapes(inst: dict) -> list[tuple[str, dict]]:
+    m, n = inst["block_m"], inst["block_n"]
+    if trait(inst, "mode") == "group":
+        return [
+            ("1x1", dict(seqlens_q=[1], seqlens_k=[1])),
+            ("varlen_padded", dict(seqlens_q=[77, 130, 1], seqlens_k=[30, 77, 0], pad_q=[3, 0, 5],
+                                   pad_k=[16, 1, 4], hq=4, hk=2, layout="poison")),
+            ("zeros_gqa8", dict(seqlens_q=[0, 17, 300, 1], seqlens_k=[5, 0, 280, 64], hq=8, hk=1)),
+            ("bhsd", dict(seqlens_q=[200, 64], seqlens_k=[64, 200], hq=2, hk=2, layout="bhsd")),
+            ("tiles", dict(seqlens_q=[2 * m, m], seqlens_k=[3 * n, n], hq=2, hk=1)),
+            ("long", dict(seqlens_q=[4097], seqlens_k=[1000], pad_q=[0], pad_k=[5])),
+        ]
+    if trait(inst, "pad_seqlen"):
+        return [
+            ("1x1", dict(b=1, sq=1, sk=1)),
+            ("q_gt_k", dict(b=1, sq=300, sk=77, hq=2, hk=2, layout="poison")),
+            ("q_lt_k_gqa8", dict(b=2, sq=77, sk=300, hq=8, hk=1)),
+            ("decode", dict(b=2, sq=1, sk=300, hq=4, hk=2, layout="bhsd")),
+            ("seqused", dict(b=3, sq=130, sk=200, used_q=[130, 1, 60], used_k=[200, 65, 0], hq=4,
+                             hk=1, layout="poison")),
+            ("long", dict(b=1, sq=4097, sk=1000, layout="bhsd")),
+            ("tiles", dict(b=2, sq=2 * m, sk=3 * n, hq=2, hk=2)),
+        ]
+    return [
+        ("tile", dict(b=1, sq=m, sk=n)),
+        ("q_gt_k", dict(b=1, sq=3 * m, sk=n, hq=2, hk=2, layout="poison")),
+        ("q_lt_k_gqa8", dict(b=2, sq=m, sk=4 * n, hq=8, hk=1)),
+        ("bhsd", dict(b=2, sq=2 * m, sk=2 * n, hq=4, hk=2, layout="bhsd")),
+        ("long", dict(b=1, sq=m * -(-4097 // m), sk=8 * n)),
+    ]
+
+
+def _hdim_shapes(inst: dict) -> list[tuple[str, dict]]:
+    """Head dims below a pad_hdim instance's, multiples of 8: just below, and about half."""
+    dq, dv = inst["hdim_q"], inst["hdim_v"]
+    a = dict(d=max(8, dq - 8), dv=max(8, dv - 8))
+    b = dict(d=_floor8(dq // 2), dv=max(8, _floor8(dv // 2) - 8))
+    if trait(inst, "mode") == "group":
+        return [(f"hdim{a['d']}_{a['dv']}", dict(seqlens_q=[100, 30], seqlens_k=[150, 31], hq=2,
+                                                 hk=1, **a)),
+                (f"hdim{b['d']}_{b['dv']}", dict(seqlens_q=[65], seqlens_k=[33], pad_q=[4],
+                                                 pad_k=[9], layout="poison", **b))]
+    return [(f"hdim{a['d']}_{a['dv']}", dict(b=2, sq=100, sk=150, hq=2, hk=1, **a)),
+            (f"hdim{b['d']}_{b['dv']}", dict(b=1, sq=65, sk=33, layout="poison", **b))]
+
+
+def apply_traits(spec: Spec, inst: dict, idx: int) -> tuple[Spec, str]:
+    """Gives `spec` the functional traits of `inst`, varied by the case index; returns it and a
+    short label of the variant."""
+    label = []
+    align = ALIGNS[idx % 2]
+    short = "tl" if align == "top_left" else "br"
+    mask = trait(inst, "mask")
+    if mask == "causal":
+        spec = spec.replace(causal=True, align=align)
+        label.append(f"causal_{short}")
+    elif mask == "window":
+        left, right, causal = WINDOW_CASES[idx % len(WINDOW_CASES)]
+        spec = spec.replace(window=(left, right), causal=causal, align=align)
+        label.append(f"win{left}_{right}{'_causal' if causal else ''}_{short}")
+    bias = trait(inst, "bias")
+    if bias == "elementwise":
+        spec = spec.replace(bias=BIAS_KINDS[idx % len(BIAS_KINDS)])
+        label.append(f"bias_{spec.bias}")
+    elif bias == "alibi":
+        spec = spec.replace(alibi=ALIBI_KINDS[(idx // 2) % 2], align=align)
+        label.append(f"alibi_{spec.alibi}" + ("" if mask != "none" else f"_{short}"))
+    if trait(inst, "softcap"):
+        spec = spec.replace(softcap=SOFTCAPS[idx % 3], qscale=3.0)
+        label.append(f"softcap{spec.softcap:g}")
+    if trait(inst, "dropout"):
+        # Seeds past 2^32 exercise the key's high word.
+        spec = spec.replace(dropout_p=DROPOUT_PS[idx % 3], seed=0x5EED + idx * 0x1_0000_0001,
+                            offset=3 * idx)
+        label.append(f"dropout{spec.dropout_p:g}")
+    if trait(inst, "lse") and idx != 2:  # lse instances also serve calls without lse
+        spec = spec.replace(lse=True)
+        label.append("lse")
+    if trait(inst, "vlayout") == "col":
+        spec = spec.replace(vcol=True)
+        label.append("vcol")
+    if idx % 4 == 3:
+        spec = spec.replace(scale=0.8 / math.sqrt(spec.d))
+    return spec, "-".join(label)
+
+
+def instance_specs(inst: dict) -> list[tuple[str, Spec]]:
+    """The cases of one instance: (id, spec), every spec within the instance's traits."""
+    dtype = DTYPES[inst["dtype"]]
+    shapes = _shapes(inst) + (_hdim_shapes(inst) if trait(inst, "pad_hdim") else [])
+    cases = []
+    for idx, (name, shape) in enumerate(shapes):
+        shape = dict(shape)
+        spec = Spec(dtype=dtype, d=shape.pop("d", inst["hdim_q"]),
+                    dv=shape.pop("dv", inst["hdim_v"]), **shape)
+        spec, label = apply_traits(spec, inst, idx)
+        cases.append((f"{name}-{label}" if label else name, spec))
+    return cases
+
+
+def fits(spec: Spec, inst: dict) -> str:
+    """Why `inst` cannot run `spec` ("" when it can), by the rules of fmha.h and the manifest."""
+    if DTYPES[inst["dtype"]] != spec.dtype:
+        return "dtype"
+    exact = spec.d == inst["hdim_q"] and spec.dv == inst["hdim_v"]
+    padded = (spec.d <= inst["hdim_q"] and spec.dv <= inst["hdim_v"] and spec.d % 8 == 0
+              and spec.dv % 8 == 0)
+    if not (exact or (trait(inst, "pad_hdim") and padded)):
+        return "hdim"
+    if spec.mask != trait(inst, "mask"):
+        return "mask"
+    bias = "elementwise" if spec.bias else ("alibi" if spec.alibi else "none")
+    if bias != trait(inst, "bias"):
+        return "bias"
+    if ("col" if spec.vcol else "row") != trait(inst, "vlayout"):
+        return "vlayout"
+    if ("group" if spec.group else "batch") != trait(inst, "mode"):
+        return "mode"
+    if spec.lse and not trait(inst, "lse"):
+        return "lse"
+    if bool(spec.dropout_p) != bool(trait(inst, "dropout")):
+        return "dropout"
+    if bool(spec.softcap) != bool(trait(inst, "softcap")):
+        return "softcap"
+    if not trait(inst, "pad_seqlen"):
+        if spec.group or spec.used_q or spec.used_k:
+            return "pad_seqlen (group mode or seqused)"
+        if spec.sq % inst["block_m"] or spec.sk % inst["block_n"]:
+            return "pad_seqlen (lengths not tile multiples)"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# One call of fmha.fwd against the reference (the module is passed in: nothing here imports it).
+# ---------------------------------------------------------------------------------------------
+
+
+def split_result(result, spec: Spec):
+    """(out, lse) of fmha.fwd's result; lse None when the spec did not ask for it."""
+    if spec.lse:
+        assert isinstance(result, tuple) and len(result) == 2, "return_lse=True returns (out, lse)"
+        return result
+    assert isinstance(result, torch.Tensor), "return_lse=False returns the output alone"
+    return result, None
+
+
+def keep_pattern(fmha, spec: Spec, inputs: Inputs) -> torch.Tensor:
+    """fmha.dropout_mask's pattern for the spec, after checking it against dropout_keep_mask."""
+    b, h, sq, sk = inputs.keep_shape
+    keep = fmha.dropout_mask(spec.seed, spec.offset, spec.dropout_p, b, h, sq, sk)
+    assert tuple(keep.shape) == (b, h, sq, sk) and keep.dtype == torch.uint8, (
+        f"fmha.dropout_mask: {tuple(keep.shape)} {keep.dtype}, want {(b, h, sq, sk)} uint8")
+    want = dropout_keep_mask(spec.seed, spec.offset, spec.dropout_p, b, h, sq, sk,
+                             device=keep.device)
+    assert torch.equal(keep, want), "fmha.dropout_mask differs from reference.dropout_keep_mask"
+    return keep
+
+
+def check_fwd(fmha, spec: Spec, *, instance=None, seed=0, device="cuda", what="",
+              inputs: Optional[Inputs] = None) -> Comparison:
+    """Runs `spec` through fmha.fwd (forced to `instance` when given) and compares it with the
+    float64 reference under the pass rule of compare(); returns the Comparison. `inputs`:
+    make_inputs(spec, device, seed) when not given."""
+    inputs = inputs if inputs is not None else make_inputs(spec, device, seed)
+    keep = keep_pattern(fmha, spec, inputs) if spec.dropout_p else None
+    what = f"{what or instance or 'dispatcher'} [{spec.describe()}]"
+    result = fmha.fwd(inputs.q, inputs.k, inputs.v, **inputs.fwd_kwargs, instance=instance)
+    if inputs.q.is_cuda:
+        torch.cuda.synchronize()  # surfaces asynchronous CUDA errors here
+    out, lse = split_result(result, spec)
+    expect = (*inputs.q.shape[:-1], spec.dv)
+    assert tuple(out.shape) == expect, f"{what}: output shape {tuple(out.shape)}, want {expect}"
+    assert out.dtype == spec.dtype and out.device == inputs.q.device, (
+        f"{what}: output {out.dtype} on {out.device}")
+    ref, ref_lse = attention_reference(inputs.q, inputs.k, inputs.v, **inputs.ref_kwargs,
+                                       dropout_keep=keep)
+    lowp, _ = attention_reference(inputs.q, inputs.k, inputs.v, **inputs.ref_kwargs,
+                                  dropout_keep=keep, compute_dtype=spec.dtype)
+    return compare(out, ref, lowp, dtype=spec.dtype, lse=lse,
+                   ref_lse=ref_lse if spec.lse else None, what=what)

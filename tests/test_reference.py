@@ -1,0 +1,673 @@
+"""The float64 reference of the GPU tests (tests/reference.py), checked on the CPU.
+
+Against torch SDPA where SDPA has the feature (no mask, top-left causal, attn_mask, GQA), against
+element-by-element loops written from fmha.h's wording where it has not (windows, bottom-right
+alignment, ALiBi, soft-capping, dropout), group mode against per-sequence batch calls, and its
+Philox against Random123's known-answer vectors and against philox.cuh compiled on the host.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import reference as R  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PHILOX_HEADER = REPO_ROOT / "runtime" / "include" / "fmha" / "kernels" / "philox.cuh"
+f64 = torch.float64
+
+
+def rand(*shape, seed=0, dtype=f64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def qkv(b=2, sq=7, sk=9, hq=4, hk=2, d=16, dv=12, seed=0, dtype=f64):
+    return (rand(b, sq, hq, d, seed=seed, dtype=dtype),
+            rand(b, sk, hk, d, seed=seed + 1, dtype=dtype),
+            rand(b, sk, hk, dv, seed=seed + 2, dtype=dtype))
+
+
+def to_bhsd(t):
+    return t.transpose(1, 2)
+
+
+def sdpa(q, k, v, **kw):
+    """SDPA on (b, s, h, d) tensors, K/V heads repeated for GQA."""
+    hq, hk = q.shape[2], k.shape[2]
+    k = k.repeat_interleave(hq // hk, dim=2)
+    v = v.repeat_interleave(hq // hk, dim=2)
+    return to_bhsd(F.scaled_dot_product_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), **kw))
+
+
+# ------------------------------------------------------------------------------------------
+# Philox4x32-10 and the keep pattern
+# ------------------------------------------------------------------------------------------
+
+# Random123's kat_vectors for philox4x32_10: counter, key, expected output words.
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter,key,expected", KAT)
+def test_philox_known_answers(counter, key, expected):
+    words = R.philox4x32_10(counter, key)
+    assert tuple(int(w) for w in words) == expected
+
+
+def test_philox_vectorized_equals_scalar():
+    # The three KAT counters as one batch (same key per call, so one key at a time).
+    for counter, key, expected in KAT:
+        cols = [torch.tensor([c, c]) for c in counter]
+        words = R.philox4x32_10(cols, key)
+        assert [w.tolist() for w in words] == [[e, e] for e in expected]
+
+
+def test_mulhilo_is_exact():
+    g = torch.Generator().manual_seed(1)
+    b = torch.randint(0, 2**32, (1000,), generator=g, dtype=torch.int64)
+    b = torch.cat([b, torch.tensor([0, 1, 0xFFFFFFFF, 0x80000000, 0xFFFF, 0x10000])])
+    for a in (R.PHILOX_M0, R.PHILOX_M1, 0xFFFFFFFF, 1, 0):
+        hi, lo = R._mulhilo32(a, b)
+        for bi, h, l in zip(b.tolist(), hi.tolist(), lo.tolist()):
+            assert (h, l) == ((a * bi) >> 32, (a * bi) & 0xFFFFFFFF)
+
+
+def test_threshold_rule():
+    assert R.dropout_threshold(0.0) == 0
+    assert R.dropout_threshold(0.5) == 2**31
+    assert R.dropout_threshold(1.0) == 0xFFFFFFFF
+    p32 = torch.tensor(0.1, dtype=torch.float32).item()  # the float the C++ API receives
+    assert R.dropout_threshold(0.1) == int(p32 * 2**32)
+
+
+def test_keep_pattern_is_the_spec_word_by_word():
+    seed, offset, p = (7 << 32) | 0x1234, 5, 0.37
+    b, h, sq, sk = 2, 3, 5, 11
+    keep = R.dropout_keep_mask(seed, offset, p, b, h, sq, sk)
+    assert keep.shape == (b, h, sq, sk) and keep.dtype == torch.uint8
+    thr = R.dropout_threshold(p)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(sq):
+                for j in range(sk):
+                    words = R.philox4x32_10((j // 4, i, bi * h + hi, offset),
+                                            (seed & 0xFFFFFFFF, seed >> 32))
+                    assert keep[bi, hi, i, j].item() == int(int(words[j % 4]) >= thr)
+
+
+def test_keep_depends_on_seed_offset_and_position():
+    base = R.dropout_keep_mask(1, 0, 0.5, 2, 2, 16, 16)
+    assert not torch.equal(base, R.dropout_keep_mask(2, 0, 0.5, 2, 2, 16, 16))
+    assert not torch.equal(base, R.dropout_keep_mask(1 + (1 << 32), 0, 0.5, 2, 2, 16, 16))
+    assert not torch.equal(base, R.dropout_keep_mask(1, 1, 0.5, 2, 2, 16, 16))
+    # A function of (b, h, i, j): a larger request contains the smaller one.
+    big = R.dropout_keep_mask(1, 0, 0.5, 2, 2, 20, 23)
+    assert torch.equal(big[:, :, :16, :16], base)
+    assert not torch.equal(base[0, 0], base[0, 1]) and not torch.equal(base[0, 0], base[1, 0])
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.9])
+def test_keep_fraction(p):
+    keep = R.dropout_keep_mask(12345, 0, p, 2, 4, 128, 129)
+    n = keep.numel()
+    frac = keep.double().mean().item()
+    if p == 0:
+        assert frac == 1.0
+    else:
+        assert abs(frac - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
+
+
+def test_keep_of_p_one_keeps_almost_nothing():
+    assert R.dropout_keep_mask(3, 0, 1.0, 1, 1, 64, 64).sum().item() == 0
+
+
+PHILOX_PROGRAM = r"""
+#include <cstdio>
+#include <cstdint>
+#include <cstdlib>
+#include "fmha/kernels/philox.cuh"
+int main(int argc, char** argv) {
+  uint64_t seed = strtoull(argv[1], nullptr, 0);
+  uint32_t offset = strtoul(argv[2], nullptr, 0);
+  float p = strtof(argv[3], nullptr);
+  int b = atoi(argv[4]), h = atoi(argv[5]), sq = atoi(argv[6]), sk = atoi(argv[7]);
+  uint32_t thr = fmha::philox::drop_threshold(p);
+  for (int bh = 0; bh < b * h; ++bh)
+    for (int i = 0; i < sq; ++i)
+      for (int j = 0; j < sk; ++j) {
+        fmha::philox::Words w = fmha::philox::dropout_words(seed, offset, bh, i, j / 4);
+        putchar(w.w[j % 4] >= thr ? '1' : '0');
+      }
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no host C++ compiler")
+@pytest.mark.parametrize("seed,offset,p", [(0, 0, 0.5), ((0xDEADBEEF << 32) | 99, 7, 0.17),
+                                           (2**64 - 1, 2**32 - 1, 0.9)])
+def test_keep_matches_philox_header(tmp_path, seed, offset, p):
+    """The torch pattern equals the one philox.cuh's host path computes."""
+    if not PHILOX_HEADER.exists():
+        pytest.skip(f"{PHILOX_HEADER} is missing")
+    src = tmp_path / "philox.cpp"
+    src.write_text(PHILOX_PROGRAM)
+    exe = tmp_path / "philox"
+    subprocess.run(["c++", "-std=c++17", "-O1", "-I", str(REPO_ROOT / "runtime" / "include"),
+                    str(src), "-o", str(exe)], check=True, capture_output=True, timeout=120)
+    b, h, sq, sk = 2, 3, 9, 13
+    out = subprocess.run([str(exe), str(seed), str(offset), repr(p), str(b), str(h), str(sq),
+                          str(sk)], check=True, capture_output=True, text=True, timeout=60).stdout
+    want = torch.tensor([int(c) for c in out], dtype=torch.uint8).reshape(b, h, sq, sk)
+    assert torch.equal(R.dropout_keep_mask(seed, offset, p, b, h, sq, sk), want)
+
+
+# ------------------------------------------------------------------------------------------
+# Against torch SDPA
+# ------------------------------------------------------------------------------------------
+
+
+def test_matches_sdpa_plain():
+    q, k, v = qkv(hq=4, hk=4, d=16, dv=16)
+    out, _ = R.attention_reference(q, k, v)
+    torch.testing.assert_close(out, sdpa(q, k, v), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("sq,sk", [(7, 7), (5, 9), (9, 5)])
+def test_matches_sdpa_causal_top_left(sq, sk):
+    q, k, v = qkv(sq=sq, sk=sk, hq=4, hk=4, d=16, dv=16)
+    out, _ = R.attention_reference(q, k, v, causal=True)
+    if sq > sk:  # SDPA's rows that see nothing are NaN or 0 by version: compare the others
+        torch.testing.assert_close(out[:, :sk], sdpa(q, k, v, is_causal=True)[:, :sk])
+    else:
+        torch.testing.assert_close(out, sdpa(q, k, v, is_causal=True), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 7, 9), (1, 1, 7, 9), (2, 1, 7, 9), (1, 4, 7, 9), (7, 9),
+                                   (2, 1, 1, 9)])
+def test_matches_sdpa_float_attn_mask(shape):
+    q, k, v = qkv(sq=7, sk=9, hq=4, hk=4, d=16, dv=16)
+    mask = rand(*shape, seed=9)
+    out, lse = R.attention_reference(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, sdpa(q, k, v, attn_mask=mask), rtol=1e-12, atol=1e-12)
+    out_b, lse_b = R.attention_reference(q, k, v, bias=mask)
+    assert torch.equal(out, out_b) and torch.equal(lse, lse_b)
+
+
+def test_matches_sdpa_bool_attn_mask():
+    q, k, v = qkv(sq=7, sk=9, hq=4, hk=4, d=16, dv=16)
+    mask = torch.rand(2, 4, 7, 9, generator=torch.Generator().manual_seed(3)) < 0.7
+    mask[..., 0] = True  # SDPA gives NaN for rows that see nothing
+    out, _ = R.attention_reference(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, sdpa(q, k, v, attn_mask=mask), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("hq,hk", [(8, 1), (8, 2), (6, 3)])
+def test_matches_sdpa_gqa(hq, hk):
+    q, k, v = qkv(hq=hq, hk=hk, d=16, dv=16)
+    out, _ = R.attention_reference(q, k, v, causal=True)
+    try:
+        want = to_bhsd(F.scaled_dot_product_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v),
+                                                      is_causal=True, enable_gqa=True))
+    except TypeError:  # torch < 2.5 has no enable_gqa
+        want = sdpa(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_softmax_scale():
+    q, k, v = qkv(hq=2, hk=2)
+    out, _ = R.attention_reference(q, k, v, softmax_scale=0.3)
+    torch.testing.assert_close(out, sdpa(q, k, v, scale=0.3), rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------
+# Against loops written from fmha.h
+# ------------------------------------------------------------------------------------------
+
+
+def naive(q, k, v, *, scale=None, causal=False, window=(-1, -1), align="top_left", bias=None,
+          slopes=None, softcap=0.0, keep=None, p_drop=0.0):
+    """Element by element, batch mode, float64: (out (b, sq, hq, dv), lse (b, hq, sq))."""
+    b, sq, hq, d = q.shape
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    off = 0 if align == "top_left" else sk - sq
+    left, right = window
+    if causal:
+        right = 0
+    out = torch.zeros(b, sq, hq, dv, dtype=f64)
+    lse = torch.zeros(b, hq, sq, dtype=f64)
+    for bi in range(b):
+        for h in range(hq):
+            kh = h // (hq // hk)
+            for i in range(sq):
+                logits = {}
+                for j in range(sk):
+                    if left >= 0 and j < i + off - left:
+                        continue
+                    if right >= 0 and j > i + off + right:
+                        continue
+                    x = scale * float(q[bi, i, h] @ k[bi, j, kh])
+                    if softcap > 0:
+                        x = softcap * math.tanh(x / softcap)
+                    if bias is not None:
+                        x += float(bias[bi, h, i, j])
+                    if slopes is not None:
+                        x -= float(slopes[bi, h]) * abs(i + off - j)
+                    if x != -math.inf:
+                        logits[j] = x
+                if not logits:
+                    lse[bi, h, i] = -math.inf
+                    continue
+                m = max(logits.values())
+                total = sum(math.exp(x - m) for x in logits.values())
+                lse[bi, h, i] = m + math.log(total)
+                for j, x in logits.items():
+                    pj = math.exp(x - m) / total
+                    if keep is not None:
+                        pj = pj * float(keep[bi, h, i, j]) / (1 - p_drop)
+                    out[bi, i, h] += pj * v[bi, j, kh]
+    return out, lse
+
+
+def check_naive(q, k, v, ref_kw, naive_kw):
+    out, lse = R.attention_reference(q, k, v, **ref_kw)
+    want, want_lse = naive(q, k, v, **naive_kw)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-12)
+    return out, lse
+
+
+WINDOWS = [(2, -1), (-1, 1), (2, 3), (0, 0), (-1, 0), (0, -1), (20, 20)]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("align", R.ALIGNS)
+@pytest.mark.parametrize("sq,sk", [(6, 9), (9, 6), (7, 7)])
+def test_window_matches_loops(window, align, sq, sk):
+    q, k, v = qkv(b=1, sq=sq, sk=sk, hq=2, hk=1, d=8, dv=8, seed=sq * 31 + sk)
+    check_naive(q, k, v, dict(window_size=window, mask_align=align),
+                dict(window=window, align=align))
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (3, -1), (3, 5)])
+@pytest.mark.parametrize("align", R.ALIGNS)
+def test_causal_with_window(window, align):
+    q, k, v = qkv(b=1, sq=8, sk=6, hq=2, hk=2, d=8, dv=8, seed=4)
+    check_naive(q, k, v, dict(causal=True, window_size=window, mask_align=align),
+                dict(causal=True, window=window, align=align))
+    out_a, _ = R.attention_reference(q, k, v, causal=True, window_size=window, mask_align=align)
+    out_b, _ = R.attention_reference(q, k, v, window_size=(window[0], 0), mask_align=align)
+    assert torch.equal(out_a, out_b), "causal is window (left, 0)"
+
+
+@pytest.mark.parametrize("sq,sk", [(5, 9), (9, 5)])
+def test_bottom_right_causal(sq, sk):
+    q, k, v = qkv(b=2, sq=sq, sk=sk, hq=2, hk=2, d=8, dv=8, seed=5)
+    out, lse = check_naive(q, k, v, dict(causal=True, mask_align="bottom_right"),
+                           dict(causal=True, align="bottom_right"))
+    if sk >= sq:  # FlashAttention >= 2.1's causal: the last query row sees every key
+        full, _ = R.attention_reference(q[:, -1:], k, v)
+        torch.testing.assert_close(out[:, -1:], full)
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+@pytest.mark.parametrize("align", R.ALIGNS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_matches_loops(per_batch, align, causal):
+    q, k, v = qkv(b=2, sq=5, sk=8, hq=3, hk=1, d=8, dv=8, seed=6)
+    slopes = torch.rand(2 if per_batch else 1, 3, dtype=torch.float64) + 0.1
+    arg = slopes if per_batch else slopes[0]
+    check_naive(q, k, v, dict(alibi_slopes=arg, mask_align=align, causal=causal),
+                dict(slopes=slopes.expand(2, 3), align=align, causal=causal))
+
+
+def test_alibi_fp32_slopes_of_the_api():
+    q, k, v = qkv(b=1, sq=5, sk=5, hq=2, hk=2, d=8, dv=8, seed=7)
+    slopes = torch.tensor([0.25, 0.5], dtype=torch.float32)
+    check_naive(q, k, v, dict(alibi_slopes=slopes), dict(slopes=slopes.double().view(1, 2)))
+
+
+@pytest.mark.parametrize("softcap", [0.5, 2.0, 30.0])
+def test_softcap_before_bias(softcap):
+    q, k, v = qkv(b=2, sq=4, sk=6, hq=2, hk=2, d=8, dv=8, seed=8)
+    q = q * 4
+    bias = rand(2, 2, 4, 6, seed=10)
+    slopes = torch.full((2, 2), 0.3, dtype=f64)
+    check_naive(q, k, v, dict(softcap=softcap, bias=bias, alibi_slopes=slopes),
+                dict(softcap=softcap, bias=bias, slopes=slopes))
+    # Softcap bounds the q.k logits, the bias is added after: with a zero bias all logits
+    # stay within (-softcap, softcap), so lse <= softcap + log(sk).
+    _, lse = R.attention_reference(q, k, v, softcap=softcap)
+    assert (lse <= softcap + math.log(6) + 1e-12).all()
+
+
+def test_lse_is_logsumexp_of_scaled_logits():
+    q, k, v = qkv(b=2, sq=5, sk=7, hq=2, hk=2, d=8, dv=8, seed=11)
+    _, lse = R.attention_reference(q, k, v, softmax_scale=0.7)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * 0.7
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("p", [0.2, 0.5])
+def test_dropout_matches_loops_and_leaves_lse(p):
+    q, k, v = qkv(b=2, sq=5, sk=7, hq=2, hk=1, d=8, dv=8, seed=12)
+    keep = R.dropout_keep_mask(99, 3, p, 2, 2, 5, 7)
+    out, lse = check_naive(q, k, v, dict(dropout_p=p, dropout_keep=keep),
+                           dict(keep=keep, p_drop=p))
+    _, lse0 = R.attention_reference(q, k, v)
+    assert torch.equal(lse, lse0), "dropout does not change the log-sum-exp"
+    with pytest.raises(ValueError, match="dropout_keep"):
+        R.attention_reference(q, k, v, dropout_p=p)
+    # A larger keep pattern (group mode's (b, h, max_sq, max_sk)) is sliced.
+    big = R.dropout_keep_mask(99, 3, p, 2, 2, 8, 11)
+    out_big, _ = R.attention_reference(q, k, v, dropout_p=p, dropout_keep=big)
+    assert torch.equal(out, out_big)
+
+
+# ------------------------------------------------------------------------------------------
+# Rows that see no key
+# ------------------------------------------------------------------------------------------
+
+
+def assert_empty_rows(out, lse, rows):
+    """rows: bool (b, sq) of query rows that see nothing, for every head."""
+    assert torch.isneginf(lse.permute(0, 2, 1)[rows]).all()
+    assert (out[rows] == 0).all()
+    assert torch.isfinite(lse.permute(0, 2, 1)[~rows]).all()
+    assert not out.isnan().any()
+
+
+def test_bottom_right_causal_with_more_queries_empties_rows():
+    q, k, v = qkv(b=2, sq=9, sk=4, hq=2, hk=2, d=8, dv=8)
+    out, lse = R.attention_reference(q, k, v, causal=True, mask_align="bottom_right")
+    rows = torch.zeros(2, 9, dtype=torch.bool)
+    rows[:, :5] = True  # row i sees j <= i - 5
+    assert_empty_rows(out, lse, rows)
+
+
+def test_window_empties_rows():
+    q, k, v = qkv(b=1, sq=9, sk=4, hq=2, hk=2, d=8, dv=8)
+    out, lse = R.attention_reference(q, k, v, window_size=(0, 0))
+    rows = torch.zeros(1, 9, dtype=torch.bool)
+    rows[:, 4:] = True
+    assert_empty_rows(out, lse, rows)
+
+
+def test_bool_mask_empties_rows():
+    q, k, v = qkv(b=2, sq=6, sk=5, hq=2, hk=2, d=8, dv=8)
+    mask = torch.ones(2, 1, 6, 5, dtype=torch.bool)
+    mask[0, :, 2] = False
+    mask[1, :, 5] = False
+    out, lse = R.attention_reference(q, k, v, attn_mask=mask)
+    rows = torch.zeros(2, 6, dtype=torch.bool)
+    rows[0, 2] = rows[1, 5] = True
+    assert_empty_rows(out, lse, rows)
+
+
+def test_no_keys_at_all():
+    q, k, v = qkv(b=1, sq=3, sk=0, hq=2, hk=2, d=8, dv=8)
+    out, lse = R.attention_reference(q, k, v)
+    assert_empty_rows(out, lse, torch.ones(1, 3, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------------------------------
+# seqused and group mode
+# ------------------------------------------------------------------------------------------
+
+
+def test_batch_seqused_is_per_batch_slicing():
+    q, k, v = qkv(b=3, sq=8, sk=10, hq=4, hk=2, d=8, dv=8, seed=13)
+    used_q, used_k = [8, 3, 0], [10, 2, 5]
+    slopes = torch.rand(3, 4, dtype=f64)
+    bias = rand(3, 1, 8, 10, seed=14)
+    keep = R.dropout_keep_mask(5, 0, 0.3, 3, 4, 8, 10)
+    kw = dict(causal=True, mask_align="bottom_right", alibi_slopes=slopes, bias=bias,
+              dropout_p=0.3, dropout_keep=keep)
+    out, lse = R.attention_reference(q, k, v, seqused_q=torch.tensor(used_q, dtype=torch.int32),
+                                     seqused_k=torch.tensor(used_k, dtype=torch.int32), **kw)
+    for b, (uq, uk) in enumerate(zip(used_q, used_k)):
+        o, l = R.attention_reference(
+            q[b:b + 1, :uq], k[b:b + 1, :uk], v[b:b + 1, :uk], causal=True,
+            mask_align="bottom_right", alibi_slopes=slopes[b:b + 1],
+            bias=bias[b:b + 1, :, :uq, :uk],
+            dropout_p=0.3, dropout_keep=keep[b:b + 1, :, :uq, :uk])
+        assert torch.equal(out[b, :uq], o[0]) and torch.equal(lse[b, :, :uq], l[0])
+        assert out[b, uq:].isnan().all() and lse[b, :, uq:].isnan().all(), "untouched rows"
+
+
+@pytest.mark.parametrize("with_seqused", [False, True])
+def test_group_mode_is_per_sequence_batch_calls(with_seqused):
+    used_q, used_k = [3, 0, 7, 1], [5, 4, 0, 6]
+    pad_q, pad_k = ([2, 1, 0, 3], [0, 2, 1, 4]) if with_seqused else ([0] * 4, [0] * 4)
+    phys_q = [u + p for u, p in zip(used_q, pad_q)]
+    phys_k = [u + p for u, p in zip(used_k, pad_k)]
+    cu_q = torch.tensor([0] + torch.tensor(phys_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(phys_k).cumsum(0).tolist(), dtype=torch.int32)
+    hq, hk, d, dv = 4, 2, 8, 8
+    q = rand(int(cu_q[-1]) + 2, hq, d, seed=20)  # 2 rows past the last sequence
+    k = rand(int(cu_k[-1]), hk, d, seed=21)
+    v = rand(int(cu_k[-1]), hk, dv, seed=22)
+    mq, mk = max(phys_q), max(phys_k)
+    bias = rand(4, 1, mq, mk, seed=23)
+    slopes = torch.rand(4, hq, dtype=f64)
+    keep = R.dropout_keep_mask(77, 1, 0.25, 4, hq, mq, mk)
+    kw = dict(window_size=(2, 1), mask_align="bottom_right", bias=bias, alibi_slopes=slopes,
+              softcap=3.0, dropout_p=0.25, dropout_keep=keep)
+    extra = {}
+    if with_seqused:
+        extra = dict(seqused_q=torch.tensor(used_q, dtype=torch.int32),
+                     seqused_k=torch.tensor(used_k, dtype=torch.int32))
+    out, lse = R.attention_reference(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                     max_seqlen_q=mq, max_seqlen_k=mk, **kw, **extra)
+    assert out.shape == (q.shape[0], hq, dv) and lse.shape == (hq, q.shape[0])
+    defined = torch.zeros(q.shape[0], dtype=torch.bool)
+    for b in range(4):
+        q0, k0, uq, uk = int(cu_q[b]), int(cu_k[b]), used_q[b], used_k[b]
+        defined[q0:q0 + uq] = True
+        o, l = R.attention_reference(
+            q[None, q0:q0 + uq], k[None, k0:k0 + uk], v[None, k0:k0 + uk], window_size=(2, 1),
+            mask_align="bottom_right", bias=bias[b:b + 1, :, :uq, :uk],
+            alibi_slopes=slopes[b:b + 1], softcap=3.0, dropout_p=0.25,
+            dropout_keep=keep[b:b + 1, :, :uq, :uk])
+        assert torch.equal(out[q0:q0 + uq], o[0]) and torch.equal(lse[:, q0:q0 + uq], l[0])
+    assert out[~defined].isnan().all() and lse[:, ~defined].isnan().all()
+    assert not out[defined].isnan().any()
+    # Sequence 1 has no keys when seqused, sequence 2 none either way: rows of lse -inf.
+    s2 = slice(int(cu_q[2]), int(cu_q[2]) + used_q[2])
+    assert torch.isneginf(lse[:, s2]).all() and (out[s2] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------
+# Layouts and precision
+# ------------------------------------------------------------------------------------------
+
+
+def test_column_major_v_and_transposed_views_change_nothing():
+    q, k, v = qkv(b=2, sq=5, sk=7, hq=2, hk=2, d=8, dv=8, seed=30)
+    out, lse = R.attention_reference(q, k, v, causal=True)
+    vt = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # (b, sk, hk, dv), seq stride 1
+    assert vt.stride(1) == 1
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+    out2, lse2 = R.attention_reference(qt, k, vt, causal=True)
+    torch.testing.assert_close(out2, out, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_is_close_but_rounded(dtype):
+    q, k, v = qkv(b=1, sq=16, sk=40, hq=2, hk=2, d=32, dv=32, seed=31, dtype=dtype)
+    truth, lse = R.attention_reference(q, k, v)
+    lowp, lse_lowp = R.attention_reference(q, k, v, compute_dtype=dtype)
+    assert lowp.dtype == dtype and lse_lowp.dtype == torch.float32
+    err = (lowp.double() - truth).abs().max().item()
+    eps = torch.finfo(dtype).eps
+    assert 0 < err < 8 * eps, err
+    assert (lse_lowp.double() - lse).abs().max().item() < 0.05
+
+
+# ------------------------------------------------------------------------------------------
+# The problem builder and the pass rule of the GPU tests
+# ------------------------------------------------------------------------------------------
+
+
+def contract_strides_ok(t, seq_dim_contig=False):
+    strides = list(t.stride())
+    contig = t.dim() - 3 if seq_dim_contig else t.dim() - 1
+    return strides[contig] == 1 and all(s % 8 == 0 for i, s in enumerate(strides) if i != contig)
+
+
+SPECS = [
+    R.Spec(torch.float16, 64, 64, hq=4, hk=2, b=2, sq=17, sk=30, causal=True,
+           align="bottom_right", layout="poison", bias="full", lse=True),
+    R.Spec(torch.bfloat16, 48, 56, hq=8, hk=1, b=3, sq=20, sk=33, used_q=[20, 1, 0],
+           used_k=[33, 0, 5], layout="poison", vcol=True, alibi="batch_head", lse=True),
+    R.Spec(torch.bfloat16, 32, 32, hq=2, hk=2, b=2, sq=9, sk=5, layout="bhsd", bias="attn_bool",
+           window=(3, -1), dropout_p=0.3, seed=2**40 + 1),
+    R.Spec(torch.float16, 40, 24, hq=4, hk=2, seqlens_q=[0, 17, 3], seqlens_k=[5, 0, 30],
+           pad_q=[2, 0, 1], pad_k=[3, 8, 0], layout="poison", vcol=True, bias="key",
+           softcap=5.0, qscale=3.0, lse=True),
+    R.Spec(torch.float16, 64, 64, hq=2, hk=1, seqlens_q=[7, 12], seqlens_k=[12, 7],
+           layout="bhsd", bias="attn_float2d", causal=True, align="bottom_right"),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
+def test_make_inputs_follows_the_contract(spec):
+    inp = R.make_inputs(spec, device="cpu", seed=1)
+    q, k, v = inp.q, inp.k, inp.v
+    assert contract_strides_ok(q) and contract_strides_ok(k)
+    assert contract_strides_ok(v, seq_dim_contig=spec.vcol)
+    for t in (q, k, v):
+        assert t.data_ptr() % 16 == 0 and t.dtype == spec.dtype
+    if spec.group:
+        assert q.dim() == 3 and inp.fwd_kwargs["cu_seqlens_q"].dtype == torch.int32
+        assert inp.fwd_kwargs["max_seqlen_q"] == max(a + b for a, b in zip(spec.seqlens_q,
+                                                                           spec.pad_q or [0] * 9))
+    else:
+        assert q.shape == (spec.b, spec.sq, spec.hq, spec.d)
+    if spec.layout == "poison" and (spec.used_k or spec.pad_k):
+        assert k.isnan().any(), "rows past seqused_k are NaN in the poison layout"
+    keep = None
+    if spec.dropout_p:
+        keep = R.dropout_keep_mask(spec.seed, spec.offset, spec.dropout_p, *inp.keep_shape)
+    ref, ref_lse = R.attention_reference(q, k, v, **inp.ref_kwargs, dropout_keep=keep)
+    lowp, _ = R.attention_reference(q, k, v, **inp.ref_kwargs, dropout_keep=keep,
+                                    compute_dtype=spec.dtype)
+    # The reference never reads the poison: every defined row is a number.
+    defined = ~ref.isnan().all(-1)
+    assert defined.any() and not ref[defined].isnan().any()
+    # The pass rule accepts the input-precision result itself and rejects a perturbed one.
+    R.compare(lowp, ref, lowp, dtype=spec.dtype, lse=ref_lse.float(), ref_lse=ref_lse, what="self")
+    bad = lowp.clone()
+    bad[defined.nonzero()[0].tolist()[0]] += 0.25  # one row of one sequence
+    with pytest.raises(AssertionError, match="max error"):
+        R.compare(bad, ref, lowp, dtype=spec.dtype, what="perturbed")
+
+
+def test_compare_catches_nan_and_wrong_empty_rows():
+    q, k, v = qkv(b=1, sq=6, sk=3, hq=2, hk=2, d=8, dv=8, dtype=torch.float16)
+    ref, lse = R.attention_reference(q, k, v, causal=True, mask_align="bottom_right")
+    lowp, _ = R.attention_reference(q, k, v, causal=True, mask_align="bottom_right",
+                                    compute_dtype=torch.float16)
+    nan = lowp.clone()
+    nan[0, 5, 1, 2] = float("nan")
+    with pytest.raises(AssertionError, match="NaN"):
+        R.compare(nan, ref, lowp, dtype=torch.float16)
+    finite_lse = lse.float().clone()
+    finite_lse[torch.isneginf(finite_lse)] = 0.0
+    with pytest.raises(AssertionError, match="-inf"):
+        R.compare(lowp, ref, lowp, dtype=torch.float16, lse=finite_lse, ref_lse=lse)
+    shifted = lse.float() + 0.01
+    with pytest.raises(AssertionError, match="lse error"):
+        R.compare(lowp, ref, lowp, dtype=torch.float16, lse=shifted, ref_lse=lse)
+
+
+# ------------------------------------------------------------------------------------------
+# The cases test_fwd_gpu.py derives from a manifest
+# ------------------------------------------------------------------------------------------
+
+
+def synthetic_manifest():
+    """Instances with every trait value, shaped like fmha.instances()' rows."""
+    rows = []
+    variants = [dict(bias="none", vlayout="row", dropout=False, softcap=False),
+                dict(bias="elementwise", vlayout="row", dropout=False, softcap=False),
+                dict(bias="alibi", vlayout="row", dropout=True, softcap=True),
+                dict(bias="none", vlayout="col", dropout=False, softcap=False)]
+    for (hq, hv, m, n) in ((64, 64, 128, 64), (192, 128, 128, 64), (256, 256, 64, 64)):
+        for mask in ("none", "causal", "window"):
+            for mode, pad in (("batch", False), ("batch", True), ("group", True)):
+                for var in variants:
+                    rows.append(dict(name=f"i{len(rows)}", dtype="bf16", hdim_q=hq, hdim_v=hv,
+                                     mask=mask, mode=mode, lse=True, pipeline="fa2", arch="sm80",
+                                     block_m=m, block_n=n, pad_seqlen=pad, pad_hdim=pad, **var))
+    return rows
+
+
+def empty_rows_somewhere(spec):
+    inp = R.make_inputs(spec, device="cpu", seed=0)
+    keep = None
+    if spec.dropout_p:
+        keep = R.dropout_keep_mask(spec.seed, spec.offset, spec.dropout_p, *inp.keep_shape)
+    _, lse = R.attention_reference(inp.q, inp.k, inp.v, **inp.ref_kwargs, dropout_keep=keep)
+    return bool(torch.isneginf(lse).any())
+
+
+@pytest.mark.parametrize("inst", synthetic_manifest(), ids=lambda i: "-".join(
+    str(i[k]) for k in ("hdim_q", "mask", "mode", "pad_seqlen", "bias", "vlayout", "dropout")))
+def test_instance_cases_fit_and_cover_the_traits(inst):
+    cases = R.instance_specs(inst)
+    ids = [case_id for case_id, _ in cases]
+    assert len(set(ids)) == len(ids), ids
+    specs = [spec for _, spec in cases]
+    for case_id, spec in cases:
+        assert not R.fits(spec, inst), f"{case_id}: {R.fits(spec, inst)}"
+        # The instance next to it (other mask, other mode) must not fit: the cases carry the
+        # traits, not just shapes.
+        other_mask = {"none": "causal", "causal": "window", "window": "none"}[inst["mask"]]
+        other = dict(inst, mask=other_mask)
+        assert R.fits(spec, other) == "mask"
+    lens = [(s.sq, s.sk) for s in specs if not s.group]
+    if inst["mode"] == "batch":
+        assert any(q > k for q, k in lens) and any(q < k for q, k in lens)
+    if inst["pad_seqlen"] and inst["mode"] == "batch":
+        assert any(s.sq == 1 for s in specs), "a one-row problem"
+        assert any(s.sq % inst["block_m"] or s.sk % inst["block_n"] for s in specs)
+        assert any(s.used_q for s in specs), "seqused in batch mode"
+    if inst["mode"] == "group":
+        assert any(0 in s.seqlens_q for s in specs) and any(0 in s.seqlens_k for s in specs)
+        assert any(s.pad_q for s in specs), "physical padding (seqused)"
+    assert any(s.hq == 8 * s.hk for s in specs), "GQA 8:1"
+    assert {s.layout for s in specs} == set(R.LAYOUTS)
+    if inst["pad_hdim"]:
+        assert any(s.d < inst["hdim_q"] and s.dv < inst["hdim_v"] for s in specs)
+    if inst["bias"] == "elementwise":
+        kinds = {s.bias for s in specs}
+        assert {"11", "b1", "1h", "attn_bool"} <= kinds
+    if inst["bias"] == "alibi":
+        pairs = {(s.alibi, s.align) for s in specs}
+        assert pairs >= {("head", "top_left"), ("batch_head", "bottom_right")}
+    if inst["mask"] != "none":
+        assert {s.align for s in specs} == set(R.ALIGNS)
+    if inst["dropout"]:
+        assert len({s.dropout_p for s in specs}) > 1 and any(s.seed >= 2**32 for s in specs)
+    assert any(s.lse for s in specs) and any(not s.lse for s in specs)
+    if inst["mask"] != "none" or inst["bias"] == "elementwise" or inst["mode"] == "group":
+        small = [s for s in specs
+                 if max(s.sq, s.sk, *(s.seqlens_q or [0]), *(s.seqlens_k or [0])) < 1000]
+        assert any(empty_rows_somewhere(s) for s in small), "a case whose mask empties rows"
