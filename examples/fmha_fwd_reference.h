@@ -133,14 +133,16 @@ inline std::vector<float> alibi_slopes(int nhead) {
 }
 
 // The dropout keep decisions of keys 0 .. len_k - 1 of query row i of head h of sequence b: the
-// Philox words of philox.cuh, one call per four keys, kept where the word reaches the threshold.
+// Philox word of philox.cuh that decides each (row, key), kept where it reaches the threshold.
 inline void dropout_keep_row(const Problem& p, int b, int h, int i, int len_k, std::vector<double>* keep) {
   const uint32_t threshold = fmha::philox::drop_threshold(p.p_drop);
   const uint32_t batch_head = uint32_t(b) * uint32_t(p.nhead_q) + uint32_t(h);
-  for (int group = 0; 4 * group < len_k; ++group) {
+  for (int j = 0; j < len_k; j += 2) {
     const fmha::philox::Words words =
-        fmha::philox::dropout_words(p.drop_seed, p.drop_offset, batch_head, uint32_t(i), uint32_t(group));
-    for (int t = 0; t < 4 && 4 * group + t < len_k; ++t) (*keep)[4 * group + t] = words.w[t] >= threshold;
+        fmha::philox::dropout_words(p.drop_seed, p.drop_offset, batch_head, uint32_t(i), uint32_t(j));
+    for (int key = j; key < j + 2 && key < len_k; ++key) {
+      (*keep)[key] = words.w[fmha::philox::dropout_word(uint32_t(i), uint32_t(key))] >= threshold;
+    }
   }
 }
 

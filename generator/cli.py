@@ -4,6 +4,7 @@ the presets, explain a dispatch, or render. Everything is checked before anythin
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -87,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     except GeneratorError as err:
         print(err, file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader stopped early (`| head`): not an error of ours. Point stdout at devnull so
+        # that flushing it at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as err:
         print(f"generator: {err.filename}: {err.strerror}", file=sys.stderr)
         return 1

@@ -71,17 +71,23 @@ def dropout_keep_mask(seed: int, offset: int, dropout_p: float, batch: int, nhea
                       seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     """The keep pattern of (seed, offset, p): uint8 (batch, nhead, seqlen_q, seqlen_k), 1 = kept.
 
-    Word key_index % 4 of Philox(key = (seed lo, seed hi),
-    counter = (key_index / 4, row, batch * nhead + head, offset)) keeps when >= threshold.
+    One Philox call (key = (seed lo, seed hi)) per rows (i, i + 8) of a 16-row block and keys
+    (j, j + 1), j even: counter = (j / 2, (i / 16) * 8 + i % 8, batch * nhead + head, offset);
+    word 2 * ((i / 8) % 2) + j % 2 decides (i, j), kept when >= threshold.
     """
-    groups = (seqlen_k + 3) // 4
-    bh = torch.arange(batch * nhead, device=device, dtype=torch.int64).view(-1, 1, 1)
-    row = torch.arange(seqlen_q, device=device, dtype=torch.int64).view(1, -1, 1)
-    grp = torch.arange(groups, device=device, dtype=torch.int64).view(1, 1, -1)
+    row_blocks = (seqlen_q + 15) // 16
+    key_pairs = (seqlen_k + 1) // 2
+    bh = torch.arange(batch * nhead, device=device, dtype=torch.int64).view(-1, 1, 1, 1)
+    block = torch.arange(row_blocks, device=device, dtype=torch.int64).view(1, -1, 1, 1)
+    row = torch.arange(8, device=device, dtype=torch.int64).view(1, 1, -1, 1)
+    pair = torch.arange(key_pairs, device=device, dtype=torch.int64).view(1, 1, 1, -1)
     seed = int(seed)
-    words = philox4x32_10((grp, row, bh, int(offset)), (seed & MASK32, (seed >> 32) & MASK32))
-    w = torch.stack(words, dim=-1).reshape(batch * nhead, seqlen_q, 4 * groups)[..., :seqlen_k]
-    keep = (w >= dropout_threshold(dropout_p)).to(torch.uint8)
+    words = philox4x32_10((pair, block * 8 + row, bh, int(offset)),
+                          (seed & MASK32, (seed >> 32) & MASK32))
+    # (bh, block, row, pair, 4) with word 2 * half + key % 2 -> rows block*16 + half*8 + row.
+    w = torch.stack(words, dim=-1).view(batch * nhead, row_blocks, 8, key_pairs, 2, 2)
+    w = w.permute(0, 1, 4, 2, 3, 5).reshape(batch * nhead, row_blocks * 16, key_pairs * 2)
+    keep = (w[:, :seqlen_q, :seqlen_k] >= dropout_threshold(dropout_p)).to(torch.uint8)
     return keep.reshape(batch, nhead, seqlen_q, seqlen_k)
 
 

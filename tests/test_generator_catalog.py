@@ -211,7 +211,11 @@ def test_shared_memory_is_checked_only_on_the_archs_a_tile_is_used_on(build):
 
 
 def test_repository_tiles_fit_their_archs():
-    # The largest, d256 with 64x64, takes 160 KB of A100's 163.
+    # The largest, d256 with 128x64 on sm90a, takes 192 KB of H100's 227; on sm80 its
+    # 128x32 tile takes 128 KB of A100's 163.
     config = load(DEFAULT_CONFIG)
+    limits = {"sm80": 166912, "sm90a": 232448}
     for entry in config.tiles:
-        assert entry.pipeline.shared_memory.bytes(entry.tile, entry.hdim) <= 166912
+        needed = entry.pipeline.shared_memory.bytes(entry.tile, entry.hdim)
+        archs = [entry.arch.token] if entry.arch is not None else list(limits)
+        assert all(needed <= limits[arch] for arch in archs), (entry.hdim, needed, archs)

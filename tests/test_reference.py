@@ -97,7 +97,7 @@ def test_threshold_rule():
 
 def test_keep_pattern_is_the_spec_word_by_word():
     seed, offset, p = (7 << 32) | 0x1234, 5, 0.37
-    b, h, sq, sk = 2, 3, 5, 11
+    b, h, sq, sk = 2, 3, 21, 11  # rows past one 16-row block, both halves of it
     keep = R.dropout_keep_mask(seed, offset, p, b, h, sq, sk)
     assert keep.shape == (b, h, sq, sk) and keep.dtype == torch.uint8
     thr = R.dropout_threshold(p)
@@ -105,9 +105,10 @@ def test_keep_pattern_is_the_spec_word_by_word():
         for hi in range(h):
             for i in range(sq):
                 for j in range(sk):
-                    words = R.philox4x32_10((j // 4, i, bi * h + hi, offset),
+                    words = R.philox4x32_10((j // 2, (i // 16) * 8 + i % 8, bi * h + hi, offset),
                                             (seed & 0xFFFFFFFF, seed >> 32))
-                    assert keep[bi, hi, i, j].item() == int(int(words[j % 4]) >= thr)
+                    word = 2 * ((i // 8) % 2) + j % 2
+                    assert keep[bi, hi, i, j].item() == int(int(words[word]) >= thr)
 
 
 def test_keep_depends_on_seed_offset_and_position():
@@ -150,8 +151,8 @@ int main(int argc, char** argv) {
   for (int bh = 0; bh < b * h; ++bh)
     for (int i = 0; i < sq; ++i)
       for (int j = 0; j < sk; ++j) {
-        fmha::philox::Words w = fmha::philox::dropout_words(seed, offset, bh, i, j / 4);
-        putchar(w.w[j % 4] >= thr ? '1' : '0');
+        fmha::philox::Words w = fmha::philox::dropout_words(seed, offset, bh, i, j);
+        putchar(w.w[fmha::philox::dropout_word(i, j)] >= thr ? '1' : '0');
       }
   return 0;
 }
@@ -170,7 +171,7 @@ def test_keep_matches_philox_header(tmp_path, seed, offset, p):
     exe = tmp_path / "philox"
     subprocess.run(["c++", "-std=c++17", "-O1", "-I", str(REPO_ROOT / "runtime" / "include"),
                     str(src), "-o", str(exe)], check=True, capture_output=True, timeout=120)
-    b, h, sq, sk = 2, 3, 9, 13
+    b, h, sq, sk = 2, 3, 19, 13
     out = subprocess.run([str(exe), str(seed), str(offset), repr(p), str(b), str(h), str(sq),
                           str(sk)], check=True, capture_output=True, text=True, timeout=60).stdout
     want = torch.tensor([int(c) for c in out], dtype=torch.uint8).reshape(b, h, sq, sk)

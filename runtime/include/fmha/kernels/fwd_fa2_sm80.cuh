@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const __grid_constan
             const int row = row_of(mf, e / 2);
             const int col = col0 + nt * 8 + e % 2;
             float x = s[mf][nt][e];
-            x = Cfg::kSoftcap ? p.softcap * tanhf(x * p.softcap_scale) : x * p.scale;
+            x = Cfg::kSoftcap ? p.softcap * sm80::tanh_fast(x * p.softcap_scale) : x * p.scale;
             if constexpr (Cfg::kBias == BiasType::kElementwise) {
               if (!Cfg::kPadSeqlen || (row < seq.seqlen_q && col < seq.seqlen_k)) {
                 x += sm80::to_float(bias[row * p.bias_seq_stride + col]);
@@ -409,23 +409,19 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const __grid_constan
     }
 
     // Dropout zeroes probabilities after they entered the row sums: the softmax is of all
-    // logits, and 1 / (1 - p) is applied once in the epilogue. A lane's two keys of an n8 tile
-    // are keys 0-1 or 2-3 of one Philox group of four.
+    // logits, and 1 / (1 - p) is applied once in the epilogue. One Philox call decides a lane's
+    // four elements of an n8 tile: rows r and r + 8, keys c and c + 1 (philox.cuh).
     if constexpr (Cfg::kDropout) {
       const uint32_t batch_head = static_cast<uint32_t>(batch * p.nhead_q + head);
 #pragma unroll
       for (int mf = 0; mf < kMFrags; ++mf) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          const philox::Words r = philox::dropout_words(p.dropout_seed, p.dropout_offset,
+                                                        batch_head, row_of(mf, 0), col0 + nt * 8);
 #pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt) {
-            const int col = col0 + nt * 8;
-            const philox::Words r = philox::dropout_words(p.dropout_seed, p.dropout_offset,
-                                                          batch_head, row_of(mf, h), col / 4);
-            const uint32_t r0 = lane % 2 ? r.w[2] : r.w[0];
-            const uint32_t r1 = lane % 2 ? r.w[3] : r.w[1];
-            if (r0 < p.drop_threshold) s[mf][nt][2 * h] = 0.f;
-            if (r1 < p.drop_threshold) s[mf][nt][2 * h + 1] = 0.f;
+          for (int e = 0; e < 4; ++e) {
+            if (r.w[e] < p.drop_threshold) s[mf][nt][e] = 0.f;
           }
         }
       }

@@ -1,15 +1,19 @@
 // The dropout pattern: Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as
 // 1, 2, 3", SC'11), the counter-based generator cuRAND and PyTorch use, keyed so that the keep
 // decision of one attention probability depends only on (seed, offset, batch, head, row, key).
-// The forward kernel and fmha::dropout_mask() both call dropout_keep_bits(), so the pattern a
-// test reads back is the one the kernel applied; tests/reference.py re-implements it in torch.
+// The forward kernel and fmha::dropout_mask() both call dropout_words(), so the pattern a test
+// reads back is the one the kernel applied; tests/reference.py re-implements it in torch.
 //
-// One Philox call yields four 32-bit words, used for four consecutive keys of one row:
+// One Philox call yields four 32-bit words, used for two rows and two keys: rows i and i + 8
+// of a 16-row block and keys j and j + 1 (j even), the four probabilities one lane holds in an
+// mma.sync m16n8 accumulator tile, so the fa2 kernel uses every word it draws (one call per
+// four elements; half of each call went unused when the four words covered four keys of a row):
 //   key     = (seed & 0xffffffff, seed >> 32)
-//   counter = (key_index / 4, row, batch * nhead + head, offset)
-// and the word of key_index % 4 keeps its probability when it is >= threshold, where
-// threshold = min(floor(dropout_p * 2^32), 2^32 - 1), so a probability survives with
-// chance 1 - dropout_p (to 2^-32).
+//   counter = (key / 2, (row / 16) * 8 + row % 8, batch * nhead + head, offset)
+//   word    = 2 * ((row / 8) % 2) + key % 2
+// and a probability is kept when its word is >= threshold, where
+// threshold = min(floor(dropout_p * 2^32), 2^32 - 1), so it survives with chance 1 - dropout_p
+// (to 2^-32).
 #pragma once
 
 #include <cstdint>
@@ -64,11 +68,17 @@ FMHA_HOST_DEVICE uint32_t drop_threshold(float dropout_p) {
   return scaled >= 4294967295.0 ? 0xffffffffu : static_cast<uint32_t>(scaled);
 }
 
-// The random words of keys 4 * key_group .. 4 * key_group + 3 of one row of one (batch, head).
+// The words of the call that covers (row, key), and those of its row + 8 and key + 1
+// neighbours in the order of the comment at the top.
 FMHA_HOST_DEVICE Words dropout_words(uint64_t seed, uint32_t offset, uint32_t batch_head,
-                                     uint32_t row, uint32_t key_group) {
-  return philox4x32_10(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), key_group,
-                       row, batch_head, offset);
+                                     uint32_t row, uint32_t key) {
+  return philox4x32_10(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), key / 2,
+                       (row / 16) * 8 + row % 8, batch_head, offset);
+}
+
+// Which of dropout_words(..., row, key) decides (row, key).
+FMHA_HOST_DEVICE int dropout_word(uint32_t row, uint32_t key) {
+  return 2 * ((row / 8) % 2) + key % 2;
 }
 
 }  // namespace fmha::philox
