@@ -714,11 +714,15 @@ def test_cpp_reports_the_compiled_matrix():
     assert names and len(names) == len(set(names))
     assert set(fmha.compiled_targets()) <= {"sm80", "sm90a"}
     keys = {"name", "dtype", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode", "lse",
-            "dropout", "softcap", "pipeline", "arch", "block_m", "block_n", "pad_seqlen",
-            "pad_hdim"}
+            "dropout", "softcap", "pipeline", "arch", "arch_cc", "arch_exact", "block_m",
+            "block_n", "pad_seqlen", "pad_hdim"}
     for inst in fmha.instances():
         assert set(inst) == keys
         assert inst["arch"] in fmha.compiled_targets()
+        # The target's compute capability and whether it runs only there, as the generator's
+        # schema says (sm80: 8.0 and newer; sm90a: exactly 9.0).
+        assert (inst["arch_cc"], inst["arch_exact"]) == {"sm80": (80, False),
+                                                         "sm90a": (90, True)}[inst["arch"]]
         assert inst["dtype"] in ("fp16", "bf16")
         assert inst["mask"] in ("none", "causal", "window")
         assert inst["bias"] in ("none", "elementwise", "alibi")

@@ -28,30 +28,18 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
-try:
-    import fmha
-except Exception as exc:  # not built, or a build that does not load
-    pytest.skip(f"the fmha module is not importable: {exc!r}", allow_module_level=True)
-_MISSING = [n for n in ("fwd", "instances", "select", "dropout_mask", "MissingInstanceError")
-            if not hasattr(fmha, n)]
-if _MISSING:
-    pytest.skip(f"fmha at {getattr(fmha, '__file__', '?')} predates the API these tests target "
-                f"(no {', '.join(_MISSING)}); rebuild it", allow_module_level=True)
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_support import TRAIT_KEYS, device_cc, import_fmha  # noqa: E402
+from gpu_support import runs_here as _runs_on  # noqa: E402
+
+torch, fmha = import_fmha()
 import reference as R  # noqa: E402
 
-CC = torch.cuda.get_device_capability()
-DEVICE_CC = CC[0] * 10 + CC[1]
-TRAIT_KEYS = ("dtype", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode", "lse", "dropout",
-              "softcap")
+DEVICE_CC = device_cc(torch)
 
 
 def runs_here(inst) -> bool:
-    return DEVICE_CC == 90 if inst["arch"] == "sm90a" else DEVICE_CC >= 80
+    return _runs_on(inst, DEVICE_CC)
 
 
 def traits_of(inst) -> tuple:
@@ -97,7 +85,8 @@ def instance_cases():
             yield pytest.param(inst["name"], spec, id=f"{inst['name']}-{case_id}")
     for inst in SKIPPED:
         yield pytest.param(inst["name"], None, id=inst["name"], marks=pytest.mark.skip(
-            reason=f"{inst['arch']} does not run on compute capability {CC[0]}.{CC[1]}"))
+            reason=f"{inst['arch']} does not run on compute capability "
+                   f"{DEVICE_CC // 10}.{DEVICE_CC % 10}"))
 
 
 @pytest.mark.gpu

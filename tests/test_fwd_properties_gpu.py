@@ -23,35 +23,24 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_support import TRAIT_KEYS, device_cc, import_fmha  # noqa: E402
+from gpu_support import runs_here as _runs_on  # noqa: E402
+
 hypothesis = pytest.importorskip("hypothesis", reason="pip install hypothesis")
-try:
-    import fmha
-except Exception as exc:  # not built, or a build that does not load
-    pytest.skip(f"the fmha module is not importable: {exc!r}", allow_module_level=True)
-_MISSING = [n for n in ("fwd", "instances", "select", "dropout_mask", "MissingInstanceError")
-            if not hasattr(fmha, n)]
-if _MISSING:
-    pytest.skip(f"fmha at {getattr(fmha, '__file__', '?')} predates the API these tests target "
-                f"(no {', '.join(_MISSING)}); rebuild it", allow_module_level=True)
+torch, fmha = import_fmha()
 
 from hypothesis import HealthCheck, assume, given, note, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference as R  # noqa: E402
 
-CC = torch.cuda.get_device_capability()
-DEVICE_CC = CC[0] * 10 + CC[1]
-TRAIT_KEYS = ("dtype", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode", "lse", "dropout",
-              "softcap")
+DEVICE_CC = device_cc(torch)
 MAX_SEQLEN = 600
 
 
 def runs_here(inst) -> bool:
-    return DEVICE_CC == 90 if inst["arch"] == "sm90a" else DEVICE_CC >= 80
+    return _runs_on(inst, DEVICE_CC)
 
 
 INSTANCES = [i for i in fmha.instances() if runs_here(i)]
@@ -60,7 +49,8 @@ for _inst in INSTANCES:
     GROUPS.setdefault(tuple(R.trait(_inst, k) for k in TRAIT_KEYS), []).append(_inst)
 TRAIT_SETS = sorted(GROUPS, key=str)  # a fixed order: derandomized runs draw the same problems
 if not TRAIT_SETS:
-    pytest.skip(f"no compiled instance runs on compute capability {CC[0]}.{CC[1]}",
+    pytest.skip(f"no compiled instance runs on compute capability "
+                f"{DEVICE_CC // 10}.{DEVICE_CC % 10}",
                 allow_module_level=True)
 
 

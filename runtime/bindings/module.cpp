@@ -49,6 +49,8 @@ py::dict info_dict(const fmha::InstanceInfo& i) {
   d["softcap"] = i.traits.softcap;
   d["pipeline"] = i.pipeline;
   d["arch"] = i.arch;
+  d["arch_cc"] = i.arch_cc;
+  d["arch_exact"] = i.arch_exact;
   d["block_m"] = i.block_m;
   d["block_n"] = i.block_n;
   d["pad_seqlen"] = i.pad_seqlen;

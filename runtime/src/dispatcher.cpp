@@ -429,6 +429,8 @@ InstanceInfo to_info(const InstanceEntry& e) {
   info.traits = e.traits;
   info.pipeline = e.pipeline;
   info.arch = e.arch;
+  info.arch_cc = e.arch_cc;
+  info.arch_exact = e.arch_exact;
   info.block_m = e.block_m;
   info.block_n = e.block_n;
   info.pad_seqlen = e.pad_seqlen;

@@ -148,6 +148,8 @@ struct InstanceInfo {
   FwdTraits traits;
   std::string pipeline;
   std::string arch;  // "sm80", "sm90a": the architecture the instance was compiled for
+  int arch_cc = 0;   // its compute capability as major*10+minor, e.g. 90
+  bool arch_exact = false;  // runs only on exactly arch_cc (sm90a); else on arch_cc and newer
   int block_m = 0;
   int block_n = 0;
   bool pad_seqlen = false;  // handles sequence lengths that are not multiples of the tile
