@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from .config import Config, Matrix, TileEntry
 from .dispatch import check_dispatchable, dispatch_order
+from .errors import GeneratorError
 from .model import FwdTraits, Instance, MatrixPoint
 from .schema import MATRIX_AXES
 
@@ -22,7 +23,11 @@ def build_catalog(config: Config) -> Catalog:
     points = expand(config.matrix)
     kept = prune(points, config)
     instances = dispatch_order(assign_tiles(kept, config))
-    check_dispatchable(instances)
+    try:
+        check_dispatchable(instances)
+    except GeneratorError as err:
+        # An instance the dispatcher never runs is a point that a rule should prune.
+        raise config.error(config.section_lines["rules"], f"rules: {err.message}") from None
     return Catalog(instances, pruned=len(points) - len(kept))
 
 

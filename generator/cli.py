@@ -30,10 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m generator",
         description="Expand the kernel-instance matrix of instances.yaml, prune it, select from\n"
                     "it, and render one CUDA TU per instance plus dispatch_table.cpp,\n"
-                    "instances.cmake and manifest.json. Files whose bytes would not change are\n"
-                    "not rewritten, and TUs of instances no longer selected are removed.",
+                    "instances.cmake and manifest.json. The output directory is replaced as a\n"
+                    "whole (a run that stops midway leaves the old one); files whose bytes do\n"
+                    "not change keep their mtime, and TUs of instances no longer selected are\n"
+                    "removed.",
         epilog=f"{GRAMMAR}\n\n{PROBLEM_HELP}\n\nExit status: 0 done, 1 the output could not be "
-               f"written, 2 a mistake in the\nconfig or the options (nothing is written then).",
+               f"written (the old output is\nleft as it was), 2 a mistake in the config or the "
+               f"options (nothing is\nwritten then).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=config_file.DEFAULT_CONFIG, metavar="PATH",
                         help="the instance matrix (default: instances.yaml at the repository root)")
@@ -124,8 +127,13 @@ def _run(args: argparse.Namespace) -> None:
         sys.stdout.write(json_text([instance_record(i) for i in built]))
         return
 
+    # The output directory is replaced as a whole: not one that holds the working directory.
+    if Path.cwd().resolve().is_relative_to(args.out.resolve()):
+        raise GeneratorError(f"{args.out.as_posix()} holds the working directory, and a run "
+                             f"replaces its output directory as a whole: give it one of its own",
+                             "--out")
     files = render(selection, source=args.config.name, shard=shard)
-    report = sync(args.out, files, owned=manifest_sources(args.out))
+    report = sync(args.out, files, owned=manifest_sources)
     if not args.quiet:
         part = f"; shard {shard}:" if shard else ","
         print(f"generator: {len(selection.instances)} of {len(catalog.instances)} instances "

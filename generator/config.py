@@ -109,9 +109,15 @@ class Config:
 def load(path: Path = DEFAULT_CONFIG) -> Config:
     file = _shown(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as err:
         raise GeneratorError(f"cannot read config {file}: {err.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        column = err.start - data.rfind(b"\n", 0, err.start)
+        raise ConfigError(file, data.count(b"\n", 0, err.start) + 1,
+                          f"not UTF-8: byte {data[err.start]:#04x} at column {column}") from None
     return _Reader(file).config(yamllines.load(text, file))
 
 

@@ -17,7 +17,7 @@ from .dispatch import (EQUAL_TRAITS, PREFERENCE, Problem, deciding_criterion, de
                        first_serving, serves, unmet)
 from .errors import GeneratorError
 from .model import FwdTraits, Instance
-from .schema import ARCH, ENUM_AXES, TRAIT_BOOL_AXES, Arch
+from .schema import ARCH, ENUM_AXES, INTEGER, TRAIT_BOOL_AXES, Arch
 from .selection import Selection, parse_filter, select_each_preset
 
 _ENUM_KEYS = ("dtype", "mask", "bias", "vlayout", "mode")
@@ -90,7 +90,7 @@ def _bool_value(key: str, text: str) -> bool:
 
 
 def _positive(values: dict[str, str], key: str) -> int:
-    if not values[key].isdigit() or int(values[key]) == 0:
+    if not re.fullmatch(INTEGER, values[key]) or int(values[key]) == 0:
         raise _error(f"{key} takes a positive integer, not {values[key]!r}")
     return int(values[key])
 
@@ -99,7 +99,7 @@ def _head_dims(fields: dict[str, str]) -> tuple[int, int]:
     if "hdim" in fields:
         if "hdim_q" in fields or "hdim_v" in fields:
             raise _error("give hdim= or hdim_q=/hdim_v=, not both")
-        dims = re.fullmatch(r"(\d+)(?:x(\d+))?", fields["hdim"])
+        dims = re.fullmatch(rf"({INTEGER})(?:x({INTEGER}))?", fields["hdim"])
         if not dims or int(dims[1]) == 0 or (dims[2] and int(dims[2]) == 0):
             raise _error(f"hdim takes N or QxV (positive), e.g. 128 or 192x128, "
                          f"not {fields['hdim']!r}")
@@ -115,9 +115,9 @@ def _compute_capability(text: str) -> int:
     arch = ARCH.get(text) or ARCH.get(f"sm{text}")
     if arch is not None:
         return arch.cc
-    if dims := re.fullmatch(r"(\d+)\.(\d)", text):
+    if dims := re.fullmatch(r"([0-9]{1,2})\.([0-9])", text):
         return int(dims[1]) * 10 + int(dims[2])
-    if re.fullmatch(r"\d{2,3}", text):
+    if re.fullmatch(r"[0-9]{2,3}", text):
         return int(text)
     targets = ", ".join(ARCH.tokens)
     raise _error(f"arch {text!r} is neither a target ({targets}) nor a compute capability "

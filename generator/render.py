@@ -56,8 +56,7 @@ def json_text(data) -> str:
 
 
 def render(selection: Selection, source: str, shard: Shard | None = None) -> dict[str, str]:
-    """Every generated file, by name relative to the output directory; the manifest comes last
-    so that a writer that stops early leaves the previous manifest in charge. `source` is the
+    """Every generated file, by name relative to the output directory. `source` is the
     configuration's file name, for the do-not-edit banners.
 
     With a shard, only its TUs are rendered and listed in instances.cmake, while

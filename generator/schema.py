@@ -168,6 +168,10 @@ REGISTRY_TOKEN_ARRAYS: dict[str, EnumAxis] = {
 }
 
 INT_AXES = ("hdim_q", "hdim_v")
+# How filters and --explain problems spell an integer: ASCII digits (str.isdigit() also takes
+# '²', which int() rejects, and \d takes every script's digits), at most 9 of them, so that it
+# fits a C++ int and int() never meets Python's limit on the length of a number.
+INTEGER = "[0-9]{1,9}"
 # lse, dropout and softcap are functional traits (fmha::FwdTraits): a problem asks for them.
 # pad_seqlen and pad_hdim are capabilities of an instance: which shapes it also runs.
 TRAIT_BOOL_AXES = ("lse", "dropout", "softcap")

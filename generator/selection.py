@@ -16,8 +16,8 @@ from .catalog import Catalog
 from .config import Config
 from .errors import GeneratorError
 from .model import Condition, Instance
-from .schema import (ARCH, BOOL_AXES, CONDITION_AXES, ENUM_AXES, INT_AXES, MATRIX_AXES,
-                     TRAIT_BOOL_AXES, Arch, AxisValue)
+from .schema import (ARCH, BOOL_AXES, CONDITION_AXES, ENUM_AXES, INT_AXES, INTEGER,
+                     MATRIX_AXES, TRAIT_BOOL_AXES, Arch, AxisValue)
 
 
 GRAMMAR = """\
@@ -151,7 +151,7 @@ class Shard:
 
 def parse_shard(text: str) -> Shard:
     """--shard K/N with 1 <= K <= N."""
-    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    match = re.fullmatch(rf"\s*({INTEGER})\s*/\s*({INTEGER})\s*", text)
     if not match or not 1 <= int(match[1]) <= int(match[2]):
         raise GeneratorError(f"expected K/N with 1 <= K <= N, e.g. 2/4; got {text!r}", "--shard")
     return Shard(int(match[1]), int(match[2]))
@@ -273,7 +273,7 @@ def _bare_values() -> dict[str, list[tuple[str, AxisValue]]]:
 
 _BARE_VALUES = _bare_values()
 
-_HDIM = re.compile(r"(\d+)(?:x(\d+))?")
+_HDIM = re.compile(rf"({INTEGER})(?:x({INTEGER}))?")
 # Bare words of the boolean axes: a trait flag is named after its axis and means it is on (as
 # in instance names); each padding axis has a word for either value.
 _BOOL_WORDS: dict[str, tuple[str, bool]] = {
@@ -347,7 +347,7 @@ def _axis_value(axis: str, text: str, term: str):
                            f"{', '.join(ENUM_AXES[axis].tokens)}", term)
         return value
     if axis in INT_AXES:
-        if not text.isdigit():
+        if not re.fullmatch(INTEGER, text):
             raise _BadTerm(f"{term!r}: {axis} takes a number, not {text!r}", term)
         return int(text)
     assert axis in BOOL_AXES, axis

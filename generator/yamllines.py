@@ -37,6 +37,23 @@ def _line(node: yaml.Node) -> int:
 class _LineLoader(yaml.SafeLoader):
     file: str  # for error messages
 
+    def construct_object(self, node: yaml.Node, deep: bool = False):
+        # PyYAML's scalar constructors let Python's own errors out, with no line: a date that
+        # does not exist (2001-13-45), an int too long for int(), a value that does not fit its
+        # explicit tag (`!!int x`, `!!timestamp x`). They become errors at the value's line.
+        # Mappings and sequences are built by the constructors below, whose errors are ours.
+        try:
+            return super().construct_object(node, deep=deep)
+        except Exception as err:
+            if isinstance(err, yaml.YAMLError) or not isinstance(node, yaml.ScalarNode):
+                raise
+            shown = node.value if len(node.value) <= 40 else f"{node.value[:40]}..."
+            kind = node.tag.rpartition(":")[2]
+            why = f": {err}" if isinstance(err, ValueError) else ""  # others say nothing useful
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {shown!r} as a YAML {kind}{why}",
+                node.start_mark) from None
+
 
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> LineMap:
     loader.flatten_mapping(node)  # resolves `<<` merge keys
@@ -66,15 +83,24 @@ _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _co
 
 def load(text: str, file: str):
     """Parses one YAML document; syntax errors become a ConfigError at their line."""
-    loader = _LineLoader(text)
-    loader.file = file
+    loader = None
     try:
+        loader = _LineLoader(text)  # it checks the characters of the whole text right away
+        loader.file = file
         return loader.get_single_data()
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         line = mark.line + 1 if mark else 1
         raise ConfigError(file, line, f"invalid YAML: {err.problem}") from None
+    except RecursionError:
+        raise ConfigError(file, loader.get_mark().line + 1 if loader else 1,
+                          "invalid YAML: nested too deeply") from None
+    except yaml.reader.ReaderError as err:
+        raise ConfigError(file, text.count("\n", 0, err.position) + 1,
+                          f"invalid YAML: unacceptable character #x{err.character:04x}: "
+                          f"{err.reason}") from None
     except yaml.YAMLError as err:
         raise ConfigError(file, 1, f"invalid YAML: {err}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()

@@ -2,11 +2,16 @@
 # One call on a lent GPU machine: check and time a build tree made elsewhere.
 #
 #   bash scripts/device_check.sh [BUILD_DIR] [all|test|bench]
+#   bash scripts/device_check.sh [BUILD_DIR] reliability
+#   bash scripts/device_check.sh [BUILD_DIR] sanitize [all|memcheck|racecheck]
 #
 # BUILD_DIR (default build/dev) holds libfmha, fmha._C and fmha_fwd, built on a machine with
 # nvcc (scripts/build_dev.sh; `-DFMHA_PRESET=coverage` holds an instance of every trait). Logs,
 # bench.json and the property-test report go to $OUT (default /tmp/fmha-out); the benchmark
-# table prints last. FMHA_BENCH_ARGS adds arguments to `python -m bench`.
+# table prints last. FMHA_BENCH_ARGS adds arguments to `python -m bench`. `reliability` runs
+# tests/test_reliability_gpu.py (big tensors, streams, CUDA graphs, NaN/Inf; about a minute);
+# `sanitize` runs scripts/sanitize.sh (compute-sanitizer memcheck over every instance and
+# racecheck over a covering subset; its summary prints last). Neither is part of `all`.
 set -uo pipefail
 build=${1:-build/dev}
 mode=${2:-all}
@@ -38,6 +43,16 @@ if [[ $mode == all || $mode == test ]]; then
     tests/test_fwd_properties_gpu.py tests/test_api_checks.py -q -p no:cacheprovider \
     2>&1 | tee "$out/pytest_gpu.log" | tail -n 25
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $mode == reliability ]]; then
+  python3 -m pytest tests/test_reliability_gpu.py -q -p no:cacheprovider -rs \
+    2>&1 | tee "$out/pytest_reliability.log" | tail -n 40
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $mode == sanitize ]]; then
+  bash scripts/sanitize.sh "$build" "${3:-all}"
+  rc=$?
+  [[ $rc -eq 0 ]] || status=$rc
 fi
 if [[ $mode == all || $mode == bench ]]; then
   python3 -m bench --json "$out/bench.json" ${FMHA_BENCH_ARGS:-} 2>"$out/bench_rows.log" \

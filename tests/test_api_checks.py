@@ -17,7 +17,7 @@ fmha = pytest.importorskip("fmha", reason="the fmha module is not built")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from fmha import _C, _api  # noqa: E402
-from fmha._checks import check_options  # noqa: E402
+from fmha._checks import check_alignment, check_options  # noqa: E402
 
 CPU_ONLY = not torch.cuda.is_available()
 
@@ -57,16 +57,20 @@ def test_unsupported_dtype(dtype):
         fmha.fwd(q, k, v)
 
 
-def test_mixed_dtypes():
-    q, k, v = qkv()
-    with pytest.raises(TypeError, match="v has dtype torch.bfloat16 but q has torch.float16"):
-        fmha.fwd(q, k, v.bfloat16())
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_mixed_dtypes(name):
+    tensors = dict(zip("qkv", qkv()))
+    tensors[name] = tensors[name].bfloat16()
+    with pytest.raises(TypeError, match=f"{name} has dtype torch.bfloat16 but q has torch.float16"):
+        fmha.fwd(**tensors)
 
 
-def test_wrong_rank():
-    q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"q must be 4-D .* got shape \(2, 16, 256\)"):
-        fmha.fwd(q.flatten(2), k, v)
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_wrong_rank(name):
+    tensors = dict(zip("qkv", qkv()))
+    tensors[name] = tensors[name].flatten(2)
+    with pytest.raises(ValueError, match=rf"{name} must be 4-D .* got shape \(2, 16, 256\)"):
+        fmha.fwd(**tensors)
 
 
 @pytest.mark.parametrize(
@@ -95,11 +99,47 @@ def test_heads_not_a_multiple_of_kv_heads():
         fmha.fwd(q, k, v)
 
 
-def test_last_dim_not_contiguous():
-    q, k, v = qkv()
-    q_strided = torch.randn(2, 16, 4, 128, dtype=q.dtype)[..., ::2]
-    with pytest.raises(ValueError, match="q's last \\(head\\) dimension must be contiguous"):
-        fmha.fwd(q_strided, k, v)
+@pytest.mark.parametrize("name", ["q", "k"])
+def test_last_dim_not_contiguous(name):
+    tensors = dict(zip("qkv", qkv()))
+    tensors[name] = torch.randn(2, 16, 4, 128, dtype=torch.float16)[..., ::2]
+    with pytest.raises(ValueError, match=rf"{name}'s last \(head\) dimension must be contiguous"):
+        fmha.fwd(**tensors)
+
+
+@pytest.mark.parametrize("d,dv", [(0, 64), (36, 36), (64, 12)])
+def test_head_dims_must_be_multiples_of_8(d, dv):
+    q, k, v = qkv(d=d, dv=dv)
+    with pytest.raises(ValueError, match=f"head dims must be positive multiples of 8 .* got {d} "
+                                         f"for q and k and {dv} for v"):
+        fmha.fwd(q, k, v)
+
+
+@pytest.mark.parametrize(
+    "name,make",
+    [
+        # (b, s, h, d) cut out of a wider head dim: the head stride 68 is no multiple of 8.
+        ("q", lambda: torch.randn(2, 16, 4, 68, dtype=torch.float16)[..., :64]),
+        ("k", lambda: torch.empty(20000, dtype=torch.float16).as_strided(
+            (2, 16, 4, 64), (8320, 260, 64, 1))),  # the sequence stride 260
+        # V^T (b, h, dv, s) cut out of longer rows: V's head-dim stride 20.
+        ("v", lambda: torch.randn(2, 4, 64, 20, dtype=torch.float16)[..., :16].permute(0, 3, 1, 2)),
+    ],
+)
+def test_strides_must_be_multiples_of_8(name, make):
+    tensors = dict(zip("qkv", qkv()))
+    tensors[name] = make()
+    with pytest.raises(ValueError, match=rf"{name} has strides .* every one but its contiguous "
+                                         rf"dimension's must be a multiple of 8 elements"):
+        fmha.fwd(**tensors)
+
+
+def test_sizes_must_fit_an_int():
+    q, k, v = (torch.empty(1, s, 1, 8, dtype=torch.float16, device="meta")
+               for s in (2**31, 16, 16))
+    with pytest.raises(ValueError, match=r"q has shape \(1, 2147483648, 1, 8\); every size must "
+                                         r"be below 2\*\*31"):
+        fmha.fwd(q, k, v)
 
 
 def test_transposed_bhsd_views_pass_the_checks():
@@ -121,6 +161,11 @@ def test_v_with_neither_dim_contiguous():
     v = torch.randn(2, 32, 4, 128, dtype=q.dtype)[:, ::2, :, ::2]
     with pytest.raises(ValueError, match="v must have its head dimension .* or its sequence"):
         fmha.fwd(q, k, v)
+
+
+def test_cpu_tensors_are_not_cuda():
+    with pytest.raises(ValueError, match="q is on cpu; fmha.fwd needs CUDA tensors"):
+        fmha.fwd(*qkv())
 
 
 def test_meta_tensors_are_not_cuda():
@@ -151,6 +196,9 @@ def test_meta_tensors_are_not_cuda():
          r"cu_seqlens_q must be 1-D with batch \+ 1 entries, got shape \(0,\)"),
         (dict(cu_seqlens_k=torch.zeros(4, dtype=torch.int32)), ValueError,
          "cu_seqlens_q has 3 entries but cu_seqlens_k has 4"),
+        # The kernels read entry b at offset b.
+        (dict(cu_seqlens_k=torch.zeros(6, dtype=torch.int32)[::2]), ValueError,
+         "cu_seqlens_k must be contiguous, got stride 2"),
     ],
 )
 def test_group_mode_arguments(change, error, message):
@@ -170,6 +218,16 @@ def test_group_mode_needs_3d_tensors():
     _, _, _, group = packed()
     with pytest.raises(ValueError, match=r"in group mode q must be 3-D \(total_tokens, nheads"):
         fmha.fwd(q, k, v, **group)
+
+
+def test_non_monotonic_cu_seqlens_are_the_callers_contract():
+    """The entries live on the GPU: reading them would synchronize with the stream, so their
+    order is not checked (fmha.fwd's docstring says so)."""
+    q, k, v, group = packed()
+    group.update(cu_seqlens_q=torch.tensor([0, 30, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="q is on cpu"):  # every check passes
+        fmha.fwd(q, k, v, **group)
+    assert "not checked: they live on" in " ".join(fmha.fwd.__doc__.split())
 
 
 def test_group_mode_token_counts_of_k_and_v():
@@ -205,6 +263,9 @@ def test_group_mode_cu_seqlens_device_is_checked_last():
         (dict(window_size=(-2, 0)), ValueError,
          r"entries must be -1 \(unbounded\) or non-negative"),
         (dict(window_size=(0, -5)), ValueError, "entries must be -1"),
+        (dict(window_size=(2**31, 0)), ValueError,
+         r"window_size entries must be below 2\*\*31 .* got \(2147483648, 0\); -1 is an "
+         r"unbounded side"),
         (dict(causal=True, window_size=(16, 4)), ValueError,
          "causal=True sees no key to the right, so window_size's right must be 0 or -1"),
         (dict(mask_align=0), TypeError, "mask_align must be a str, got int"),
@@ -300,6 +361,8 @@ def test_causal_and_window_make_the_mask(causal, window, expected):
          "seqused_q has dtype torch.int64; it must be torch.int32"),
         (dict(seqused_q=torch.full((3,), 16, dtype=torch.int32)), ValueError,
          r"seqused_q must be \(batch,\) = \(2,\), got shape \(3,\)"),
+        (dict(seqused_k=torch.full((4,), 16, dtype=torch.int32)[::2]), ValueError,
+         "seqused_k must be contiguous, got stride 2"),
     ],
 )
 def test_bad_bias_and_lengths(kwargs, error, message):
@@ -338,12 +401,104 @@ def test_group_mode_bias_broadcasts_to_the_longest_sequences():
         fmha.fwd(q, k, v, bias=bias[..., :20, :20], **group)
 
 
-def test_every_tensor_is_device_checked():
+# Without a GPU, fake CUDA tensors can sit on any device index, so a second GPU needs no second
+# GPU. With one, FakeTensorMode initializes every device it meets, and a missing cuda:1 fails.
+ANOTHER_GPU = pytest.param("cuda:1", marks=pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.device_count() < 2,
+    reason="fake tensors on cuda:1 need either no GPU or two"))
+
+
+@pytest.mark.parametrize("device", ["cpu", ANOTHER_GPU])
+@pytest.mark.parametrize(
+    "name", ["k", "v", "bias", "attn_mask", "alibi_slopes", "seqused_q", "seqused_k"])
+def test_every_tensor_is_device_checked(name, device):
     with FakeTensorMode():
         q, k, v = qkv(device="cuda")
-        slopes = torch.ones(4)  # on the CPU
-        with pytest.raises(ValueError, match="alibi_slopes is on cpu but q is on cuda:0"):
-            fmha.fwd(q, k, v, alibi_slopes=slopes)
+        used = torch.full((2,), 8, dtype=torch.int32, device="cuda")
+        kwargs = dict(k=k, v=v, bias=torch.zeros(16, 16, dtype=q.dtype, device="cuda"),
+                      alibi_slopes=None, seqused_q=used, seqused_k=used)
+        if name == "attn_mask":
+            kwargs["bias"] = None
+            kwargs["attn_mask"] = torch.ones(16, 16, dtype=torch.bool, device="cuda")
+        if name == "alibi_slopes":
+            kwargs["bias"] = None
+            kwargs["alibi_slopes"] = torch.ones(4, device="cuda")
+        kwargs[name] = kwargs[name].to(device)
+        with pytest.raises(ValueError, match=f"{name} is on {device} but q is on cuda:0; all "
+                                             f"tensors must be on one GPU"):
+            fmha.fwd(q, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="fake tensors on cuda:1 need either no GPU or two")
+@pytest.mark.parametrize("name", ["cu_seqlens_q", "cu_seqlens_k"])
+def test_cu_seqlens_on_another_gpu(name):
+    q, k, v, group = packed()
+    with FakeTensorMode():
+        q, k, v = (torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in (q, k, v))
+        group = {**group, **{key: torch.zeros(3, dtype=torch.int32, device="cuda")
+                             for key in ("cu_seqlens_q", "cu_seqlens_k")}}
+        group[name] = torch.zeros(3, dtype=torch.int32, device="cuda:1")
+        with pytest.raises(ValueError, match=f"{name} is on cuda:1 but q is on cuda:0"):
+            fmha.fwd(q, k, v, **group)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_a_view_off_a_16_byte_boundary_is_rejected_before_the_launch(no_device_check, name):
+    """torch.empty(n + 1)[1:].view(...): 2 bytes past the allocation's (aligned) start. The op's
+    implementation checks it, before allocating the outputs."""
+    tensors = dict(zip("qkv", qkv()))
+    t = tensors[name]
+    tensors[name] = torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)
+    with pytest.raises(ValueError, match=f"{name} starts 2 bytes past a 16-byte boundary; .* "
+                                         f"pass {name}.clone()"):
+        fmha.fwd(**tensors)
+
+
+def test_views_on_16_byte_boundaries_and_empty_problems_pass_the_alignment_check():
+    q, k, v = qkv()
+    check_alignment(q=torch.empty(q.numel() + 8, dtype=q.dtype)[8:].view(q.shape), k=k, v=v)
+    empty = torch.empty(1, dtype=q.dtype)[1:].view(0, 16, 4, 64)
+    check_alignment(q=empty, k=torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape), v=v)
+
+
+def test_fake_tensors_have_no_data_pointer_to_check():
+    """Under torch.compile the checks see fake tensors; the alignment is checked at run time."""
+    with FakeTensorMode():
+        q, k, v = qkv(device="cuda")
+        q = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda").as_strided(
+            q.shape, q.stride(), 1)  # one element in
+        assert fmha.fwd(q, k, v).shape == q.shape
+
+
+@pytest.mark.parametrize("b,sq,sk", [(0, 16, 16), (2, 0, 16), (2, 16, 0), (0, 0, 0)])
+def test_empty_problems_have_empty_or_zero_outputs(b, sq, sk):
+    """The op's fake implementation: outputs of the documented shapes. The real one needs a GPU
+    (tests/test_fwd_gpu.py runs an empty batch); its C++ side reads no pointer of an empty
+    problem and returns before the launch (test_cpp_empty_problem_needs_no_pointers)."""
+    with FakeTensorMode():
+        q, k, v = qkv(b=b, sq=sq, sk=sk, device="cuda")
+        out, lse = fmha.fwd(q, k, v, return_lse=True)
+        assert out.shape == (b, sq, 4, 64) and lse.shape == (b, 4, sq)
+        qg, kg, vg = (torch.empty(0, 4, 64, dtype=q.dtype, device="cuda") for _ in range(3))
+        cu = torch.zeros(3, dtype=torch.int32, device="cuda")
+        out = fmha.fwd(qg, kg, vg, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=0,
+                       max_seqlen_k=0)
+        assert out.shape == (0, 4, 64)
+
+
+def test_status_codes_become_exceptions():
+    _api._raise_for(_C.STATUS_OK, "")
+    with pytest.raises(ValueError, match="bad") as caught:
+        _api._raise_for(_C.STATUS_INVALID_ARGUMENT, "bad")
+    assert type(caught.value) is ValueError
+    # A head dim no compiled instance has is a miss, still a ValueError: on CPU the dispatcher
+    # cannot be reached (it asks the device for its arch); tests/test_fwd_gpu.py makes one.
+    with pytest.raises(fmha.MissingInstanceError, match="build one"):
+        _api._raise_for(_C.STATUS_NO_INSTANCE, "no instance; build one")
+    assert issubclass(fmha.MissingInstanceError, ValueError)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        _api._raise_for(_C.STATUS_CUDA_ERROR, "launch failed")
 
 
 # ---- what a valid call builds ----------------------------------------------------------------
@@ -423,6 +578,17 @@ def test_args_of_a_batch_call(no_device_check):
     assert a.traits() == dict(dtype=_C.DTYPE_BF16, hdim_q=64, hdim_v=128, mask=_C.MASK_CAUSAL,
                               bias=_C.BIAS_NONE, vlayout=_C.VLAYOUT_ROW_MAJOR,
                               mode=_C.MODE_BATCH, lse=True, dropout=False, softcap=False)
+
+
+def test_size_one_dimensions_pass_as_stride_zero(no_device_check):
+    # A size-1 dimension is never stepped over: its stride, odd here, is not the kernels' business.
+    q = torch.randn(1, 16, 2, 64, dtype=torch.float16).as_strided((1, 16, 2, 64), (3, 128, 64, 1))
+    k = torch.randn(1, 1, 2, 64, dtype=q.dtype).as_strided((1, 1, 2, 64), (5, 7, 64, 1))
+    v = torch.randn(1, 1, 2, 64, dtype=q.dtype)
+    a, _, _, _ = build_args(q, k, v)
+    assert (a.q_batch_stride, a.q_seq_stride, a.q_head_stride) == (0, 128, 64)
+    assert (a.k_batch_stride, a.k_seq_stride, a.k_head_stride) == (0, 0, 64)
+    assert (a.v_batch_stride, a.v_seq_stride, a.v_dim_stride) == (0, 0, 1)
 
 
 def test_args_of_a_group_call(no_device_check):
@@ -572,6 +738,8 @@ def cpp_fwd(**overrides):
     "overrides,message",
     [
         (dict(q=4098), "q must be 16-byte aligned"),
+        (dict(k=4104), "k must be 16-byte aligned"),
+        (dict(v=4100), "v must be 16-byte aligned"),
         (dict(o=0), "o is a null pointer"),
         (dict(k_seq_stride=132), "k seq stride is 132; it must be a non-negative multiple of 8"),
         (dict(v_head_stride=-8), "v head stride is -8"),
@@ -579,6 +747,16 @@ def cpp_fwd(**overrides):
         (dict(softmax_scale=-1.0), "softmax_scale must be finite and positive"),
         (dict(hdim_v=0), "hdim_q and hdim_v must be positive"),
         (dict(batch=70000), "batch and nhead_q must be at most 65535"),
+        (dict(nhead_q=70000, nhead_k=70000), "batch and nhead_q must be at most 65535"),
+        (dict(hdim_q=65544), "hdim_q and hdim_v must be at most 65536"),
+        (dict(seqlen_q=2**29, seqlen_k=2**29),
+         r"seqlen_q \+ seqlen_k must be below 2\^30, got 536870912 \+ 536870912"),
+        # One CTA per (query tile, head, sequence) in a 1-D grid: 65535^2 pairs are too many
+        # whatever the tile.
+        (dict(mask=_C.MASK_CAUSAL, batch=65535, nhead_q=65535, nhead_k=1),
+         r"a causal call launches ceil\(seqlen_q / block_m\) \* batch \* nhead_q CTAs in a "
+         r"1-D grid, at most 2\^31 - 1; with the largest compiled block_m of \d+ that is "
+         r"ceil\(16 / \d+\) \* 65535 \* 65535 = 4294836225"),
         (dict(seqlen_k=-1), "must be non-negative"),
         (dict(dtype=2), "unknown dtype 2; valid: kFP16, kBF16"),
         (dict(mode=-1), "unknown mode -1"),
@@ -647,6 +825,12 @@ def passes_checks(code: int, text: str) -> bool:
         dict(bias=_C.BIAS_ALIBI, alibi_slopes=4100),
         dict(seqused_q=4100, seqused_k=4104, dropout_p=0.5, softcap=50.0),
         dict(seqlen_k=0, k=0, v=0),  # no keys: K and V are not read
+        # Windows wider than the sequences are unbounded; the kernels clamp them.
+        dict(mask=_C.MASK_WINDOW, window_left=2**31 - 1, window_right=2**31 - 1),
+        dict(seqlen_q=2**30 - 17, seqlen_k=16),
+        # Without a causal mask the grid is 3-D: (query tiles, heads, sequences).
+        dict(batch=65535, nhead_q=65535, nhead_k=1),
+        dict(mask=_C.MASK_CAUSAL, batch=65535, nhead_q=32768, nhead_k=1, seqlen_q=1),
     ],
 )
 def test_cpp_accepts_valid_arguments(overrides):
@@ -654,10 +838,17 @@ def test_cpp_accepts_valid_arguments(overrides):
     assert passes_checks(code, text), text
 
 
-def test_cpp_empty_problem_needs_no_pointers():
-    code, text, _ = cpp_fwd(batch=0, q=0, k=0, v=0, o=0, hdim_q=UNSERVED_HDIM,
-                            hdim_v=UNSERVED_HDIM)
+@pytest.mark.parametrize("empty", [dict(batch=0), dict(seqlen_q=0), dict(nhead_q=0)])
+def test_cpp_empty_problem_needs_no_pointers(empty):
+    code, text, _ = cpp_fwd(q=0, k=0, v=0, o=0, hdim_q=UNSERVED_HDIM, hdim_v=UNSERVED_HDIM,
+                            **empty)
     assert passes_checks(code, text), text
+
+
+def test_cpp_select_checks_the_causal_grid_too():
+    args = cpp_args(mask=_C.MASK_CAUSAL, batch=65535, nhead_q=65535, nhead_k=1)
+    code, text, _ = _C.select(args)
+    assert code == _C.STATUS_INVALID_ARGUMENT and "1-D grid" in text, text
 
 
 def test_cpp_select_and_explain_read_no_pointers():

@@ -88,6 +88,9 @@ def test_quiet(run_cli, tmp_path):
     ["--shard", "two"], ["--presets", "--shard", "1/2"], ["--explain", "dtype=fp16,hdim=64",
                                                           "--json"],
     ["--explain", "hdim=64"], ["--list", "--presets"],
+    # Numbers that int() rejects ('²' is a digit to str.isdigit()) or that are too long for it.
+    ["--shard", "1/" + "9" * 5000], ["--explain", "dtype=fp16,hdim=64,seqlen_q=²"],
+    ["--explain", "dtype=fp16,hdim=" + "6" * 5000], ["--filter", "hdim_q=²"],
 ])
 def test_user_errors_exit_2_without_traceback_or_output(run_cli, tmp_path, args):
     out = tmp_path / "gen"
@@ -95,6 +98,14 @@ def test_user_errors_exit_2_without_traceback_or_output(run_cli, tmp_path, args)
     assert result.returncode == 2, args
     assert "Traceback" not in result.stderr and result.stdout == "", args
     assert not out.exists(), args
+
+
+def test_the_output_directory_cannot_hold_the_working_directory(run_cli):
+    for out in (".", ".."):
+        result = run_cli("--out", out)
+        assert result.returncode == 2
+        assert result.stderr == (f"--out: {out} holds the working directory, and a run replaces "
+                                 f"its output directory as a whole: give it one of its own\n")
 
 
 def test_unknown_filter_token_lists_valid_tokens(run_cli):

@@ -81,6 +81,24 @@ MISTAKES = {
     "duplicate key": (("  bias: [none]", "  bias: [none]\n  bias:  [none]"), "bias:  [none]",
                       "duplicate key 'bias'"),
     "malformed YAML": (("  bias: [none]", "  bias: none: x"), "bias: none: x", "invalid YAML"),
+    # PyYAML types these scalars, and its constructors fail on them with Python errors.
+    "date that does not exist": (("    why: d128", "    why: 2001-13-45"), "2001-13-45",
+                                 "invalid YAML: cannot read '2001-13-45' as a YAML timestamp: "
+                                 "month must be in 1..12"),
+    "timestamp tag on a non-date": (("    why: d128", "    why: !!timestamp x"), "!!timestamp",
+                                    "invalid YAML: cannot read 'x' as a YAML timestamp"),
+    "int tag on a word": (("    why: d128", "    why: !!int x"), "!!int x",
+                          "cannot read 'x' as a YAML int: invalid literal for int()"),
+    "number too long to read": (("    block_m: 64", "    block_m: " + "9" * 5000), "block_m: 99",
+                                "cannot read '" + "9" * 40 + "...' as a YAML int"),
+    "nested too deeply": (("rules: []", "rules: " + "[" * 5000 + "]" * 5000), "rules: [[",
+                          "invalid YAML: nested too deeply"),
+    "control character": (("  bias: [none]", "  bias: [no\x1fne]"), "bias: [no",
+                          "invalid YAML: unacceptable character #x001f: special characters "
+                          "are not allowed"),
+    "preset filter with digits int() rejects": (('filter: "fp16,hdim64,mask=none"',
+                                                 'filter: "hdim_q=²"'), "minimal",
+                                                "'hdim_q=²': hdim_q takes a number, not '²'"),
 }
 
 
@@ -110,6 +128,18 @@ def test_file_must_be_a_mapping(text, make_config):
     with pytest.raises(ConfigError, match="expected a mapping") as caught:
         load(make_config(text=text))
     assert caught.value.line == 1
+
+
+def test_not_utf8_is_reported_at_its_line(make_config, line_of):
+    path = make_config()
+    text = path.read_text()
+    path.write_bytes(path.read_bytes().replace(b"smoke build", b"smoke \xff build"))
+    with pytest.raises(ConfigError) as caught:
+        load(path)
+    line = line_of(text, "smoke build")
+    column = text.splitlines()[line - 1].index("smoke build") + len("smoke ") + 1
+    assert (caught.value.line, caught.value.message) == (
+        line, f"not UTF-8: byte 0xff at column {column}")
 
 
 def test_missing_file_is_a_user_error(run_cli, tmp_path):

@@ -14,7 +14,7 @@ from generator.catalog import build_catalog
 from generator.config import DEFAULT_CONFIG, load
 from generator.dispatch import (PREFERENCE, REQUIREMENTS, Problem, check_dispatchable,
                                 deciding_criterion, dispatch_order, first_serving, serves)
-from generator.errors import GeneratorError
+from generator.errors import ConfigError, GeneratorError
 from generator.model import FwdTraits, Tile
 from generator.schema import BIAS, DTYPE, MASK, MODE, PIPELINE, VLAYOUT
 
@@ -196,14 +196,16 @@ def test_padded_instance_shadowed_by_a_padded_head_dim_sibling(make_instance):
         check_dispatchable(dispatch_order([big, small]))
 
 
-def test_instance_that_serves_nothing_is_an_error(build):
-    # Unpadded group mode: pad_seqlen=false runs batch mode only.
-    with pytest.raises(GeneratorError) as caught:
+def test_instance_that_serves_nothing_is_an_error(build, make_config, line_of):
+    # Unpadded group mode: pad_seqlen=false runs batch mode only. The fix is a rule: the error
+    # is the config's, at its rules.
+    with pytest.raises(ConfigError) as caught:
         build(("mode: [batch]", "mode: [batch, group]"))
+    assert caught.value.line == line_of(make_config().read_text(), "rules:")
     assert caught.value.message == (
-        "fwd_bf16_d64_causal_group_fa2_sm90a_m128n64 serves no problem, so the dispatcher can "
-        "never run it (seqlen: needs batch mode, no seqused, and seqlen_q and seqlen_k multiples "
-        "of block_m and block_n when pad_seqlen=false); prune it with a rule")
+        "rules: fwd_bf16_d64_causal_group_fa2_sm90a_m128n64 serves no problem, so the dispatcher "
+        "can never run it (seqlen: needs batch mode, no seqused, and seqlen_q and seqlen_k "
+        "multiples of block_m and block_n when pad_seqlen=false); prune it with a rule")
 
 
 def test_padding_siblings_are_not_shadowed(make_instance):

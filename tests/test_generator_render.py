@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 
 from generator.catalog import build_catalog
 from generator.config import DEFAULT_CONFIG, load
-from generator.output import sync, write_if_changed
+from generator.output import sync
 from generator.render import MANIFEST, manifest_sources, render
 from generator.selection import parse_shard, parse_targets, select
 
@@ -206,10 +207,10 @@ def test_shard_renders_its_tus_and_the_whole_table(rendered):
 
 def test_a_shard_owns_only_its_own_tus(rendered, out):
     first = rendered(shard="1/2")
-    sync(out, first, owned=manifest_sources(out))
+    sync(out, first, owned=manifest_sources)
     assert manifest_sources(out) == {name for name in first if name.endswith(".cu")}
     # The other half's TUs, instances.cmake and the manifest; the table is the same.
-    report = sync(out, rendered(), owned=manifest_sources(out))
+    report = sync(out, rendered(), owned=manifest_sources)
     assert (report.written, report.removed) == (16 + 2, 0)
     assert len(manifest_sources(out)) == 32
 
@@ -218,36 +219,76 @@ def test_rendering_is_deterministic(rendered):
     assert rendered() == rendered()
 
 
+def snapshot(directory: Path) -> dict:
+    """Every entry below `directory`: file bytes, symlink targets, and directories as None."""
+    entries = {}
+    for path in sorted(directory.rglob("*")):
+        name = path.relative_to(directory).as_posix()
+        entries[name] = (("link", os.readlink(path)) if path.is_symlink()
+                         else None if path.is_dir() else path.read_bytes())
+    return entries
+
+
+def identities(directory: Path) -> dict:
+    """(inode, mtime) of every regular file below `directory`."""
+    return {path.relative_to(directory).as_posix(): (path.stat().st_ino, path.stat().st_mtime_ns)
+            for path in directory.rglob("*") if path.is_file() and not path.is_symlink()}
+
+
+def siblings(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
+
+
 def test_sync_writes_then_leaves_unchanged_files_alone(rendered, out):
     files = rendered()
-    first = sync(out, files, owned=manifest_sources(out))
+    first = sync(out, files, owned=manifest_sources)
     assert (first.written, first.unchanged, first.removed) == (35, 0, 0)
     past = time.time_ns() - 10**10
     for path in out.iterdir():
         os.utime(path, ns=(past, past))
-    second = sync(out, rendered(), owned=manifest_sources(out))
+    before = identities(out)
+    second = sync(out, rendered(), owned=manifest_sources)
     assert (second.written, second.unchanged, second.removed) == (0, 35, 0)
-    assert all(path.stat().st_mtime_ns == past for path in out.iterdir())
-    assert sorted(p.name for p in out.iterdir()) == sorted(files)  # no temporary files
+    # The very same files: ninja sees nothing new.
+    assert identities(out) == before
+    assert all(mtime == past for _, mtime in before.values())
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)
+    assert siblings(out) == [".gen.lock"]  # no staging or previous directory left
 
 
 def test_sync_rewrites_only_what_changed(rendered, out):
-    sync(out, rendered(), owned=set())
-    report = sync(out, rendered("sm90a"), owned=manifest_sources(out))
+    sync(out, rendered(), owned=lambda _: set())
+    before = identities(out)
+    report = sync(out, rendered("sm90a"), owned=manifest_sources)
     # The 16 sm90a TUs are unchanged; the table, the CMake list and the manifest change.
     assert (report.written, report.unchanged, report.removed) == (3, 16, 16)
+    after = identities(out)
+    assert sorted(name for name in after if after[name] == before.get(name)) == sorted(
+        name for name in after if "sm90a" in name)
 
 
 def test_stale_files_are_removed_but_foreign_files_kept(rendered, out):
-    sync(out, rendered(), owned=set())
+    sync(out, rendered(), owned=lambda _: set())
     (out / "notes.txt").write_text("mine")
     (out / "hand_written.cu").write_text("// mine")
-    report = sync(out, rendered("fp16,hdim64,mask=none"), owned=manifest_sources(out))
+    (out / "extra" / "deeper").mkdir(parents=True)
+    (out / "extra" / "deeper" / "data.bin").write_bytes(b"\0\1")
+    (out / "link.cu").symlink_to("hand_written.cu")
+    (out / "dangling").symlink_to("nowhere")
+    foreign_before = {name: entry for name, entry in snapshot(out).items()
+                      if not name.startswith(("fwd_", "dispatch_", "instances.", MANIFEST))}
+    identities_before = identities(out)
+    report = sync(out, rendered("fp16,hdim64,mask=none"), owned=manifest_sources)
     assert report.removed == 28
     assert sorted(p.name for p in out.glob("fwd_*.cu")) == [
         "fwd_fp16_d64_fa2_sm80_m128n64.cu", "fwd_fp16_d64_fa2_sm80_m128n64_pad.cu",
         "fwd_fp16_d64_fa2_sm90a_m128n64.cu", "fwd_fp16_d64_fa2_sm90a_m128n64_pad.cu"]
-    assert (out / "notes.txt").exists() and (out / "hand_written.cu").exists()
+    after = snapshot(out)
+    assert {name: after[name] for name in foreign_before} == foreign_before
+    # Carried over, not copied: the same files.
+    foreign_identities = identities(out)
+    for name in ("notes.txt", "hand_written.cu", "extra/deeper/data.bin"):
+        assert foreign_identities[name] == identities_before[name], name
 
 
 def test_without_a_readable_manifest_nothing_is_owned(out):
@@ -262,24 +303,141 @@ def test_only_files_inside_the_output_directory_are_removed(out):
     victim = out.parent / "victim.cu"
     victim.write_text("// not generated here")
     (out / MANIFEST).write_text('{"instances": [{"tu": "../victim.cu"}]}')
-    assert sync(out, {"a.cu": "x"}, owned=manifest_sources(out)).removed == 0
+    assert sync(out, {"a.cu": "x"}, owned=manifest_sources).removed == 0
     assert victim.exists()
 
 
-def test_write_if_changed(tmp_path):
-    path = tmp_path / "file.txt"
-    assert write_if_changed(path, "one") is True
-    assert write_if_changed(path, "one") is False
-    assert write_if_changed(path, "two") is True
-    assert path.read_text() == "two"
-    assert [p.name for p in tmp_path.iterdir()] == ["file.txt"]
+def test_a_failed_run_leaves_the_old_directory(rendered, out, monkeypatch):
+    sync(out, rendered(), owned=manifest_sources)
+    (out / "notes.txt").write_text("mine")
+    before, identities_before = snapshot(out), identities(out)
+    monkeypatch.setattr(Path, "write_bytes", _failing_after(2, Path.write_bytes))
+    with pytest.raises(OSError, match="No space left"):
+        sync(out, rendered("bf16"), owned=manifest_sources)
+    assert snapshot(out) == before and identities(out) == identities_before
+    assert siblings(out) == [".gen.lock"]
 
 
-def test_full_default_render_is_fast(tmp_path):
+def _failing_after(count: int, function):
+    calls = []
+
+    def failing(*args, **kwargs):
+        if len(calls) == count:
+            raise OSError(28, "No space left on device")
+        calls.append(args)
+        return function(*args, **kwargs)
+
+    return failing
+
+
+def test_the_output_must_be_a_directory(out):
+    out.write_text("not a directory")
+    with pytest.raises(NotADirectoryError):
+        sync(out, {"a.cu": "x"}, owned=manifest_sources)
+    assert out.read_text() == "not a directory"
+
+
+def test_a_symlinked_output_directory_stays_a_symlink(rendered, tmp_path):
+    target = tmp_path / "elsewhere" / "gen"
+    target.mkdir(parents=True)
+    link = tmp_path / "gen"
+    link.symlink_to(target)
+    sync(link, rendered(), owned=manifest_sources)
+    assert link.is_symlink() and len(list(target.glob("*.cu"))) == 32
+
+
+def test_a_run_that_died_between_the_renames_is_undone_first(rendered, out):
+    """The old directory is aside and none is in place: the next run puts it back, so that it
+    still knows which files it owns (stale TUs go) and which are someone else's (kept)."""
+    sync(out, rendered(), owned=manifest_sources)
+    (out / "notes.txt").write_text("mine")
+    out.rename(out.with_name(".gen.previous"))
+    (out.with_name(".gen.staging")).mkdir()
+    (out.with_name(".gen.staging") / "half.cu").write_text("// half written")
+    report = sync(out, rendered("fp16,hdim64,mask=none"), owned=manifest_sources)
+    assert (report.written, report.unchanged, report.removed) == (3, 4, 28)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [*rendered("fp16,hdim64,mask=none"), "notes.txt"])
+    assert siblings(out) == [".gen.lock"]
+
+
+def test_a_run_that_died_after_the_swap_is_cleaned_up(rendered, out):
+    sync(out, rendered(), owned=manifest_sources)
+    leftover = out.with_name(".gen.previous")
+    leftover.mkdir()
+    (leftover / "old.cu").write_text("// the old directory, half removed")
+    report = sync(out, rendered(), owned=manifest_sources)
+    assert (report.written, report.unchanged) == (0, 35)
+    assert siblings(out) == [".gen.lock"]
+
+
+# Runs the generator and dies (os._exit, as a SIGKILL would, with no cleanup) just before its
+# output writer's mutating call number argv[1] + 1; with -1 it runs through and prints how many
+# such calls it made.
+DYING_RUN = """
+import os, shutil, sys
+from pathlib import Path
+import generator.output as output
+from generator.cli import main
+
+limit, calls = int(sys.argv[1]), [0]
+
+def dying(function):
+    def call(*args, **kwargs):
+        if calls[0] == limit:
+            os._exit(9)
+        calls[0] += 1
+        return function(*args, **kwargs)
+    return call
+
+for module, name in ((os, "rename"), (os, "link"), (os, "mkdir"), (shutil, "rmtree")):
+    setattr(module, name, dying(getattr(module, name)))
+Path.write_bytes = dying(Path.write_bytes)
+status = main(sys.argv[2:])
+print(calls[0])
+sys.exit(status)
+"""
+
+
+def test_a_run_killed_anywhere_leaves_the_old_or_the_new_directory(make_config, out, tmp_path):
+    old_config = make_config()
+    new_config = tmp_path / "new.yaml"
+    new_config.write_text(old_config.read_text().replace("dtype: [fp16, bf16]", "dtype: [fp16]"))
+
+    def run(limit: int, config: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", DYING_RUN, str(limit), "--config", config,
+                               "--out", out, "-q"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=60)
+
+    def start_from_the_old_render() -> None:
+        shutil.rmtree(out, ignore_errors=True)
+        assert run(-1, old_config).returncode == 0
+        (out / "notes.txt").write_text("mine")
+
+    start_from_the_old_render()
+    old = snapshot(out)
+    result = run(-1, new_config)
+    assert result.returncode == 0, result.stderr
+    new, calls = snapshot(out), int(result.stdout)
+    assert new != old and "notes.txt" in new
+    for limit in sorted({0, 1, calls // 2, calls - 3, calls - 2, calls - 1}):
+        start_from_the_old_render()
+        assert run(limit, new_config).returncode == 9, limit
+        if out.exists():
+            assert snapshot(out) in (old, new), limit
+        else:  # killed between the renames: the old directory is whole, aside
+            assert snapshot(out.with_name(".gen.previous")) == old, limit
+        result = run(-1, new_config)  # the next run finishes the job
+        assert result.returncode == 0, result.stderr
+        assert snapshot(out) == new, limit
+        assert siblings(out) == [".gen.lock"], limit
+
+
+def test_full_default_render_is_fast(out):
     start = time.perf_counter()
     config = load(DEFAULT_CONFIG)
     selection = select(config, build_catalog(config), "default")
-    sync(tmp_path, render(selection, source=DEFAULT_CONFIG.name), owned=set())
+    sync(out, render(selection, source=DEFAULT_CONFIG.name), owned=manifest_sources)
     assert time.perf_counter() - start < 5
 
 

@@ -140,6 +140,10 @@ def test_bare_value_of_two_axes_is_ambiguous(selected):
     ("nolse", "unknown token 'nolse'"),
     ("mask=none|casual", "unknown token 'casual' in 'mask=none|casual'"),
     ("hdim_q=big", "'hdim_q=big': hdim_q takes a number, not 'big'"),
+    # Digits that int() rejects, or takes too long to read: str.isdigit() holds for '²'.
+    ("hdim_q=²", "'hdim_q=²': hdim_q takes a number, not '²'"),
+    ("hdim_q=" + "9" * 5000, "hdim_q takes a number"),
+    ("hdim" + "9" * 5000, "unknown token 'hdim999"),
     ("pad_seqlen=yes", "'pad_seqlen=yes': pad_seqlen takes true or false, not 'yes'"),
     ("hdim=64y", "'hdim=64y': hdim= takes N or QxV"),
     ("!fp16|fp61", "unknown token 'fp61' in '!fp16|fp61'"),
@@ -323,7 +327,8 @@ def test_shard_forms(text, index, count):
     assert str(parse_shard(text)) == f"{index}/{count}"
 
 
-@pytest.mark.parametrize("text", ["0/4", "5/4", "1/0", "2", "a/b", "-1/2", "1/2/3", ""])
+@pytest.mark.parametrize("text", ["0/4", "5/4", "1/0", "2", "a/b", "-1/2", "1/2/3", "",
+                                  "1/" + "9" * 5000, "²/4"])
 def test_bad_shards(text):
     with pytest.raises(GeneratorError) as caught:
         parse_shard(text)

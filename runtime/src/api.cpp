@@ -1,6 +1,7 @@
 // The public entry points: argument checks, then the dispatcher, then one launch.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -20,6 +21,15 @@ constexpr int64_t kAlignElements = 8;
 constexpr uintptr_t kAlignBytes = 16;
 // CUDA's limit on gridDim.y and gridDim.z, which carry heads and batches.
 constexpr int kMaxGridYZ = 65535;
+// A causal grid is 1-D, one CTA per (query tile, head, sequence): gridDim.x allows 2^31 - 1,
+// and the kernel decodes blockIdx.x as an int.
+constexpr int64_t kMaxCausalCtas = INT32_MAX;
+// The kernels' key arithmetic (row + offset + window size, with windows clamped to
+// seqlen_q + seqlen_k) is in int: it stays below 2 (seqlen_q + seqlen_k) plus a tile.
+constexpr int64_t kMaxSeqlenSum = int64_t{1} << 30;
+// No kernel comes near it; the bound keeps the dispatcher's head-dim arithmetic (distances
+// between head dims, rounding up for a suggestion) far from int overflow.
+constexpr int kMaxHeadDim = 1 << 16;
 
 Status invalid(const std::string& message) {
   return {Status::Code::kInvalidArgument, "fmha::fwd: " + message};
@@ -60,6 +70,34 @@ Status check_operand(const char* name, const void* ptr, std::initializer_list<St
     }
   }
   return Status::Ok();
+}
+
+// The causal grid of an instance with query tiles of `block_m` rows (`whose`: which instance, for
+// the message). Sizes are within their bounds, so the product fits int64.
+Status check_causal_grid(const FwdArgs& a, int block_m, const std::string& whose) {
+  if (a.mask != MaskType::kCausal || block_m <= 0) return Status::Ok();
+  const int64_t m_blocks = (static_cast<int64_t>(a.seqlen_q) + block_m - 1) / block_m;
+  const int64_t ctas = m_blocks * a.batch * a.nhead_q;
+  if (ctas <= kMaxCausalCtas) return Status::Ok();
+  std::ostringstream s;
+  s << "a causal call launches ceil(seqlen_q / block_m) * batch * nhead_q CTAs in a 1-D grid, "
+    << "at most 2^31 - 1; with " << whose << " block_m of " << block_m << " that is ceil("
+    << a.seqlen_q << " / " << block_m << ") * " << a.batch << " * " << a.nhead_q << " = " << ctas
+    << "; split the call over fewer sequences or heads";
+  return invalid(s.str());
+}
+
+// The largest query tile of the compiled instances: the fewest CTAs any of them launches.
+// Computed once; the table is fixed at build time.
+int largest_block_m() {
+  static const int largest = [] {
+    int block_m = 0;
+    for (int i = 0; i < detail::kNumInstances; ++i) {
+      block_m = std::max(block_m, detail::kInstances[i].block_m);
+    }
+    return block_m;
+  }();
+  return largest;
 }
 
 Status check_non_negative(std::initializer_list<Stride> strides) {
@@ -103,6 +141,15 @@ Status check_args(const FwdArgs& a, bool check_memory) {
     return invalid("batch, seqlen_q, seqlen_k, nhead_q and nhead_k must be non-negative");
   }
   if (a.hdim_q <= 0 || a.hdim_v <= 0) return invalid("hdim_q and hdim_v must be positive");
+  if (a.hdim_q > kMaxHeadDim || a.hdim_v > kMaxHeadDim) {
+    return invalid("hdim_q and hdim_v must be at most " + std::to_string(kMaxHeadDim));
+  }
+  if (static_cast<int64_t>(a.seqlen_q) + a.seqlen_k >= kMaxSeqlenSum) {
+    std::ostringstream s;
+    s << "seqlen_q + seqlen_k must be below 2^30, got " << a.seqlen_q << " + " << a.seqlen_k
+      << " (the kernels' key arithmetic is in int)";
+    return invalid(s.str());
+  }
   if (a.nhead_k == 0 || a.nhead_q % a.nhead_k != 0) {
     std::ostringstream s;
     s << "nhead_q (" << a.nhead_q << ") must be a positive multiple of nhead_k (" << a.nhead_k
@@ -111,6 +158,11 @@ Status check_args(const FwdArgs& a, bool check_memory) {
   }
   if (a.batch > kMaxGridYZ || a.nhead_q > kMaxGridYZ) {
     return invalid("batch and nhead_q must be at most 65535");
+  }
+  // Before an instance is chosen, with the tile that launches the fewest CTAs: too many for it
+  // is too many for every instance. run() and select() check the chosen one's.
+  if (Status st = check_causal_grid(a, largest_block_m(), "the largest compiled"); !st.ok()) {
+    return st;
   }
   if (!(std::isfinite(a.softmax_scale) && a.softmax_scale > 0.f)) {
     return invalid("softmax_scale must be finite and positive");
@@ -233,6 +285,10 @@ Status run(const FwdArgs& args, Stream stream, const std::string* instance, std:
   const Status found = instance != nullptr ? detail::find_instance(*instance, args, cc, &entry)
                                            : detail::select_instance(args, cc, &entry);
   if (!found.ok()) return found;
+  if (Status st = check_causal_grid(args, entry->block_m, entry->name + std::string("'s"));
+      !st.ok()) {
+    return st;
+  }
   if (chosen != nullptr) *chosen = entry->name;
   if (is_empty(args)) return Status::Ok();  // nothing to compute, nothing launched
 
@@ -268,6 +324,10 @@ Status select(const FwdArgs& args, InstanceInfo* chosen) {
   if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
   const detail::InstanceEntry* entry = nullptr;
   if (Status st = detail::select_instance(args, cc, &entry); !st.ok()) return st;
+  if (Status st = check_causal_grid(args, entry->block_m, entry->name + std::string("'s"));
+      !st.ok()) {
+    return st;
+  }
   if (chosen != nullptr) *chosen = detail::to_info(*entry);
   return Status::Ok();
 }

@@ -18,6 +18,7 @@ from fmha._checks import (
     Options,
     Problem,
     bias_target,
+    check_alignment,
     check_bias,
     check_devices,
     check_inputs,
@@ -25,6 +26,7 @@ from fmha._checks import (
     check_mode,
     check_options,
     check_seqused,
+    kernel_stride,
     v_layout,
 )
 
@@ -148,16 +150,17 @@ def _make_args(ops: _Operands, out: Optional[torch.Tensor],
     else:
         a.mode = _C.MODE_BATCH
         a.batch, a.seqlen_q, a.seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        a.q_batch_stride, a.k_batch_stride, a.v_batch_stride = q.stride(0), k.stride(0), v.stride(0)
+        a.q_batch_stride, a.k_batch_stride, a.v_batch_stride = (
+            kernel_stride(q, 0), kernel_stride(k, 0), kernel_stride(v, 0))
     # (seq, head) are the last dims but one of every mode's layout; batch is dim 0 of batch mode.
-    a.q_seq_stride, a.q_head_stride = q.stride(-3), q.stride(-2)
-    a.k_seq_stride, a.k_head_stride = k.stride(-3), k.stride(-2)
+    a.q_seq_stride, a.q_head_stride = kernel_stride(q, -3), kernel_stride(q, -2)
+    a.k_seq_stride, a.k_head_stride = kernel_stride(k, -3), kernel_stride(k, -2)
     a.vlayout, a.v_seq_stride, a.v_dim_stride = v_layout(v)
-    a.v_head_stride = v.stride(-2)
+    a.v_head_stride = kernel_stride(v, -2)
     if out is not None:
         a.o = out.data_ptr()
-        a.o_seq_stride, a.o_head_stride = out.stride(-3), out.stride(-2)
-        a.o_batch_stride = 0 if group else out.stride(0)
+        a.o_seq_stride, a.o_head_stride = kernel_stride(out, -3), kernel_stride(out, -2)
+        a.o_batch_stride = 0 if group else kernel_stride(out, 0)
     if ops.seqused_q is not None:
         a.seqused_q = ops.seqused_q.data_ptr()
     if ops.seqused_k is not None:
@@ -218,6 +221,7 @@ def _fwd_op(
     instance: Optional[str],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse); lse has no elements unless return_lse."""
+    check_alignment(q=q, k=k, v=v)
     ops = _Operands(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
                     seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align,
                     window_left, window_right, softcap, dropout_p, dropout_seed, dropout_offset,
@@ -260,9 +264,11 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     first dim, q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim[_v]); cu_seqlens_*
     are int32 CUDA tensors of batch + 1 non-decreasing offsets from 0 (not checked: they live on
     the GPU), max_seqlen_q/max_seqlen_k the longest sequence's lengths; out (total_q, nheads,
-    headdim_v). float16 or bfloat16 CUDA tensors; q and k with the head dim contiguous (any other
-    strides, e.g. a (b, h, s, d) tensor's transpose(1, 2)); v likewise, or with its sequence dim
-    contiguous (v = vt.transpose(-1, -2) of a V^T). nheads must be a multiple of nheads_k.
+    headdim_v). float16 or bfloat16 CUDA tensors; q and k with the head dim contiguous (other
+    strides any multiple of 8 elements, e.g. a (b, h, s, d) tensor's transpose(1, 2)); v
+    likewise, or with its sequence dim contiguous (v = vt.transpose(-1, -2) of a V^T); each
+    starting on a 16-byte boundary. Head dims are multiples of 8, and nheads a multiple of
+    nheads_k.
 
     Mask: causal=True sees keys j <= i (+ seqlen_k - seqlen_q with mask_align="bottom_right",
     FlashAttention's causal; "top_left" is torch SDPA's is_causal). window_size=(left, right):
@@ -287,6 +293,15 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     logits, float32 (batch, nheads, seqlen_q), or (nheads, total_q) in group mode.
     """
     check_instance(instance)
+    if (dropout_p and dropout_seed is None and not torch.compiler.is_compiling()
+            and torch.cuda.is_current_stream_capturing()):
+        # The seed would be drawn on the CPU once, at capture, and every replay would repeat
+        # that one pattern: a silent change of meaning, so refuse it. (Traced by torch.compile,
+        # the draw is an op of the graph instead.)
+        raise ValueError(
+            "fmha.fwd: dropout without dropout_seed cannot be captured in a CUDA graph (the "
+            "seed is drawn once, at capture, so every replay would drop the same elements); "
+            "pass dropout_seed (and dropout_offset) explicitly, one graph per value")
     ops = _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
                    alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,

@@ -22,6 +22,11 @@ DTYPE_CODES = {torch.float16: _C.DTYPE_FP16, torch.bfloat16: _C.DTYPE_BF16}
 MASK_ALIGNS = {"top_left": _C.ALIGN_TOP_LEFT, "bottom_right": _C.ALIGN_BOTTOM_RIGHT}
 SEED_LIMIT = 2**64  # dropout_seed is a uint64_t
 OFFSET_LIMIT = 2**32  # dropout_offset is a uint32_t
+INT_LIMIT = 2**31  # sizes and window sizes are ints in fmha::FwdArgs
+# The kernels move rows in 16-byte pieces of 8 elements: Q, K and V start on a 16-byte boundary
+# and every stride but the contiguous one is a multiple of 8 elements.
+ALIGN_BYTES = 16
+ROW_PIECE = 8
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ def v_layout(v: torch.Tensor) -> tuple[int, int, int]:
     seq_stride = v.stride(-3) if v.size(-3) > 1 else 1
     dim_stride = v.stride(-1) if v.size(-1) > 1 else 1
     if dim_stride == 1:
-        return _C.VLAYOUT_ROW_MAJOR, v.stride(-3), 1
+        return _C.VLAYOUT_ROW_MAJOR, kernel_stride(v, -3), 1
     if seq_stride == 1:
         return _C.VLAYOUT_COL_MAJOR, 1, dim_stride
     return None, seq_stride, dim_stride
@@ -142,12 +147,19 @@ def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 f"fmha.fwd: {name} must be 4-D (batch, seqlen, nheads, headdim), "
                 f"got shape {_shape(t)}"
             )
+    for name, t in named:
+        if any(size >= INT_LIMIT for size in t.shape):
+            raise ValueError(
+                f"fmha.fwd: {name} has shape {_shape(t)}; every size must be below 2**31 "
+                "(fmha::FwdArgs holds them as int)"
+            )
     if group:
         for name, t in cu_named:
             if t.dim() != 1 or t.shape[0] < 1:
                 raise ValueError(
                     f"fmha.fwd: {name} must be 1-D with batch + 1 entries, got shape {_shape(t)}"
                 )
+            _check_entries_contiguous(name, t)
         if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
             raise ValueError(
                 f"fmha.fwd: cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k "
@@ -179,13 +191,68 @@ def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 f"fmha.fwd: {name}'s last (head) dimension must be contiguous, got strides "
                 f"{tuple(t.stride())}; pass {name}.contiguous() or a view of a contiguous tensor"
             )
-    if v_layout(v)[0] is None:
+    layout = v_layout(v)[0]
+    if layout is None:
         raise ValueError(
             f"fmha.fwd: v must have its head dimension (last) or its sequence dimension "
             f"contiguous, got shape {_shape(v)} and strides {tuple(v.stride())}; pass "
             "v.contiguous(), or a transpose of a contiguous V^T for the column-major layout"
         )
+    # A head dim that is not a multiple of 8 would also make the strides of a contiguous
+    # tensor odd: say what is wrong in its own terms.
+    if dq == 0 or dv == 0 or dq % ROW_PIECE or dv % ROW_PIECE:
+        raise ValueError(
+            f"fmha.fwd: head dims must be positive multiples of {ROW_PIECE} (the kernels move "
+            f"rows in 16-byte pieces), got {dq} for q and k and {dv} for v"
+        )
+    v_contiguous = -1 if layout == _C.VLAYOUT_ROW_MAJOR else -3
+    for name, t, contiguous in (("q", q, -1), ("k", k, -1), ("v", v, v_contiguous)):
+        _check_strides(name, t, contiguous % t.dim())
     return Problem(group, b, seqlen_q, seqlen_k, hq, hk, dq, dv)
+
+
+def kernel_stride(t: torch.Tensor, dim: int) -> int:
+    """The stride the kernels get for `dim`: 0 for a dimension of size 0 or 1, which is never
+    stepped over, so that its (arbitrary) stride cannot fail the alignment rule; e.g.
+    x[:, :1] of an odd-strided tensor."""
+    return 0 if t.size(dim) <= 1 else t.stride(dim)
+
+
+def _check_strides(name: str, t: torch.Tensor, contiguous: int) -> None:
+    """Every stride but the contiguous dimension's a multiple of 8 elements, so that each row
+    starts on a 16-byte boundary: what the C++ checks ask of every stride they are given."""
+    if any(kernel_stride(t, dim) % ROW_PIECE for dim in range(t.dim()) if dim != contiguous):
+        raise ValueError(
+            f"fmha.fwd: {name} has strides {tuple(t.stride())}; every one but its contiguous "
+            f"dimension's must be a multiple of {ROW_PIECE} elements (the kernels move rows in "
+            f"16-byte pieces); pass {name}.contiguous()"
+        )
+
+
+def _check_entries_contiguous(name: str, t: torch.Tensor) -> None:
+    """The kernels read entry b of a per-sequence int32 array at offset b."""
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(
+            f"fmha.fwd: {name} must be contiguous, got stride {t.stride(0)}; pass "
+            f"{name}.contiguous()"
+        )
+
+
+def check_alignment(**tensors: torch.Tensor) -> None:
+    """Q, K and V start on a 16-byte boundary; a view at an element offset that is not a
+    multiple of 8 does not. Called by the op's implementation, on real tensors: under
+    torch.compile the checks above see fake ones, which have no data pointer. As in the C++
+    checks, an empty problem (q without elements) reads no memory."""
+    if next(iter(tensors.values())).numel() == 0:
+        return
+    for name, t in tensors.items():
+        offset = t.data_ptr() % ALIGN_BYTES
+        if t.numel() and offset:
+            raise ValueError(
+                f"fmha.fwd: {name} starts {offset} bytes past a 16-byte boundary; the kernels "
+                f"load rows in 16-byte pieces, so it must start on one (a view at an element "
+                f"offset that is not a multiple of {ROW_PIECE} does not); pass {name}.clone()"
+            )
 
 
 def _mask(causal: bool, window_size) -> tuple[int, int, int]:
@@ -203,6 +270,11 @@ def _mask(causal: bool, window_size) -> tuple[int, int, int]:
         raise ValueError(
             f"fmha.fwd: window_size entries must be -1 (unbounded) or non-negative, got "
             f"{tuple(window_size)}"
+        )
+    if left >= INT_LIMIT or right >= INT_LIMIT:
+        raise ValueError(
+            f"fmha.fwd: window_size entries must be below 2**31 (fmha::FwdArgs holds them as "
+            f"int), got {tuple(window_size)}; -1 is an unbounded side"
         )
     if causal and right > 0:
         raise ValueError(
@@ -335,6 +407,7 @@ def check_seqused(seqused_q, seqused_k, p: Problem) -> None:
             raise ValueError(
                 f"fmha.fwd: {name} must be (batch,) = ({p.batch},), got shape {_shape(t)}"
             )
+        _check_entries_contiguous(name, t)
 
 
 def check_instance(instance) -> None:

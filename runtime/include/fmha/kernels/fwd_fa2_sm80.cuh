@@ -412,7 +412,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const __grid_constan
     // logits, and 1 / (1 - p) is applied once in the epilogue. One Philox call decides a lane's
     // four elements of an n8 tile: rows r and r + 8, keys c and c + 1 (philox.cuh).
     if constexpr (Cfg::kDropout) {
-      const uint32_t batch_head = static_cast<uint32_t>(batch * p.nhead_q + head);
+      // In uint32: batch * nhead_q reaches 65535^2 > INT_MAX (philox.cuh keys on it mod 2^32).
+      const uint32_t batch_head = static_cast<uint32_t>(batch) * static_cast<uint32_t>(p.nhead_q) +
+                                  static_cast<uint32_t>(head);
 #pragma unroll
       for (int mf = 0; mf < kMFrags; ++mf) {
 #pragma unroll
@@ -490,9 +492,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) fwd_kernel(const __grid_constan
       if constexpr (Cfg::kLse) {
         const int row = row_of(mf, h);
         if (lse != nullptr && lane % 4 == 0 && row < seq.seqlen_q) {
-          lse[row] = sum > 0.f ? (row_max[mf][h] * p.softmax_mul + log2f(sum)) *
+          // A NaN sum (NaN or +inf among the logits) is no empty row: its LSE is NaN too.
+          lse[row] = sum > 0.f    ? (row_max[mf][h] * p.softmax_mul + log2f(sum)) *
                                      static_cast<float>(M_LN2)
-                               : -INFINITY;
+                     : sum == 0.f ? -INFINITY
+                                  : NAN;
         }
       }
       const int tile_row = warp_row0 + mf * 16 + lane / 4 + h * 8;
@@ -528,14 +532,21 @@ template <class Cfg>
 cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
   FwdParams p = make_fwd_params(args, Cfg::kLogitsInScores);
   // In group mode seqlen_q is the longest sequence: shorter ones exit their extra tiles.
-  p.m_blocks = (args.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  // Sizes in int64: seqlen_q + kBlockM - 1 and batch * nhead_q (up to 65535^2) overflow int.
+  const int64_t m_blocks = (static_cast<int64_t>(args.seqlen_q) + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  const int64_t batch_heads = static_cast<int64_t>(args.batch) * args.nhead_q;
+  // The causal grid is 1-D, and the kernel decodes blockIdx.x as an int: it must stay below
+  // 2^31 CTAs (gridDim.x's limit too); past that the launch fails instead of wrapping around.
+  if (Cfg::kMask == MaskType::kCausal && m_blocks * batch_heads > INT32_MAX) {
+    return cudaErrorInvalidConfiguration;
+  }
+  p.m_blocks = static_cast<int>(m_blocks);
   const int64_t kv_bytes_per_head =
       static_cast<int64_t>(args.seqlen_k) * (Cfg::kHeadDimQK + Cfg::kHeadDimV) * 2;
-  const int batch_heads = args.batch * args.nhead_q;
   p.group_heads = heads_per_group(kv_bytes_per_head, batch_heads);
   const dim3 grid = Cfg::kMask == MaskType::kCausal
-                        ? dim3(p.m_blocks * batch_heads)
-                        : dim3(p.m_blocks, args.nhead_q, args.batch);
+                        ? dim3(static_cast<unsigned>(m_blocks * batch_heads))
+                        : dim3(static_cast<unsigned>(m_blocks), args.nhead_q, args.batch);
   auto* kernel = fwd_kernel<Cfg>;
   if (Cfg::kSmemBytes > 48 * 1024) {  // past 48 KB a kernel must opt in to dynamic smem
     const cudaError_t err = cudaFuncSetAttribute(

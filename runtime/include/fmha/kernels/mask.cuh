@@ -25,11 +25,15 @@ struct TileMask {
   __device__ TileMask(int seqlen_q, int seqlen_k_, bool bottom_right, int window_left,
                       int window_right)
       : seqlen_k(seqlen_k_), offset(bottom_right ? seqlen_k_ - seqlen_q : 0) {
-    // seqlen_q + seqlen_k reaches past every key from any row, and stays far from overflow.
+    // seqlen_q + seqlen_k reaches past every key from any row. A window wider than that sees
+    // as much as an unbounded one, so sizes are clamped to it: the key bounds below,
+    // row + offset -/+ size, then stay within 2 (seqlen_q + seqlen_k) + kBlockM in magnitude
+    // (int-safe for seqlen_q + seqlen_k < 2^30), where a size near INT_MAX, e.g.
+    // window_size=(2**31 - 1, 2**31 - 1), used to wrap around and hide every key.
     const int unbounded = seqlen_q + seqlen_k_;
-    left = kHasLeft && window_left >= 0 ? window_left : unbounded;
+    left = kHasLeft && window_left >= 0 ? min(window_left, unbounded) : unbounded;
     right = kMask == MaskType::kCausal ? 0
-            : kHasRight && window_right >= 0 ? window_right : unbounded;
+            : kHasRight && window_right >= 0 ? min(window_right, unbounded) : unbounded;
   }
 
   // The key tiles [begin, end) that rows first_row..last_row see; empty when end <= begin.

@@ -108,9 +108,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // tanh(x) = 1 - 2 / (e^(2x) + 1) on ex2.approx and a fast reciprocal: an absolute error near
 // 1e-7 (the final subtraction's rounding), which soft-capped logits (cap * tanh) need, in 6
 // instructions where tanhf takes ~20 and tanh.approx.f32 is off by up to 5e-4 relative, 0.015
-// in a logit at cap 30. |x| > 15 is clamped: tanh(15) rounds to 1 and e^30 stays finite.
+// in a logit at cap 30. |x| > 15 is clamped: tanh(15) rounds to 1 and e^30 stays finite. The
+// comparisons pass NaN through (fminf/fmaxf would turn it into a bound, and a NaN input into a
+// finite logit).
 __device__ __forceinline__ float tanh_fast(float x) {
-  const float clamped = fminf(fmaxf(x, -15.f), 15.f);
+  const float clamped = x > 15.f ? 15.f : (x < -15.f ? -15.f : x);
   return 1.f - __fdividef(2.f, fast_exp2(clamped * 2.8853900817779268f) + 1.f);  // 2 * log2(e)
 }
 

@@ -22,10 +22,12 @@ struct TileCoord {
 // H100's 50 MB, leaving room for the Q and O streams and for the other SM partition's share.
 constexpr int64_t kHeadGroupL2Bytes = 16ll << 20;
 
-// (batch, head) pairs per group for K/V of `kv_bytes_per_head` each; at least one.
-inline int heads_per_group(int64_t kv_bytes_per_head, int batch_heads) {
+// (batch, head) pairs per group for K/V of `kv_bytes_per_head` each; at least one, at most
+// batch_heads and INT32_MAX (batch * nhead_q reaches 65535^2, past int).
+inline int heads_per_group(int64_t kv_bytes_per_head, int64_t batch_heads) {
   const int64_t fit = kv_bytes_per_head > 0 ? kHeadGroupL2Bytes / kv_bytes_per_head : batch_heads;
-  return static_cast<int>(fit < 1 ? 1 : fit < batch_heads ? fit : batch_heads);
+  const int64_t heads = fit < 1 ? 1 : fit < batch_heads ? fit : batch_heads;
+  return static_cast<int>(heads < INT32_MAX ? heads : INT32_MAX);
 }
 
 // Decodes a 1-D grid of m_blocks * nhead * batch CTAs in the causal order described above.
