@@ -293,8 +293,12 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     logits, float32 (batch, nheads, seqlen_q), or (nheads, total_q) in group mode.
     """
     check_instance(instance)
+    ops = _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
+                   alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                   materialize=True)
     if (dropout_p and dropout_seed is None and not torch.compiler.is_compiling()
-            and torch.cuda.is_current_stream_capturing()):
+            and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         # The seed would be drawn on the CPU once, at capture, and every replay would repeat
         # that one pattern: a silent change of meaning, so refuse it. (Traced by torch.compile,
         # the draw is an op of the graph instead.)
@@ -302,10 +306,6 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
             "fmha.fwd: dropout without dropout_seed cannot be captured in a CUDA graph (the "
             "seed is drawn once, at capture, so every replay would drop the same elements); "
             "pass dropout_seed (and dropout_offset) explicitly, one graph per value")
-    ops = _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
-                   alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
-                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                   materialize=True)
     out, lse = _fwd_op(*ops, instance)
     return (out, lse) if return_lse else out
 
