@@ -11,6 +11,7 @@ import pytest
 from generator.catalog import build_catalog
 from generator.config import DEFAULT_CONFIG, load
 from generator.model import Tile
+from generator.schema import ARCH
 
 EVERY_AXIS = (("bias: [none]", "bias: [none, elementwise, alibi]"),
               ("vlayout: [row]", "vlayout: [row, col]"), ("mode: [batch]", "mode: [batch, group]"),
@@ -214,8 +215,7 @@ def test_repository_tiles_fit_their_archs():
     # The largest, d256 with 128x64 on sm90a, takes 192 KB of H100's 227; on sm80 its
     # 128x32 tile takes 128 KB of A100's 163.
     config = load(DEFAULT_CONFIG)
-    limits = {"sm80": 166912, "sm90a": 232448}
     for entry in config.tiles:
         needed = entry.pipeline.shared_memory.bytes(entry.tile, entry.hdim)
-        archs = [entry.arch.token] if entry.arch is not None else list(limits)
-        assert all(needed <= limits[arch] for arch in archs), (entry.hdim, needed, archs)
+        archs = [entry.arch] if entry.arch is not None else list(ARCH)
+        assert all(needed <= arch.smem_limit for arch in archs), (entry.hdim, needed, archs)
