@@ -487,6 +487,8 @@ fmha::FwdArgs make_args(const Problem& p, std::mt19937& rng, DeviceMemory* mem, 
   if (!batch_mode) {
     a.cu_seqlens_q = mem->upload(to_int32(p.cu_q));
     a.cu_seqlens_k = mem->upload(to_int32(p.cu_k));
+    a.total_q = p.cu_q.back();
+    a.total_k = p.cu_k.back();
   }
   if (p.seqused_q) a.seqused_q = mem->upload(to_int32(p.len_q));
   if (p.seqused_k) a.seqused_k = mem->upload(to_int32(p.len_k));

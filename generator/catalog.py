@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from .config import Config, Matrix, TileEntry
 from .dispatch import check_dispatchable, dispatch_order
 from .errors import GeneratorError
+from .gaps import PipelineGap, pipeline_gaps
 from .model import FwdTraits, Instance, MatrixPoint
 from .schema import MATRIX_AXES
 
@@ -17,6 +18,7 @@ from .schema import MATRIX_AXES
 class Catalog:
     instances: tuple[Instance, ...]  # in the dispatcher's order of preference
     pruned: int  # matrix points dropped by rules
+    gaps: tuple[PipelineGap, ...]  # traits the rules leave a pipeline without, per arch
 
 
 def build_catalog(config: Config) -> Catalog:
@@ -28,7 +30,8 @@ def build_catalog(config: Config) -> Catalog:
     except GeneratorError as err:
         # An instance the dispatcher never runs is a point that a rule should prune.
         raise config.error(config.section_lines["rules"], f"rules: {err.message}") from None
-    return Catalog(instances, pruned=len(points) - len(kept))
+    return Catalog(instances, pruned=len(points) - len(kept),
+                   gaps=pipeline_gaps(config.rules, instances))
 
 
 def expand(matrix: Matrix) -> tuple[MatrixPoint, ...]:

@@ -4,7 +4,7 @@ mistake is reported as `file:line: what is wrong; valid: ...`.
 The file has four sections, all required:
   matrix:   the values of each axis; the instance matrix is their cross product
   tiles:    the tile of each (pipeline, arch, hdim_q, hdim_v), with the reason for it
-  rules:    pruning rules, `{when: {axis: value or [values]}, reason: ...}`
+  rules:    pruning rules, `{when: {axis: value, [values] or {not: either}}, reason: ...}`
   presets:  named filters, like CK's receipts; `default` is what a plain run builds
 """
 
@@ -176,10 +176,9 @@ class _Reader:
         axes = {}
         for axis in MATRIX_AXES:
             axis_label = f"{label}.{axis}"
-            read = self.hdim_pair if axis == "hdim" else partial(self.axis_value, axis)
             values: list = []
             for _, raw, item_line in self.items(fields[axis], axis_label, fields.line_of(axis)):
-                value = read(raw, axis_label, item_line)
+                value = self.axis_value(axis, raw, axis_label, item_line)
                 if value in values:
                     raise self.error(item_line, f"{axis_label}: {_yaml_text(raw)} is listed twice")
                 values.append(value)
@@ -216,17 +215,23 @@ class _Reader:
         if not when:
             raise self.error(when.line, f"{when_label}: needs at least one condition; "
                                         f"axes: {', '.join(CONDITION_AXES)}")
-        conditions = []
-        for axis, raw in when.items():
-            axis_label, axis_line = f"{when_label}.{axis}", when.line_of(axis)
-            # A condition is one value or a list of values, any of which matches.
-            items = (self.items(raw, axis_label, axis_line) if isinstance(raw, LineList)
-                     else [(0, raw, axis_line)])
-            values = frozenset(self.axis_value(axis, item, axis_label, item_line)
-                               for _, item, item_line in items)
-            conditions.append(Condition(axis, values))
+        conditions = tuple(self.condition(axis, raw, f"{when_label}.{axis}", when.line_of(axis))
+                           for axis, raw in when.items())
         reason = self.text(fields["reason"], f"{label}.reason", fields.line_of("reason"))
-        return Rule(tuple(conditions), reason, line)
+        return Rule(conditions, reason, line)
+
+    def condition(self, axis: str, raw, label: str, line: int) -> Condition:
+        """One value, a list of values any of which matches, or `{not: either}`, which matches
+        every other value. `hdim` takes a list of [hdim_q, hdim_v] pairs, as matrix.hdim does."""
+        negated = isinstance(raw, LineMap)
+        if negated:
+            fields = self.mapping(raw, label, line, required=("not",))
+            label, line, raw = f"{label}.not", fields.line_of("not"), fields["not"]
+        items = (self.items(raw, label, line) if isinstance(raw, LineList) or axis == "hdim"
+                 else [(0, raw, line)])
+        values = frozenset(self.axis_value(axis, item, label, item_line)
+                           for _, item, item_line in items)
+        return Condition(axis, values, negated)
 
     def presets(self, data, label: str, line: int) -> dict[str, Preset]:
         entries = self.mapping(data, label, line, required=(DEFAULT_PRESET,), any_key=True)
@@ -285,7 +290,10 @@ class _Reader:
         return [(i, item, data.line_of(i)) for i, item in enumerate(data)]
 
     def axis_value(self, axis: str, raw, label: str, line: int):
-        """A value on one of schema.CONDITION_AXES, typed: a schema value, an int or a bool."""
+        """A value on one of schema.CONDITION_AXES, typed: a schema value, an int, a bool or an
+        (hdim_q, hdim_v) pair."""
+        if axis == "hdim":
+            return self.hdim_pair(raw, label, line)
         if axis in ENUM_AXES:
             return self.token(ENUM_AXES[axis], raw, label, line)
         if axis in INT_AXES:

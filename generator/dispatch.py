@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from .errors import GeneratorError
 from .model import FwdTraits, Instance
-from .schema import MODE, TRAIT_BOOL_AXES, Arch
+from .schema import MODE, PIPELINE, TRAIT_BOOL_AXES, Arch
 
 # Head dims a head-dim-padded instance runs are multiples of this: rows move in 16-byte chunks
 # of 8 elements, and the padded lanes are whole chunks the loads zero-fill.
@@ -124,19 +124,24 @@ def _padded_hdims(instance: Instance) -> tuple:
 # problem, so the table is sorted by how much we want each one:
 #   1-2. code built for the newest arch the GPU runs is tuned for it; at equal cc an exact 'a'
 #        target (sm90a) goes first since it runs only there and a portable one covers the rest;
-#   3. the unpadded fast path skips the bounds checks; it needs tile-multiple seqlens, so the
+#   3. on that arch, the newest pipeline (schema.PIPELINE lists them newest first) is the one
+#      built for what the arch adds, e.g. fa3's TMA and wgmma on sm90a; for the traits it lacks
+#      the rules leave it no instance, and an older pipeline serves (gaps.py says why);
+#   4. the unpadded fast path skips the bounds checks; it needs tile-multiple seqlens, so the
 #      padded sibling behind it catches every other problem;
-#   4-5. exact head dims before padded ones, and among padded ones the smallest that fits, so
+#   5-6. exact head dims before padded ones, and among padded ones the smallest that fits, so
 #      the fewest zero-filled lanes are computed;
-#   6. leanest first: an instance without the log-sum-exp store before one with it (the latter
+#   7. leanest first: an instance without the log-sum-exp store before one with it (the latter
 #      also serves calls that do not ask for it);
-#   7. a larger tile does more work per CTA when both fit;
-#   8. the name, so the order is total and the output deterministic.
+#   8. a larger tile does more work per CTA when both fit;
+#   9. the name, so the order is total and the output deterministic.
 PREFERENCE = (
     Criterion("higher compute capability first", lambda i: -i.point.arch.cc,
               lambda i: f"{i.point.arch.token} (cc {i.point.arch.cc})"),
     Criterion("exact target before portable", lambda i: not i.point.arch.exact,
               lambda i: f"{i.point.arch.token} ({'exact' if i.point.arch.exact else 'portable'})"),
+    Criterion("newer pipeline first", lambda i: PIPELINE.tokens.index(i.point.pipeline.token),
+              lambda i: f"pipeline {i.point.pipeline.token}"),
     Criterion("unpadded seqlens first", lambda i: i.point.pad_seqlen,
               lambda i: f"pad_seqlen={str(i.point.pad_seqlen).lower()}"),
     Criterion("exact head dims first", lambda i: i.point.pad_hdim,

@@ -1,6 +1,7 @@
 """--explain PROBLEM: the instance the runtime would run for a problem among the selected ones,
-and the rule of preference that put it first; on a miss, the nearest selected instances and a
---filter that would build one that fits.
+the rule of preference that put it first, and the rule of the config that kept a newer pipeline
+from it (gaps.py); on a miss, the nearest selected instances and a --filter that would build one
+that fits.
 
 It answers with dispatch.serves and dispatch.PREFERENCE, the matching rule and the order that
 the C++ dispatcher applies to the table this selection renders, so no GPU is needed.
@@ -16,6 +17,7 @@ from .config import Config
 from .dispatch import (EQUAL_TRAITS, PREFERENCE, Problem, deciding_criterion, describe_problem,
                        first_serving, serves, unmet)
 from .errors import GeneratorError
+from .gaps import fallback_notes, spell
 from .model import FwdTraits, Instance
 from .schema import ARCH, ENUM_AXES, INTEGER, TRAIT_BOOL_AXES, Arch
 from .selection import Selection, parse_filter, select_each_preset
@@ -153,7 +155,6 @@ def _arch_mismatch(instance: Instance, problem: Problem) -> str:
 def _trait_mismatch(trait: str) -> Callable[[Instance, Problem], str]:
     def mismatch(instance: Instance, problem: Problem) -> str:
         have, want = (getattr(t, trait) for t in (instance.point.traits, problem.traits))
-        spell = (lambda v: str(v).lower()) if isinstance(have, bool) else (lambda v: v.token)
         return f"{trait}={spell(have)} (the call: {spell(want)})"
     return mismatch
 
@@ -180,19 +181,21 @@ def explain(problem: Problem, selection: Selection, config: Config, catalog: Cat
     lines = [f"problem: {describe_problem(problem)}"]
     serving = [i for i in selection.instances if serves(i, problem)]
     if serving:
-        lines += _hit(serving, len(selection.instances))
+        lines += _hit(serving, problem, selection)
     else:
         lines += _miss(problem, selection, catalog, select_each_preset(config, catalog), preset,
                        targets)
     return "\n".join(lines) + "\n"
 
 
-def _hit(serving: list[Instance], selected: int) -> list[str]:
-    chosen = serving[0]
+def _hit(serving: list[Instance], problem: Problem, selection: Selection) -> list[str]:
+    chosen, selected = serving[0], len(selection.instances)
     lines = [f"chosen:  {chosen.name}"]
+    notes = [f"note:    {note}"
+             for note in fallback_notes(chosen, problem.traits, selection.gaps)]
     if len(serving) == 1:
-        return lines + [f"why:     the only one of the {selected} selected instances that "
-                        f"serves it"]
+        return [*lines, f"why:     the only one of the {selected} selected instances that "
+                        f"serves it", *notes]
     runner_up = serving[1]
     criterion = deciding_criterion(chosen, runner_up)
     rule = PREFERENCE.index(criterion) + 1
@@ -200,6 +203,7 @@ def _hit(serving: list[Instance], selected: int) -> list[str]:
                  f"goes ahead of the runner-up {runner_up.name} by rule {rule} of the dispatch "
                  f"order, {criterion.prefers}: {criterion.shows(chosen)} against "
                  f"{criterion.shows(runner_up)}")
+    lines += notes
     lines.append("serving, in dispatch order:")
     lines += [f"  {instance.name}" for instance in serving]
     return lines

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from .schema import (BIAS, MASK, MODE, TRAIT_BOOL_AXES, VLAYOUT, Arch, DataType, EnumValue,
-                     Pipeline)
+from .schema import (BIAS, BUILD_AXES, MASK, MODE, TRAIT_BOOL_AXES, VLAYOUT, Arch, DataType,
+                     EnumValue, Pipeline)
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,10 @@ class FwdTraits:
     dropout: bool
     softcap: bool
 
+    def value(self, axis: str):
+        """The value on one of schema.CONDITION_AXES that is not a BUILD_AXES one."""
+        return (self.hdim_q, self.hdim_v) if axis == "hdim" else getattr(self, axis)
+
 
 @dataclass(frozen=True)
 class MatrixPoint:
@@ -39,10 +43,7 @@ class MatrixPoint:
 
     def value(self, axis: str):
         """The value on one of schema.CONDITION_AXES: the point's own fields, or its traits'."""
-        return getattr(self if axis in _POINT_AXES else self.traits, axis)
-
-
-_POINT_AXES = ("pipeline", "arch", "pad_seqlen", "pad_hdim")
+        return getattr(self, axis) if axis in BUILD_AXES else self.traits.value(axis)
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,16 @@ class Instance:
 
 @dataclass(frozen=True)
 class Condition:
-    """Holds for a point or instance whose value on `axis` is one of `values`; the shared atom of
-    pruning rules (`when:`) and filter tokens (`axis=value`)."""
+    """Holds for a point, instance or traits whose value on `axis` is one of `values` (none of
+    them, when negated); the shared atom of pruning rules (`when:`) and filter tokens
+    (`axis=value`)."""
 
     axis: str
     values: frozenset
+    negated: bool = False
 
-    def holds(self, item: MatrixPoint | Instance) -> bool:
-        return item.value(self.axis) in self.values
+    def admits(self, value) -> bool:
+        return (value in self.values) != self.negated
+
+    def holds(self, item: MatrixPoint | Instance | FwdTraits) -> bool:
+        return self.admits(item.value(self.axis))

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import jinja2
 
-from .model import FwdTraits, Instance
-from .schema import ARCH, REGISTRY_TOKEN_ARRAYS, TRAIT_BOOL_AXES
+from .gaps import PipelineGap
+from .model import Condition, FwdTraits, Instance
+from .schema import ARCH, PIPELINE, REGISTRY_TOKEN_ARRAYS, TRAIT_BOOL_AXES, EnumValue
 from .selection import Selection, Shard
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -80,6 +81,8 @@ def render(selection: Selection, source: str, shard: Shard | None = None) -> dic
         token_arrays=[{"name": name, "tokens": [value.token for value in
                                                  sorted(axis, key=lambda value: value.value)]}
                       for name, axis in REGISTRY_TOKEN_ARRAYS.items()],
+        pipelines=PIPELINE.tokens,
+        gaps=[_gap_row(gap) for gap in selection.gaps],
     )
     built_targets = [arch for arch in selection.targets
                      if any(i.point.arch == arch for i in built)]
@@ -89,6 +92,7 @@ def render(selection: Selection, source: str, shard: Shard | None = None) -> dic
         targets=[{"token": arch.token, "gencode": arch.gencode,
                   "sources": sorted(tu_name(i) for i in built if i.point.arch == arch)}
                  for arch in built_targets],
+        cutlass_sources=sorted(tu_name(i) for i in built if i.point.pipeline.uses_cutlass),
     )
     files[MANIFEST] = json_text({
         "targets": [arch.token for arch in selection.targets],
@@ -115,6 +119,46 @@ def manifest_sources(out_dir: Path) -> set[str]:
 
 def _cpp_bool(value: bool) -> str:
     return "true" if value else "false"
+
+
+def _cpp_string(text: str) -> str:
+    """A C++ string literal of `text`: quotes, backslashes and question marks (no trigraph)
+    escaped, control characters as octal escapes (at most three digits, so that a following
+    digit is not swallowed)."""
+    escaped = "".join(f"\\{char}" if char in '"\\?'
+                      else f"\\{ord(char):03o}" if ord(char) < 0x20 or ord(char) == 0x7f
+                      else char for char in text)
+    return f'"{escaped}"'
+
+
+def _cpp_value(value) -> str:
+    if isinstance(value, bool):
+        return _cpp_bool(value)
+    return value.cpp if isinstance(value, EnumValue) else str(value)
+
+
+def _cpp_sort_key(value):
+    return value.value if isinstance(value, EnumValue) else value
+
+
+def _cpp_test(condition: Condition) -> str:
+    """The condition as a C++ expression on `const FwdTraits& t`."""
+    def equals(value) -> str:
+        if condition.axis == "hdim":
+            return f"(t.hdim_q == {value[0]} && t.hdim_v == {value[1]})"
+        return f"t.{condition.axis} == {_cpp_value(value)}"
+    any_of = " || ".join(equals(v) for v in sorted(condition.values, key=_cpp_sort_key))
+    return f"!({any_of})" if condition.negated else f"({any_of})"
+
+
+def _gap_row(gap: PipelineGap) -> dict:
+    return {
+        "pipeline": gap.pipeline.token,
+        "arch": gap.arch.token,
+        "traits": ",".join(condition.axis for condition in gap.conditions),
+        "reason": _cpp_string(gap.reason),
+        "test": " && ".join(_cpp_test(condition) for condition in gap.conditions),
+    }
 
 
 def _instance_fields(instance: Instance) -> dict:

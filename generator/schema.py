@@ -62,6 +62,9 @@ class Pipeline:
     launcher: str  # function template launching the kernel for one config
     tile_constraints: tuple[TileConstraint, ...]
     shared_memory: SharedMemory
+    # The header includes CuTe/CUTLASS (<cute/...>, <cutlass/...>): the build adds their include
+    # directory to this pipeline's TUs only, and needs it only when it compiles one.
+    uses_cutlass: bool
 
 
 AxisValue = Union[EnumValue, Arch, Pipeline]
@@ -133,17 +136,52 @@ _FA2_CONSTRAINTS = (
                    lambda tile, hdim: all(d % 32 == 0 for d in hdim)),
 )
 
-# FwdConfig::kSmemBytes of fwd_fa2_sm80.cuh: the Q region (it also stages O in the epilogue, so
-# it fits the wider head dim) and one K and one V tile per stage, of 2-byte elements.
-_FA2_SHARED_MEMORY = SharedMemory(
-    "2 * (block_m * max(hdim_q, hdim_v) + stages * block_n * (hdim_q + hdim_v))",
-    lambda tile, hdim: 2 * (tile.block_m * max(hdim)
-                            + tile.stages * tile.block_n * (hdim[0] + hdim[1])))
+_Q_AND_KV_RING = "2 * (block_m * max(hdim_q, hdim_v) + stages * block_n * (hdim_q + hdim_v))"
 
+
+def _q_and_kv_ring_bytes(tile, hdim: tuple[int, int]) -> int:
+    """The Q region (it also stages O in the epilogue, so it fits the wider head dim) and one K
+    and one V tile per stage, of 2-byte elements."""
+    return 2 * (tile.block_m * max(hdim) + tile.stages * tile.block_n * (hdim[0] + hdim[1]))
+
+
+# FwdConfig::kSmemBytes of fwd_fa2_sm80.cuh.
+_FA2_SHARED_MEMORY = SharedMemory(_Q_AND_KV_RING, _q_and_kv_ring_bytes)
+
+# What fmha/kernels/fwd_fa3_sm90.cuh static_asserts: one producer warpgroup (4 warps) feeds
+# block_m / 64 consumer warpgroups through TMA, and each consumer issues wgmma on its 64 rows.
+_FA3_CONSTRAINTS = (
+    TileConstraint("block_m % 64 == 0 (each consumer warpgroup owns 64 query rows)",
+                   lambda tile, hdim: tile.block_m % 64 == 0),
+    TileConstraint("warps == 4 * (block_m // 64 + 1) (one producer warpgroup plus one consumer "
+                   "warpgroup per 64 query rows)",
+                   lambda tile, hdim: tile.warps == 4 * (tile.block_m // 64 + 1)),
+    TileConstraint("block_n % 16 == 0 and 16 <= block_n <= 256 (wgmma's N for S = QK^T, and "
+                   "16-key k-steps for O += PV)",
+                   lambda tile, hdim: tile.block_n % 16 == 0 and 16 <= tile.block_n <= 256),
+    TileConstraint("stages >= 2 (the K/V ring loads one tile while the consumers read another)",
+                   lambda tile, hdim: tile.stages >= 2),
+    # 64 two-byte elements are one 128-byte swizzle atom of TMA and wgmma's shared-memory layout.
+    TileConstraint("hdim_q and hdim_v multiples of 64 (128-byte swizzle atoms)",
+                   lambda tile, hdim: all(d % 64 == 0 for d in hdim)),
+)
+
+# FwdConfig::kSmemBytes of fwd_fa3_sm90.cuh: fa2's regions, plus the K/V ring's mbarriers and
+# the 1024-byte alignment that 128-byte-swizzled TMA tiles need.
+_FA3_BARRIERS_AND_ALIGNMENT = 1024
+_FA3_SHARED_MEMORY = SharedMemory(
+    f"{_Q_AND_KV_RING} + {_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
+    lambda tile, hdim: _q_and_kv_ring_bytes(tile, hdim) + _FA3_BARRIERS_AND_ALIGNMENT)
+
+# Newest first: where instances of two pipelines both serve a problem on the same arch, the
+# dispatcher runs the newer pipeline's (dispatch.PREFERENCE).
 PIPELINE = EnumAxis("pipeline", (
+    Pipeline("fa3", header="fmha/kernels/fwd_fa3_sm90.cuh", config_template="fmha::fa3::FwdConfig",
+             launcher="fmha::fa3::launch_fwd", tile_constraints=_FA3_CONSTRAINTS,
+             shared_memory=_FA3_SHARED_MEMORY, uses_cutlass=True),
     Pipeline("fa2", header="fmha/kernels/fwd_fa2_sm80.cuh", config_template="fmha::fa2::FwdConfig",
              launcher="fmha::fa2::launch_fwd", tile_constraints=_FA2_CONSTRAINTS,
-             shared_memory=_FA2_SHARED_MEMORY),
+             shared_memory=_FA2_SHARED_MEMORY, uses_cutlass=False),
 ))
 
 # sm80 also embeds compute_80 PTX, so newer GPUs without their own target can still JIT it.
@@ -177,9 +215,13 @@ INTEGER = "[0-9]{1,9}"
 TRAIT_BOOL_AXES = ("lse", "dropout", "softcap")
 BOOL_AXES = (*TRAIT_BOOL_AXES, "pad_seqlen", "pad_hdim")
 
-# The axes a rule's `when:` and a filter's `axis=value` can name, in instance-name order.
-CONDITION_AXES = ("dtype", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode", "lse",
+# The axes a rule's `when:` and a filter's `axis=value` can name, in instance-name order; `hdim`
+# is the (hdim_q, hdim_v) pair.
+CONDITION_AXES = ("dtype", "hdim", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode", "lse",
                   "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim")
+# The condition axes that say how and for which GPU an instance is built; the others are the
+# functional traits a problem asks for.
+BUILD_AXES = ("pipeline", "arch", "pad_seqlen", "pad_hdim")
 
 # The axes of `matrix:` in instances.yaml, in its order; `hdim` lists (hdim_q, hdim_v) pairs.
 MATRIX_AXES = ("dtype", "hdim", "mask", "bias", "vlayout", "mode", "lse", "dropout", "softcap",

@@ -15,6 +15,7 @@ from typing import Protocol
 from .catalog import Catalog
 from .config import Config
 from .errors import GeneratorError
+from .gaps import PipelineGap
 from .model import Condition, Instance
 from .schema import (ARCH, BOOL_AXES, CONDITION_AXES, ENUM_AXES, INT_AXES, INTEGER,
                      MATRIX_AXES, TRAIT_BOOL_AXES, Arch, AxisValue)
@@ -79,6 +80,9 @@ class FilterError(GeneratorError):
 class Selection:
     instances: tuple[Instance, ...]  # in the dispatcher's order of preference
     targets: tuple[Arch, ...]  # the archs that have at least one selected instance
+    # The catalog's: the dispatch table carries them, so that the runtime can say why a newer
+    # pipeline did not run a problem.
+    gaps: tuple[PipelineGap, ...]
 
 
 def parse_filter(text: str, source: str, catalog: Catalog) -> tuple[Token, ...]:
@@ -132,21 +136,26 @@ class Shard:
     def take(self, instances: Sequence[Instance]) -> tuple[Instance, ...]:
         """This shard's instances, in their given order.
 
-        Instances are dealt round-robin in order of a compile-cost proxy: the larger head dims
-        first (more unrolled MMA code per step), then the traits that add code (padding,
-        dropout, bias) and the arch, so that every shard gets its share of each such class.
-        Within a class the order is a hash of the name: names sort in periods (dtype, mask,
-        ...) that round-robin would alias with, e.g. dealing every padded TU to half of four
-        shards. The split depends on nothing but the selection."""
-        def cost(instance: Instance) -> tuple:
-            point, traits = instance.point, instance.point.traits
-            return (-traits.hdim_q - traits.hdim_v, -traits.hdim_q, point.pad_seqlen,
-                    point.pad_hdim, traits.dropout, traits.bias.value, point.arch.token,
-                    hashlib.sha256(instance.name.encode()).hexdigest())
-
-        dealt = sorted(instances, key=cost)[self.index - 1::self.count]
+        Instances are dealt round-robin in order of their compile_cost_class, so that every
+        shard gets its share of each class. Within a class the order is a hash of the name:
+        names sort in periods (dtype, mask, ...) that round-robin would alias with, e.g.
+        dealing every padded TU to half of four shards. The split depends on nothing but the
+        selection."""
+        dealt = sorted(instances, key=lambda instance: (
+            compile_cost_class(instance),
+            hashlib.sha256(instance.name.encode()).hexdigest()))[self.index - 1::self.count]
         mine = {instance.name for instance in dealt}
         return tuple(instance for instance in instances if instance.name in mine)
+
+
+def compile_cost_class(instance: Instance) -> tuple:
+    """A proxy for how long nvcc takes on an instance's TU, costliest first: the larger head
+    dims (more unrolled MMA code per step), then the pipeline (CuTe-based fa3 and hand-written
+    fa2 compile differently), the traits that add code (padding, dropout, bias) and the arch."""
+    point, traits = instance.point, instance.point.traits
+    return (-traits.hdim_q - traits.hdim_v, -traits.hdim_q, point.pipeline.token,
+            point.pad_seqlen, point.pad_hdim, traits.dropout, traits.bias.value,
+            point.arch.token)
 
 
 def parse_shard(text: str) -> Shard:
@@ -167,7 +176,7 @@ def select(config: Config, catalog: Catalog, preset: str, filter_text: str = "",
         raise GeneratorError(f"unknown preset {preset!r}; valid: {', '.join(config.presets)}",
                              "--preset")
     options = _option_tokens(catalog, filter_text, targets)
-    return _selection(narrow(catalog, [*preset_tokens[preset], *options]))
+    return _selection(catalog, narrow(catalog, [*preset_tokens[preset], *options]))
 
 
 def select_each_preset(config: Config, catalog: Catalog, filter_text: str = "",
@@ -175,8 +184,9 @@ def select_each_preset(config: Config, catalog: Catalog, filter_text: str = "",
     """What each preset selects with the filter and the targets, for --presets: a preset they
     empty has an empty selection here rather than an error."""
     options = _option_tokens(catalog, filter_text, targets)
-    return {name: _selection(tuple(i for i in catalog.instances
-                                   if all(token.holds(i) for token in (*tokens, *options))))
+    return {name: _selection(catalog, tuple(
+                i for i in catalog.instances
+                if all(token.holds(i) for token in (*tokens, *options))))
             for name, tokens in check_presets(config, catalog).items()}
 
 
@@ -195,9 +205,9 @@ def _option_tokens(catalog: Catalog, filter_text: str,
     return tokens
 
 
-def _selection(instances: tuple[Instance, ...]) -> Selection:
+def _selection(catalog: Catalog, instances: tuple[Instance, ...]) -> Selection:
     archs = {instance.point.arch for instance in instances}
-    return Selection(instances, tuple(a for a in ARCH if a in archs))
+    return Selection(instances, tuple(a for a in ARCH if a in archs), catalog.gaps)
 
 
 def narrow(catalog: Catalog, tokens: Sequence[Token]) -> tuple[Instance, ...]:

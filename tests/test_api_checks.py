@@ -596,6 +596,7 @@ def test_args_of_a_group_call(no_device_check):
     q, k, v, group = packed(total_q=40, total_k=16)  # max_seqlen_k 24 > 16 tokens
     a, ops, out, lse = build_args(q, k, v, lse=True, **group)
     assert (a.mode, a.batch, a.seqlen_q, a.seqlen_k) == (_C.MODE_GROUP, 2, 20, 16)
+    assert (a.total_q, a.total_k) == (40, 16)
     assert (a.cu_seqlens_q, a.cu_seqlens_k) == (
         group["cu_seqlens_q"].data_ptr(), group["cu_seqlens_k"].data_ptr())
     assert (a.q_batch_stride, a.q_seq_stride, a.q_head_stride) == (0, 4 * 64, 64)
@@ -779,6 +780,11 @@ def cpp_fwd(**overrides):
         (dict(mode=_C.MODE_GROUP, cu_seqlens_q=4096, cu_seqlens_k=4098),
          "cu_seqlens_k must be 4-byte aligned"),
         (dict(seqused_q=4097), "seqused_q must be 4-byte aligned"),
+        (dict(total_q=16, total_k=16), "total_q/total_k are for Mode::kGroup"),
+        (dict(mode=_C.MODE_GROUP, cu_seqlens_q=4096, cu_seqlens_k=4100),
+         "Mode::kGroup needs total_q >= seqlen_q and total_k >= seqlen_k"),
+        (dict(mode=_C.MODE_GROUP, cu_seqlens_q=4096, cu_seqlens_k=4100, total_q=16, total_k=8),
+         r"got total_q=16, total_k=8"),
         (dict(bias=_C.BIAS_ELEMENTWISE), "BiasType::kElementwise needs bias_ptr"),
         (dict(bias=_C.BIAS_ELEMENTWISE, bias_ptr=4097), "bias_ptr must be aligned to its 2-byte"),
         (dict(bias=_C.BIAS_ELEMENTWISE, bias_ptr=4098, bias_seq_stride=-1),
@@ -819,8 +825,8 @@ def passes_checks(code: int, text: str) -> bool:
         dict(mask=_C.MASK_WINDOW, mask_align=_C.ALIGN_BOTTOM_RIGHT, window_left=0,
              window_right=-1),
         # Group mode ignores batch strides.
-        dict(mode=_C.MODE_GROUP, cu_seqlens_q=4096, cu_seqlens_k=4100, q_batch_stride=3,
-             o_batch_stride=-1, lse=4096, lse_batch_stride=-5, lse_head_stride=64),
+        dict(mode=_C.MODE_GROUP, cu_seqlens_q=4096, cu_seqlens_k=4100, total_q=16, total_k=40,
+             q_batch_stride=3, o_batch_stride=-1, lse=4096, lse_batch_stride=-5, lse_head_stride=64),
         dict(vlayout=_C.VLAYOUT_COL_MAJOR, v_seq_stride=1, v_dim_stride=16),
         dict(bias=_C.BIAS_ELEMENTWISE, bias_ptr=4098),  # 2-byte aligned is enough
         dict(bias=_C.BIAS_ALIBI, alibi_slopes=4100),

@@ -18,7 +18,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # With the default preset (lse, no bias, no dropout, no softcap, row-major V): one batch-mode
-# kernel per arch, unpadded and fully padded.
+# kernel per pipeline, arch and padding variant: fa2 unpadded and fully padded for sm80, fa3
+# (padded) and fa2's fully padded fallback for sm90a.
 FILTER = "fp16,hdim64,mask=none,mode=batch"
 
 pytestmark = pytest.mark.skipif(
@@ -49,7 +50,8 @@ def configure_and_build(build, *options):
 def build_dir(tmp_path_factory):
     build = tmp_path_factory.mktemp("cmake")
     output = configure_and_build(build, "-DFMHA_BUILD_PYTHON=OFF")
-    assert "generator: 4 of 10080 instances selected" in output
+    assert "generator: 4 of 10104 instances selected" in output
+    assert "CUTLASS 4.2" in output and "headers for the fa3 TUs" in output
     return build
 
 
@@ -66,6 +68,8 @@ def test_each_instance_tu_compiles_for_its_own_arch(build_dir):
         else:
             assert "-gencode=arch=compute_80,code=[sm_80,compute_80]" in command
             assert "compute_90a" not in command
+        # Only the fa3 TU sees the CUTLASS headers.
+        assert ("/source/include " in command) == ("_fa3_" in name), (name, command)
 
 
 def test_library_and_example_link(build_dir):
@@ -75,6 +79,23 @@ def test_library_and_example_link(build_dir):
     names = {i["name"] for i in manifest["instances"]}
     table = (build_dir / "gen" / "dispatch_table.cpp").read_text()
     assert names and all(f'"{n}"' in table for n in names)
+
+
+def test_a_selection_without_fa3_needs_no_cutlass(tmp_path):
+    # A CUTLASS directory that does not exist would fail the configure, were it looked at.
+    result = configure(tmp_path, "-DFMHA_BUILD_PYTHON=OFF", f"-DFMHA_FILTER={FILTER},fa2",
+                       "-DFMHA_CUTLASS_INCLUDE_DIR=/nonexistent")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "CUTLASS" not in result.stdout
+
+
+def test_a_missing_cutlass_fails_configure_saying_how_to_get_it(tmp_path):
+    result = configure(tmp_path, "-DFMHA_BUILD_PYTHON=OFF",
+                       "-DFMHA_CUTLASS_INCLUDE_DIR=/nonexistent")
+    assert result.returncode != 0
+    message = " ".join(result.stderr.split())
+    assert "'/nonexistent' (from FMHA_CUTLASS_INCLUDE_DIR) has no cute/tensor.hpp" in message
+    assert "pip install --no-deps nvidia-cutlass==4.2.0.0" in message
 
 
 def test_bad_filter_fails_configure_with_the_generator_message(tmp_path):

@@ -34,6 +34,7 @@ from gpu_support import runs_here as _runs_on  # noqa: E402
 
 torch, fmha = import_fmha()
 import reference as R  # noqa: E402
+from generator.schema import PIPELINE  # noqa: E402
 
 DEVICE_CC = device_cc(torch)
 
@@ -181,17 +182,23 @@ def _preference_cases():
 @pytest.mark.gpu
 @pytest.mark.parametrize("template", list(_preference_cases()))
 def test_dispatcher_prefers_unpadded_and_this_arch(template):
-    """A problem of tile multiples goes to an unpadded instance, of the native arch when one is
-    compiled; a ragged one to a padded instance."""
+    """A problem of tile multiples goes to the native arch when it is compiled, there to the
+    newest pipeline, and to that pipeline's unpadded instance when it has one (fa3 has none:
+    TMA zero-fills ragged tiles); a ragged one to a padded instance."""
     key = traits_of(template)
     same = [i for i in INSTANCES if traits_of(i) == key]
     spec, _ = R.apply_traits(R.Spec(R.DTYPES[template["dtype"]], template["hdim_q"],
                                     template["hdim_v"], hq=2, hk=2, sq=1024, sk=1024), template, 0)
     inputs = R.make_inputs(spec, "cuda")
     chosen = fmha.select(inputs.q, inputs.k, inputs.v, **_select_kwargs(inputs.fwd_kwargs))
-    assert not chosen["pad_seqlen"], "1024 fits every tile: an unpadded instance wins"
-    if any(i["arch"] == "sm90a" and not i["pad_seqlen"] for i in same):
+    if any(i["arch"] == "sm90a" for i in same):
         assert chosen["arch"] == "sm90a", "on an H100/H200 the sm90a build wins"
+    newest = min((i for i in same if i["arch"] == chosen["arch"]),
+                 key=lambda i: PIPELINE.tokens.index(i["pipeline"]))
+    assert chosen["pipeline"] == newest["pipeline"], "the newest pipeline wins on its arch"
+    if any((i["arch"], i["pipeline"]) == (chosen["arch"], chosen["pipeline"])
+           and not i["pad_seqlen"] for i in same):
+        assert not chosen["pad_seqlen"], "1024 fits every tile: an unpadded instance wins"
     ragged = R.make_inputs(spec.replace(sq=1000, sk=1000), "cuda")
     kwargs = _select_kwargs(ragged.fwd_kwargs)
     if any(R.trait(i, "pad_seqlen") for i in same):

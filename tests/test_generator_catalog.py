@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import replace
 
 import pytest
 
 from generator.catalog import build_catalog
 from generator.config import DEFAULT_CONFIG, load
+from generator.gaps import fallback_notes
 from generator.model import Tile
 from generator.schema import ARCH
 
@@ -27,19 +29,45 @@ def names(catalog) -> list[str]:
     return [instance.name for instance in catalog.instances]
 
 
+FA3_HDIMS = {(64, 64), (128, 128), (192, 128), (256, 256)}
+
+
 def test_repository_matrix():
-    # 2 dtypes x 7 head dims x 3 masks x 3 biases x 2 V layouts x 2 archs x 2 dropout x 2
+    # fa2: 2 dtypes x 7 head dims x 3 masks x 3 biases x 2 V layouts x 2 archs x 2 dropout x 2
     # softcap = 2016 trait combinations, each with 5 instances the rules keep: batch mode with
-    # lse false/true x (unpadded, fully padded), and group mode padded with lse.
+    # lse false/true x (unpadded, fully padded), and group mode padded with lse; less the 48
+    # unpadded batch-mode ones on sm90a that fa3 serves (2 dtypes x 4 head dims x 3 masks x
+    # lse false/true). fa3: those 24 trait combinations on sm90a, each with 3 instances, all
+    # padding sequence lengths only: batch mode with lse false/true, and group mode with lse.
     start = time.perf_counter()
     catalog = build_catalog(load(DEFAULT_CONFIG))
     assert time.perf_counter() - start < 5  # about 0.6 s on an idle machine
-    assert len(catalog.instances) == 10080 and catalog.pruned == 32256 - 10080
-    assert len(set(names(catalog))) == 10080
+    assert len(catalog.instances) == 10080 - 48 + 72 and catalog.pruned == 2 * 32256 - 10104
+    assert len(set(names(catalog))) == 10104
     for instance in catalog.instances:
-        point = instance.point
-        assert point.pad_seqlen == point.pad_hdim
-        assert point.traits.mode.token == "batch" or (point.pad_seqlen and point.traits.lse)
+        point, traits = instance.point, instance.point.traits
+        assert traits.mode.token == "batch" or (point.pad_seqlen and traits.lse)
+        if point.pipeline.token == "fa2":
+            assert point.pad_seqlen == point.pad_hdim
+            continue
+        assert point.arch.token == "sm90a" and point.pad_seqlen and not point.pad_hdim
+        assert (traits.hdim_q, traits.hdim_v) in FA3_HDIMS
+        assert (traits.bias.token, traits.vlayout.token, traits.dropout, traits.softcap) == (
+            "none", "row", False, False)
+
+
+def test_fa2_keeps_on_sm90a_what_fa3_does_not_serve():
+    catalog = build_catalog(load(DEFAULT_CONFIG))
+    fa2_sm90a = [i.point for i in catalog.instances
+                 if i.point.pipeline.token == "fa2" and i.point.arch.token == "sm90a"]
+    unpadded = [p for p in fa2_sm90a if not p.pad_hdim]
+    # Every trait fa3 lacks keeps its fa2 fast path; fa3's own traits keep only fa2's
+    # head-dim-padded fallback, for the head dims below them.
+    assert unpadded and all(
+        (p.traits.hdim_q, p.traits.hdim_v) not in FA3_HDIMS or p.traits.bias.token != "none"
+        or p.traits.vlayout.token != "row" or p.traits.dropout or p.traits.softcap
+        for p in unpadded)
+    assert {(p.traits.hdim_q, p.traits.hdim_v) for p in fa2_sm90a if p.pad_hdim} >= FA3_HDIMS
 
 
 def test_expansion_covers_every_combination(build):
@@ -211,11 +239,117 @@ def test_shared_memory_is_checked_only_on_the_archs_a_tile_is_used_on(build):
     build(*BIG_TILE, ("rules: []", rule))
 
 
-def test_repository_tiles_fit_their_archs():
-    # The largest, d256 with 128x64 on sm90a, takes 192 KB of H100's 227; on sm80 its
-    # 128x32 tile takes 128 KB of A100's 163.
-    config = load(DEFAULT_CONFIG)
-    for entry in config.tiles:
-        needed = entry.pipeline.shared_memory.bytes(entry.tile, entry.hdim)
-        archs = [entry.arch] if entry.arch is not None else list(ARCH)
-        assert all(needed <= arch.smem_limit for arch in archs), (entry.hdim, needed, archs)
+def test_repository_tiles_fit_the_archs_they_are_used_on():
+    # The largest: fa3's d256 128x80 takes 225 KB of H100's 227 (the rules keep fa3 off sm80);
+    # fa2's d256 128x64 on sm90a 192 KB, and its 128x32 on sm80 128 KB of A100's 163.
+    used = {(i.point.pipeline, i.point.arch, i.point.traits.hdim_q, i.point.traits.hdim_v, i.tile)
+            for i in build_catalog(load(DEFAULT_CONFIG)).instances}
+    assert {(pipeline.token, arch.token) for pipeline, arch, *_ in used} == {
+        ("fa2", "sm80"), ("fa2", "sm90a"), ("fa3", "sm90a")}
+    for pipeline, arch, hdim_q, hdim_v, tile in used:
+        needed = pipeline.shared_memory.bytes(tile, (hdim_q, hdim_v))
+        assert needed <= arch.smem_limit, (pipeline.token, arch.token, hdim_q, hdim_v, needed)
+
+
+# -- rules on head-dim pairs, negated conditions, anchors ------------------------------------
+
+def test_rule_on_head_dim_pairs(build):
+    rule = "rules:\n  - when: {hdim: [[128, 128], [256, 256]], mask: causal}\n    reason: test"
+    _, catalog = build(("rules: []", rule))
+    assert len(catalog.instances) == 24 and catalog.pruned == 8
+    assert not any(n.startswith(("fwd_fp16_d128_causal", "fwd_bf16_d128_causal"))
+                   for n in names(catalog))
+
+
+def test_negated_condition_matches_every_other_value(build):
+    rule = ("rules:\n  - when: {hdim: {not: [[64, 64]]}, mask: {not: none}, dtype: {not: fp16}}\n"
+            "    reason: test")
+    _, catalog = build(("rules: []", rule))
+    assert catalog.pruned == 4
+    assert not any(n.startswith("fwd_bf16_d128_causal") for n in names(catalog))
+
+
+def test_a_yaml_anchor_names_a_list_for_several_rules(build):
+    rules = ("rules:\n"
+             "  - when: {hdim: {not: &kept [[64, 64]]}, arch: sm80}\n    reason: one\n"
+             "  - when: {hdim: *kept, arch: sm90a, mask: causal}\n    reason: two")
+    _, catalog = build(("rules: []", rules))
+    assert {(i.point.arch.token, i.point.traits.hdim_q, i.point.traits.mask.token)
+            for i in catalog.instances} == {("sm80", 64, "none"), ("sm80", 64, "causal"),
+                                            ("sm90a", 64, "none"), ("sm90a", 128, "none"),
+                                            ("sm90a", 128, "causal")}
+
+
+# -- the fa3 pipeline ------------------------------------------------------------------------
+
+FA3_TILES = ("  - {pipeline: fa3, hdim_q: 64, hdim_v: 64, block_m: 192, block_n: 128, warps: 16, "
+             "stages: 2, why: fa3 d64}\n"
+             "  - {pipeline: fa3, hdim_q: 128, hdim_v: 128, block_m: 128, block_n: 128, "
+             "warps: 12, stages: 2, why: fa3 d128}\n")
+# fa3 on sm90a only, where it serves what fa2 would.
+FA3 = (("pipeline: [fa2]", "pipeline: [fa2, fa3]"),
+       ("rules: []", FA3_TILES + "rules:\n  - when: {pipeline: fa3, arch: sm80}\n    reason: one\n"
+                     "  - when: {pipeline: fa2, arch: sm90a}\n    reason: two"))
+
+
+def test_fa3_instances_and_their_tiles(build):
+    _, catalog = build(*FA3)
+    assert len(catalog.instances) == 32
+    # sm90a's fa3 first, and there the larger tile first among the unpadded instances.
+    assert names(catalog)[0] == "fwd_bf16_d64_causal_fa3_sm90a_m192n128"
+    assert {(i.point.pipeline.token, i.point.arch.token)
+            for i in catalog.instances[:16]} == {("fa3", "sm90a")}
+    tiles = {(i.point.pipeline.token, i.point.traits.hdim_q): i.tile for i in catalog.instances}
+    assert tiles[("fa3", 64)] == Tile(192, 128, 16, 2)
+    assert tiles[("fa3", 128)] == Tile(128, 128, 12, 2)
+
+
+@pytest.mark.parametrize("old, new, reason", [
+    ("block_m: 192, block_n: 128, warps: 16", "block_m: 160, block_n: 128, warps: 16",
+     "block_m % 64 == 0"),
+    ("block_m: 192, block_n: 128, warps: 16", "block_m: 192, block_n: 128, warps: 12",
+     "warps == 4 * (block_m // 64 + 1)"),
+    ("block_n: 128, warps: 16", "block_n: 120, warps: 16", "block_n % 16 == 0 and 16 <= block_n"),
+    ("block_n: 128, warps: 16", "block_n: 272, warps: 16", "block_n % 16 == 0 and 16 <= block_n"),
+    ("warps: 16, stages: 2", "warps: 16, stages: 1", "stages >= 2"),
+    ("hdim_q: 64, hdim_v: 64, block_m: 192", "hdim_q: 96, hdim_v: 64, block_m: 192",
+     "hdim_q and hdim_v multiples of 64"),
+])
+def test_fa3_tile_violating_a_constraint_is_an_error(config_error, line_of, old, new, reason):
+    error, text = config_error(*FA3, (old, new))
+    assert error.line == line_of(text, "why: fa3 d64")
+    assert f"tiles[2]: pipeline fa3 needs {reason}" in error.message
+
+
+def test_fa3_shared_memory_counts_its_barriers(config_error, line_of):
+    # 2 * (128 * 128 + 2 * 256 * 256) + 1024 = 295936 bytes, past sm90a's 232448.
+    error, text = config_error(*FA3, ("block_m: 128, block_n: 128, warps: 12",
+                                      "block_m: 128, block_n: 256, warps: 12"))
+    assert error.line == line_of(text, "why: fa3 d128")
+    assert error.message == (
+        "tiles[3]: the tile needs 295936 bytes of shared memory (2 * (block_m * max(hdim_q, "
+        "hdim_v) + stages * block_n * (hdim_q + hdim_v)) + 1024 (barriers and alignment)), more "
+        "than the 232448 a CTA may use on sm90a")
+
+
+def test_gaps_are_the_rules_on_a_pipelines_traits(build):
+    rules = FA3[1][1] + (
+        "\n  - when: {pipeline: fa3, mask: causal, hdim: [[128, 128]]}\n    reason: no causal d128"
+        "\n  - when: {pipeline: fa3, dtype: bf16, pad_seqlen: true}\n    reason: a variant"
+        "\n  - when: {dtype: fp16, mask: causal, hdim: [[64, 64]]}\n    reason: every pipeline")
+    _, catalog = build(FA3[0], (FA3[1][0], rules))
+    # The padding rule drops a variant, which another serves; a rule without a pipeline drops
+    # the traits everywhere; fa3 has instances on sm90a only.
+    (gap,) = catalog.gaps
+    assert (gap.pipeline.token, gap.arch.token, gap.reason) == ("fa3", "sm90a", "no causal d128")
+    assert [c.axis for c in gap.conditions] == ["mask", "hdim"]
+    chosen = next(i for i in catalog.instances if i.name == "fwd_fp16_d128_causal_fa2_sm80_m64n32")
+    traits = chosen.point.traits
+    assert gap.matches(traits) and gap.describe(traits) == "mask=causal, hdim=128x128"
+    assert not gap.matches(replace(traits, hdim_q=64, hdim_v=64))
+    # A note only for an older pipeline on the gap's arch.
+    assert fallback_notes(chosen, traits, catalog.gaps) == []
+    on_sm90a = replace(chosen, point=replace(chosen.point, arch=ARCH.get("sm90a")))
+    assert fallback_notes(on_sm90a, traits, catalog.gaps) == [
+        "fa3 (sm90a) has no instance for mask=causal, hdim=128x128: no causal d128; falling "
+        "back to fa2"]

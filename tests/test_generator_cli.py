@@ -10,7 +10,7 @@ import pytest
 SUMMARY_FIELDS = ("name", "dtype", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode", "lse",
                   "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim", "block_m",
                   "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = "252 of 10080 instances selected (22176 pruned)"
+DEFAULT_SELECTED = "276 of 10104 instances selected (54408 pruned)"
 
 
 def test_default_render(run_cli, tmp_path):
@@ -19,9 +19,9 @@ def test_default_render(run_cli, tmp_path):
     result = run_cli("--out", out)
     assert time.perf_counter() - start < 5
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 252 TUs (sm80 126, sm90a 126), "
-                             f"255 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
-    assert len(list(out.glob("*.cu"))) == 252
+    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 276 TUs (sm80 126, sm90a 150), "
+                             f"279 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
+    assert len(list(out.glob("*.cu"))) == 276
     assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {
         p.name for p in out.iterdir()}
 
@@ -31,7 +31,7 @@ def test_second_run_writes_nothing(run_cli, tmp_path):
     run_cli("--out", out)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     result = run_cli("--out", out)
-    assert "0 files written, 255 unchanged, 0 removed" in result.stdout
+    assert "0 files written, 279 unchanged, 0 removed" in result.stdout
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
 
 
@@ -41,15 +41,15 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     result = run_cli("--out", out, "--preset", "minimal", "--targets", "90a")
     assert result.returncode == 0, result.stderr
     # minimal's instances leave out the log-sum-exp, default's write it: none are shared.
-    assert "2 of 10080 instances selected" in result.stdout and "252 removed" in result.stdout
+    assert "2 of 10104 instances selected" in result.stdout and "276 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
-        "fwd_fp16_d64_fa2_sm90a_m128n64.cu", "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu"]
+        "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu"]
 
 
 def test_list(run_cli):
     result = run_cli("--list", "--filter", "bf16,hdim128,causal,mode=batch", "--targets", "sm90a")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["fwd_bf16_d128_causal_lse_fa2_sm90a_m128n64",
+    assert result.stdout.split() == ["fwd_bf16_d128_causal_lse_fa3_sm90a_m128n128_pad",
                                      "fwd_bf16_d128_causal_lse_fa2_sm90a_m128n64_pad_hpad"]
 
 
@@ -63,7 +63,10 @@ def test_json(run_cli):
         assert record["tu"] == f"{record['name']}.cu"
         assert (record["dtype"], record["hdim_q"], record["mask"], record["lse"]) == (
             "fp16", 64, "none", False)
-        assert record["pad_seqlen"] == record["pad_hdim"]
+        # fa2 has the unpadded fast path and the fully padded fallback; fa3 pads seqlens only.
+        assert (record["pad_seqlen"], record["pad_hdim"]) in (
+            ((False, False), (True, True)) if record["pipeline"] == "fa2" else ((True, False),))
+    assert sorted(r["pipeline"] for r in records) == ["fa2", "fa2", "fa2", "fa3"]
 
 
 def test_json_and_summary_leave_out_pruned_instances(run_cli, make_config, tmp_path):
@@ -133,12 +136,12 @@ def test_presets_table(run_cli):
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["preset", "instances", "TUs", "sm80", "sm90a", "why"]
     rows = {line.split()[0]: line.split()[1:5] for line in lines[1:] if not line.startswith(" ")}
-    assert rows == {"default": ["252", "252", "126", "126"], "minimal": ["4", "4", "2", "2"],
-                    "flash_attn": ["2016", "2016", "1008", "1008"],
+    assert rows == {"default": ["276", "276", "126", "150"], "minimal": ["4", "4", "2", "2"],
+                    "flash_attn": ["2040", "2040", "1008", "1032"],
                     "pytorch": ["448", "448", "224", "224"],
-                    "coverage": ["568", "568", "284", "284"],
-                    "all": ["10080", "10080", "5040", "5040"]}
-    assert "CI smoke build: one kernel per arch" in result.stdout
+                    "coverage": ["592", "592", "284", "308"],
+                    "all": ["10104", "10104", "5040", "5064"]}
+    assert "CI smoke build (4 TUs)" in result.stdout
     assert max(map(len, lines)) <= 100
 
 
@@ -151,7 +154,7 @@ def test_presets_json_with_targets_and_filter(run_cli):
     default = rows[0]
     assert default == {
         "preset": "default", "filters": ["bias=none,vlayout=row,lse=true,dropout=false,softcap=false"],
-        "instances": 63, "tus": 63, "tus_per_target": {"sm80": 0, "sm90a": 63},
+        "instances": 75, "tus": 75, "tus_per_target": {"sm80": 0, "sm90a": 75},
         "why": default["why"]}
     assert default["why"].startswith("What `pip install .` builds:")
     assert rows[1]["instances"] == 2
@@ -171,7 +174,7 @@ def test_shards_split_the_selection(run_cli, tmp_path):
     parts = [run_cli("--list", "--shard", f"{index}/4").stdout.split() for index in range(1, 5)]
     assert sorted(sum(parts, [])) == sorted(whole)
     assert all(part == [name for name in whole if name in part] for part in parts)
-    assert [len(part) for part in parts] == [63, 63, 63, 63]
+    assert [len(part) for part in parts] == [69, 69, 69, 69]
     assert parts[1] == run_cli("--list", "--shard", "2/4").stdout.split()  # deterministic
 
 
@@ -179,16 +182,16 @@ def test_shard_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out, "--shard", "2/4")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(f"generator: {DEFAULT_SELECTED}; shard 2/4: 63 TUs (sm80 ")
-    assert "66 files written" in result.stdout
+    assert result.stdout.startswith(f"generator: {DEFAULT_SELECTED}; shard 2/4: 69 TUs (sm80 ")
+    assert "72 files written" in result.stdout
     tus = sorted(p.name for p in out.glob("*.cu"))
     listed = run_cli("--list", "--shard", "2/4").stdout.split()
     assert tus == sorted(f"{name}.cu" for name in listed)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["instances"]) == 252
+    assert len(manifest["instances"]) == 276
     assert (manifest["shard"]["index"], manifest["shard"]["count"]) == (2, 4)
     assert sorted(manifest["shard"]["tus"]) == tus
-    assert (out / "dispatch_table.cpp").read_text().count("&instances::launch_") == 252
+    assert (out / "dispatch_table.cpp").read_text().count("&instances::launch_") == 276
 
 
 def test_bad_shard_message(run_cli):
@@ -208,19 +211,46 @@ def test_explain_hit_names_the_rule_and_the_runner_up(run_cli):
                         "seqlen_k=1024,seqused=false,arch=86")
     assert lines[1] == "chosen:  fwd_bf16_d128_causal_lse_fa2_sm80_m128n64_pad_hpad"
     assert lines[2] == (
-        "why:     4 of the 252 selected instances serve it; it goes ahead of the runner-up "
-        "fwd_bf16_d192x128_causal_lse_fa2_sm80_m128n64_pad_hpad by rule 5 of the dispatch order, "
+        "why:     4 of the 276 selected instances serve it; it goes ahead of the runner-up "
+        "fwd_bf16_d192x128_causal_lse_fa2_sm80_m128n64_pad_hpad by rule 6 of the dispatch order, "
         "the tightest padded head dims first: head dims 128x128 against head dims 192x128")
     assert lines[3] == "serving, in dispatch order:"
     assert len(lines) == 8
 
 
-def test_explain_prefers_the_exact_target_and_the_fast_path(run_cli):
+def test_explain_prefers_the_newer_pipeline(run_cli):
     result = run_cli("--explain", "dtype=fp16,hdim=64,lse=true,arch=sm90a")
     lines = result.stdout.splitlines()
-    assert lines[1] == "chosen:  fwd_fp16_d64_lse_fa2_sm90a_m128n64"
-    assert "by rule 3 of the dispatch order, unpadded seqlens first: pad_seqlen=false against " \
+    assert lines[1] == "chosen:  fwd_fp16_d64_lse_fa3_sm90a_m192n128_pad"
+    assert lines[2].endswith(
+        "it goes ahead of the runner-up fwd_fp16_d64_lse_fa2_sm90a_m128n64_pad_hpad by rule 3 of "
+        "the dispatch order, newer pipeline first: pipeline fa3 against pipeline fa2")
+    assert lines[3] == "serving, in dispatch order:"  # fa3 ran: no note
+
+
+def test_explain_says_which_rule_keeps_fa3_from_a_trait(run_cli):
+    result = run_cli("--explain", "dtype=fp16,hdim=64,bias=alibi,lse=true,arch=sm90a",
+                     "--preset", "flash_attn")
+    lines = result.stdout.splitlines()
+    assert lines[1] == "chosen:  fwd_fp16_d64_alibi_lse_fa2_sm90a_m128n64"
+    assert "by rule 4 of the dispatch order, unpadded seqlens first: pad_seqlen=false against " \
            "pad_seqlen=true" in lines[2]
+    assert lines[3] == ("note:    fa3 (sm90a) has no instance for bias=alibi: the fa3 pipeline "
+                        "has no bias yet; bias calls on H100/H200 run fa2; falling back to fa2")
+    assert lines[4] == "serving, in dispatch order:"
+
+
+def test_explain_quotes_every_rule_that_keeps_fa3_away(run_cli):
+    result = run_cli("--explain", "dtype=bf16,hdim=96,vlayout=col,softcap=true,arch=90",
+                     "--preset", "all")
+    notes = [line for line in result.stdout.splitlines() if line.startswith("note:")]
+    assert [note.partition(" has no instance for ")[2].split(":")[0] for note in notes] == [
+        "hdim=96x96", "vlayout=col", "softcap=true"]
+    assert all(note.endswith("; falling back to fa2") for note in notes)
+    # On an A100 fa3 does not exist: nothing to say.
+    result = run_cli("--explain", "dtype=bf16,hdim=96,vlayout=col,softcap=true,arch=80",
+                     "--preset", "all")
+    assert "note:" not in result.stdout
 
 
 def test_explain_only_one_serving(run_cli):
@@ -228,14 +258,14 @@ def test_explain_only_one_serving(run_cli):
                      "--filter", "nopad")
     assert result.stdout.splitlines()[1:] == [
         "chosen:  fwd_fp16_d64_fa2_sm80_m128n64",
-        "why:     the only one of the 2 selected instances that serves it"]
+        "why:     the only one of the 1 selected instances that serves it"]
 
 
 def test_explain_miss_lists_the_nearest_and_a_filter_that_fits(run_cli):
     result = run_cli("--explain", "dtype=bf16,hdim=128,bias=alibi,vlayout=col,arch=80")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[1] == "no instance of the 252 selected serves it; the nearest:"
+    assert lines[1] == "no instance of the 276 selected serves it; the nearest:"
     assert lines[2] == ("  fwd_bf16_d128_lse_fa2_sm80_m128n64: bias=none (the call: alibi); "
                         "vlayout=row (the call: col)")
     assert lines[5] == "the matrix has one that fits: fwd_bf16_d128_alibi_col_fa2_sm80_m128n64"
@@ -253,7 +283,8 @@ def test_explain_miss_keeps_this_runs_preset_and_adds_the_target(run_cli):
     result = run_cli("--explain", "dtype=fp16,hdim=64,arch=80", "--targets", "90a")
     assert result.stdout.splitlines()[-1] == (
         "build it with: python -m generator --preset default --filter 'fp16,hdim64,mask=none,"
-        "bias=none,vlayout=row,mode=batch,dropout=false,softcap=false,sm80' --targets sm90a,sm80")
+        "bias=none,vlayout=row,mode=batch,dropout=false,softcap=false,nopad' --targets "
+        "sm90a,sm80")
 
 
 def test_explain_miss_outside_the_matrix(run_cli):

@@ -54,7 +54,26 @@ MISTAKES = {
     "empty why": (("    why: d128", "    why: ''"), "why: ''",
                   "tiles[1].why: expected a non-empty string"),
     "rule on unknown axis": (("rules: []", "rules:\n  - when: {dtypes: bf16}\n    reason: r"),
-                             "dtypes", "rules[0].when: unknown key 'dtypes'; valid: dtype, hdim_q"),
+                             "dtypes", "rules[0].when: unknown key 'dtypes'; valid: dtype, hdim, "
+                                       "hdim_q"),
+    "rule on hdim without pairs": (("rules: []", "rules:\n  - when: {hdim: [64, 64]}\n    "
+                                                 "reason: r"),
+                                   "hdim: [64", "rules[0].when.hdim: expected a [hdim_q, hdim_v] "
+                                                "pair, got an integer 64"),
+    "rule on hdim with one pair unlisted": (("rules: []", "rules:\n  - when: {hdim: 64}\n    "
+                                                          "reason: r"),
+                                            "hdim: 64", "rules[0].when.hdim: expected a list, "
+                                                        "got an integer 64"),
+    "rule negation with another key": (("rules: []", "rules:\n  - when: {mask: {nor: causal}}\n"
+                                                     "    reason: r"),
+                                       "nor:", "rules[0].when.mask: unknown key 'nor'; valid: not"),
+    "rule negation of nothing": (("rules: []", "rules:\n  - when: {mask: {not: []}}\n"
+                                               "    reason: r"),
+                                 "not: []", "rules[0].when.mask.not: needs at least one entry"),
+    "rule negation of a bad value": (("rules: []", "rules:\n  - when:\n      mask:\n"
+                                                   "        not: [none, casual]\n    reason: r"),
+                                     "not: [none", "rules[0].when.mask.not: unknown value "
+                                                   "'casual'; valid: none, causal, window"),
     "rule with bad value": (("rules: []", "rules:\n  - when: {dtype: [bf16, fp8]}\n    reason: r"),
                             "fp8", "rules[0].when.dtype: unknown value 'fp8'; valid: fp16, bf16"),
     "rule with bad boolean": (("rules: []", "rules:\n  - when: {dropout: 1}\n    reason: r"),

@@ -3,7 +3,6 @@ instance is the one the dispatcher runs for some problem."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import pytest
@@ -139,6 +138,23 @@ def test_dispatch_order_is_independent_of_input_order(make_instance):
         "fwd_fp16_d128_fa2_sm90a_m128n64", "fwd_fp16_d64_fa2_sm90a_m128n64"]
 
 
+def test_newer_pipeline_first_on_the_same_arch(make_instance):
+    fa3 = PIPELINE.get("fa3")
+    newer = make_instance(arch="sm90a", pipeline=fa3, pad_seqlen=True)
+    older = make_instance(arch="sm90a")
+    ordered = dispatch_order([older, newer, make_instance(arch="sm80", pipeline=fa3)])
+    # The arch decides first; then the pipeline, before the unpadded fast path.
+    assert [i.name for i in ordered] == ["fwd_fp16_d64_fa3_sm90a_m128n64_pad",
+                                         "fwd_fp16_d64_fa2_sm90a_m128n64",
+                                         "fwd_fp16_d64_fa3_sm80_m128n64"]
+    criterion = deciding_criterion(newer, older)
+    assert criterion is PREFERENCE[2] and criterion.prefers == "newer pipeline first"
+    assert (criterion.shows(newer), criterion.shows(older)) == ("pipeline fa3", "pipeline fa2")
+    # The older one still runs what the newer one does not: here V^T.
+    assert first_serving(ordered, problem(cc=90)) is newer
+    assert first_serving(ordered, problem(vlayout="col", cc=90)) is None
+
+
 def test_every_criterion_says_what_it_prefers(make_instance):
     first, second = make_instance(arch="sm90a"), make_instance(arch="sm80")
     criterion = deciding_criterion(first, second)
@@ -171,18 +187,47 @@ def test_repository_matrix_serves_every_call_on_its_newest_arch(dtype, mask, bia
     assert chosen is not None and chosen.point.arch.cc == (90 if cc == 90 else 80)
     position = DEFAULT_CATALOG.instances.index(chosen)
     assert not any(serves(i, call) for i in DEFAULT_CATALOG.instances[:position])
+    # fa3 runs on H100/H200 exactly what it supports, and nothing anywhere else.
+    fa3_traits = (hdim in FA3_HDIMS and bias == "none" and vlayout == "row"
+                  and not flags[1] and not flags[2])
+    assert (chosen.point.pipeline.token == "fa3") == (cc == 90 and fa3_traits)
+
+
+FA3_HDIMS = {(64, 64), (128, 128), (192, 128), (256, 256)}
+
+
+@pytest.mark.parametrize("traits, pipeline", [
+    ({}, "fa3"),
+    ({"mask": "window", "mode": "group", "lse": True, "dtype": "bf16"}, "fa3"),
+    ({"hdim": (192, 128), "mask": "causal"}, "fa3"),
+    ({"bias": "elementwise"}, "fa2"),
+    ({"bias": "alibi"}, "fa2"),
+    ({"vlayout": "col"}, "fa2"),
+    ({"dropout": True}, "fa2"),
+    ({"softcap": True}, "fa2"),
+    ({"hdim": (96, 96)}, "fa2"),
+    ({"hdim": (120, 120)}, "fa2"),
+])
+@pytest.mark.parametrize("seqlen", [(1024, 1024), (1000, 777)])
+def test_repository_matrix_runs_fa3_on_sm90a_where_it_has_the_traits(traits, pipeline, seqlen):
+    chosen = first_serving(DEFAULT_CATALOG.instances, problem(**traits, seqlen=seqlen, cc=90))
+    assert (chosen.point.pipeline.token, chosen.point.arch.token) == (pipeline, "sm90a")
+    # On A100-class GPUs, and on newer ones that run sm80's PTX, only fa2 exists.
+    for cc in (80, 86, 100):
+        chosen = first_serving(DEFAULT_CATALOG.instances, problem(**traits, seqlen=seqlen, cc=cc))
+        assert (chosen.point.pipeline.token, chosen.point.arch.token) == ("fa2", "sm80")
 
 
 # -- the no-shadowing proof --------------------------------------------------------------------
 
 def test_shadowed_instance_is_an_error_naming_both(make_instance):
-    # A second pipeline serving the same traits, arch and padding could never be chosen.
-    other = dataclasses.replace(PIPELINE.get("fa2"), token="fa2b")
-    first, second = make_instance(), make_instance(pipeline=other)
+    # An older pipeline's instance with the same traits, arch and padding as a newer one's
+    # could never be chosen.
+    newer, older = make_instance(pipeline=PIPELINE.get("fa3")), make_instance()
     with pytest.raises(GeneratorError) as caught:
-        check_dispatchable(dispatch_order([first, second]))
+        check_dispatchable(dispatch_order([older, newer]))
     assert caught.value.message.startswith(
-        "fwd_fp16_d64_fa2b_sm80_m128n64 is shadowed by fwd_fp16_d64_fa2_sm80_m128n64: for every "
+        "fwd_fp16_d64_fa2_sm80_m128n64 is shadowed by fwd_fp16_d64_fa3_sm80_m128n64: for every "
         "problem tried that it serves (e.g. dtype=fp16,hdim=64x64,")
 
 
@@ -190,8 +235,7 @@ def test_padded_instance_shadowed_by_a_padded_head_dim_sibling(make_instance):
     # Both pad everything and run on sm80; the one with the larger tile comes first and serves
     # every shape the other does.
     big = make_instance(pad_seqlen=True, pad_hdim=True)
-    small = make_instance(pad_seqlen=True, pad_hdim=True, tile=Tile(64, 64, 4, 2),
-                          pipeline=dataclasses.replace(PIPELINE.get("fa2"), token="fa2b"))
+    small = make_instance(pad_seqlen=True, pad_hdim=True, tile=Tile(64, 64, 4, 2))
     with pytest.raises(GeneratorError, match=f"{small.name} is shadowed by {big.name}"):
         check_dispatchable(dispatch_order([big, small]))
 

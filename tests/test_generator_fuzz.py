@@ -33,8 +33,8 @@ OUT = "gen"
 
 # Keys of every level of the file, so that a replaced key is often a valid one in a wrong place.
 KEYS = ["matrix", "tiles", "rules", "presets", *MATRIX_AXES, "hdim_q", "hdim_v", "block_m",
-        "block_n", "warps", "stages", "why", "arch", "when", "reason", "filter", "default",
-        "minimal", "<<"]
+        "block_n", "warps", "stages", "why", "arch", "when", "not", "reason", "filter",
+        "default", "minimal", "<<"]
 
 # Scalars that PyYAML turns into something other than a str, an int or a list, or fails to.
 YAML_TYPES = [

@@ -145,6 +145,40 @@ def test_dispatch_table(rendered):
     assert 'const char* const kBiasTokens[] = {"none", "elementwise", "alibi"};' in text
     assert 'const char* const kVLayoutTokens[] = {"row", "col"};' in text
     assert 'const char* const kModeTokens[] = {"batch", "group"};' in text
+    assert 'const char* const kPipelineTokens[] = {"fa3", "fa2"};' in text
+    # No rule leaves a pipeline without some traits here.
+    assert """\
+const PipelineGap* const kPipelineGaps = nullptr;
+const int kNumPipelineGaps = 0;
+""" in text
+
+
+def test_pipeline_gaps_in_the_table():
+    config = load(DEFAULT_CONFIG)
+    text = render(select(config, build_catalog(config), "minimal"),
+                  source="instances.yaml")["dispatch_table.cpp"]
+    # One row per rule on fa3's traits (not on its arch or padding), for sm90a where it exists.
+    assert text.count('    {"fa3", "sm90a", ') == 5
+    assert """\
+    {"fa3", "sm90a", "bias",
+     "the fa3 pipeline has no bias yet; bias calls on H100/H200 run fa2",
+     [](const FwdTraits& t) { return (t.bias == fmha::BiasType::kElementwise || t.bias == fmha::BiasType::kAlibi); }},
+""" in text
+    assert ("[](const FwdTraits& t) { return !((t.hdim_q == 64 && t.hdim_v == 64) || "
+            "(t.hdim_q == 128 && t.hdim_v == 128) || (t.hdim_q == 192 && t.hdim_v == 128) || "
+            "(t.hdim_q == 256 && t.hdim_v == 256)); }}") in text
+    assert "const PipelineGap* const kPipelineGaps = kGapRows;" in text
+
+
+def test_gap_reasons_are_cpp_string_literals(build):
+    rule = ("rules:\n  - when: {pipeline: fa2, dtype: bf16, mask: causal}\n"
+            "    reason: \"say \\\"no\\\" to C:\\\\temp?? \\u00e9\\x01\"")
+    config, catalog = build(("rules: []", rule))
+    (gap,) = {g for g in catalog.gaps if g.arch.token == "sm80"}
+    assert gap.reason == 'say "no" to C:\\temp?? \u00e9\x01'
+    text = render(select(config, catalog, "default"), source="config.yaml")["dispatch_table.cpp"]
+    assert '"say \\"no\\" to C:\\\\temp\\?\\? \u00e9\\001",' in text
+    assert "(t.dtype == fmha::DataType::kBF16) && (t.mask == fmha::MaskType::kCausal)" in text
 
 
 def test_instances_cmake(rendered):
@@ -161,6 +195,23 @@ set(FMHA_GENERATED_SOURCES_sm90a
   "${CMAKE_CURRENT_LIST_DIR}/fwd_fp16_d64_fa2_sm90a_m128n64_pad.cu"
 )
 """ in text
+    assert text.endswith("set(FMHA_GENERATED_CUTLASS_SOURCES\n)\n")  # no fa3 TU
+
+
+def test_instances_cmake_lists_the_tus_that_need_cutlass():
+    config = load(DEFAULT_CONFIG)
+    selection = select(config, build_catalog(config), "minimal")
+    text = render(selection, source="instances.yaml")["instances.cmake"]
+    assert text.endswith("""\
+set(FMHA_GENERATED_CUTLASS_SOURCES
+  "${CMAKE_CURRENT_LIST_DIR}/fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu"
+)
+""")
+    # A shard lists only its own: here the one without the fa3 TU lists none.
+    shards = [render(selection, source="instances.yaml", shard=parse_shard(f"{index}/4"))
+              for index in (1, 2, 3, 4)]
+    assert sum("fa3_sm90a_m192n128_pad.cu\"\n)" in files["instances.cmake"]
+               for files in shards) == 1
 
 
 def test_targets_without_instances_are_left_out(rendered):
@@ -441,14 +492,90 @@ def test_full_default_render_is_fast(out):
     assert time.perf_counter() - start < 5
 
 
-@pytest.mark.skipif(shutil.which("g++") is None or not (CUDA_INCLUDE / "cuda_runtime_api.h").exists(),
-                    reason="needs g++ and the CUDA headers")
-def test_dispatch_table_compiles_against_registry_h(tmp_path):
-    config = load(DEFAULT_CONFIG)
-    files = render(select(config, build_catalog(config), "default"), source=DEFAULT_CONFIG.name)
+needs_cpp = pytest.mark.skipif(
+    shutil.which("g++") is None or not (CUDA_INCLUDE / "cuda_runtime_api.h").exists(),
+    reason="needs g++ and the CUDA headers")
+
+
+@needs_cpp
+@pytest.mark.parametrize("with_gaps", [True, False])
+def test_dispatch_table_compiles_against_registry_h(tmp_path, build, with_gaps):
+    config, catalog = (load(DEFAULT_CONFIG), None) if with_gaps else build()
+    files = render(select(config, catalog or build_catalog(config), "default"),
+                   source="instances.yaml")
+    assert ("kGapRows" in files["dispatch_table.cpp"]) == with_gaps
     source = tmp_path / "dispatch_table.cpp"
     source.write_text(files["dispatch_table.cpp"])
     result = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
                              "-I", str(REPO_ROOT / "runtime/include"), "-I", str(CUDA_INCLUDE),
                              str(source)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# explain_selection() for a few problems on a given compute capability: no GPU is needed, as
+# the device is an argument; the instances' launchers are stubs, since nothing launches.
+EXPLAIN_DRIVER = """\
+#include <iostream>
+
+#include "dispatcher.h"
+
+namespace fmha::detail::instances {
+%s
+}  // namespace fmha::detail::instances
+
+int main() {
+  struct Case { int hdim; fmha::BiasType bias; float dropout_p; int cc; };
+  const Case cases[] = {{64, fmha::BiasType::kNone, 0.f, 90},
+                        {64, fmha::BiasType::kElementwise, 0.f, 90},
+                        {96, fmha::BiasType::kNone, 0.1f, 90},
+                        {64, fmha::BiasType::kElementwise, 0.f, 80}};
+  for (const Case& c : cases) {
+    fmha::FwdArgs a;
+    a.batch = a.nhead_q = a.nhead_k = 1;
+    a.seqlen_q = a.seqlen_k = 1000;
+    a.hdim_q = a.hdim_v = c.hdim;
+    a.bias = c.bias;
+    a.dropout_p = c.dropout_p;
+    std::cout << fmha::detail::explain_selection(a, c.cc) << "----\\n";
+  }
+}
+"""
+CUDA_LIB = CUDA_INCLUDE.parent / "lib64"
+
+
+@needs_cpp
+@pytest.mark.skipif(not (CUDA_LIB / "libcudart.so").exists(), reason="needs libcudart")
+def test_runtime_explain_says_why_fa3_did_not_run(tmp_path):
+    config = load(DEFAULT_CONFIG)
+    selection = select(config, build_catalog(config), "all", "fp16,hdim64|hdim96,mask=none,"
+                                                             "mode=batch,lse=false")
+    files = render(selection, source="instances.yaml")
+    stubs = "\n".join(f"cudaError_t launch_{i.name}(const FwdArgs&, cudaStream_t) "
+                      f"{{ return cudaSuccess; }}" for i in selection.instances)
+    (tmp_path / "driver.cpp").write_text(EXPLAIN_DRIVER % stubs)
+    (tmp_path / "dispatch_table.cpp").write_text(files["dispatch_table.cpp"])
+    program = tmp_path / "explain"
+    compiled = subprocess.run(
+        ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-o", str(program),
+         "-I", str(REPO_ROOT / "runtime/include"), "-I", str(REPO_ROOT / "runtime/src"),
+         "-I", str(CUDA_INCLUDE), str(tmp_path / "driver.cpp"),
+         str(REPO_ROOT / "runtime/src/dispatcher.cpp"), str(REPO_ROOT / "runtime/src/api.cpp"),
+         str(tmp_path / "dispatch_table.cpp"), f"-L{CUDA_LIB}", f"-Wl,-rpath,{CUDA_LIB}",
+         "-lcudart"], capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stderr
+    ran = subprocess.run([str(program)], capture_output=True, text=True, check=True)
+    fa3, bias, dropout_d96, bias_a100 = ran.stdout.split("----\n")[:4]
+    assert "Runs fwd_fp16_d64_fa3_sm90a_m192n128_pad (fa3, sm90a," in fa3
+    assert ("  fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad: fa3 before fa2: the newer pipeline\n"
+            in fa3)
+    assert "has no instance" not in fa3
+    assert "Runs fwd_fp16_d64_elementwise_fa2_sm90a_m128n64_pad_hpad (fa2, sm90a," in bias
+    assert ("fa3 (sm90a) has no instance for bias=elementwise: the fa3 pipeline has no bias yet; "
+            "bias calls on H100/H200 run fa2; falling back to fa2.\n") in bias
+    # The same lines the generator's --explain prints, one per rule.
+    notes = [line for line in dropout_d96.splitlines() if " has no instance for " in line]
+    assert [line.split(": ")[0] for line in notes] == [
+        "fa3 (sm90a) has no instance for hdim=96x96",
+        "fa3 (sm90a) has no instance for dropout=true"]
+    assert "Runs fwd_fp16_d64_elementwise_fa2_sm80_" in bias_a100
+    assert "has no instance" not in bias_a100

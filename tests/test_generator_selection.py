@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from generator.catalog import build_catalog
 from generator.config import DEFAULT_CONFIG, load
 from generator.errors import ConfigError, GeneratorError
-from generator.selection import Shard, parse_filter, parse_shard, parse_targets, select
+from generator.selection import (Shard, compile_cost_class, parse_filter, parse_shard,
+                                parse_targets, select)
 
 
 @pytest.fixture
@@ -212,8 +213,17 @@ def test_repository_presets_parse_and_select():
     config = load(DEFAULT_CONFIG)
     counts = {name: len(select(config, DEFAULT_CATALOG, name).instances)
               for name in config.presets}
-    assert counts == {"default": 252, "minimal": 4, "flash_attn": 2016, "pytorch": 448,
-                      "coverage": 568, "all": 10080}
+    assert counts == {"default": 276, "minimal": 4, "flash_attn": 2040, "pytorch": 448,
+                      "coverage": 592, "all": 10104}
+
+
+def test_minimal_preset_builds_each_pipeline_and_padding_path():
+    # CI's smoke build compiles one TU of each: fa2 unpadded and padded for sm80, and for
+    # sm90a fa3 (padded, its only variant) and fa2's head-dim-padded fallback.
+    instances = select(load(DEFAULT_CONFIG), DEFAULT_CATALOG, "minimal").instances
+    assert [(i.point.pipeline.token, i.point.arch.token, i.point.pad_seqlen, i.point.pad_hdim)
+            for i in instances] == [("fa3", "sm90a", True, False), ("fa2", "sm90a", True, True),
+                                    ("fa2", "sm80", False, False), ("fa2", "sm80", True, True)]
 
 
 def test_union_preset_selects_what_any_of_its_filters_selects(build):
@@ -305,7 +315,7 @@ DEFAULT_CATALOG = build_catalog(load(DEFAULT_CONFIG))
 VALID_TERMS = ["fp16", "bf16", "causal", "window", "mask=none", "bias=none", "alibi", "col",
                "group", "lse", "dropout", "softcap", "lse=false", "sm80", "sm90a", "pad", "nopad",
                "hpad", "nohpad", "pad_hdim=true", "hdim64", "hdim128", "hdim_q=64", "hdim_v=128",
-               "fa2", "*_pad", "*_sm90a_*", "fwd_bf16*", "dtype=bf16", "arch=sm80"]
+               "fa2", "fa3", "*_pad", "*_sm90a_*", "fwd_bf16*", "dtype=bf16", "arch=sm80"]
 
 
 @settings(max_examples=60, deadline=None)
@@ -346,11 +356,14 @@ def test_shards_are_a_balanced_partition_in_dispatch_order(count):
         assert list(shard) == [i for i in instances if i in shard]
     sizes = [len(shard) for shard in shards]
     assert max(sizes) - min(sizes) <= 1
-    # Head dims (the cost proxy) and padding are spread as evenly as the counts.
-    for measure in (lambda i: i.point.traits.hdim_q + i.point.traits.hdim_v,
-                    lambda i: i.point.pad_seqlen):
-        totals = [sum(map(measure, shard)) for shard in shards]
-        assert max(totals) - min(totals) <= max(map(measure, instances))
+    # Each shard gets its share of every cost class (head dims, pipeline, padding, ...), and
+    # so of the head dims as a whole.
+    for cost_class in {compile_cost_class(i) for i in instances}:
+        counts = [sum(compile_cost_class(i) == cost_class for i in shard) for shard in shards]
+        assert max(counts) - min(counts) <= 1, cost_class
+    totals = [sum(i.point.traits.hdim_q + i.point.traits.hdim_v for i in shard)
+              for shard in shards]
+    assert max(totals) - min(totals) <= 512
     assert names == [[i.name for i in Shard(index, count).take(instances)]
                      for index in range(1, count + 1)]
 

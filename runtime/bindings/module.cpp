@@ -157,6 +157,8 @@ void bind_args(py::module_& m) {
   enum_property(cls, "vlayout", &fmha::FwdArgs::vlayout);
   pointer_property(cls, "cu_seqlens_q", &fmha::FwdArgs::cu_seqlens_q);
   pointer_property(cls, "cu_seqlens_k", &fmha::FwdArgs::cu_seqlens_k);
+  cls.def_readwrite("total_q", &fmha::FwdArgs::total_q)
+      .def_readwrite("total_k", &fmha::FwdArgs::total_k);
   pointer_property(cls, "seqused_q", &fmha::FwdArgs::seqused_q);
   pointer_property(cls, "seqused_k", &fmha::FwdArgs::seqused_k);
   cls.def_readwrite("softmax_scale", &fmha::FwdArgs::softmax_scale);

@@ -183,6 +183,9 @@ Status check_args(const FwdArgs& a, bool check_memory) {
   if (a.mode == Mode::kBatch && (a.cu_seqlens_q != nullptr || a.cu_seqlens_k != nullptr)) {
     return invalid("cu_seqlens_q/cu_seqlens_k are for Mode::kGroup; batch mode must not get them");
   }
+  if (a.mode == Mode::kBatch && (a.total_q != 0 || a.total_k != 0)) {
+    return invalid("total_q/total_k are for Mode::kGroup; batch mode must leave them 0");
+  }
   if (a.bias != BiasType::kElementwise && a.bias_ptr != nullptr) {
     return invalid("bias_ptr is set but the bias type is not BiasType::kElementwise");
   }
@@ -244,6 +247,13 @@ Status check_args(const FwdArgs& a, bool check_memory) {
         check_int_array("seqused_q", a.seqused_q, false, ""),
         check_int_array("seqused_k", a.seqused_k, false, "")}) {
     if (!st.ok()) return st;
+  }
+  // A group has at least its longest sequence's rows; the sm90a pipeline's tensor maps are
+  // bounded by these totals, so they must be the packed tensors' true row counts.
+  if (a.mode == Mode::kGroup && (a.total_q < a.seqlen_q || a.total_k < a.seqlen_k)) {
+    return invalid("Mode::kGroup needs total_q >= seqlen_q and total_k >= seqlen_k (the rows of "
+                   "the packed Q/O and K/V tensors); got total_q=" + std::to_string(a.total_q) +
+                   ", total_k=" + std::to_string(a.total_k));
   }
 
   if (a.bias == BiasType::kElementwise) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -165,7 +166,8 @@ struct Suggestion {
 
 // The head dims to build for `w`: its own when some compiled instance has them (so the matrix
 // lists them); else, for multiples of 8, the smallest compiled head dims above them, run
-// padded, or failing that the next multiples of 32, which the fa2 tiles come in.
+// padded, or failing that the next multiples of 32, which fa2's tiles come in (fa2 is the
+// pipeline that pads head dims; fa3 runs exact multiples of 64 only).
 Suggestion suggest(const FwdArgs& a, int cc) {
   const FwdTraits w = a.traits();
   int hdim_q = w.hdim_q, hdim_v = w.hdim_v;
@@ -288,6 +290,15 @@ std::string miss_message(const FwdArgs& a, int cc, Stage furthest) {
   return s.str();
 }
 
+// A pipeline's place in kPipelineTokens, 0 for the newest; one the table does not list (the
+// generator lists every pipeline) ranks after all.
+int pipeline_rank(const char* pipeline) {
+  for (int i = 0; i < kNumPipelines; ++i) {
+    if (std::strcmp(kPipelineTokens[i], pipeline) == 0) return i;
+  }
+  return kNumPipelines;
+}
+
 // Why `chosen` precedes `other` in the table: the first rule of the generator's order of
 // preference (generator/dispatch.py, PREFERENCE) that tells them apart. Empty when that rule
 // does not favour `chosen`, i.e. when the generator ranks by something this does not mirror.
@@ -301,6 +312,12 @@ std::string rank_reason(const InstanceEntry& chosen, const InstanceEntry& other)
   if (chosen.arch_exact != other.arch_exact) {
     if (!chosen.arch_exact) return "";
     return std::string(chosen.arch) + " before " + other.arch + ": code for exactly this GPU";
+  }
+  const int chosen_rank = pipeline_rank(chosen.pipeline);
+  const int other_rank = pipeline_rank(other.pipeline);
+  if (chosen_rank != other_rank) {
+    if (chosen_rank > other_rank) return "";
+    return std::string(chosen.pipeline) + " before " + other.pipeline + ": the newer pipeline";
   }
   if (chosen.pad_seqlen != other.pad_seqlen) {
     if (chosen.pad_seqlen) return "";
@@ -328,6 +345,48 @@ std::string rank_reason(const InstanceEntry& chosen, const InstanceEntry& other)
            extent(other.block_m, other.block_n);
   }
   return "";
+}
+
+// A problem's value on one trait a PipelineGap names, as the generator spells it:
+// "bias=elementwise", "hdim=120x120".
+std::string trait_text(const std::string& trait, const FwdTraits& t) {
+  std::string value;
+  if (trait == "dtype") value = token(t.dtype);
+  else if (trait == "hdim") value = extent(t.hdim_q, t.hdim_v);
+  else if (trait == "hdim_q") value = std::to_string(t.hdim_q);
+  else if (trait == "hdim_v") value = std::to_string(t.hdim_v);
+  else if (trait == "mask") value = token(t.mask);
+  else if (trait == "bias") value = token(t.bias);
+  else if (trait == "vlayout") value = token(t.vlayout);
+  else if (trait == "mode") value = token(t.mode);
+  else if (trait == "lse") value = token(t.lse);
+  else if (trait == "dropout") value = token(t.dropout);
+  else if (trait == "softcap") value = token(t.softcap);
+  return trait + "=" + value;
+}
+
+// Why no newer pipeline than the chosen entry's runs the problem on its arch: one line per
+// rule of instances.yaml (kPipelineGaps) that leaves the newer pipeline without the problem's
+// traits there, with the rule's reason; empty when none does.
+std::string fallback_notes(const InstanceEntry& chosen, const FwdTraits& w) {
+  std::ostringstream s;
+  const int chosen_rank = pipeline_rank(chosen.pipeline);
+  for (int i = 0; i < kNumPipelineGaps; ++i) {
+    const PipelineGap& gap = kPipelineGaps[i];
+    if (pipeline_rank(gap.pipeline) >= chosen_rank || std::strcmp(gap.arch, chosen.arch) != 0 ||
+        !gap.matches(w)) {
+      continue;
+    }
+    s << gap.pipeline << " (" << gap.arch << ") has no instance for ";
+    std::istringstream traits(gap.traits);
+    const char* sep = "";
+    for (std::string trait; std::getline(traits, trait, ',');) {
+      s << sep << trait_text(trait, w);
+      sep = ", ";
+    }
+    s << ": " << gap.reason << "; falling back to " << chosen.pipeline << ".\n";
+  }
+  return s.str();
 }
 
 }  // namespace
@@ -413,6 +472,7 @@ std::string explain_selection(const FwdArgs& args, int cc) {
       s << "  " << runs[i]->name << ": " << why << "\n";
     }
   }
+  s << fallback_notes(chosen, wanted);
   if (!near_misses.empty()) {
     s << "Instances with these traits and head dims that cannot run it:\n";
     for (const InstanceEntry* e : near_misses) {

@@ -22,8 +22,10 @@ Status select_instance(const FwdArgs& args, int cc, const InstanceEntry** chosen
 Status find_instance(const std::string& name, const FwdArgs& args, int cc,
                      const InstanceEntry** chosen);
 
-// select_instance() in words: the chosen entry and why it ranks before every other entry that
-// could run `args`, or on a miss the nearest entries and the filter that builds one.
+// select_instance() in words: the chosen entry, why it ranks before every other entry that
+// could run `args` and, when an older pipeline runs it, the rules of instances.yaml that leave
+// the newer one without these traits; or on a miss the nearest entries and the filter that
+// builds one.
 std::string explain_selection(const FwdArgs& args, int cc);
 
 InstanceInfo to_info(const InstanceEntry& entry);

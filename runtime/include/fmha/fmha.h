@@ -97,6 +97,10 @@ struct FMHA_API FwdArgs {
   // likewise of K and V); device int32 arrays of batch + 1 non-decreasing entries from 0.
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
+  // Group mode: the rows of the packed Q/O and K/V tensors (at least cu_seqlens_*[batch]). The
+  // sm90a pipeline's tensor maps bound every read and write by them.
+  int64_t total_q = 0;
+  int64_t total_k = 0;
   // Optional in both modes: sequence b uses only its first seqused_q[b] query rows and
   // seqused_k[b] keys (batch mode's effective lengths, or group mode's physical padding after
   // each sequence); device int32 arrays of batch entries. Output rows past seqused_q are left

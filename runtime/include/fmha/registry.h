@@ -56,4 +56,23 @@ extern const char* const kBiasTokens[];
 extern const char* const kVLayoutTokens[];
 extern const char* const kModeTokens[];
 
+// The pipelines the generator knows (generator tokens, e.g. "fa3"), newest first: where two
+// instances for the same architecture both run a problem, the newer pipeline's comes first.
+extern const char* const kPipelineTokens[];
+extern const int kNumPipelines;
+
+// A rule of instances.yaml that leaves `pipeline` without instances on `arch` for the traits
+// it matches (generator/gaps.py). When an older pipeline runs such a problem on that arch,
+// explain says so and quotes the reason.
+struct PipelineGap {
+  const char* pipeline;
+  const char* arch;
+  const char* traits;  // the traits the rule names, comma-separated, e.g. "bias" or "mask,mode"
+  const char* reason;
+  bool (*matches)(const FwdTraits& traits);
+};
+// kNumPipelineGaps rows (a pointer, as there may be none).
+extern const PipelineGap* const kPipelineGaps;
+extern const int kNumPipelineGaps;
+
 }  // namespace fmha::detail

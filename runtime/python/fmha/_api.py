@@ -147,6 +147,7 @@ def _make_args(ops: _Operands, out: Optional[torch.Tensor],
         a.seqlen_q = min(ops.max_seqlen_q, q.shape[0])
         a.seqlen_k = min(ops.max_seqlen_k, k.shape[0])
         a.cu_seqlens_q, a.cu_seqlens_k = ops.cu_seqlens_q.data_ptr(), ops.cu_seqlens_k.data_ptr()
+        a.total_q, a.total_k = q.shape[0], k.shape[0]
     else:
         a.mode = _C.MODE_BATCH
         a.batch, a.seqlen_q, a.seqlen_k = q.shape[0], q.shape[1], k.shape[1]

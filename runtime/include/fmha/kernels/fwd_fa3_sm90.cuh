@@ -1,0 +1,750 @@
+// FlashAttention-3 style forward pipeline for Hopper (sm90a): TMA, wgmma, warp specialization.
+//
+// A CTA is one producer warpgroup and kBlockM / 64 consumer warpgroups, and it is persistent:
+// it walks the (query tile, head, sequence) work tiles in a static order (tile_order.cuh) until
+// all are done, so one tile's loads overlap the previous tile's epilogue.
+//   producer: one thread issues TMA loads: Q once per tile, then K and V tiles, key tiles last
+//     to first, into kStages-deep rings guarded by mbarriers (cutlass::PipelineTmaAsync). Its
+//     warpgroup gives its registers up (setmaxnreg) so the consumers can hold O and two S.
+//   consumer warpgroup w owns query rows [64 w, 64 w + 64) of the tile. Per key tile:
+//     S = Q K^T   wgmma, both operands from shared memory (128-byte swizzle), fp32 accumulators
+//     softmax     online, on the accumulators (exp2 with the scale folded into one FFMA)
+//     O += P V    wgmma, P from registers (S's accumulator layout is the A-operand register
+//                 layout once rounded to 16 bits) and V from shared memory, read transposed.
+// Two overlaps keep the tensor cores busy during the softmax (FlashAttention-3, section 3):
+//   - within a warpgroup, S of step j+1 and O += P_j V_j are issued together and the softmax of
+//     step j+1 runs while the PV product is still on the tensor cores;
+//   - across warpgroups, named barriers take turns issuing those GEMMs (ping-pong), so one
+//     warpgroup's softmax overlaps the other's GEMMs.
+// Epilogue: O / rowsum goes to shared memory (stmatrix, over the Q region) and out with one TMA
+// store when the tile is whole, or with predicated 16-byte stores when it is ragged; the
+// log-sum-exp goes straight from registers.
+//
+// Traits on this pipeline: fp16/bf16; head dims that are multiples of 64; no mask, causal and
+// sliding windows (both alignments); MQA/GQA; batch and group mode with seqused; LSE. Every
+// sequence length is served (TMA zero-fills ragged tiles; the last key tile is masked), so the
+// instances are pad_seqlen=true. Bias, dropout, soft-capping, V^T and padded head dims run on
+// the fa2 pipeline (instances.yaml's rules say so, and the dispatcher's explain quotes them).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+// wgmma has every N that is a multiple of 8 (or 16) up to 256; CuTe's op selectors consider
+// the non-power-of-two ones (the 80- and 112-key tiles of d256 and d192) only with this set,
+// and fall back to 64x16 otherwise (5-7x the instructions).
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "fmha/fmha.h"
+#include "fmha/kernels/fwd_params.cuh"
+#include "fmha/kernels/mask.cuh"
+#include "fmha/kernels/sm80_primitives.cuh"
+#include "fmha/kernels/tile_order.cuh"
+
+namespace fmha::fa3 {
+
+template <typename T>
+struct CuteElement;
+template <>
+struct CuteElement<__half> {
+  using type = cutlass::half_t;
+};
+template <>
+struct CuteElement<__nv_bfloat16> {
+  using type = cutlass::bfloat16_t;
+};
+
+template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
+          int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, VLayout kVLayout_,
+          Mode kMode_, bool kLse_, bool kDropout_, bool kSoftcap_, bool kPadSeqlen_,
+          bool kPadHdim_>
+struct FwdConfig {
+  using Element = typename CuteElement<Element_>::type;
+  static constexpr int kHeadDimQK = kHeadDimQK_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr MaskType kMask = kMask_;
+  static constexpr Mode kMode = kMode_;
+  static constexpr bool kLse = kLse_;
+
+  static_assert(kBias_ == BiasType::kNone && !kDropout_ && !kSoftcap_,
+                "fa3 has no bias, dropout or soft-cap yet: those instances are fa2");
+  static_assert(kVLayout_ == VLayout::kRowMajor, "fa3 reads V row-major (V^T is fa2)");
+  static_assert(kPadSeqlen_ && !kPadHdim_,
+                "fa3 serves every sequence length (pad_seqlen) and exact head dims only");
+  static_assert(kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0 && kHeadDimV <= kHeadDimQK,
+                "fa3 head dims are whole 128-byte swizzle atoms, and O is staged over Q");
+  static_assert(kBlockM % 64 == 0, "each consumer warpgroup owns 64 query rows (wgmma M)");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key tiles are wgmma N <= 256, k16 steps");
+  static_assert(kStages >= 2, "K and V need at least double buffering");
+
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3,
+                "the register split and the ping-pong barriers are for 2 or 3 consumers");
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static_assert(kNumWarps_ * 32 == kThreads, "warps = 4 * (block_m / 64 + 1)");
+  // setmaxnreg moves registers between warpgroups within what the CTA got at launch, which
+  // __launch_bounds__(kThreads, 1) caps at 65536 / kThreads (168 for 384 threads, 128 for
+  // 512): what the producer gives up must cover what the consumers take, or their
+  // setmaxnreg.inc waits forever. Two consumers: 168 -> 24 frees 144 x 128, and 168 -> 240
+  // takes 72 x 256; three: 128 -> 32 frees 96 x 128, and 128 -> 160 takes 32 x 384.
+  static constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;
+  static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
+  static_assert((kLaunchRegisters - kProducerRegisters) * 128 >=
+                    (kConsumerRegisters - kLaunchRegisters) * kConsumerThreads,
+                "the consumers' registers must come from the producer's");
+
+  using BlockM = cute::Int<kBlockM>;
+  using BlockN = cute::Int<kBlockN>;
+  using DimQK = cute::Int<kHeadDimQK>;
+  using DimV = cute::Int<kHeadDimV>;
+  using ConsumerLayout = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1,
+                                                  cute::_1>>;
+  using TiledMmaS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, BlockN, DimQK>>(),
+      ConsumerLayout{}));
+  using TiledMmaO = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, DimV, BlockN>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      ConsumerLayout{}));
+
+  // Rows of 64 elements (128 bytes) in 8-row swizzle atoms: what TMA writes and wgmma reads.
+  using SwizzleAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockM, DimQK>{}));
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      SwizzleAtom{}, cute::Shape<BlockN, DimQK, cute::Int<kStages>>{}));
+  using SmemLayoutV = decltype(cute::tile_to_shape(
+      SwizzleAtom{}, cute::Shape<BlockN, DimV, cute::Int<kStages>>{}));
+  // V as the PV product's B operand, (d, keys): the same bytes, viewed transposed.
+  using SmemLayoutVt = decltype(cute::composition(
+      SmemLayoutV{}, cute::make_ordered_layout(cute::Shape<DimV, BlockN, cute::Int<kStages>>{},
+                                               cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemLayoutO = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockM, DimV>{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+
+  // O gets its own region where it fits (227 KB on H100/H200): the next tile's Q then loads
+  // while this tile finishes its last PV product and stores O. Otherwise (d256) O is staged
+  // over Q, and the next Q waits for the store.
+  static constexpr int kTileBytes =
+      2 * (kBlockM * kHeadDimQK + kStages * kBlockN * (kHeadDimQK + kHeadDimV));
+  static constexpr bool kSeparateO = kTileBytes + 2 * kBlockM * kHeadDimV + 1024 <= 232448;
+  struct NoRegion {};
+  using ORegion = std::conditional_t<kSeparateO,
+                                     cute::array_aligned<Element, cute::cosize_v<SmemLayoutO>, 1024>,
+                                     NoRegion>;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
+    ORegion o;
+    cutlass::arch::ClusterTransactionBarrier q_full;
+    typename Pipeline::SharedStorage k_pipe;
+    typename Pipeline::SharedStorage v_pipe;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDimQK * sizeof(Element);
+  static constexpr uint32_t kKBytes = kBlockN * kHeadDimQK * sizeof(Element);
+  static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * sizeof(Element);
+
+  // Global tensors as TMA sees them: (rows, head dim, head, batch). Group mode packs every
+  // sequence along rows and has a batch extent of 1.
+  using GmemShape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
+  using GmemLayout = cute::Layout<GmemShape, GmemStride>;
+  using TmaLoadQ = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+      SmemLayoutQ{}, cute::Shape<BlockM, DimQK>{}, cute::_1{}));
+  using TmaLoadK = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+      cute::take<0, 2>(SmemLayoutK{}), cute::Shape<BlockN, DimQK>{}, cute::_1{}));
+  using TmaLoadV = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+      cute::take<0, 2>(SmemLayoutV{}), cute::Shape<BlockN, DimV>{}, cute::_1{}));
+  using TmaStoreO = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_STORE{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element*>(nullptr)), GmemLayout{}),
+      SmemLayoutO{}, cute::Shape<BlockM, DimV>{}, cute::_1{}));
+
+  struct KernelParams {
+    FwdParams p;
+    TmaLoadQ tma_q;
+    TmaLoadK tma_k;
+    TmaLoadV tma_v;
+    TmaStoreO tma_o;
+    GmemShape q_shape, k_shape, v_shape, o_shape;
+    int total_tiles;  // m_blocks * nhead_q * batch
+  };
+};
+
+// Named barriers, after the ones CUTLASS reserves (cutlass::arch::NamedBarrier adds them).
+enum Barrier : uint32_t {
+  kQueryEmpty = 0,       // consumers -> producer warp: the Q region may take the next Q
+  kConsumersDone = 1,    // all consumer warpgroups: the O region is free / O is staged
+  kSchedulerFirst = 2,   // + w: consumer warpgroup w may issue its GEMMs (ping-pong)
+  kWarpgroupFirst = 5,   // + w: the 128 threads of consumer warpgroup w
+};
+
+template <class Cfg>
+__device__ __forceinline__ TileCoord decode_tile(const FwdParams& p, int linear, int batch_heads) {
+  if constexpr (Cfg::kMask == MaskType::kCausal) {
+    return longest_first_in_head_groups(linear, p.m_blocks, p.nhead_q, batch_heads,
+                                        p.group_heads);
+  } else {
+    // Query tiles of one head next to each other: the CTAs running at once share its K/V in L2.
+    const int bh = linear / p.m_blocks;
+    return {linear - bh * p.m_blocks, bh % p.nhead_q, bh / p.nhead_q};
+  }
+}
+
+// One wgmma batch over the k-blocks of its operands, committed as one group; kWait >= 0 waits
+// until at most kWait groups are in flight. The operand fences keep the compiler from moving
+// register reads and writes of the accumulators (and of A, when it is in registers) across the
+// asynchronous GEMM.
+template <bool kZeroInit, int kWait, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& a, TB const& b, TC& c) {
+  using namespace cute;
+  constexpr bool kARegisters =
+      !cute::is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
+  if constexpr (kARegisters) warpgroup_fence_operand(const_cast<TA&>(a));
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTLASS_PRAGMA_UNROLL
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(c);
+  if constexpr (kARegisters) warpgroup_fence_operand(const_cast<TA&>(a));
+}
+
+// The softmax state of the two rows a thread holds in a wgmma accumulator: value v of the
+// fragment ((2, 2, N / 8), 1, 1) is row half (v / 2) % 2 (rows r and r + 8), column
+// 8 * (v / 4) + 2 * (lane % 4) + v % 2.
+struct RowStats {
+  float max[2] = {-INFINITY, -INFINITY};
+  float sum[2] = {0.f, 0.f};  // this thread's partial sums; the quad reduces them at the end
+
+  // Folds a new S tile in: updates the running max, returns in `correction` what O and the
+  // sums accumulated so far must be multiplied by, and turns S into unnormalized P.
+  template <class TensorS>
+  __device__ __forceinline__ void update(TensorS& s, float softmax_mul, float (&correction)[2]) {
+    constexpr int kValues = decltype(cute::size(s))::value;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m = max[h];
+#pragma unroll
+      for (int v = 0; v < kValues; ++v) {
+        if ((v / 2) % 2 == h) m = fmaxf(m, s(v));
+      }
+      m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
+      // A row with nothing visible yet keeps max -inf; subtracting 0 instead keeps exp2 at 0
+      // rather than NaN from (-inf) - (-inf).
+      const float m_scaled = m == -INFINITY ? 0.f : m * softmax_mul;
+      correction[h] = sm80::fast_exp2(max[h] * softmax_mul - m_scaled);
+      max[h] = m;
+      sum[h] *= correction[h];
+#pragma unroll
+      for (int v = 0; v < kValues; ++v) {
+        if ((v / 2) % 2 == h) {
+          s(v) = sm80::fast_exp2(s(v) * softmax_mul - m_scaled);
+          sum[h] += s(v);
+        }
+      }
+    }
+  }
+};
+
+template <class TensorO>
+__device__ __forceinline__ void scale_rows(TensorO& o, const float (&factor)[2]) {
+  constexpr int kValues = decltype(cute::size(o))::value;
+#pragma unroll
+  for (int v = 0; v < kValues; ++v) o(v) *= factor[(v / 2) % 2];
+}
+
+// P in 16 bits as the A operand of O += P V: ((2, 2, 2), 1, N / 16) holds S's values in S's
+// own order (value 4k..4k+3 of n8 block 2t and 2t+1 make k16 step t), so it is a plain copy.
+template <class Element, class TensorS, class TensorP>
+__device__ __forceinline__ void convert_p(const TensorS& s, TensorP& p) {
+  constexpr int kValues = decltype(cute::size(s))::value;
+  auto p32 = cute::recast<uint32_t>(p);
+#pragma unroll
+  for (int v = 0; v < kValues / 2; ++v) {
+    if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(s(2 * v), s(2 * v + 1));
+      p32(v) = reinterpret_cast<const uint32_t&>(pair);
+    } else {
+      const __half2 pair = __floats2half2_rn(s(2 * v), s(2 * v + 1));
+      p32(v) = reinterpret_cast<const uint32_t&>(pair);
+    }
+  }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    fwd_kernel(const __grid_constant__ typename Cfg::KernelParams kp) {
+  using namespace cute;
+  using Element = typename Cfg::Element;
+  using Pipeline = typename Cfg::Pipeline;
+  using Mask = TileMask<Cfg::kMask, /*kPadSeqlen=*/true, Cfg::kBlockM, Cfg::kBlockN>;
+  using NamedBarrier = cutlass::arch::NamedBarrier;
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr bool kGroup = Cfg::kMode == Mode::kGroup;
+  constexpr int kConsumerThreads = Cfg::kConsumerThreads;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& shared = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  const FwdParams& p = kp.p;
+  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);
+  const int lane = threadIdx.x % 32;
+  const int batch_heads = kp.total_tiles / p.m_blocks;
+
+  Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQ{});
+  Element* o_region;
+  if constexpr (Cfg::kSeparateO) {
+    o_region = shared.o.data();
+  } else {
+    o_region = shared.q.data();
+  }
+  Tensor sO = make_tensor(make_smem_ptr(o_region), typename Cfg::SmemLayoutO{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutV{});
+  Tensor sVt = make_tensor(make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutVt{});
+
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(kp.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kp.tma_o.get_tma_descriptor());
+    shared.q_full.init(/*arrival_count=*/1);
+  }
+  typename Pipeline::Params k_params;
+  k_params.transaction_bytes = Cfg::kKBytes;
+  k_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer
+                                 : Pipeline::ThreadCategory::Consumer;
+  k_params.is_leader = threadIdx.x == 0;
+  k_params.num_consumers = kConsumerThreads;
+  typename Pipeline::Params v_params = k_params;
+  v_params.transaction_bytes = Cfg::kVBytes;
+  Pipeline k_pipe(shared.k_pipe, k_params, Shape<_1, _1, _1>{});
+  Pipeline v_pipe(shared.v_pipe, v_params, Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegisters>();
+    if (threadIdx.x >= 32) return;  // one warp issues; its lane 0 the copies
+    cutlass::PipelineState<Cfg::kStages> write_k = cutlass::make_producer_start_state<Pipeline>();
+    cutlass::PipelineState<Cfg::kStages> write_v = cutlass::make_producer_start_state<Pipeline>();
+    for (int linear = blockIdx.x; linear < kp.total_tiles; linear += gridDim.x) {
+      const TileCoord tile = decode_tile<Cfg>(p, linear, batch_heads);
+      const SequenceExtent seq = sequence_extent<Cfg::kMode>(p, tile.batch);
+      const int q_row0 = tile.m_block * kBlockM;
+      if (q_row0 >= seq.seqlen_q) continue;
+      const Mask mask(seq.seqlen_q, seq.seqlen_k, p.bottom_right, p.window_left, p.window_right);
+      const int n_begin = mask.n_block_begin(q_row0);
+      const int n_end = mask.n_block_end(q_row0 + kBlockM - 1);
+      if (n_end <= n_begin) continue;  // the consumers write zeros without shared memory
+      const int kv_head = tile.head / p.kv_group;
+      const int batch_coord = kGroup ? 0 : tile.batch;
+
+      Tensor mQ = kp.tma_q.get_tma_tensor(kp.q_shape)(_, _, tile.head, batch_coord);
+      Tensor gQ = local_tile(domain_offset(make_coord(static_cast<int>(seq.q_start), _0{}), mQ),
+                             Shape<typename Cfg::BlockM, typename Cfg::DimQK>{},
+                             make_coord(tile.m_block, _0{}));
+      Tensor mK = kp.tma_k.get_tma_tensor(kp.k_shape)(_, _, kv_head, batch_coord);
+      Tensor gK = local_tile(domain_offset(make_coord(static_cast<int>(seq.k_start), _0{}), mK),
+                             Shape<typename Cfg::BlockN, typename Cfg::DimQK>{},
+                             make_coord(_, _0{}));
+      Tensor mV = kp.tma_v.get_tma_tensor(kp.v_shape)(_, _, kv_head, batch_coord);
+      Tensor gV = local_tile(domain_offset(make_coord(static_cast<int>(seq.k_start), _0{}), mV),
+                             Shape<typename Cfg::BlockN, typename Cfg::DimV>{},
+                             make_coord(_, _0{}));
+      auto q_part = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                  group_modes<0, 2>(gQ));
+      auto k_part = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                  group_modes<0, 2>(gK));  // (TMA, key tile), (TMA, stage)
+      auto v_part = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                  group_modes<0, 2>(gV));
+
+      auto load_k = [&](int n_block) {
+        k_pipe.producer_acquire(write_k);
+        if (lane == 0) {
+          copy(kp.tma_k.with(*k_pipe.producer_get_barrier(write_k), 0), get<0>(k_part)(_, n_block),
+               get<1>(k_part)(_, write_k.index()));
+        }
+        ++write_k;
+      };
+      auto load_v = [&](int n_block) {
+        v_pipe.producer_acquire(write_v);
+        if (lane == 0) {
+          copy(kp.tma_v.with(*v_pipe.producer_get_barrier(write_v), 0), get<0>(v_part)(_, n_block),
+               get<1>(v_part)(_, write_v.index()));
+        }
+        ++write_v;
+      };
+
+      // The first K tile does not wait for the consumers; Q waits until they are past their
+      // last QK^T of the previous tile (and, with O staged over Q, past its store).
+      load_k(n_end - 1);
+      NamedBarrier::sync(kConsumerThreads + 32, Barrier::kQueryEmpty);
+      if (lane == 0) {
+        shared.q_full.arrive_and_expect_tx(Cfg::kQBytes);
+        copy(kp.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full), 0), get<0>(q_part),
+             get<1>(q_part));
+      }
+      // The consumers take K of step j+1 before V of step j (their GEMM order).
+      for (int n_block = n_end - 1; n_block > n_begin; --n_block) {
+        load_k(n_block - 1);
+        load_v(n_block);
+      }
+      load_v(n_begin);
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegisters>();
+  const int consumer = threadIdx.x - 128;   // 0 .. kConsumerThreads - 1
+  const int consumer_wg = consumer / 128;   // which 64 query rows
+  const int wg_row0 = consumer_wg * 64 + (consumer % 128) / 32 * 16 + lane / 4;  // + 8 * half
+
+  typename Cfg::TiledMmaS mma_s;
+  typename Cfg::TiledMmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(consumer);
+  auto thr_o = mma_o.get_thread_slice(consumer);
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);
+  Tensor tSrK = thr_s.partition_fragment_B(sK);
+  Tensor tOrV = thr_o.partition_fragment_B(sVt);
+  auto smem_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_o);
+  auto thr_copy_o = smem_copy_o.get_thread_slice(consumer);
+  Tensor tOsO = thr_copy_o.partition_D(sO);
+
+  // Ping-pong: warpgroup w issues its GEMMs after every other consumer warpgroup has issued
+  // theirs since its last turn. Each takes its first turn in order: w arrives now for all
+  // warpgroups before it.
+  auto scheduler_wait = [&] {
+    NamedBarrier::sync(kConsumerThreads, Barrier::kSchedulerFirst + consumer_wg);
+  };
+  auto scheduler_pass = [&] {
+#pragma unroll
+    for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
+      if (w != consumer_wg) NamedBarrier::arrive(kConsumerThreads, Barrier::kSchedulerFirst + w);
+    }
+  };
+  for (int w = 0; w < consumer_wg; ++w) {
+    NamedBarrier::arrive(kConsumerThreads, Barrier::kSchedulerFirst + w);
+  }
+  // With a separate O region the consumers free Q right after a tile's last QK^T, which is one
+  // arrival ahead of the producer's waits: this one is for the first tile's Q.
+  if constexpr (Cfg::kSeparateO) {
+    NamedBarrier::arrive(kConsumerThreads + 32, Barrier::kQueryEmpty);
+  }
+
+  cutlass::PipelineState<Cfg::kStages> read_k;
+  cutlass::PipelineState<Cfg::kStages> read_v;
+  int q_phase = 0;
+  for (int linear = blockIdx.x; linear < kp.total_tiles; linear += gridDim.x) {
+    const TileCoord tile = decode_tile<Cfg>(p, linear, batch_heads);
+    const SequenceExtent seq = sequence_extent<Cfg::kMode>(p, tile.batch);
+    const int q_row0 = tile.m_block * kBlockM;
+    if (q_row0 >= seq.seqlen_q) continue;
+    const Mask mask(seq.seqlen_q, seq.seqlen_k, p.bottom_right, p.window_left, p.window_right);
+    const int n_begin = mask.n_block_begin(q_row0);
+    const int n_end = mask.n_block_end(q_row0 + kBlockM - 1);
+    const int rows_valid = min(kBlockM, seq.seqlen_q - q_row0);
+
+    float* lse = nullptr;
+    if constexpr (Cfg::kLse) {
+      if (p.lse != nullptr) {
+        lse = p.lse + tile.head * p.lse_head_stride +
+              (kGroup ? seq.q_start : tile.batch * p.lse_batch_stride) + q_row0;
+      }
+    }
+    auto* o_tile = static_cast<Element*>(p.o) + tile.head * p.o_head_stride +
+                   (kGroup ? seq.q_start * p.o_seq_stride : tile.batch * p.o_batch_stride) +
+                   static_cast<int64_t>(q_row0) * p.o_seq_stride;
+
+    if (n_end <= n_begin) {
+      // No row sees a key: O is 0 and the log-sum-exp -inf, written without shared memory
+      // (the producer loads nothing for this tile, so the Q/O region may be in use).
+      constexpr int kChunks = Cfg::kHeadDimV / 8;
+      for (int idx = consumer; idx < rows_valid * kChunks; idx += kConsumerThreads) {
+        *reinterpret_cast<uint4*>(o_tile + (idx / kChunks) * p.o_seq_stride +
+                                  (idx % kChunks) * 8) = make_uint4(0, 0, 0, 0);
+      }
+      if (lse != nullptr) {
+        for (int row = consumer; row < rows_valid; row += kConsumerThreads) lse[row] = -INFINITY;
+      }
+      continue;
+    }
+
+    // With O staged over Q, Q is free once the previous tile's O store has read it.
+    if constexpr (!Cfg::kSeparateO) {
+      NamedBarrier::arrive(kConsumerThreads + 32, Barrier::kQueryEmpty);
+    }
+
+    Tensor tOrO = partition_fragment_C(mma_o, Shape<typename Cfg::BlockM, typename Cfg::DimV>{});
+    clear(tOrO);
+    Tensor tOrP = make_tensor<Element>(
+        Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>>{});
+    RowStats stats;
+    float correction[2];
+
+    // Masks the key tile's invisible elements to -inf; only edge tiles have any.
+    auto apply_mask = [&](auto& s, int n_block) {
+      if (!mask.is_edge_tile(q_row0, n_block)) return;
+      const int col0 = n_block * kBlockN + 2 * (lane % 4);
+      constexpr int kValues = decltype(size(s))::value;
+#pragma unroll
+      for (int v = 0; v < kValues; ++v) {
+        const int row = q_row0 + wg_row0 + 8 * ((v / 2) % 2);
+        const int col = col0 + 8 * (v / 4) + v % 2;
+        if (!mask.is_visible(row, col)) s(v) = -INFINITY;
+      }
+    };
+    // Keys past the sequence's end get probability 0, but their V rows are whatever follows
+    // in memory (the next sequence, or NaN-poisoned padding), and 0 * NaN is NaN: each
+    // consumer warpgroup zeroes them before its own PV product reads them.
+    const int last_tile_keys = seq.seqlen_k - (n_end - 1) * kBlockN;
+    auto zero_v_tail = [&](int stage) {
+      if (last_tile_keys >= kBlockN) return;
+      constexpr int kChunks = Cfg::kHeadDimV / 8;
+      const int idx0 = consumer % 128;
+      for (int idx = idx0; idx < (kBlockN - last_tile_keys) * kChunks; idx += 128) {
+        const int row = last_tile_keys + idx / kChunks;
+        *reinterpret_cast<uint4*>(raw_pointer_cast(&sV(row, (idx % kChunks) * 8, stage))) =
+            make_uint4(0, 0, 0, 0);
+      }
+      cutlass::arch::fence_view_async_shared();
+      NamedBarrier::sync(128, Barrier::kWarpgroupFirst + consumer_wg);
+    };
+
+    shared.q_full.wait(q_phase);
+    q_phase ^= 1;
+
+    {  // The last key tile (often the masked one) alone: nothing to overlap yet.
+      Tensor tSrS = partition_fragment_C(mma_s, Shape<typename Cfg::BlockM, typename Cfg::BlockN>{});
+      k_pipe.consumer_wait(read_k);
+      scheduler_wait();
+      warpgroup_gemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+      scheduler_pass();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      k_pipe.consumer_release(read_k);
+      ++read_k;
+      apply_mask(tSrS, n_end - 1);
+      stats.update(tSrS, p.softmax_mul, correction);
+      convert_p<Element>(tSrS, tOrP);
+    }
+    bool v_tail_pending = true;  // the first V tile consumed is the last key tile's
+    for (int n_block = n_end - 2; n_block >= n_begin; --n_block) {
+      Tensor tSrS = partition_fragment_C(mma_s, Shape<typename Cfg::BlockM, typename Cfg::BlockN>{});
+      k_pipe.consumer_wait(read_k);
+      scheduler_wait();
+      warpgroup_gemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+      scale_rows(tOrO, correction);
+      v_pipe.consumer_wait(read_v);
+      if (v_tail_pending) {
+        zero_v_tail(read_v.index());
+        v_tail_pending = false;
+      }
+      warpgroup_gemm<false, -1>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+      scheduler_pass();
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(tSrS);
+      k_pipe.consumer_release(read_k);
+      ++read_k;
+      apply_mask(tSrS, n_block);
+      stats.update(tSrS, p.softmax_mul, correction);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      v_pipe.consumer_release(read_v);
+      ++read_v;
+      convert_p<Element>(tSrS, tOrP);
+    }
+    // Every QK^T of this tile is done: the producer may load the next tile's Q.
+    if constexpr (Cfg::kSeparateO) {
+      NamedBarrier::arrive(kConsumerThreads + 32, Barrier::kQueryEmpty);
+    }
+    scale_rows(tOrO, correction);
+    v_pipe.consumer_wait(read_v);
+    if (v_tail_pending) zero_v_tail(read_v.index());
+    warpgroup_gemm<false, -1>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+
+    // While the last PV product runs: the row sums, the log-sum-exp, 1 / rowsum.
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = stats.sum[h];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      // No visible key: output 0, log-sum-exp -inf, never NaN.
+      inv[h] = sum > 0.f ? 1.f / sum : 0.f;
+      const int row = wg_row0 + 8 * h;
+      if (lse != nullptr && lane % 4 == 0 && row < rows_valid) {
+        // A NaN sum (NaN or +inf among the logits) is no empty row: its LSE is NaN too.
+        lse[row] = sum > 0.f    ? (stats.max[h] * p.softmax_mul + log2f(sum)) *
+                                   static_cast<float>(M_LN2)
+                   : sum == 0.f ? -INFINITY
+                                : NAN;
+      }
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    v_pipe.consumer_release(read_v);
+    ++read_v;
+    scale_rows(tOrO, inv);
+
+    // Epilogue. The O region must be free: over Q, every consumer warpgroup must be past its
+    // last QK^T; in its own region, the previous tile's TMA store must have read it.
+    Tensor tOrO_out = make_tensor_like<Element>(tOrO);
+#pragma unroll
+    for (int v = 0; v < size(tOrO); ++v) tOrO_out(v) = static_cast<Element>(tOrO(v));
+    if (Cfg::kSeparateO && consumer == 0) tma_store_wait<0>();
+    NamedBarrier::sync(kConsumerThreads, Barrier::kConsumersDone);
+    copy(smem_copy_o, thr_copy_o.retile_S(tOrO_out), tOsO);
+    cutlass::arch::fence_view_async_shared();  // the TMA store reads what stmatrix wrote
+    NamedBarrier::sync(kConsumerThreads, Barrier::kConsumersDone);
+    if (rows_valid == kBlockM) {
+      if (consumer == 0) {
+        Tensor mO = kp.tma_o.get_tma_tensor(kp.o_shape)(_, _, tile.head, kGroup ? 0 : tile.batch);
+        Tensor gO = local_tile(domain_offset(make_coord(static_cast<int>(seq.q_start), _0{}), mO),
+                               Shape<typename Cfg::BlockM, typename Cfg::DimV>{},
+                               make_coord(tile.m_block, _0{}));
+        auto tma_o = kp.tma_o.get_slice(_0{});
+        copy(kp.tma_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
+        tma_store_arrive();
+        // Over Q: before this thread's arrival on kQueryEmpty lets the next Q overwrite it.
+        if (!Cfg::kSeparateO) tma_store_wait<0>();
+      }
+    } else {
+      // A ragged tile: TMA would write the rows past the sequence's end, which belong to the
+      // next sequence (group mode) or past seqused.
+      constexpr int kChunks = Cfg::kHeadDimV / 8;
+      for (int idx = consumer; idx < rows_valid * kChunks; idx += kConsumerThreads) {
+        const int row = idx / kChunks;
+        const int col = (idx % kChunks) * 8;
+        *reinterpret_cast<uint4*>(o_tile + row * p.o_seq_stride + col) =
+            *reinterpret_cast<const uint4*>(raw_pointer_cast(&sO(row, col)));
+      }
+    }
+  }
+  // Shared memory must outlive the last store's reads of it.
+  if (Cfg::kSeparateO && consumer == 0) tma_store_wait<0>();
+}
+
+// TMA needs every global stride to be a positive multiple of 16 bytes. The API passes 0 for
+// the stride of a size-1 dimension (it is never stepped over), so any valid one stands in.
+inline int64_t tma_stride(int64_t stride) { return stride > 0 ? stride : 8; }
+
+inline int multiprocessor_count() {
+  int device = 0;
+  int count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 0;
+  }
+  return count;
+}
+
+template <class Cfg>
+cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
+  using namespace cute;
+  using Element = typename Cfg::Element;
+  using Params = typename Cfg::KernelParams;
+  constexpr bool kGroup = Cfg::kMode == Mode::kGroup;
+
+  Params kp{};
+  kp.p = make_fwd_params(args, /*logits_in_scores=*/false);
+  const int64_t m_blocks = (static_cast<int64_t>(args.seqlen_q) + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  const int64_t batch_heads = static_cast<int64_t>(args.batch) * args.nhead_q;
+  const int64_t total_tiles = m_blocks * batch_heads;
+  // Tile indices are ints, and TMA coordinates are int32: rows past 2^31 cannot be addressed.
+  const int64_t rows_q = kGroup ? args.total_q : args.seqlen_q;
+  const int64_t rows_k = kGroup ? args.total_k : args.seqlen_k;
+  if (total_tiles > INT32_MAX || rows_q > INT32_MAX || rows_k > INT32_MAX) {
+    return cudaErrorInvalidConfiguration;
+  }
+  kp.p.m_blocks = static_cast<int>(m_blocks);
+  kp.p.group_heads = heads_per_group(
+      static_cast<int64_t>(args.seqlen_k) * (Cfg::kHeadDimQK + Cfg::kHeadDimV) * 2, batch_heads);
+  kp.total_tiles = static_cast<int>(total_tiles);
+
+  const int batch = kGroup ? 1 : args.batch;
+  auto shape = [&](int64_t rows, int dim, int heads) {
+    return typename Cfg::GmemShape(static_cast<int32_t>(rows), dim, heads, batch);
+  };
+  auto stride = [&](int64_t seq, int64_t head, int64_t batch_stride) {
+    return typename Cfg::GmemStride(tma_stride(seq), _1{}, tma_stride(head),
+                                    tma_stride(kGroup ? 0 : batch_stride));
+  };
+  kp.q_shape = shape(rows_q, args.hdim_q, args.nhead_q);
+  kp.k_shape = shape(rows_k, args.hdim_q, args.nhead_k);
+  kp.v_shape = shape(rows_k, args.hdim_v, args.nhead_k);
+  kp.o_shape = shape(rows_q, args.hdim_v, args.nhead_q);
+  auto gmem = [](const void* ptr, auto shape, auto stride) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), make_layout(shape, stride));
+  };
+  kp.tma_q = make_tma_copy(SM90_TMA_LOAD{},
+                           gmem(args.q, kp.q_shape,
+                                stride(args.q_seq_stride, args.q_head_stride, args.q_batch_stride)),
+                           typename Cfg::SmemLayoutQ{},
+                           Shape<typename Cfg::BlockM, typename Cfg::DimQK>{}, _1{});
+  kp.tma_k = make_tma_copy(SM90_TMA_LOAD{},
+                           gmem(args.k, kp.k_shape,
+                                stride(args.k_seq_stride, args.k_head_stride, args.k_batch_stride)),
+                           take<0, 2>(typename Cfg::SmemLayoutK{}),
+                           Shape<typename Cfg::BlockN, typename Cfg::DimQK>{}, _1{});
+  kp.tma_v = make_tma_copy(SM90_TMA_LOAD{},
+                           gmem(args.v, kp.v_shape,
+                                stride(args.v_seq_stride, args.v_head_stride, args.v_batch_stride)),
+                           take<0, 2>(typename Cfg::SmemLayoutV{}),
+                           Shape<typename Cfg::BlockN, typename Cfg::DimV>{}, _1{});
+  kp.tma_o = make_tma_copy(
+      SM90_TMA_STORE{},
+      make_tensor(make_gmem_ptr(static_cast<Element*>(args.o)),
+                  make_layout(kp.o_shape, stride(args.o_seq_stride, args.o_head_stride,
+                                                 args.o_batch_stride))),
+      typename Cfg::SmemLayoutO{}, Shape<typename Cfg::BlockM, typename Cfg::DimV>{}, _1{});
+
+  // One CTA per SM (each takes ~all of its shared memory), looping over the tiles.
+  const int sms = multiprocessor_count();
+  if (sms <= 0) return cudaErrorInvalidDevice;
+  const int grid = static_cast<int>(total_tiles < sms ? total_tiles : sms);
+  auto* kernel = fwd_kernel<Cfg>;
+  const cudaError_t err = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+}  // namespace fmha::fa3
