@@ -151,8 +151,9 @@ _FA2_SHARED_MEMORY = SharedMemory(_Q_AND_KV_RING, _q_and_kv_ring_bytes)
 # What fmha/kernels/fwd_fa3_sm90.cuh static_asserts: one producer warpgroup (4 warps) feeds
 # block_m / 64 consumer warpgroups through TMA, and each consumer issues wgmma on its 64 rows.
 _FA3_CONSTRAINTS = (
-    TileConstraint("block_m % 64 == 0 (each consumer warpgroup owns 64 query rows)",
-                   lambda tile, hdim: tile.block_m % 64 == 0),
+    TileConstraint("block_m 128 or 192 (two or three consumer warpgroups of 64 query rows: the "
+                   "register split between producer and consumers is set for those)",
+                   lambda tile, hdim: tile.block_m in (128, 192)),
     TileConstraint("warps == 4 * (block_m // 64 + 1) (one producer warpgroup plus one consumer "
                    "warpgroup per 64 query rows)",
                    lambda tile, hdim: tile.warps == 4 * (tile.block_m // 64 + 1)),
@@ -164,6 +165,8 @@ _FA3_CONSTRAINTS = (
     # 64 two-byte elements are one 128-byte swizzle atom of TMA and wgmma's shared-memory layout.
     TileConstraint("hdim_q and hdim_v multiples of 64 (128-byte swizzle atoms)",
                    lambda tile, hdim: all(d % 64 == 0 for d in hdim)),
+    TileConstraint("hdim_v <= hdim_q (O is staged over Q where it has no region of its own)",
+                   lambda tile, hdim: hdim[1] <= hdim[0]),
 )
 
 # FwdConfig::kSmemBytes of fwd_fa3_sm90.cuh: fa2's regions, plus the K/V ring's mbarriers and

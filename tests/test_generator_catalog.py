@@ -306,7 +306,9 @@ def test_fa3_instances_and_their_tiles(build):
 
 @pytest.mark.parametrize("old, new, reason", [
     ("block_m: 192, block_n: 128, warps: 16", "block_m: 160, block_n: 128, warps: 16",
-     "block_m % 64 == 0"),
+     "block_m 128 or 192"),
+    ("block_m: 192, block_n: 128, warps: 16", "block_m: 256, block_n: 128, warps: 20",
+     "block_m 128 or 192"),
     ("block_m: 192, block_n: 128, warps: 16", "block_m: 192, block_n: 128, warps: 12",
      "warps == 4 * (block_m // 64 + 1)"),
     ("block_n: 128, warps: 16", "block_n: 120, warps: 16", "block_n % 16 == 0 and 16 <= block_n"),

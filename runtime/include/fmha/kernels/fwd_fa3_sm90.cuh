@@ -93,6 +93,8 @@ struct FwdConfig {
   static_assert(kStages >= 2, "K and V need at least double buffering");
 
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  // Past d128 the QK^T k-loop stays rolled (warpgroup_gemm says why).
+  static constexpr bool kUnrollQK = kHeadDimQK <= 128;
   static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3,
                 "the register split and the ping-pong barriers are for 2 or 3 consumers");
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
@@ -221,8 +223,11 @@ __device__ __forceinline__ TileCoord decode_tile(const FwdParams& p, int linear,
 // One wgmma batch over the k-blocks of its operands, committed as one group; kWait >= 0 waits
 // until at most kWait groups are in flight. The operand fences keep the compiler from moving
 // register reads and writes of the accumulators (and of A, when it is in registers) across the
-// asynchronous GEMM.
-template <bool kZeroInit, int kWait, class TiledMma, class TA, class TB, class TC>
+// asynchronous GEMM. kUnrollK = false keeps the k-loop rolled: unrolled, ptxas precomputes a
+// 64-bit shared-memory descriptor per k-block and keeps the loop-invariant ones (Q's) live
+// across the whole main loop, 16 + 16 of them at d256, which spilled 300-400 bytes.
+template <bool kZeroInit, int kWait, bool kUnrollK = true, class TiledMma, class TA, class TB,
+          class TC>
 __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& a, TB const& b, TC& c) {
   using namespace cute;
   constexpr bool kARegisters =
@@ -231,10 +236,18 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& a, TB co
   warpgroup_fence_operand(c);
   warpgroup_arrive();
   if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTLASS_PRAGMA_UNROLL
-  for (int kb = 0; kb < size<2>(a); ++kb) {
-    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
+  if constexpr (kUnrollK) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int kb = 0; kb < size<2>(a); ++kb) {
+      cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+  } else {
+#pragma unroll 1
+    for (int kb = 0; kb < size<2>(a); ++kb) {
+      cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
   }
   warpgroup_commit_batch();
   if constexpr (kWait >= 0) warpgroup_wait<kWait>();
@@ -554,7 +567,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tSrS = partition_fragment_C(mma_s, Shape<typename Cfg::BlockM, typename Cfg::BlockN>{});
       k_pipe.consumer_wait(read_k);
       scheduler_wait();
-      warpgroup_gemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+      warpgroup_gemm<true, -1, Cfg::kUnrollQK>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
       scheduler_pass();
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
@@ -569,7 +582,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tSrS = partition_fragment_C(mma_s, Shape<typename Cfg::BlockM, typename Cfg::BlockN>{});
       k_pipe.consumer_wait(read_k);
       scheduler_wait();
-      warpgroup_gemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+      warpgroup_gemm<true, -1, Cfg::kUnrollQK>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
       scale_rows(tOrO, correction);
       v_pipe.consumer_wait(read_v);
       if (v_tail_pending) {
