@@ -33,6 +33,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 // wgmma has every N that is a multiple of 8 (or 16) up to 256; CuTe's op selectors consider
@@ -197,6 +198,9 @@ struct FwdConfig {
     TmaStoreO tma_o;
     GmemShape q_shape, k_shape, v_shape, o_shape;
     int total_tiles;  // m_blocks * nhead_q * batch
+    // The L2-blind order (query tile slowest, FMHA_FA3_SPREAD_HEADS set): for measuring what
+    // the head-major order gains, e.g. at S = 32k and 64k; never the default.
+    bool spread_heads;
   };
 };
 
@@ -209,11 +213,18 @@ enum Barrier : uint32_t {
 };
 
 template <class Cfg>
-__device__ __forceinline__ TileCoord decode_tile(const FwdParams& p, int linear, int batch_heads) {
+__device__ __forceinline__ TileCoord decode_tile(const typename Cfg::KernelParams& kp, int linear,
+                                                 int batch_heads) {
+  const FwdParams& p = kp.p;
   if constexpr (Cfg::kMask == MaskType::kCausal) {
     return longest_first_in_head_groups(linear, p.m_blocks, p.nhead_q, batch_heads,
                                         p.group_heads);
   } else {
+    if (kp.spread_heads) {
+      const int m_block = linear / batch_heads;
+      const int bh = linear - m_block * batch_heads;
+      return {m_block, bh % p.nhead_q, bh / p.nhead_q};
+    }
     // Query tiles of one head next to each other: the CTAs running at once share its K/V in L2.
     const int bh = linear / p.m_blocks;
     return {linear - bh * p.m_blocks, bh % p.nhead_q, bh / p.nhead_q};
@@ -377,7 +388,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     cutlass::PipelineState<Cfg::kStages> write_k = cutlass::make_producer_start_state<Pipeline>();
     cutlass::PipelineState<Cfg::kStages> write_v = cutlass::make_producer_start_state<Pipeline>();
     for (int linear = blockIdx.x; linear < kp.total_tiles; linear += gridDim.x) {
-      const TileCoord tile = decode_tile<Cfg>(p, linear, batch_heads);
+      const TileCoord tile = decode_tile<Cfg>(kp, linear, batch_heads);
       const SequenceExtent seq = sequence_extent<Cfg::kMode>(p, tile.batch);
       const int q_row0 = tile.m_block * kBlockM;
       if (q_row0 >= seq.seqlen_q) continue;
@@ -485,7 +496,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   cutlass::PipelineState<Cfg::kStages> read_v;
   int q_phase = 0;
   for (int linear = blockIdx.x; linear < kp.total_tiles; linear += gridDim.x) {
-    const TileCoord tile = decode_tile<Cfg>(p, linear, batch_heads);
+    const TileCoord tile = decode_tile<Cfg>(kp, linear, batch_heads);
     const SequenceExtent seq = sequence_extent<Cfg::kMode>(p, tile.batch);
     const int q_row0 = tile.m_block * kBlockM;
     if (q_row0 >= seq.seqlen_q) continue;
@@ -707,8 +718,13 @@ cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidConfiguration;
   }
   kp.p.m_blocks = static_cast<int>(m_blocks);
-  kp.p.group_heads = heads_per_group(
-      static_cast<int64_t>(args.seqlen_k) * (Cfg::kHeadDimQK + Cfg::kHeadDimV) * 2, batch_heads);
+  kp.spread_heads = std::getenv("FMHA_FA3_SPREAD_HEADS") != nullptr;
+  // Causal: one head group of every head is longest-first with no regard for L2.
+  kp.p.group_heads = kp.spread_heads
+                         ? static_cast<int>(batch_heads)
+                         : heads_per_group(static_cast<int64_t>(args.seqlen_k) *
+                                               (Cfg::kHeadDimQK + Cfg::kHeadDimV) * 2,
+                                           batch_heads);
   kp.total_tiles = static_cast<int>(total_tiles);
 
   const int batch = kGroup ? 1 : args.batch;
