@@ -94,8 +94,6 @@ struct FwdConfig {
   static_assert(kStages >= 2, "K and V need at least double buffering");
 
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
-  // Past d128 the QK^T k-loop stays rolled (warpgroup_gemm says why).
-  static constexpr bool kUnrollQK = kHeadDimQK <= 128;
   static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3,
                 "the register split and the ping-pong barriers are for 2 or 3 consumers");
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
@@ -212,33 +210,55 @@ enum Barrier : uint32_t {
   kWarpgroupFirst = 5,   // + w: the 128 threads of consumer warpgroup w
 };
 
+// Persistent CTAs take work units round-robin: unit u goes to CTA u % gridDim.x. Without a
+// causal mask a unit is one tile, and units are query tiles of one head next to each other, so
+// the CTAs running at once share that head's K/V in L2. Under a causal mask tile m costs m + 1
+// key tiles, and round-robin over tiles sorted by length gave CTA 0 up to 3x the key tiles of
+// CTA 123 (bf16 d128, S = 16k, 16k tokens: 423 TFLOP/s against 642 without the mask). So a
+// causal unit pairs query tile M-1-p with tile p of the same head: every pair costs M + 1 key
+// tiles (the middle tile of an odd M is alone), and pairs run in L2 head groups
+// (tile_order.cuh).
 template <class Cfg>
-__device__ __forceinline__ TileCoord decode_tile(const typename Cfg::KernelParams& kp, int linear,
-                                                 int batch_heads) {
+__device__ __forceinline__ int work_units(const typename Cfg::KernelParams& kp, int batch_heads) {
+  const int m_blocks = kp.p.m_blocks;
+  return Cfg::kMask == MaskType::kCausal ? (m_blocks + 1) / 2 * batch_heads
+                                         : m_blocks * batch_heads;
+}
+
+// Tile `half` (0 or 1) of work unit `unit`; false when the unit has no such tile.
+template <class Cfg>
+__device__ __forceinline__ bool unit_tile(const typename Cfg::KernelParams& kp, int unit,
+                                          int half, int batch_heads, TileCoord* tile) {
   const FwdParams& p = kp.p;
   if constexpr (Cfg::kMask == MaskType::kCausal) {
-    return longest_first_in_head_groups(linear, p.m_blocks, p.nhead_q, batch_heads,
-                                        p.group_heads);
+    const int pairs = (p.m_blocks + 1) / 2;
+    // The pair index plays the query tile's part in the head-group order.
+    const TileCoord pair = longest_first_in_head_groups(unit, pairs, p.nhead_q, batch_heads,
+                                                        p.group_heads);
+    const int long_m = p.m_blocks - 1 - (pairs - 1 - pair.m_block);
+    const int short_m = p.m_blocks - 1 - long_m;
+    if (half == 1 && short_m == long_m) return false;
+    *tile = {half == 0 ? long_m : short_m, pair.head, pair.batch};
+    return true;
   } else {
+    if (half == 1) return false;
     if (kp.spread_heads) {
-      const int m_block = linear / batch_heads;
-      const int bh = linear - m_block * batch_heads;
-      return {m_block, bh % p.nhead_q, bh / p.nhead_q};
+      const int m_block = unit / batch_heads;
+      const int bh = unit - m_block * batch_heads;
+      *tile = {m_block, bh % p.nhead_q, bh / p.nhead_q};
+    } else {
+      const int bh = unit / p.m_blocks;
+      *tile = {unit - bh * p.m_blocks, bh % p.nhead_q, bh / p.nhead_q};
     }
-    // Query tiles of one head next to each other: the CTAs running at once share its K/V in L2.
-    const int bh = linear / p.m_blocks;
-    return {linear - bh * p.m_blocks, bh % p.nhead_q, bh / p.nhead_q};
+    return true;
   }
 }
 
 // One wgmma batch over the k-blocks of its operands, committed as one group; kWait >= 0 waits
 // until at most kWait groups are in flight. The operand fences keep the compiler from moving
 // register reads and writes of the accumulators (and of A, when it is in registers) across the
-// asynchronous GEMM. kUnrollK = false keeps the k-loop rolled: unrolled, ptxas precomputes a
-// 64-bit shared-memory descriptor per k-block and keeps the loop-invariant ones (Q's) live
-// across the whole main loop, 16 + 16 of them at d256, which spilled 300-400 bytes.
-template <bool kZeroInit, int kWait, bool kUnrollK = true, class TiledMma, class TA, class TB,
-          class TC>
+// asynchronous GEMM.
+template <bool kZeroInit, int kWait, class TiledMma, class TA, class TB, class TC>
 __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& a, TB const& b, TC& c) {
   using namespace cute;
   constexpr bool kARegisters =
@@ -247,18 +267,10 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& a, TB co
   warpgroup_fence_operand(c);
   warpgroup_arrive();
   if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
-  if constexpr (kUnrollK) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int kb = 0; kb < size<2>(a); ++kb) {
-      cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-  } else {
-#pragma unroll 1
-    for (int kb = 0; kb < size<2>(a); ++kb) {
-      cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
+  CUTLASS_PRAGMA_UNROLL
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
   if constexpr (kWait >= 0) warpgroup_wait<kWait>();
@@ -348,6 +360,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);
   const int lane = threadIdx.x % 32;
   const int batch_heads = kp.total_tiles / p.m_blocks;
+  const int units = work_units<Cfg>(kp, batch_heads);
 
   Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQ{});
   Element* o_region;
@@ -387,8 +400,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x >= 32) return;  // one warp issues; its lane 0 the copies
     cutlass::PipelineState<Cfg::kStages> write_k = cutlass::make_producer_start_state<Pipeline>();
     cutlass::PipelineState<Cfg::kStages> write_v = cutlass::make_producer_start_state<Pipeline>();
-    for (int linear = blockIdx.x; linear < kp.total_tiles; linear += gridDim.x) {
-      const TileCoord tile = decode_tile<Cfg>(kp, linear, batch_heads);
+    for (int unit = blockIdx.x; unit < units; unit += gridDim.x)
+    for (int half = 0; half < 2; ++half) {
+      TileCoord tile;
+      if (!unit_tile<Cfg>(kp, unit, half, batch_heads, &tile)) continue;
       const SequenceExtent seq = sequence_extent<Cfg::kMode>(p, tile.batch);
       const int q_row0 = tile.m_block * kBlockM;
       if (q_row0 >= seq.seqlen_q) continue;
@@ -495,8 +510,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   cutlass::PipelineState<Cfg::kStages> read_k;
   cutlass::PipelineState<Cfg::kStages> read_v;
   int q_phase = 0;
-  for (int linear = blockIdx.x; linear < kp.total_tiles; linear += gridDim.x) {
-    const TileCoord tile = decode_tile<Cfg>(kp, linear, batch_heads);
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x)
+  for (int half = 0; half < 2; ++half) {
+    TileCoord tile;
+    if (!unit_tile<Cfg>(kp, unit, half, batch_heads, &tile)) continue;
     const SequenceExtent seq = sequence_extent<Cfg::kMode>(p, tile.batch);
     const int q_row0 = tile.m_block * kBlockM;
     if (q_row0 >= seq.seqlen_q) continue;
@@ -578,7 +595,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tSrS = partition_fragment_C(mma_s, Shape<typename Cfg::BlockM, typename Cfg::BlockN>{});
       k_pipe.consumer_wait(read_k);
       scheduler_wait();
-      warpgroup_gemm<true, -1, Cfg::kUnrollQK>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+      warpgroup_gemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
       scheduler_pass();
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
@@ -593,7 +610,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tSrS = partition_fragment_C(mma_s, Shape<typename Cfg::BlockM, typename Cfg::BlockN>{});
       k_pipe.consumer_wait(read_k);
       scheduler_wait();
-      warpgroup_gemm<true, -1, Cfg::kUnrollQK>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+      warpgroup_gemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
       scale_rows(tOrO, correction);
       v_pipe.consumer_wait(read_v);
       if (v_tail_pending) {
@@ -767,7 +784,9 @@ cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
   // One CTA per SM (each takes ~all of its shared memory), looping over the tiles.
   const int sms = multiprocessor_count();
   if (sms <= 0) return cudaErrorInvalidDevice;
-  const int grid = static_cast<int>(total_tiles < sms ? total_tiles : sms);
+  const int64_t units = Cfg::kMask == MaskType::kCausal ? (m_blocks + 1) / 2 * batch_heads
+                                                        : total_tiles;  // as work_units()
+  const int grid = static_cast<int>(units < sms ? units : sms);
   auto* kernel = fwd_kernel<Cfg>;
   const cudaError_t err = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
