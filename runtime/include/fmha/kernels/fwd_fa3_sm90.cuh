@@ -219,8 +219,7 @@ enum Barrier : uint32_t {
 // tiles (the middle tile of an odd M is alone), and pairs run in L2 head groups
 // (tile_order.cuh).
 template <class Cfg>
-__device__ __forceinline__ int work_units(const typename Cfg::KernelParams& kp, int batch_heads) {
-  const int m_blocks = kp.p.m_blocks;
+__host__ __device__ inline int64_t work_units(int64_t m_blocks, int64_t batch_heads) {
   return Cfg::kMask == MaskType::kCausal ? (m_blocks + 1) / 2 * batch_heads
                                          : m_blocks * batch_heads;
 }
@@ -253,6 +252,30 @@ __device__ __forceinline__ bool unit_tile(const typename Cfg::KernelParams& kp, 
     return true;
   }
 }
+
+// One work tile as the producer and the consumers both derive it, so that they agree on which
+// tiles exist and which key tiles [n_begin, n_end) each one visits.
+template <class Cfg>
+struct WorkTile {
+  using Mask = TileMask<Cfg::kMask, /*kPadSeqlen=*/true, Cfg::kBlockM, Cfg::kBlockN>;
+  TileCoord tile;
+  SequenceExtent seq;
+  int q_row0;
+  Mask mask;
+  int n_begin;
+  int n_end;
+
+  __device__ WorkTile(const FwdParams& p, TileCoord coord)
+      : tile(coord),
+        seq(sequence_extent<Cfg::kMode>(p, coord.batch)),
+        q_row0(coord.m_block * Cfg::kBlockM),
+        mask(seq.seqlen_q, seq.seqlen_k, p.bottom_right, p.window_left, p.window_right),
+        n_begin(mask.n_block_begin(q_row0)),
+        n_end(mask.n_block_end(q_row0 + Cfg::kBlockM - 1)) {}
+
+  // The grid covers the longest sequence; tiles past this one's end have nothing to do.
+  __device__ bool in_sequence() const { return q_row0 < seq.seqlen_q; }
+};
 
 // One wgmma batch over the k-blocks of its operands, committed as one group; kWait >= 0 waits
 // until at most kWait groups are in flight. The operand fences keep the compiler from moving
@@ -347,7 +370,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   using namespace cute;
   using Element = typename Cfg::Element;
   using Pipeline = typename Cfg::Pipeline;
-  using Mask = TileMask<Cfg::kMask, /*kPadSeqlen=*/true, Cfg::kBlockM, Cfg::kBlockN>;
   using NamedBarrier = cutlass::arch::NamedBarrier;
   constexpr int kBlockM = Cfg::kBlockM;
   constexpr int kBlockN = Cfg::kBlockN;
@@ -360,7 +382,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);
   const int lane = threadIdx.x % 32;
   const int batch_heads = kp.total_tiles / p.m_blocks;
-  const int units = work_units<Cfg>(kp, batch_heads);
+  const int units = static_cast<int>(work_units<Cfg>(p.m_blocks, batch_heads));
 
   Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQ{});
   Element* o_region;
@@ -402,15 +424,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     cutlass::PipelineState<Cfg::kStages> write_v = cutlass::make_producer_start_state<Pipeline>();
     for (int unit = blockIdx.x; unit < units; unit += gridDim.x)
     for (int half = 0; half < 2; ++half) {
-      TileCoord tile;
-      if (!unit_tile<Cfg>(kp, unit, half, batch_heads, &tile)) continue;
-      const SequenceExtent seq = sequence_extent<Cfg::kMode>(p, tile.batch);
-      const int q_row0 = tile.m_block * kBlockM;
-      if (q_row0 >= seq.seqlen_q) continue;
-      const Mask mask(seq.seqlen_q, seq.seqlen_k, p.bottom_right, p.window_left, p.window_right);
-      const int n_begin = mask.n_block_begin(q_row0);
-      const int n_end = mask.n_block_end(q_row0 + kBlockM - 1);
-      if (n_end <= n_begin) continue;  // the consumers write zeros without shared memory
+      TileCoord coord;
+      if (!unit_tile<Cfg>(kp, unit, half, batch_heads, &coord)) continue;
+      const WorkTile<Cfg> work(p, coord);
+      // A tile that sees no key loads nothing: the consumers write its zeros themselves.
+      if (!work.in_sequence() || work.n_end <= work.n_begin) continue;
+      const TileCoord& tile = work.tile;
+      const SequenceExtent& seq = work.seq;
+      const int n_begin = work.n_begin;
+      const int n_end = work.n_end;
       const int kv_head = tile.head / p.kv_group;
       const int batch_coord = kGroup ? 0 : tile.batch;
 
@@ -512,14 +534,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   int q_phase = 0;
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x)
   for (int half = 0; half < 2; ++half) {
-    TileCoord tile;
-    if (!unit_tile<Cfg>(kp, unit, half, batch_heads, &tile)) continue;
-    const SequenceExtent seq = sequence_extent<Cfg::kMode>(p, tile.batch);
-    const int q_row0 = tile.m_block * kBlockM;
-    if (q_row0 >= seq.seqlen_q) continue;
-    const Mask mask(seq.seqlen_q, seq.seqlen_k, p.bottom_right, p.window_left, p.window_right);
-    const int n_begin = mask.n_block_begin(q_row0);
-    const int n_end = mask.n_block_end(q_row0 + kBlockM - 1);
+    TileCoord coord;
+    if (!unit_tile<Cfg>(kp, unit, half, batch_heads, &coord)) continue;
+    const WorkTile<Cfg> work(p, coord);
+    if (!work.in_sequence()) continue;
+    const TileCoord& tile = work.tile;
+    const SequenceExtent& seq = work.seq;
+    const int q_row0 = work.q_row0;
+    const auto& mask = work.mask;
+    const int n_begin = work.n_begin;
+    const int n_end = work.n_end;
     const int rows_valid = min(kBlockM, seq.seqlen_q - q_row0);
 
     float* lse = nullptr;
@@ -784,8 +808,7 @@ cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
   // One CTA per SM (each takes ~all of its shared memory), looping over the tiles.
   const int sms = multiprocessor_count();
   if (sms <= 0) return cudaErrorInvalidDevice;
-  const int64_t units = Cfg::kMask == MaskType::kCausal ? (m_blocks + 1) / 2 * batch_heads
-                                                        : total_tiles;  // as work_units()
+  const int64_t units = work_units<Cfg>(m_blocks, batch_heads);
   const int grid = static_cast<int>(units < sms ? units : sms);
   auto* kernel = fwd_kernel<Cfg>;
   const cudaError_t err = cudaFuncSetAttribute(
