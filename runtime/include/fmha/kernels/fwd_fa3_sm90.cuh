@@ -6,7 +6,9 @@
 //   producer: one thread issues TMA loads: Q once per tile, then K and V tiles, key tiles last
 //     to first, into kStages-deep rings guarded by mbarriers (cutlass::PipelineTmaAsync). Its
 //     warpgroup gives its registers up (setmaxnreg) so the consumers can hold O and two S.
-//   consumer warpgroup w owns query rows [64 w, 64 w + 64) of the tile. Per key tile:
+//   consumer warpgroup w owns query rows [64 w, 64 w + 64) of the tile, with its own Q and O
+//     regions in shared memory, its own Q barrier and its own epilogue, so no consumer ever
+//     waits for another except to take turns on the tensor cores. Per key tile:
 //     S = Q K^T   wgmma, both operands from shared memory (128-byte swizzle), fp32 accumulators
 //     softmax     online, on the accumulators (exp2 with the scale folded into one FFMA)
 //     O += P V    wgmma, P from registers (S's accumulator layout is the A-operand register
@@ -16,9 +18,9 @@
 //     step j+1 runs while the PV product is still on the tensor cores;
 //   - across warpgroups, named barriers take turns issuing those GEMMs (ping-pong), so one
 //     warpgroup's softmax overlaps the other's GEMMs.
-// Epilogue: O / rowsum goes to shared memory (stmatrix, over the Q region) and out with one TMA
-// store when the tile is whole, or with predicated 16-byte stores when it is ragged; the
-// log-sum-exp goes straight from registers.
+// Epilogue, per warpgroup: O / rowsum goes to shared memory (stmatrix) and out with one TMA
+// store when the warpgroup's 64 rows are whole, or with predicated 16-byte stores when they are
+// ragged; the log-sum-exp goes straight from registers.
 //
 // Traits on this pipeline: fp16/bf16; head dims that are multiples of 64; no mask, causal and
 // sliding windows (both alignments); MQA/GQA; batch and group mode with seqused; LSE. Every
@@ -111,23 +113,22 @@ struct FwdConfig {
                     (kConsumerRegisters - kLaunchRegisters) * kConsumerThreads,
                 "the consumers' registers must come from the producer's");
 
-  using BlockM = cute::Int<kBlockM>;
   using BlockN = cute::Int<kBlockN>;
   using DimQK = cute::Int<kHeadDimQK>;
   using DimV = cute::Int<kHeadDimV>;
-  using ConsumerLayout = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1,
-                                                  cute::_1>>;
+  // One warpgroup's GEMMs (64 query rows). Each consumer warpgroup partitions its own Q and O
+  // tensors, whose addresses are warp-uniform, so the wgmma descriptors live in uniform
+  // registers: as per-thread values the 16 Q descriptors of d256 took 32 of the 240 registers.
   using TiledMmaS = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, BlockN, DimQK>>(),
-      ConsumerLayout{}));
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, BlockN, DimQK>>()));
   using TiledMmaO = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, DimV, BlockN>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
-      ConsumerLayout{}));
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
 
   // Rows of 64 elements (128 bytes) in 8-row swizzle atoms: what TMA writes and wgmma reads.
   using SwizzleAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
-  using SmemLayoutQ = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockM, DimQK>{}));
+  // Q and O: one (64, d) region per consumer warpgroup.
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<cute::_64, DimQK>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(
       SwizzleAtom{}, cute::Shape<BlockN, DimQK, cute::Int<kStages>>{}));
   using SmemLayoutV = decltype(cute::tile_to_shape(
@@ -136,33 +137,34 @@ struct FwdConfig {
   using SmemLayoutVt = decltype(cute::composition(
       SmemLayoutV{}, cute::make_ordered_layout(cute::Shape<DimV, BlockN, cute::Int<kStages>>{},
                                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
-  using SmemLayoutO = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockM, DimV>{}));
+  using SmemLayoutO = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<cute::_64, DimV>{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
-  // O gets its own region where it fits (227 KB on H100/H200): the next tile's Q then loads
-  // while this tile finishes its last PV product and stores O. Otherwise (d256) O is staged
-  // over Q, and the next Q waits for the store.
+  // O gets its own region where it fits (227 KB on H100/H200): a warpgroup's next Q then loads
+  // while it finishes its last PV product and stores O. Otherwise (d256) each warpgroup stages
+  // O over its own Q rows, and its next Q waits for the store.
   static constexpr int kTileBytes =
       2 * (kBlockM * kHeadDimQK + kStages * kBlockN * (kHeadDimQK + kHeadDimV));
   static constexpr bool kSeparateO = kTileBytes + 2 * kBlockM * kHeadDimV + 1024 <= 232448;
   struct NoRegion {};
-  using ORegion = std::conditional_t<kSeparateO,
-                                     cute::array_aligned<Element, cute::cosize_v<SmemLayoutO>, 1024>,
-                                     NoRegion>;
+  static constexpr int kQRegion = cute::cosize_v<SmemLayoutQ>;  // elements per warpgroup
+  static constexpr int kORegion = cute::cosize_v<SmemLayoutO>;
+  using ORegion = std::conditional_t<
+      kSeparateO, cute::array_aligned<Element, kConsumerWarpgroups * kORegion, 1024>, NoRegion>;
 
   struct SharedStorage {
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, kConsumerWarpgroups * kQRegion, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
     ORegion o;
-    cutlass::arch::ClusterTransactionBarrier q_full;
+    cutlass::arch::ClusterTransactionBarrier q_full[kConsumerWarpgroups];
     typename Pipeline::SharedStorage k_pipe;
     typename Pipeline::SharedStorage v_pipe;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
 
-  static constexpr uint32_t kQBytes = kBlockM * kHeadDimQK * sizeof(Element);
+  static constexpr uint32_t kQBytes = 64 * kHeadDimQK * sizeof(Element);  // per warpgroup
   static constexpr uint32_t kKBytes = kBlockN * kHeadDimQK * sizeof(Element);
   static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * sizeof(Element);
 
@@ -174,7 +176,7 @@ struct FwdConfig {
   using TmaLoadQ = decltype(cute::make_tma_copy(
       cute::SM90_TMA_LOAD{},
       cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
-      SmemLayoutQ{}, cute::Shape<BlockM, DimQK>{}, cute::_1{}));
+      SmemLayoutQ{}, cute::Shape<cute::_64, DimQK>{}, cute::_1{}));
   using TmaLoadK = decltype(cute::make_tma_copy(
       cute::SM90_TMA_LOAD{},
       cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
@@ -186,7 +188,7 @@ struct FwdConfig {
   using TmaStoreO = decltype(cute::make_tma_copy(
       cute::SM90_TMA_STORE{},
       cute::make_tensor(cute::make_gmem_ptr(static_cast<Element*>(nullptr)), GmemLayout{}),
-      SmemLayoutO{}, cute::Shape<BlockM, DimV>{}, cute::_1{}));
+      SmemLayoutO{}, cute::Shape<cute::_64, DimV>{}, cute::_1{}));
 
   struct KernelParams {
     FwdParams p;
@@ -202,13 +204,22 @@ struct FwdConfig {
   };
 };
 
-// Named barriers, after the ones CUTLASS reserves (cutlass::arch::NamedBarrier adds them).
+// Named barriers. Nine are needed with three consumer warpgroups, one more than
+// cutlass::arch::NamedBarrier leaves its users (it reserves 8 of the 16), and this kernel uses
+// none of CUTLASS's collectives that take those, so it numbers its own from 1 (0 is
+// __syncthreads).
 enum Barrier : uint32_t {
-  kQueryEmpty = 0,       // consumers -> producer warp: the Q region may take the next Q
-  kConsumersDone = 1,    // all consumer warpgroups: the O region is free / O is staged
-  kSchedulerFirst = 2,   // + w: consumer warpgroup w may issue its GEMMs (ping-pong)
-  kWarpgroupFirst = 5,   // + w: the 128 threads of consumer warpgroup w
+  kQueryEmptyFirst = 1,  // + w: warpgroup w -> producer warp: its Q rows may take the next Q
+  kSchedulerFirst = 4,   // + w: consumer warpgroup w may issue its GEMMs (ping-pong)
+  kWarpgroupFirst = 7,   // + w: the 128 threads of consumer warpgroup w
 };
+
+__device__ __forceinline__ void barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" : : "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(uint32_t id, uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;" : : "r"(id), "r"(threads) : "memory");
+}
 
 // Persistent CTAs take work units round-robin: unit u goes to CTA u % gridDim.x. Without a
 // causal mask a unit is one tile, and units are query tiles of one head next to each other, so
@@ -370,28 +381,35 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   using namespace cute;
   using Element = typename Cfg::Element;
   using Pipeline = typename Cfg::Pipeline;
-  using NamedBarrier = cutlass::arch::NamedBarrier;
   constexpr int kBlockM = Cfg::kBlockM;
   constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kWarpgroups = Cfg::kConsumerWarpgroups;
   constexpr bool kGroup = Cfg::kMode == Mode::kGroup;
   constexpr int kConsumerThreads = Cfg::kConsumerThreads;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& shared = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
   const FwdParams& p = kp.p;
+  // Through a shuffle the compiler knows it is warp-uniform, and so is all it addresses.
   const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);
   const int lane = threadIdx.x % 32;
   const int batch_heads = kp.total_tiles / p.m_blocks;
   const int units = static_cast<int>(work_units<Cfg>(p.m_blocks, batch_heads));
 
-  Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQ{});
-  Element* o_region;
-  if constexpr (Cfg::kSeparateO) {
-    o_region = shared.o.data();
-  } else {
-    o_region = shared.q.data();
-  }
-  Tensor sO = make_tensor(make_smem_ptr(o_region), typename Cfg::SmemLayoutO{});
+  // Warpgroup w's 64 query rows: Q, and O (over Q without a region of its own).
+  auto query_rows = [&](int w) {
+    return make_tensor(make_smem_ptr(shared.q.data() + w * Cfg::kQRegion),
+                       typename Cfg::SmemLayoutQ{});
+  };
+  auto output_rows = [&](int w) {
+    Element* region;
+    if constexpr (Cfg::kSeparateO) {
+      region = shared.o.data() + w * Cfg::kORegion;
+    } else {
+      region = shared.q.data() + w * Cfg::kQRegion;
+    }
+    return make_tensor(make_smem_ptr(region), typename Cfg::SmemLayoutO{});
+  };
   Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutV{});
   Tensor sVt = make_tensor(make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutVt{});
@@ -401,7 +419,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_o.get_tma_descriptor());
-    shared.q_full.init(/*arrival_count=*/1);
+#pragma unroll
+    for (int w = 0; w < kWarpgroups; ++w) shared.q_full[w].init(/*arrival_count=*/1);
   }
   typename Pipeline::Params k_params;
   k_params.transaction_bytes = Cfg::kKBytes;
@@ -438,8 +457,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
       Tensor mQ = kp.tma_q.get_tma_tensor(kp.q_shape)(_, _, tile.head, batch_coord);
       Tensor gQ = local_tile(domain_offset(make_coord(static_cast<int>(seq.q_start), _0{}), mQ),
-                             Shape<typename Cfg::BlockM, typename Cfg::DimQK>{},
-                             make_coord(tile.m_block, _0{}));
+                             Shape<_64, typename Cfg::DimQK>{},
+                             make_coord(_, _0{}));  // (64, d, 64-row block)
       Tensor mK = kp.tma_k.get_tma_tensor(kp.k_shape)(_, _, kv_head, batch_coord);
       Tensor gK = local_tile(domain_offset(make_coord(static_cast<int>(seq.k_start), _0{}), mK),
                              Shape<typename Cfg::BlockN, typename Cfg::DimQK>{},
@@ -448,8 +467,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor gV = local_tile(domain_offset(make_coord(static_cast<int>(seq.k_start), _0{}), mV),
                              Shape<typename Cfg::BlockN, typename Cfg::DimV>{},
                              make_coord(_, _0{}));
-      auto q_part = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                  group_modes<0, 2>(gQ));
       auto k_part = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
                                   group_modes<0, 2>(gK));  // (TMA, key tile), (TMA, stage)
       auto v_part = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
@@ -472,14 +489,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ++write_v;
       };
 
-      // The first K tile does not wait for the consumers; Q waits until they are past their
-      // last QK^T of the previous tile (and, with O staged over Q, past its store).
+      // The first K tile does not wait for the consumers. Each warpgroup's Q rows load once it
+      // has freed them: past its last QK^T of the previous tile (and, with O staged over Q,
+      // past that tile's O store).
       load_k(n_end - 1);
-      NamedBarrier::sync(kConsumerThreads + 32, Barrier::kQueryEmpty);
-      if (lane == 0) {
-        shared.q_full.arrive_and_expect_tx(Cfg::kQBytes);
-        copy(kp.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full), 0), get<0>(q_part),
-             get<1>(q_part));
+#pragma unroll
+      for (int w = 0; w < kWarpgroups; ++w) {
+        barrier_sync(Barrier::kQueryEmptyFirst + w, 128 + 32);
+        if (lane == 0) {
+          auto q_part = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(query_rows(w)),
+                                      group_modes<0, 2>(gQ));
+          shared.q_full[w].arrive_and_expect_tx(Cfg::kQBytes);
+          copy(kp.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full[w]), 0),
+               get<0>(q_part)(_, tile.m_block * kWarpgroups + w), get<1>(q_part));
+        }
       }
       // The consumers take K of step j+1 before V of step j (their GEMM order).
       for (int n_block = n_end - 1; n_block > n_begin; --n_block) {
@@ -494,40 +517,43 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegisters>();
   const int consumer = threadIdx.x - 128;   // 0 .. kConsumerThreads - 1
-  const int consumer_wg = consumer / 128;   // which 64 query rows
-  const int wg_row0 = consumer_wg * 64 + (consumer % 128) / 32 * 16 + lane / 4;  // + 8 * half
+  const int consumer_wg = warpgroup - 1;    // which 64 query rows
+  const int wg_thread = threadIdx.x % 128;
+  const int wg_row0 = consumer_wg * 64 + wg_thread / 32 * 16 + lane / 4;  // + 8 * half
+  const bool wg_leader = wg_thread == 0;
+  auto warpgroup_sync = [&] { barrier_sync(Barrier::kWarpgroupFirst + consumer_wg, 128); };
+  auto release_query = [&] { barrier_arrive(Barrier::kQueryEmptyFirst + consumer_wg, 128 + 32); };
 
+  Tensor sQ = query_rows(consumer_wg);
+  Tensor sO = output_rows(consumer_wg);
   typename Cfg::TiledMmaS mma_s;
   typename Cfg::TiledMmaO mma_o;
-  auto thr_s = mma_s.get_thread_slice(consumer);
-  auto thr_o = mma_o.get_thread_slice(consumer);
+  auto thr_s = mma_s.get_thread_slice(wg_thread);
+  auto thr_o = mma_o.get_thread_slice(wg_thread);
   Tensor tSrQ = thr_s.partition_fragment_A(sQ);
   Tensor tSrK = thr_s.partition_fragment_B(sK);
   Tensor tOrV = thr_o.partition_fragment_B(sVt);
   auto smem_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_o);
-  auto thr_copy_o = smem_copy_o.get_thread_slice(consumer);
+  auto thr_copy_o = smem_copy_o.get_thread_slice(wg_thread);
   Tensor tOsO = thr_copy_o.partition_D(sO);
 
   // Ping-pong: warpgroup w issues its GEMMs after every other consumer warpgroup has issued
   // theirs since its last turn. Each takes its first turn in order: w arrives now for all
   // warpgroups before it.
   auto scheduler_wait = [&] {
-    NamedBarrier::sync(kConsumerThreads, Barrier::kSchedulerFirst + consumer_wg);
+    barrier_sync(Barrier::kSchedulerFirst + consumer_wg, kConsumerThreads);
   };
   auto scheduler_pass = [&] {
 #pragma unroll
-    for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
-      if (w != consumer_wg) NamedBarrier::arrive(kConsumerThreads, Barrier::kSchedulerFirst + w);
+    for (int w = 0; w < kWarpgroups; ++w) {
+      if (w != consumer_wg) barrier_arrive(Barrier::kSchedulerFirst + w, kConsumerThreads);
     }
   };
   for (int w = 0; w < consumer_wg; ++w) {
-    NamedBarrier::arrive(kConsumerThreads, Barrier::kSchedulerFirst + w);
+    barrier_arrive(Barrier::kSchedulerFirst + w, kConsumerThreads);
   }
-  // With a separate O region the consumers free Q right after a tile's last QK^T, which is one
-  // arrival ahead of the producer's waits: this one is for the first tile's Q.
-  if constexpr (Cfg::kSeparateO) {
-    NamedBarrier::arrive(kConsumerThreads + 32, Barrier::kQueryEmpty);
-  }
+  // A warpgroup frees its Q rows once per tile, after the tile's use of them; they start free.
+  release_query();
 
   cutlass::PipelineState<Cfg::kStages> read_k;
   cutlass::PipelineState<Cfg::kStages> read_v;
@@ -545,6 +571,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int n_begin = work.n_begin;
     const int n_end = work.n_end;
     const int rows_valid = min(kBlockM, seq.seqlen_q - q_row0);
+    const int wg_rows_valid = max(0, min(64, rows_valid - 64 * consumer_wg));
 
     float* lse = nullptr;
     if constexpr (Cfg::kLse) {
@@ -559,7 +586,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
     if (n_end <= n_begin) {
       // No row sees a key: O is 0 and the log-sum-exp -inf, written without shared memory
-      // (the producer loads nothing for this tile, so the Q/O region may be in use).
+      // (the producer loads nothing for this tile, so the Q/O regions may be in use).
       constexpr int kChunks = Cfg::kHeadDimV / 8;
       for (int idx = consumer; idx < rows_valid * kChunks; idx += kConsumerThreads) {
         *reinterpret_cast<uint4*>(o_tile + (idx / kChunks) * p.o_seq_stride +
@@ -571,12 +598,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       continue;
     }
 
-    // With O staged over Q, Q is free once the previous tile's O store has read it.
-    if constexpr (!Cfg::kSeparateO) {
-      NamedBarrier::arrive(kConsumerThreads + 32, Barrier::kQueryEmpty);
-    }
-
-    Tensor tOrO = partition_fragment_C(mma_o, Shape<typename Cfg::BlockM, typename Cfg::DimV>{});
+    Tensor tOrO = partition_fragment_C(mma_o, Shape<_64, typename Cfg::DimV>{});
     clear(tOrO);
     Tensor tOrP = make_tensor<Element>(
         Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>>{});
@@ -602,21 +624,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     auto zero_v_tail = [&](int stage) {
       if (last_tile_keys >= kBlockN) return;
       constexpr int kChunks = Cfg::kHeadDimV / 8;
-      const int idx0 = consumer % 128;
-      for (int idx = idx0; idx < (kBlockN - last_tile_keys) * kChunks; idx += 128) {
+      for (int idx = wg_thread; idx < (kBlockN - last_tile_keys) * kChunks; idx += 128) {
         const int row = last_tile_keys + idx / kChunks;
         *reinterpret_cast<uint4*>(raw_pointer_cast(&sV(row, (idx % kChunks) * 8, stage))) =
             make_uint4(0, 0, 0, 0);
       }
       cutlass::arch::fence_view_async_shared();
-      NamedBarrier::sync(128, Barrier::kWarpgroupFirst + consumer_wg);
+      warpgroup_sync();
+    };
+    // With O in its own region, Q is free as soon as the tile's last QK^T has read it.
+    auto query_read = [&](int n_block) {
+      if (Cfg::kSeparateO && n_block == n_begin) release_query();
     };
 
-    shared.q_full.wait(q_phase);
+    shared.q_full[consumer_wg].wait(q_phase);
     q_phase ^= 1;
 
     {  // The last key tile (often the masked one) alone: nothing to overlap yet.
-      Tensor tSrS = partition_fragment_C(mma_s, Shape<typename Cfg::BlockM, typename Cfg::BlockN>{});
+      Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, typename Cfg::BlockN>{});
       k_pipe.consumer_wait(read_k);
       scheduler_wait();
       warpgroup_gemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
@@ -625,13 +650,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       warpgroup_fence_operand(tSrS);
       k_pipe.consumer_release(read_k);
       ++read_k;
+      query_read(n_end - 1);
       apply_mask(tSrS, n_end - 1);
       stats.update(tSrS, p.softmax_mul, correction);
       convert_p<Element>(tSrS, tOrP);
     }
     bool v_tail_pending = true;  // the first V tile consumed is the last key tile's
     for (int n_block = n_end - 2; n_block >= n_begin; --n_block) {
-      Tensor tSrS = partition_fragment_C(mma_s, Shape<typename Cfg::BlockM, typename Cfg::BlockN>{});
+      Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, typename Cfg::BlockN>{});
       k_pipe.consumer_wait(read_k);
       scheduler_wait();
       warpgroup_gemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
@@ -647,6 +673,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       warpgroup_fence_operand(tSrS);
       k_pipe.consumer_release(read_k);
       ++read_k;
+      query_read(n_block);
       apply_mask(tSrS, n_block);
       stats.update(tSrS, p.softmax_mul, correction);
       warpgroup_wait<0>();
@@ -654,10 +681,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       v_pipe.consumer_release(read_v);
       ++read_v;
       convert_p<Element>(tSrS, tOrP);
-    }
-    // Every QK^T of this tile is done: the producer may load the next tile's Q.
-    if constexpr (Cfg::kSeparateO) {
-      NamedBarrier::arrive(kConsumerThreads + 32, Barrier::kQueryEmpty);
     }
     scale_rows(tOrO, correction);
     v_pipe.consumer_wait(read_v);
@@ -688,42 +711,44 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ++read_v;
     scale_rows(tOrO, inv);
 
-    // Epilogue. The O region must be free: over Q, every consumer warpgroup must be past its
-    // last QK^T; in its own region, the previous tile's TMA store must have read it.
+    // Epilogue, this warpgroup's rows only. Its O region must be free: over Q, its own last
+    // QK^T is done (above); in a region of its own, its previous TMA store must have read it.
     Tensor tOrO_out = make_tensor_like<Element>(tOrO);
 #pragma unroll
     for (int v = 0; v < size(tOrO); ++v) tOrO_out(v) = static_cast<Element>(tOrO(v));
-    if (Cfg::kSeparateO && consumer == 0) tma_store_wait<0>();
-    NamedBarrier::sync(kConsumerThreads, Barrier::kConsumersDone);
+    if (Cfg::kSeparateO && wg_leader) tma_store_wait<0>();
+    warpgroup_sync();
     copy(smem_copy_o, thr_copy_o.retile_S(tOrO_out), tOsO);
     cutlass::arch::fence_view_async_shared();  // the TMA store reads what stmatrix wrote
-    NamedBarrier::sync(kConsumerThreads, Barrier::kConsumersDone);
-    if (rows_valid == kBlockM) {
-      if (consumer == 0) {
+    warpgroup_sync();
+    if (wg_rows_valid == 64) {
+      if (wg_leader) {
         Tensor mO = kp.tma_o.get_tma_tensor(kp.o_shape)(_, _, tile.head, kGroup ? 0 : tile.batch);
         Tensor gO = local_tile(domain_offset(make_coord(static_cast<int>(seq.q_start), _0{}), mO),
-                               Shape<typename Cfg::BlockM, typename Cfg::DimV>{},
-                               make_coord(tile.m_block, _0{}));
+                               Shape<_64, typename Cfg::DimV>{},
+                               make_coord(tile.m_block * kWarpgroups + consumer_wg, _0{}));
         auto tma_o = kp.tma_o.get_slice(_0{});
         copy(kp.tma_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
         tma_store_arrive();
-        // Over Q: before this thread's arrival on kQueryEmpty lets the next Q overwrite it.
+        // Over Q: before this thread's arrival below lets the next Q overwrite it.
         if (!Cfg::kSeparateO) tma_store_wait<0>();
       }
     } else {
-      // A ragged tile: TMA would write the rows past the sequence's end, which belong to the
-      // next sequence (group mode) or past seqused.
+      // Ragged rows: TMA would write the rows past the sequence's end, which belong to the
+      // next sequence (group mode) or lie past seqused.
       constexpr int kChunks = Cfg::kHeadDimV / 8;
-      for (int idx = consumer; idx < rows_valid * kChunks; idx += kConsumerThreads) {
+      Element* o_rows = o_tile + static_cast<int64_t>(64 * consumer_wg) * p.o_seq_stride;
+      for (int idx = wg_thread; idx < wg_rows_valid * kChunks; idx += 128) {
         const int row = idx / kChunks;
         const int col = (idx % kChunks) * 8;
-        *reinterpret_cast<uint4*>(o_tile + row * p.o_seq_stride + col) =
+        *reinterpret_cast<uint4*>(o_rows + row * p.o_seq_stride + col) =
             *reinterpret_cast<const uint4*>(raw_pointer_cast(&sO(row, col)));
       }
     }
+    if constexpr (!Cfg::kSeparateO) release_query();
   }
   // Shared memory must outlive the last store's reads of it.
-  if (Cfg::kSeparateO && consumer == 0) tma_store_wait<0>();
+  if (wg_leader) tma_store_wait<0>();
 }
 
 // TMA needs every global stride to be a positive multiple of 16 bytes. The API passes 0 for
@@ -786,8 +811,7 @@ cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
   kp.tma_q = make_tma_copy(SM90_TMA_LOAD{},
                            gmem(args.q, kp.q_shape,
                                 stride(args.q_seq_stride, args.q_head_stride, args.q_batch_stride)),
-                           typename Cfg::SmemLayoutQ{},
-                           Shape<typename Cfg::BlockM, typename Cfg::DimQK>{}, _1{});
+                           typename Cfg::SmemLayoutQ{}, Shape<_64, typename Cfg::DimQK>{}, _1{});
   kp.tma_k = make_tma_copy(SM90_TMA_LOAD{},
                            gmem(args.k, kp.k_shape,
                                 stride(args.k_seq_stride, args.k_head_stride, args.k_batch_stride)),
@@ -803,7 +827,7 @@ cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
       make_tensor(make_gmem_ptr(static_cast<Element*>(args.o)),
                   make_layout(kp.o_shape, stride(args.o_seq_stride, args.o_head_stride,
                                                  args.o_batch_stride))),
-      typename Cfg::SmemLayoutO{}, Shape<typename Cfg::BlockM, typename Cfg::DimV>{}, _1{});
+      typename Cfg::SmemLayoutO{}, Shape<_64, typename Cfg::DimV>{}, _1{});
 
   // One CTA per SM (each takes ~all of its shared memory), looping over the tiles.
   const int sms = multiprocessor_count();
