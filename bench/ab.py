@@ -1,0 +1,81 @@
+"""python -m bench.ab: fmha builds against each other, interleaved, to tell a change from noise.
+
+    python -m bench.ab NAME=PYTHON_DIR NAME=PYTHON_DIR ... [--rounds 3] [-- bench arguments]
+
+Each round runs `python -m bench` once per build, in the order given (a fresh process each, with
+PYTHON_DIR, the build's python/ folder, first on PYTHONPATH), so that clock and thermal drift
+fall on every build alike. Two runs of one build on an H200 differ by up to about 5% at a point,
+which is more than many changes gain: the table gives each build's median over the rounds and
+its spread (max / min - 1), and cuDNN's median over all runs, as the common yardstick.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv):
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, bench_args = argv[:cut], argv[cut + 1:]
+    else:
+        bench_args = []
+    p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.splitlines()[0])
+    p.add_argument("builds", nargs="+", metavar="NAME=PYTHON_DIR")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    builds = {}
+    for spec in args.builds:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not (Path(path) / "fmha").is_dir():
+            p.error(f"{spec!r}: expected NAME=PYTHON_DIR, a folder holding the fmha package")
+        builds[name] = str(Path(path).resolve())
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    return builds, args.rounds, bench_args
+
+
+def run_bench(python_dir, bench_args):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([python_dir, str(REPO)]))
+        subprocess.run([sys.executable, "-m", "bench", "--json", str(out), *bench_args],
+                       env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return json.loads(out.read_text())["rows"]
+
+
+def main(argv=None):
+    builds, rounds, bench_args = parse_args(sys.argv[1:] if argv is None else argv)
+    fmha_runs = defaultdict(lambda: defaultdict(list))  # case -> build -> TFLOP/s per round
+    cudnn_runs = defaultdict(list)
+    for _ in range(rounds):
+        for name, path in builds.items():
+            for row in run_bench(path, bench_args):
+                case = (row["dtype"], row["hdim"], row["causal"], row["seqlen"])
+                fmha_runs[case][name].append(row["fmha"])
+                if row.get("cudnn") is not None:
+                    cudnn_runs[case].append(row["cudnn"])
+    header = ["dtype", "hdim", "causal", "seqlen", "cudnn"]
+    for name in builds:
+        header += [name, "spread"]
+    print(f"TFLOP/s, medians of {rounds} interleaved runs per build")
+    print(" ".join(f"{h:>9}" for h in header))
+    for case, by_build in fmha_runs.items():
+        cells = [str(c) for c in case]
+        cells.append(f"{statistics.median(cudnn_runs[case]):.1f}" if cudnn_runs[case] else "-")
+        for name in builds:
+            runs = by_build[name]
+            cells += [f"{statistics.median(runs):.1f}", f"{max(runs) / min(runs) - 1:.1%}"]
+        print(" ".join(f"{c:>9}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
