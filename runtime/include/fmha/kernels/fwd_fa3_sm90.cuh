@@ -20,7 +20,8 @@
 //     warpgroup's softmax overlaps the other's GEMMs.
 // Epilogue, per warpgroup: O / rowsum goes to shared memory (stmatrix) and out with one TMA
 // store when the warpgroup's 64 rows are whole, or with predicated 16-byte stores when they are
-// ragged; the log-sum-exp goes straight from registers.
+// ragged, while the next tile's first QK^T runs where O has a region of its own; the
+// log-sum-exp goes straight from registers.
 //
 // Traits on this pipeline: fp16/bf16; head dims that are multiples of 64; no mask, causal and
 // sliding windows (both alignments); MQA/GQA; batch and group mode with seqused; LSE. Every
@@ -555,6 +556,55 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // A warpgroup frees its Q rows once per tile, after the tile's use of them; they start free.
   release_query();
 
+  // A finished tile's O in 16 bits, and where it goes. With O in its own region the store
+  // waits until the next tile's first QK^T is on the tensor cores and runs under it. A clock64
+  // trace of d128 at S = 2k on an H200 put the store at 730-1770 of a tile's 43k cycles, all
+  // of it at the tile boundary, where this warpgroup issues no GEMM; deferring it gained 1-7%
+  // at S <= 4k with a causal mask (bench.ab, 3 interleaved runs), and was within noise without.
+  Tensor tOrO_out = make_tensor<Element>(partition_shape_C(mma_o, Shape<_64, typename Cfg::DimV>{}));
+  struct OutputRows {
+    TileCoord tile;
+    int64_t q_start;
+    Element* rows;  // the warpgroup's first row of O in global memory
+    int rows_valid;
+  };
+  OutputRows pending{};
+  bool store_pending = false;
+
+  // The warpgroup's 64 rows of tOrO_out to global memory. Its O region must be free: over Q,
+  // its own last QK^T is done; in a region of its own, its previous TMA store has read it.
+  auto store_output = [&](const OutputRows& out) {
+    if (Cfg::kSeparateO && wg_leader) tma_store_wait<0>();
+    warpgroup_sync();
+    copy(smem_copy_o, thr_copy_o.retile_S(tOrO_out), tOsO);
+    cutlass::arch::fence_view_async_shared();  // the TMA store reads what stmatrix wrote
+    warpgroup_sync();
+    if (out.rows_valid == 64) {
+      if (wg_leader) {
+        Tensor mO = kp.tma_o.get_tma_tensor(kp.o_shape)(_, _, out.tile.head,
+                                                        kGroup ? 0 : out.tile.batch);
+        Tensor gO = local_tile(domain_offset(make_coord(static_cast<int>(out.q_start), _0{}), mO),
+                               Shape<_64, typename Cfg::DimV>{},
+                               make_coord(out.tile.m_block * kWarpgroups + consumer_wg, _0{}));
+        auto tma_o = kp.tma_o.get_slice(_0{});
+        copy(kp.tma_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
+        tma_store_arrive();
+        // Over Q: before this thread's arrival on the Q barrier lets the next Q overwrite it.
+        if (!Cfg::kSeparateO) tma_store_wait<0>();
+      }
+    } else {
+      // Ragged rows: TMA would write the rows past the sequence's end, which belong to the
+      // next sequence (group mode) or lie past seqused.
+      constexpr int kChunks = Cfg::kHeadDimV / 8;
+      for (int idx = wg_thread; idx < out.rows_valid * kChunks; idx += 128) {
+        const int row = idx / kChunks;
+        const int col = (idx % kChunks) * 8;
+        *reinterpret_cast<uint4*>(out.rows + row * p.o_seq_stride + col) =
+            *reinterpret_cast<const uint4*>(raw_pointer_cast(&sO(row, col)));
+      }
+    }
+  };
+
   cutlass::PipelineState<Cfg::kStages> read_k;
   cutlass::PipelineState<Cfg::kStages> read_v;
   int q_phase = 0;
@@ -646,6 +696,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       scheduler_wait();
       warpgroup_gemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
       scheduler_pass();
+      if (Cfg::kSeparateO && store_pending) {
+        store_output(pending);
+        store_pending = false;
+      }
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
       k_pipe.consumer_release(read_k);
@@ -711,42 +765,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ++read_v;
     scale_rows(tOrO, inv);
 
-    // Epilogue, this warpgroup's rows only. Its O region must be free: over Q, its own last
-    // QK^T is done (above); in a region of its own, its previous TMA store must have read it.
-    Tensor tOrO_out = make_tensor_like<Element>(tOrO);
 #pragma unroll
     for (int v = 0; v < size(tOrO); ++v) tOrO_out(v) = static_cast<Element>(tOrO(v));
-    if (Cfg::kSeparateO && wg_leader) tma_store_wait<0>();
-    warpgroup_sync();
-    copy(smem_copy_o, thr_copy_o.retile_S(tOrO_out), tOsO);
-    cutlass::arch::fence_view_async_shared();  // the TMA store reads what stmatrix wrote
-    warpgroup_sync();
-    if (wg_rows_valid == 64) {
-      if (wg_leader) {
-        Tensor mO = kp.tma_o.get_tma_tensor(kp.o_shape)(_, _, tile.head, kGroup ? 0 : tile.batch);
-        Tensor gO = local_tile(domain_offset(make_coord(static_cast<int>(seq.q_start), _0{}), mO),
-                               Shape<_64, typename Cfg::DimV>{},
-                               make_coord(tile.m_block * kWarpgroups + consumer_wg, _0{}));
-        auto tma_o = kp.tma_o.get_slice(_0{});
-        copy(kp.tma_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
-        tma_store_arrive();
-        // Over Q: before this thread's arrival below lets the next Q overwrite it.
-        if (!Cfg::kSeparateO) tma_store_wait<0>();
-      }
+    pending = {tile, seq.q_start, o_tile + static_cast<int64_t>(64 * consumer_wg) * p.o_seq_stride,
+               wg_rows_valid};
+    if constexpr (Cfg::kSeparateO) {
+      store_pending = true;
     } else {
-      // Ragged rows: TMA would write the rows past the sequence's end, which belong to the
-      // next sequence (group mode) or lie past seqused.
-      constexpr int kChunks = Cfg::kHeadDimV / 8;
-      Element* o_rows = o_tile + static_cast<int64_t>(64 * consumer_wg) * p.o_seq_stride;
-      for (int idx = wg_thread; idx < wg_rows_valid * kChunks; idx += 128) {
-        const int row = idx / kChunks;
-        const int col = (idx % kChunks) * 8;
-        *reinterpret_cast<uint4*>(o_rows + row * p.o_seq_stride + col) =
-            *reinterpret_cast<const uint4*>(raw_pointer_cast(&sO(row, col)));
-      }
+      store_output(pending);
+      release_query();
     }
-    if constexpr (!Cfg::kSeparateO) release_query();
   }
+  if (Cfg::kSeparateO && store_pending) store_output(pending);
   // Shared memory must outlive the last store's reads of it.
   if (wg_leader) tma_store_wait<0>();
 }
