@@ -19,9 +19,9 @@
 //   - across warpgroups, named barriers take turns issuing those GEMMs (ping-pong), so one
 //     warpgroup's softmax overlaps the other's GEMMs.
 // Epilogue, per warpgroup: O / rowsum goes to shared memory (stmatrix) and out with one TMA
-// store when the warpgroup's 64 rows are whole, or with predicated 16-byte stores when they are
-// ragged, while the next tile's first QK^T runs where O has a region of its own; the
-// log-sum-exp goes straight from registers.
+// store when the warpgroup's 64 rows are whole and O has a region of its own (then while the
+// next tile's first QK^T runs), else with predicated 16-byte stores; the log-sum-exp goes
+// straight from registers.
 //
 // Traits on this pipeline: fp16/bf16; head dims that are multiples of 64; no mask, causal and
 // sliding windows (both alignments); MQA/GQA; batch and group mode with seqused; LSE. Every
