@@ -178,6 +178,7 @@ def _instance_fields(instance: Instance) -> dict:
         **_trait_fields(traits),
         "pad_seqlen": _cpp_bool(point.pad_seqlen),
         "pad_hdim": _cpp_bool(point.pad_hdim),
+        "smem_limit": point.arch.smem_limit,
     }
 
 

@@ -66,7 +66,8 @@ cudaError_t launch_fwd_bf16_d128_causal_fa2_sm90a_m64n32_pad(const FwdArgs& args
       /*kMask=*/fmha::MaskType::kCausal, /*kBias=*/fmha::BiasType::kNone,
       /*kVLayout=*/fmha::VLayout::kRowMajor, /*kMode=*/fmha::Mode::kBatch,
       /*kLse=*/false, /*kDropout=*/false, /*kSoftcap=*/false,
-      /*kPadSeqlen=*/true, /*kPadHdim=*/false>;
+      /*kPadSeqlen=*/true, /*kPadHdim=*/false,
+      /*kSmemLimit=*/232448>;
   return fmha::fa2::launch_fwd<Config>(args, stream);
 }
 
@@ -79,7 +80,7 @@ def test_fp16_tu_uses_half(rendered):
                if name.endswith(".cu")]
     assert "/*Element=*/__half," in text
     assert "/*kMask=*/fmha::MaskType::kNone, /*kBias=*/fmha::BiasType::kNone," in text
-    assert "/*kPadSeqlen=*/false, /*kPadHdim=*/false>" in text
+    assert "/*kPadSeqlen=*/false, /*kPadHdim=*/false,\n      /*kSmemLimit=*/166912>" in text
 
 
 def test_every_trait_reaches_the_tu_and_the_table(build):
@@ -100,7 +101,8 @@ def test_every_trait_reaches_the_tu_and_the_table(build):
       /*kMask=*/fmha::MaskType::kCausal, /*kBias=*/fmha::BiasType::kAlibi,
       /*kVLayout=*/fmha::VLayout::kColMajor, /*kMode=*/fmha::Mode::kGroup,
       /*kLse=*/true, /*kDropout=*/true, /*kSoftcap=*/true,
-      /*kPadSeqlen=*/true, /*kPadHdim=*/true>;
+      /*kPadSeqlen=*/true, /*kPadHdim=*/true,
+      /*kSmemLimit=*/232448>;
 """ in files[f"{name}.cu"]
     assert f"""\
     {{"{name}",

@@ -37,7 +37,7 @@ namespace fmha::fa2 {
 template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
           int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, VLayout kVLayout_,
           Mode kMode_, bool kLse_, bool kDropout_, bool kSoftcap_, bool kPadSeqlen_,
-          bool kPadHdim_>
+          bool kPadHdim_, int kSmemLimit>
 struct FwdConfig {
   using Element = Element_;
   static constexpr int kHeadDimQK = kHeadDimQK_;
@@ -91,6 +91,8 @@ struct FwdConfig {
   static constexpr int kQRegionBytes = QTile::kBytes > OTile::kBytes ? QTile::kBytes
                                                                      : OTile::kBytes;
   static constexpr int kSmemBytes = kQRegionBytes + kStages * (KTile::kBytes + VTile::kBytes);
+  // kSmemLimit: what one CTA may opt into on the target (generator/schema.py's smem_limit).
+  static_assert(kSmemBytes <= kSmemLimit, "the tile does not fit the target's shared memory");
 };
 
 // All threads of the CTA copy kRows rows of a Tile (rows of tokens, columns of head dim), 16

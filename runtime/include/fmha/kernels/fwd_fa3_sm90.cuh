@@ -73,7 +73,7 @@ struct CuteElement<__nv_bfloat16> {
 template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
           int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, VLayout kVLayout_,
           Mode kMode_, bool kLse_, bool kDropout_, bool kSoftcap_, bool kPadSeqlen_,
-          bool kPadHdim_>
+          bool kPadHdim_, int kSmemLimit_>
 struct FwdConfig {
   using Element = typename CuteElement<Element_>::type;
   static constexpr int kHeadDimQK = kHeadDimQK_;
@@ -142,12 +142,15 @@ struct FwdConfig {
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
-  // O gets its own region where it fits (227 KB on H100/H200): a warpgroup's next Q then loads
+  // Shared memory one CTA may opt into on the target (generator/schema.py's smem_limit: 227 KB
+  // on H100/H200).
+  static constexpr int kSmemLimit = kSmemLimit_;
+  // O gets its own region where it fits: a warpgroup's next Q then loads
   // while it finishes its last PV product and stores O. Otherwise (d256) each warpgroup stages
   // O over its own Q rows, and its next Q waits for the store.
   static constexpr int kTileBytes =
       2 * (kBlockM * kHeadDimQK + kStages * kBlockN * (kHeadDimQK + kHeadDimV));
-  static constexpr bool kSeparateO = kTileBytes + 2 * kBlockM * kHeadDimV + 1024 <= 232448;
+  static constexpr bool kSeparateO = kTileBytes + 2 * kBlockM * kHeadDimV + 1024 <= kSmemLimit;
   struct NoRegion {};
   static constexpr int kQRegion = cute::cosize_v<SmemLayoutQ>;  // elements per warpgroup
   static constexpr int kORegion = cute::cosize_v<SmemLayoutO>;
@@ -164,6 +167,7 @@ struct FwdConfig {
     typename Pipeline::SharedStorage v_pipe;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= kSmemLimit, "the tile does not fit the target's shared memory");
 
   static constexpr uint32_t kQBytes = 64 * kHeadDimQK * sizeof(Element);  // per warpgroup
   static constexpr uint32_t kKBytes = kBlockN * kHeadDimQK * sizeof(Element);
