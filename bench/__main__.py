@@ -3,8 +3,10 @@
 Shapes follow the FlashAttention papers: a fixed number of tokens (batch * seqlen = 16k) and a
 fixed hidden size (nheads * headdim = 2048), so every row does the same work at every seqlen.
 FLOPs are 4 * b * h * s^2 * d (two GEMMs), halved for causal. Each backend gets its native
-layout: fmha (b, s, h, d), SDPA (b, h, s, d). Times are medians of CUDA-event-timed runs
-after warm-up. Prints a table and, with --json, writes every row.
+layout: fmha (b, s, h, d), SDPA (b, h, s, d). Times are medians of CUDA-event-timed calls
+run back to back after warm-up: GPU time, with the host's own cost per call kept out
+(fmha.timing). That host cost is measured apart, on a small problem, and printed under the
+table. Prints a table and, with --json, writes every row.
 
 --features adds one row per trait at one sequence length (--feature-seqlen), each against the
 SDPA backends that can compute the same thing (attn_mask: cuDNN and memory-efficient; dropout:
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
-from fmha.timing import median_ms
+from fmha.timing import host_us, median_ms
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -40,8 +42,10 @@ def parse_args(argv):
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
     p.add_argument("--hidden", type=int, default=2048, help="nheads * headdim")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--warmup-ms", type=float, default=100.0,
+                   help="untimed calls per case and backend, in milliseconds of GPU time")
+    p.add_argument("--repeat-ms", type=float, default=200.0,
+                   help="timed calls per case and backend, in milliseconds of GPU time")
     p.add_argument("--features", action="store_true",
                    help="also time one row per trait (bias, ALiBi, window, soft-cap, dropout, "
                         "varlen, V^T, head-dim padding)")
@@ -61,7 +65,7 @@ def time_sdpa(row, flops, backends, args, qt, kt, vt, **kwargs):
         try:
             with sdpa_kernel(SDPA_BACKENDS[name]):
                 call = lambda: F.scaled_dot_product_attention(qt, kt, vt, **kwargs)  # noqa: E731
-                ms = median_ms(call, args.warmup, args.repeat)
+                ms = median_ms(call, args.warmup_ms, args.repeat_ms)
             row[name] = flops / ms * 1e-9
         except RuntimeError as err:  # backend unavailable for this shape/GPU
             row[name] = None
@@ -70,7 +74,8 @@ def time_sdpa(row, flops, backends, args, qt, kt, vt, **kwargs):
 
 def time_fmha(row, flops, args, q, k, v, **kwargs):
     row["instance"] = fmha.select(q, k, v, **kwargs)["name"]
-    ms = median_ms(lambda: fmha.fwd(q, k, v, **kwargs), args.warmup, args.repeat)
+    ms = median_ms(lambda: fmha.fwd(q, k, v, **kwargs), args.warmup_ms,
+                   args.repeat_ms)
     row["fmha"] = flops / ms * 1e-9
 
 
@@ -137,6 +142,19 @@ def run_features(dtype, d, args):
     return rows
 
 
+def measure_host_us(dtype, d, args):
+    """Host microseconds per call of fmha and each SDPA backend on a problem small enough that
+    the GPU never holds the host back (one sequence of 128, the grid's heads)."""
+    h = args.hidden // d
+    q, k, v = (torch.randn(1, 128, h, d, device="cuda", dtype=dtype) for _ in range(3))
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    costs = {"fmha": host_us(lambda: fmha.fwd(q, k, v))}
+    for name in GRID_BACKENDS:
+        with sdpa_kernel(SDPA_BACKENDS[name]):
+            costs[name] = host_us(lambda: F.scaled_dot_product_attention(qt, kt, vt))
+    return costs
+
+
 def format_table(rows, first):
     cols = [first, "fmha", "sdpa_flash", "cudnn", "sdpa_efficient", "vs_flash", "vs_cudnn"]
     lines = [" ".join(f"{c:>14}" for c in cols)]
@@ -178,13 +196,17 @@ def main(argv=None):
         for dt in args.dtypes:
             for d in args.hdims:
                 feature_rows += run_features(DTYPES[dt], d, args)
+    host = measure_host_us(DTYPES[args.dtypes[0]], args.hdims[0], args)
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "cudnn": torch.backends.cudnn.version(), "targets": fmha.compiled_targets()}
+            "cudnn": torch.backends.cudnn.version(), "targets": fmha.compiled_targets(),
+            "host_us_per_call": host}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "rows": rows, "feature_rows": feature_rows}, f, indent=1)
     print(f"{info['gpu']}, torch {info['torch']}, cuDNN {info['cudnn']}; TFLOP/s, medians")
     print(format_table(rows, "case"))
+    print("host time per call, us (not in the TFLOP/s above): "
+          + ", ".join(f"{name} {us:.0f}" for name, us in host.items()))
     if feature_rows:
         print(format_table(feature_rows, "feature"))
 
