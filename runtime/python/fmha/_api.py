@@ -26,7 +26,7 @@ from fmha._checks import (
     check_mode,
     check_options,
     check_seqused,
-    kernel_stride,
+    kernel_strides,
     v_layout,
 )
 
@@ -138,6 +138,7 @@ def _make_args(ops: _Operands, out: Optional[torch.Tensor],
     a.q, a.k, a.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
     a.nhead_q, a.nhead_k = q.shape[-2], k.shape[-2]
     a.hdim_q, a.hdim_v = q.shape[-1], v.shape[-1]
+    qs, ks, vs = kernel_strides(q), kernel_strides(k), kernel_strides(v)
     group = ops.cu_seqlens_q is not None
     if group:
         a.mode = _C.MODE_GROUP
@@ -151,17 +152,17 @@ def _make_args(ops: _Operands, out: Optional[torch.Tensor],
     else:
         a.mode = _C.MODE_BATCH
         a.batch, a.seqlen_q, a.seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        a.q_batch_stride, a.k_batch_stride, a.v_batch_stride = (
-            kernel_stride(q, 0), kernel_stride(k, 0), kernel_stride(v, 0))
+        a.q_batch_stride, a.k_batch_stride, a.v_batch_stride = qs[0], ks[0], vs[0]
     # (seq, head) are the last dims but one of every mode's layout; batch is dim 0 of batch mode.
-    a.q_seq_stride, a.q_head_stride = kernel_stride(q, -3), kernel_stride(q, -2)
-    a.k_seq_stride, a.k_head_stride = kernel_stride(k, -3), kernel_stride(k, -2)
+    a.q_seq_stride, a.q_head_stride = qs[-3], qs[-2]
+    a.k_seq_stride, a.k_head_stride = ks[-3], ks[-2]
     a.vlayout, a.v_seq_stride, a.v_dim_stride = v_layout(v)
-    a.v_head_stride = kernel_stride(v, -2)
+    a.v_head_stride = vs[-2]
     if out is not None:
+        outs = kernel_strides(out)
         a.o = out.data_ptr()
-        a.o_seq_stride, a.o_head_stride = kernel_stride(out, -3), kernel_stride(out, -2)
-        a.o_batch_stride = 0 if group else kernel_stride(out, 0)
+        a.o_seq_stride, a.o_head_stride = outs[-3], outs[-2]
+        a.o_batch_stride = 0 if group else outs[0]
     if ops.seqused_q is not None:
         a.seqused_q = ops.seqused_q.data_ptr()
     if ops.seqused_k is not None:
@@ -196,8 +197,22 @@ def _lse_shape(q: torch.Tensor, group: bool, return_lse: bool) -> tuple:
     return (q.shape[1], q.shape[0]) if group else (q.shape[0], q.shape[2], q.shape[1])
 
 
-@torch.library.custom_op("fmha::fwd", mutates_args=())
-def _fwd_op(
+# fmha::fwd, declared through torch.library's low-level API. @torch.library.custom_op declares
+# the same op but wraps every call in Python (an autograd layer, an output-aliasing check):
+# 69 us of fwd's 199 us of host time per call on the H100 machine of docs/perf-notes.md v5,
+# where a 2k-token causal call's kernel takes ~250 us.
+_LIBRARY = torch.library.Library("fmha", "DEF")
+_LIBRARY.define(
+    "fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? alibi_slopes, Tensor? cu_seqlens_q, "
+    "Tensor? cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k, SymInt max_seqlen_q, "
+    "SymInt max_seqlen_k, float softmax_scale, SymInt mask, SymInt mask_align, "
+    "SymInt window_left, SymInt window_right, float softcap, float dropout_p, "
+    "Tensor? dropout_seed, SymInt dropout_offset, bool return_lse, str? instance) "
+    "-> (Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,))
+
+
+def _fwd_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -242,7 +257,6 @@ def _fwd_op(
     return out, lse
 
 
-@_fwd_op.register_fake
 def _fwd_fake(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
               max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align, window_left,
               window_right, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
@@ -250,6 +264,11 @@ def _fwd_fake(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None, return_lse), dtype=torch.float32)
     return out, lse
+
+
+_LIBRARY.impl("fwd", _fwd_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("fmha::fwd", _fwd_fake, lib=_LIBRARY)
+_fwd_op = torch.ops.fmha.fwd.default
 
 
 def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),

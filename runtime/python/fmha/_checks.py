@@ -80,7 +80,7 @@ def v_layout(v: torch.Tensor) -> tuple[int, int, int]:
     seq_stride = v.stride(-3) if v.size(-3) > 1 else 1
     dim_stride = v.stride(-1) if v.size(-1) > 1 else 1
     if dim_stride == 1:
-        return _C.VLAYOUT_ROW_MAJOR, kernel_stride(v, -3), 1
+        return _C.VLAYOUT_ROW_MAJOR, kernel_strides(v)[-3], 1
     if seq_stride == 1:
         return _C.VLAYOUT_COL_MAJOR, 1, dim_stride
     return None, seq_stride, dim_stride
@@ -148,7 +148,7 @@ def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 f"got shape {_shape(t)}"
             )
     for name, t in named:
-        if any(size >= INT_LIMIT for size in t.shape):
+        if t.dim() and max(t.shape) >= INT_LIMIT:
             raise ValueError(
                 f"fmha.fwd: {name} has shape {_shape(t)}; every size must be below 2**31 "
                 "(fmha::FwdArgs holds them as int)"
@@ -211,17 +211,19 @@ def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     return Problem(group, b, seqlen_q, seqlen_k, hq, hk, dq, dv)
 
 
-def kernel_stride(t: torch.Tensor, dim: int) -> int:
-    """The stride the kernels get for `dim`: 0 for a dimension of size 0 or 1, which is never
-    stepped over, so that its (arbitrary) stride cannot fail the alignment rule; e.g.
-    x[:, :1] of an odd-strided tensor."""
-    return 0 if t.size(dim) <= 1 else t.stride(dim)
+def kernel_strides(t: torch.Tensor) -> tuple:
+    """The strides the kernels get: 0 for a dimension of size 0 or 1, which is never stepped
+    over, so that its (arbitrary) stride cannot fail the alignment rule; e.g. x[:, :1] of an
+    odd-strided tensor. One call per tensor: a call is fwd's host cost, paid on every call."""
+    return tuple([0 if size <= 1 else stride for size, stride in zip(t.shape, t.stride())])
 
 
 def _check_strides(name: str, t: torch.Tensor, contiguous: int) -> None:
     """Every stride but the contiguous dimension's a multiple of 8 elements, so that each row
     starts on a 16-byte boundary: what the C++ checks ask of every stride they are given."""
-    if any(kernel_stride(t, dim) % ROW_PIECE for dim in range(t.dim()) if dim != contiguous):
+    for dim, stride in enumerate(kernel_strides(t)):
+        if dim == contiguous or stride % ROW_PIECE == 0:
+            continue
         raise ValueError(
             f"fmha.fwd: {name} has strides {tuple(t.stride())}; every one but its contiguous "
             f"dimension's must be a multiple of {ROW_PIECE} elements (the kernels move rows in "
