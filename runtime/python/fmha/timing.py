@@ -20,7 +20,8 @@ import time
 import torch
 
 
-def median_ms(fn, warmup_ms: float = 100.0, repeat_ms: float = 200.0, min_calls: int = 10) -> float:
+def median_ms(fn, warmup_ms: float = 100.0, repeat_ms: float = 200.0,
+              min_calls: int = 10) -> float:
     """Median milliseconds of `fn()`'s GPU work on the current stream: calls back to back (see
     the module's docstring) for about `repeat_ms`, at least `min_calls`, after about
     `warmup_ms` of untimed calls."""
