@@ -290,6 +290,9 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_siz
 
 BIAS_KINDS = ("11", "attn_bool", "b1", "1h", "full", "key", "attn_float2d")
 ALIBI_KINDS = ("head", "batch_head")
+# Spec.kramp of the kramp cases: over 700 keys in 80- to 128-key tiles, consecutive tiles' logit
+# maxima differ by about 2.5 * 24 / 6 standard deviations, ~15 in log2 units.
+KRAMP = 24.0
 LAYOUTS = ("bshd", "bhsd", "poison")
 
 
@@ -302,7 +305,11 @@ class Spec:
     passed when any pad is given). layout: "bshd" (contiguous), "bhsd" (transposes of (b, h, s,
     d) storage) or "poison" (views into NaN-filled buffers that are longer in the sequence and
     the head dim, and NaN in every row a kernel must not use). bias: one of BIAS_KINDS; alibi:
-    one of ALIBI_KINDS.
+    one of ALIBI_KINDS. qscale multiplies Q. kramp scales K's rows by a ramp along the (packed)
+    sequence axis, from 1 up to 1 + kramp, or for kramp < 0 from 1 - kramp down to 1: walked
+    the way the logits grow, each key tile's max then passes the running max by several times
+    2^8 and by less, so an online softmax rescales O in some steps and keeps a stale max in
+    others, whichever way a kernel walks the keys (fa2 first to last, fa3 last to first).
     """
 
     dtype: torch.dtype
@@ -333,6 +340,7 @@ class Spec:
     layout: str = "bshd"
     scale: Optional[float] = None
     qscale: float = 1.0
+    kramp: float = 0.0
 
     @property
     def group(self) -> bool:
@@ -379,6 +387,8 @@ class Spec:
             parts.append(self.layout)
         if self.scale is not None:
             parts.append(f"scale={self.scale:.4g}")
+        if self.kramp:
+            parts.append(f"kramp={self.kramp:g}")
         return " ".join(parts)
 
 
@@ -430,6 +440,14 @@ def _tensor(lead: tuple, s: int, h: int, dim: int, *, layout, dtype, device, gen
     return view
 
 
+def _ramp(spec: Spec, rows: int):
+    """K's row scale (Spec.kramp): a float, or an (s, 1, 1) ramp over the sequence axis."""
+    if not spec.kramp:
+        return 1.0
+    ramp = torch.linspace(0.0, abs(spec.kramp), rows).view(rows, 1, 1)
+    return 1.0 + (ramp if spec.kramp > 0 else ramp.flip(0))
+
+
 def make_inputs(spec: Spec, device="cuda", seed: int = 0) -> Inputs:
     """The tensors and keyword arguments of `spec`, drawn from a CPU generator seeded by seed."""
     gen = torch.Generator().manual_seed(seed)
@@ -458,7 +476,8 @@ def make_inputs(spec: Spec, device="cuda", seed: int = 0) -> Inputs:
         dk = [(None, dead_k.to(device))] if dead_k.any() else None
         q = _tensor((), total_q, spec.hq, spec.d, layout=spec.layout, scale=spec.qscale,
                     dead_rows=dq, **T)
-        k = _tensor((), total_k, spec.hk, spec.d, layout=spec.layout, dead_rows=dk, **T)
+        k = _tensor((), total_k, spec.hk, spec.d, layout=spec.layout, scale=_ramp(spec, total_k),
+                    dead_rows=dk, **T)
         v = _tensor((), total_k, spec.hk, spec.dv, layout=spec.layout, dead_rows=dk,
                     col=spec.vcol, **T)
         max_q, max_k = max(phys_q, default=0), max(phys_k, default=0)
@@ -482,7 +501,8 @@ def make_inputs(spec: Spec, device="cuda", seed: int = 0) -> Inputs:
             dk = [(b, slice(u, None)) for b, u in enumerate(spec.used_k) if u < spec.sk]
         q = _tensor((nb,), spec.sq, spec.hq, spec.d, layout=spec.layout, scale=spec.qscale,
                     dead_rows=dq, **T)
-        k = _tensor((nb,), spec.sk, spec.hk, spec.d, layout=spec.layout, dead_rows=dk, **T)
+        k = _tensor((nb,), spec.sk, spec.hk, spec.d, layout=spec.layout,
+                    scale=_ramp(spec, spec.sk), dead_rows=dk, **T)
         v = _tensor((nb,), spec.sk, spec.hk, spec.dv, layout=spec.layout, dead_rows=dk,
                     col=spec.vcol, **T)
         for name, used in (("seqused_q", spec.used_q), ("seqused_k", spec.used_k)):
@@ -676,6 +696,8 @@ def _shapes(inst: dict) -> list[tuple[str, dict]]:
             ("bhsd", dict(seqlens_q=[200, 64], seqlens_k=[64, 200], hq=2, hk=2, layout="bhsd")),
             ("tiles", dict(seqlens_q=[2 * m, m], seqlens_k=[3 * n, n], hq=2, hk=1)),
             ("long", dict(seqlens_q=[4097], seqlens_k=[1000], pad_q=[0], pad_k=[5])),
+            ("kramp_up", dict(seqlens_q=[150, 64], seqlens_k=[700, 300], kramp=KRAMP)),
+            ("kramp_down", dict(seqlens_q=[150, 64], seqlens_k=[700, 300], kramp=-KRAMP)),
         ]
     if trait(inst, "pad_seqlen"):
         return [
@@ -687,6 +709,8 @@ def _shapes(inst: dict) -> list[tuple[str, dict]]:
                              hk=1, layout="poison")),
             ("long", dict(b=1, sq=4097, sk=1000, layout="bhsd")),
             ("tiles", dict(b=2, sq=2 * m, sk=3 * n, hq=2, hk=2)),
+            ("kramp_up", dict(b=1, sq=200, sk=700, hq=2, hk=1, kramp=KRAMP)),
+            ("kramp_down", dict(b=1, sq=200, sk=700, hq=2, hk=1, kramp=-KRAMP)),
         ]
     return [
         ("tile", dict(b=1, sq=m, sk=n)),
@@ -694,6 +718,8 @@ def _shapes(inst: dict) -> list[tuple[str, dict]]:
         ("q_lt_k_gqa8", dict(b=2, sq=m, sk=4 * n, hq=8, hk=1)),
         ("bhsd", dict(b=2, sq=2 * m, sk=2 * n, hq=4, hk=2, layout="bhsd")),
         ("long", dict(b=1, sq=m * -(-4097 // m), sk=8 * n)),
+        ("kramp_up", dict(b=1, sq=2 * m, sk=8 * n, hq=2, hk=1, kramp=KRAMP)),
+        ("kramp_down", dict(b=1, sq=2 * m, sk=8 * n, hq=2, hk=1, kramp=-KRAMP)),
     ]
 
 
