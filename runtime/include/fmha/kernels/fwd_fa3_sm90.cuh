@@ -320,30 +320,44 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& a, TB co
 // The softmax state of the two rows a thread holds in a wgmma accumulator: value v of the
 // fragment ((2, 2, N / 8), 1, 1) is row half (v / 2) % 2 (rows r and r + 8), column
 // 8 * (v / 4) + 2 * (lane % 4) + v % 2.
+//
+// The running max that the exponents subtract moves only when a row's new max exceeds it by
+// more than 2^kStaleMaxLog2 (FlashAttention-4's conditional rescaling): P then stays below 256,
+// which fp16, bf16 and the fp32 sums hold with their usual relative precision, and O, whose
+// rescale is the softmax's largest cost (128 FMULs per thread and key tile at d256 against 40
+// exponentials), is rescaled only in the steps where some row of the warp moved its max.
 struct RowStats {
-  float max[2] = {-INFINITY, -INFINITY};
+  static constexpr float kStaleMaxLog2 = 8.f;
+  float max[2] = {-INFINITY, -INFINITY};  // what the exponents subtract (times softmax_mul)
   float sum[2] = {0.f, 0.f};  // this thread's partial sums; the quad reduces them at the end
 
-  // Folds a new S tile in: updates the running max, returns in `correction` what O and the
-  // sums accumulated so far must be multiplied by, and turns S into unnormalized P.
+  // Folds a new S tile in and turns S into unnormalized P. Returns whether O must be
+  // multiplied by `correction` (warp-uniform: true when any row of the warp moved its max);
+  // the sums are corrected here.
   template <class TensorS>
-  __device__ __forceinline__ void update(TensorS& s, float softmax_mul, float (&correction)[2]) {
+  __device__ __forceinline__ bool update(TensorS& s, float softmax_mul, float (&correction)[2]) {
     constexpr int kValues = decltype(cute::size(s))::value;
+    bool moved = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float m = max[h];
+      float m = -INFINITY;
 #pragma unroll
       for (int v = 0; v < kValues; ++v) {
         if ((v / 2) % 2 == h) m = fmaxf(m, s(v));
       }
       m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
+      const float m_scaled_new = m * softmax_mul;
       // A row with nothing visible yet keeps max -inf; subtracting 0 instead keeps exp2 at 0
-      // rather than NaN from (-inf) - (-inf).
-      const float m_scaled = m == -INFINITY ? 0.f : m * softmax_mul;
-      correction[h] = sm80::fast_exp2(max[h] * softmax_mul - m_scaled);
-      max[h] = m;
-      sum[h] *= correction[h];
+      // rather than NaN from (-inf) - (-inf). The first visible key always moves the max.
+      correction[h] = 1.f;
+      if (m_scaled_new > max[h] + kStaleMaxLog2) {
+        correction[h] = sm80::fast_exp2(max[h] - m_scaled_new);
+        max[h] = m_scaled_new;
+        sum[h] *= correction[h];
+        moved = true;
+      }
+      const float m_scaled = max[h] == -INFINITY ? 0.f : max[h];
 #pragma unroll
       for (int v = 0; v < kValues; ++v) {
         if ((v / 2) % 2 == h) {
@@ -352,6 +366,7 @@ struct RowStats {
         }
       }
     }
+    return __any_sync(0xffffffff, moved);
   }
 };
 
@@ -660,6 +675,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>>{});
     RowStats stats;
     float correction[2];
+    bool rescale_o = false;  // O is zero until the first PV product
 
     // Masks the key tile's invisible elements to -inf; only edge tiles have any.
     auto apply_mask = [&](auto& s, int n_block) {
@@ -712,7 +728,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ++read_k;
       query_read(n_end - 1);
       apply_mask(tSrS, n_end - 1);
-      stats.update(tSrS, p.softmax_mul, correction);
+      stats.update(tSrS, p.softmax_mul, correction);  // O is still zero: nothing to rescale
       convert_p<Element>(tSrS, tOrP);
     }
     bool v_tail_pending = true;  // the first V tile consumed is the last key tile's
@@ -721,7 +737,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       k_pipe.consumer_wait(read_k);
       scheduler_wait();
       warpgroup_gemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-      scale_rows(tOrO, correction);
+      if (rescale_o) scale_rows(tOrO, correction);
       v_pipe.consumer_wait(read_v);
       if (v_tail_pending) {
         zero_v_tail(read_v.index());
@@ -735,14 +751,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ++read_k;
       query_read(n_block);
       apply_mask(tSrS, n_block);
-      stats.update(tSrS, p.softmax_mul, correction);
+      rescale_o = stats.update(tSrS, p.softmax_mul, correction);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
       v_pipe.consumer_release(read_v);
       ++read_v;
       convert_p<Element>(tSrS, tOrP);
     }
-    scale_rows(tOrO, correction);
+    if (rescale_o) scale_rows(tOrO, correction);
     v_pipe.consumer_wait(read_v);
     if (v_tail_pending) zero_v_tail(read_v.index());
     warpgroup_gemm<false, -1>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
@@ -759,7 +775,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int row = wg_row0 + 8 * h;
       if (lse != nullptr && lane % 4 == 0 && row < rows_valid) {
         // A NaN sum (NaN or +inf among the logits) is no empty row: its LSE is NaN too.
-        lse[row] = sum > 0.f    ? (stats.max[h] * p.softmax_mul + log2f(sum)) *
+        lse[row] = sum > 0.f    ? (stats.max[h] + log2f(sum)) *
                                    static_cast<float>(M_LN2)
                    : sum == 0.f ? -INFINITY
                                 : NAN;
