@@ -669,6 +669,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       continue;
     }
 
+    // The key tiles this warpgroup's own rows see end at wg_n_end, up to a tile before the
+    // query tile's n_end under a causal mask or a window (bf16 d64, causal, S = 2k: 1.5 of the
+    // 192-row tile's 3 warpgroup steps at its diagonal are fully masked for the rows they
+    // serve), and rows past the sequence's end see none. The warpgroup takes its ping-pong
+    // turns and passes those K/V stages on without issuing GEMMs, so the tensor cores serve
+    // the other warpgroups alone; at least one step runs for rows that see no key at all, to
+    // write their zeros.
+    const int wg_first_row = q_row0 + 64 * consumer_wg;
+    const int wg_last_row = wg_first_row + wg_rows_valid - 1;
+    const int wg_n_end = wg_rows_valid == 0
+                             ? n_begin
+                             : max(n_begin + 1, min(n_end, mask.n_block_end(wg_last_row)));
+    if (wg_n_end < n_end && Cfg::kSeparateO && store_pending) {
+      store_output(pending);  // no GEMM of this warpgroup's to run under
+      store_pending = false;
+    }
+    for (int n_block = n_end - 1; n_block >= wg_n_end; --n_block) {
+      k_pipe.consumer_wait(read_k);
+      scheduler_wait();
+      scheduler_pass();
+      k_pipe.consumer_release(read_k);
+      ++read_k;
+      v_pipe.consumer_wait(read_v);
+      v_pipe.consumer_release(read_v);
+      ++read_v;
+    }
+    if (wg_rows_valid == 0) {
+      // It never reads its Q rows and has no O to write.
+      shared.q_full[consumer_wg].wait(q_phase);
+      q_phase ^= 1;
+      release_query();
+      continue;
+    }
+
     Tensor tOrO = partition_fragment_C(mma_o, Shape<_64, typename Cfg::DimV>{});
     clear(tOrO);
     Tensor tOrP = make_tensor<Element>(
@@ -679,14 +713,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
     // Masks the key tile's invisible elements to -inf; only edge tiles have any.
     auto apply_mask = [&](auto& s, int n_block) {
-      if (!mask.is_edge_tile(q_row0, n_block)) return;
+      using Mask = typename WorkTile<Cfg>::Mask;
+      if (!mask.is_edge_tile(wg_first_row, wg_last_row, n_block)) return;
+      // Each of the thread's two rows sees the columns [lo, hi] counted from its first
+      // column, so an element costs a compare against a constant (two with a left edge).
       const int col0 = n_block * kBlockN + 2 * (lane % 4);
+      int lo[2], hi[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = q_row0 + wg_row0 + 8 * h;
+        lo[h] = Mask::kHasLeft ? mask.first_visible_key(row) - col0 : 0;
+        hi[h] = mask.last_visible_key(row) - col0;
+      }
       constexpr int kValues = decltype(size(s))::value;
 #pragma unroll
       for (int v = 0; v < kValues; ++v) {
-        const int row = q_row0 + wg_row0 + 8 * ((v / 2) % 2);
-        const int col = col0 + 8 * (v / 4) + v % 2;
-        if (!mask.is_visible(row, col)) s(v) = -INFINITY;
+        const int h = (v / 2) % 2;
+        const int col = 8 * (v / 4) + v % 2;
+        if (col > hi[h] || (Mask::kHasLeft && col < lo[h])) s(v) = -INFINITY;
       }
     };
     // Keys past the sequence's end get probability 0, but their V rows are whatever follows
@@ -712,7 +756,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     shared.q_full[consumer_wg].wait(q_phase);
     q_phase ^= 1;
 
-    {  // The last key tile (often the masked one) alone: nothing to overlap yet.
+    {  // The last key tile it sees (often the masked one) alone: nothing to overlap yet.
       Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, typename Cfg::BlockN>{});
       k_pipe.consumer_wait(read_k);
       scheduler_wait();
@@ -726,13 +770,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       warpgroup_fence_operand(tSrS);
       k_pipe.consumer_release(read_k);
       ++read_k;
-      query_read(n_end - 1);
-      apply_mask(tSrS, n_end - 1);
+      query_read(wg_n_end - 1);
+      apply_mask(tSrS, wg_n_end - 1);
       stats.update(tSrS, p.softmax_mul, correction);  // O is still zero: nothing to rescale
       convert_p<Element>(tSrS, tOrP);
     }
-    bool v_tail_pending = true;  // the first V tile consumed is the last key tile's
-    for (int n_block = n_end - 2; n_block >= n_begin; --n_block) {
+    // The first V tile its PV products read is the query tile's last, ragged one unless it
+    // idled past that.
+    bool v_tail_pending = wg_n_end == n_end;
+    for (int n_block = wg_n_end - 2; n_block >= n_begin; --n_block) {
       Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, typename Cfg::BlockN>{});
       k_pipe.consumer_wait(read_k);
       scheduler_wait();

@@ -48,20 +48,32 @@ struct TileMask {
     return (keys + kBlockN - 1) / kBlockN;
   }
 
-  // True when some element of key tile n_block is invisible to some row of the query tile
-  // starting at first_row: it crosses either window edge, or runs past the last key.
-  __device__ bool is_edge_tile(int first_row, int n_block) const {
+  // True when some element of key tile n_block is invisible to some row of first_row..last_row
+  // (by default the query tile starting at first_row): it crosses either window edge, or runs
+  // past the last key.
+  __device__ bool is_edge_tile(int first_row, int last_row, int n_block) const {
     const int first_key = n_block * kBlockN;
     const int last_key = first_key + kBlockN - 1;
     const bool crosses_right = kHasRight && last_key > first_row + offset + right;
-    const bool crosses_left = kHasLeft && first_key < first_row + kBlockM - 1 + offset - left;
+    const bool crosses_left = kHasLeft && first_key < last_row + offset - left;
     const bool past_keys = kPadSeqlen && last_key >= seqlen_k;
     return crosses_right || crosses_left || past_keys;
   }
+  __device__ bool is_edge_tile(int first_row, int n_block) const {
+    return is_edge_tile(first_row, first_row + kBlockM - 1, n_block);
+  }
+
+  // Row `row` sees the keys [first_visible_key(row), last_visible_key(row)]; the first bound
+  // exists only with kHasLeft, the last only with kHasRight or kPadSeqlen.
+  __device__ int first_visible_key(int row) const { return row + offset - left; }
+  __device__ int last_visible_key(int row) const {
+    const int last = row + offset + right;
+    return kPadSeqlen && (!kHasRight || seqlen_k - 1 < last) ? seqlen_k - 1 : last;
+  }
 
   __device__ bool is_visible(int row, int col) const {
-    return (!kPadSeqlen || col < seqlen_k) && (!kHasRight || col <= row + offset + right) &&
-           (!kHasLeft || col >= row + offset - left);
+    return (!(kPadSeqlen || kHasRight) || col <= last_visible_key(row)) &&
+           (!kHasLeft || col >= first_visible_key(row));
   }
 };
 
