@@ -45,10 +45,16 @@ def main():
     usage = subprocess.run(["cuobjdump", "-res-usage", library], text=True, capture_output=True,
                            check=True).stdout
     resources = {}
+    pending = None  # a function whose figures are on the next line
     for line in usage.splitlines():
         match = RESOURCES.match(line.strip())
         if match:
-            resources[match.group(1)] = match.group(2)
+            pending = None if match.group(2) else match.group(1)
+            if match.group(2):
+                resources[match.group(1)] = match.group(2)
+        elif pending and line.strip():
+            resources[pending] = line.strip()
+            pending = None
     names = demangle(sorted(set(counts) | set(resources)))
     print(f"# cuobjdump -sass / -res-usage {library}: per kernel, resources | instruction counts")
     for mangled, name in sorted(names.items(), key=lambda item: item[1]):
