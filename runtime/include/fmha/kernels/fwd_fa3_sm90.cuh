@@ -328,7 +328,7 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& a, TB co
 // exponentials), is rescaled only in the steps where some row of the warp moved its max.
 struct RowStats {
   static constexpr float kStaleMaxLog2 = 8.f;
-  float max[2] = {-INFINITY, -INFINITY};  // what the exponents subtract (times softmax_mul)
+  float max[2] = {-INFINITY, -INFINITY};  // what the exponents subtract, already * softmax_mul
   float sum[2] = {0.f, 0.f};  // this thread's partial sums; the quad reduces them at the end
 
   // Folds a new S tile in and turns S into unnormalized P. Returns whether O must be
@@ -670,9 +670,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
 
     // The key tiles this warpgroup's own rows see end at wg_n_end, up to a tile before the
-    // query tile's n_end under a causal mask or a window (bf16 d64, causal, S = 2k: 1.5 of the
-    // 192-row tile's 3 warpgroup steps at its diagonal are fully masked for the rows they
-    // serve), and rows past the sequence's end see none. The warpgroup takes its ping-pong
+    // query tile's n_end under a causal mask or a window (at the diagonal of a causal 192-row
+    // d64 tile the first warpgroup sees none of the last one or two 128-key tiles, the second
+    // often none of the last), and rows past the sequence's end see none. The warpgroup takes its ping-pong
     // turns and passes those K/V stages on without issuing GEMMs, so the tensor cores serve
     // the other warpgroups alone; at least one step runs for rows that see no key at all, to
     // write their zeros.
