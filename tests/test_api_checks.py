@@ -925,3 +925,35 @@ def test_cpp_reports_the_compiled_matrix():
         assert inst["mask"] in ("none", "causal", "window")
         assert inst["bias"] in ("none", "elementwise", "alibi")
         assert inst["vlayout"] in ("row", "col") and inst["mode"] in ("batch", "group")
+
+
+# ---- planned calls (fmha._plans) ------------------------------------------------------------
+
+
+def _key(q, k, v, **options):
+    """fmha._plans.call_key of fwd(q, k, v, **options)."""
+    kw = {**_api._OPTION_DEFAULTS, "causal": False, "softmax_scale": None, "instance": None,
+          **options}
+    return _api._plans.call_key(
+        q, k, v, kw["causal"], kw["softmax_scale"], kw["window_size"], kw["mask_align"],
+        kw["bias"], kw["attn_mask"], kw["alibi_slopes"], kw["softcap"], kw["dropout_p"],
+        kw["dropout_seed"], kw["dropout_offset"], kw["return_lse"], kw["cu_seqlens_q"],
+        kw["cu_seqlens_k"], kw["max_seqlen_q"], kw["max_seqlen_k"], kw["seqused_q"],
+        kw["seqused_k"], kw["instance"])
+
+
+def test_only_plain_eager_cuda_calls_have_a_plan_key():
+    """CPU tensors, fake tensors (torch.compile's, FakeTensorMode's) and traced calls take the
+    op and its checks every time; tests/test_plans_gpu.py covers the calls that plan."""
+    assert _key(*qkv()) is None
+    with FakeTensorMode():
+        q, k, v = qkv(device="cuda")
+        assert _key(q, k, v) is None
+
+
+def test_plan_table_drops_the_oldest_plan_first():
+    table = _api._plans.PlanTable(limit=3)
+    for key in "abcd":
+        table.put(key, key.upper())
+    assert len(table) == 3 and table.get("a") is None
+    assert [table.get(key) for key in "bcd"] == ["B", "C", "D"]

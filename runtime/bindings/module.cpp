@@ -96,6 +96,40 @@ std::tuple<int, std::string, std::string> fwd(const fmha::FwdArgs& args, uintptr
   return {code(st), st.message, chosen};
 }
 
+// A planned call (fmha/_plans.py): `plan` holds a checked call's shapes, strides and options,
+// and this call's tensors bring their pointers, the dropout seed and offset. Runs on the
+// current device; returns None, or (status code, message) when nothing was launched. One
+// Python-to-C++ crossing per call, where setting FwdArgs' fields one property at a time cost
+// ~16 us of fwd's host time (docs/perf-notes.md v5).
+py::object run_planned(const fmha::FwdArgs& plan, uintptr_t q, uintptr_t k, uintptr_t v,
+                       uintptr_t o, uintptr_t lse, uintptr_t bias, uintptr_t alibi_slopes,
+                       uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, uintptr_t seqused_q,
+                       uintptr_t seqused_k, uint64_t dropout_seed, uint32_t dropout_offset,
+                       uintptr_t stream, std::optional<std::string> instance) {
+  fmha::FwdArgs args = plan;
+  args.q = reinterpret_cast<const void*>(q);
+  args.k = reinterpret_cast<const void*>(k);
+  args.v = reinterpret_cast<const void*>(v);
+  args.o = reinterpret_cast<void*>(o);
+  args.lse = reinterpret_cast<float*>(lse);
+  args.bias_ptr = reinterpret_cast<const void*>(bias);
+  args.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
+  args.cu_seqlens_q = reinterpret_cast<const int32_t*>(cu_seqlens_q);
+  args.cu_seqlens_k = reinterpret_cast<const int32_t*>(cu_seqlens_k);
+  args.seqused_q = reinterpret_cast<const int32_t*>(seqused_q);
+  args.seqused_k = reinterpret_cast<const int32_t*>(seqused_k);
+  args.dropout_seed = dropout_seed;
+  args.dropout_offset = dropout_offset;
+  fmha::Status st;
+  {
+    py::gil_scoped_release release;  // a launch blocks while the GPU's queue is full
+    const auto s = reinterpret_cast<fmha::Stream>(stream);
+    st = instance ? fmha::fwd_instance(*instance, args, s) : fmha::fwd(args, s);
+  }
+  if (st.ok()) return py::none();
+  return py::make_tuple(code(st), st.message);
+}
+
 std::tuple<int, std::string, py::object> select_instance(const fmha::FwdArgs& args) {
   fmha::InstanceInfo info;
   const fmha::Status st = fmha::select(args, &info);
@@ -183,6 +217,14 @@ void bind_args(py::module_& m) {
   cls.def(
       "traits", [](const fmha::FwdArgs& a) { return traits_dict(a.traits()); },
       "FwdArgs::traits(): what an instance must match, enums as ints.");
+  cls.def("run", &run_planned, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+          py::arg("lse"), py::arg("bias"), py::arg("alibi_slopes"), py::arg("cu_seqlens_q"),
+          py::arg("cu_seqlens_k"), py::arg("seqused_q"), py::arg("seqused_k"),
+          py::arg("dropout_seed"), py::arg("dropout_offset"), py::arg("stream"),
+          py::arg("instance"),
+          "Run these args with the pointers, dropout seed and offset given (0 for none) on the "
+          "stream, through the dispatcher or the named instance; returns None, or (status "
+          "code, message) when nothing was launched.");
 }
 
 }  // namespace

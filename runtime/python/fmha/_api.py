@@ -1,8 +1,10 @@
 """fmha.fwd and friends: torch tensors in, one generated kernel instance launched.
 
-fwd is a torch.library custom op with a fake (meta) implementation, so torch.compile traces
-it with fullgraph=True; the op turns its tensors into an fmha._C.FwdArgs (pointers, strides)
-and launches on the current stream. select and explain check and describe the same call
+fmha::fwd is a torch.library custom op with a fake (meta) implementation, so torch.compile
+traces it with fullgraph=True; the op turns its tensors into an fmha._C.FwdArgs (pointers,
+strides) and launches on the current stream. A plain eager call skips the op's dispatch: its
+first call of a signature checks it and keeps the FwdArgs as a plan, and the later ones only
+fill in their pointers (fmha._plans). select and explain check and describe the same call
 through the same FwdArgs, without launching.
 """
 
@@ -10,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from fmha import _C
+from fmha import _C, _plans
 from fmha._checks import (
     DTYPE_CODES,
     OFFSET_LIMIT,
@@ -251,8 +253,9 @@ def _fwd_impl(
         out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
         lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
     args = _make_args(ops, out, lse if return_lse else None)
-    with torch.cuda.device(q.device):  # the dispatcher picks by the current device's arch
-        code, message, _ = _C.fwd(args, torch.cuda.current_stream(q.device).cuda_stream, instance)
+    device = q.get_device()
+    with torch.cuda.device(device):  # the dispatcher picks by the current device's arch
+        code, message, _ = _C.fwd(args, torch._C._cuda_getCurrentRawStream(device), instance)
     _raise_for(code, message)
     return out, lse
 
@@ -313,21 +316,64 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     logits, float32 (batch, nheads, seqlen_q), or (nheads, total_q) in group mode.
     """
     check_instance(instance)
+    key = _plans.call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias,
+                          attn_mask, alibi_slopes, softcap, dropout_p, dropout_seed,
+                          dropout_offset, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, seqused_q, seqused_k, instance)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is not None:  # a signature seen before: its checks passed then
+        if not plan.draws_seed:
+            seed = 0 if dropout_seed is None else dropout_seed
+        else:
+            _refuse_drawn_seed_in_capture()
+            seed = int(_seed_operand(None).item()) % SEED_LIMIT
+        out, lse = _plans.outputs(plan, q)
+        _launch_plan(plan, q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
+                     cu_seqlens_k, seqused_q, seqused_k, seed, dropout_offset, instance)
+        return (out, lse) if return_lse else out
+
     ops = _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
                    alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                    materialize=True)
-    if (dropout_p and dropout_seed is None and not torch.compiler.is_compiling()
-            and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        # The seed would be drawn on the CPU once, at capture, and every replay would repeat
-        # that one pattern: a silent change of meaning, so refuse it. (Traced by torch.compile,
-        # the draw is an op of the graph instead.)
+    if dropout_p and dropout_seed is None and not torch.compiler.is_compiling():
+        _refuse_drawn_seed_in_capture()
+    plan = None if key is None else _plans.make(ops, bias, attn_mask, alibi_slopes, dropout_seed)
+    if plan is None:
+        out, lse = _fwd_op(*ops, instance)
+        return (out, lse) if return_lse else out
+    out, lse = _plans.outputs(plan, q)
+    plan = plan._replace(args=_make_args(ops, out, lse))
+    _launch_plan(plan, q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
+                 cu_seqlens_k, seqused_q, seqused_k, plan.args.dropout_seed, ops.dropout_offset,
+                 instance)
+    _PLANS.put(key, plan)  # after it ran: a miss or a CUDA error leaves no plan behind
+    return (out, lse) if return_lse else out
+
+
+# Plans of the eager calls fwd has checked, by call signature (fmha._plans).
+_PLANS = _plans.PlanTable()
+
+
+def _launch_plan(plan, q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
+                 cu_seqlens_k, seqused_q, seqused_k, seed, offset, instance) -> None:
+    failed = _plans.launch(plan, q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
+                           cu_seqlens_k, seqused_q, seqused_k, seed, offset, instance)
+    if failed is not None:
+        # What C++ checks per call is the pointers' alignment: say it as the op's checks do.
+        check_alignment(q=q, k=k, v=v)
+        _raise_for(*failed)
+
+
+def _refuse_drawn_seed_in_capture() -> None:
+    """The seed of an unseeded dropout call would be drawn on the CPU once, at capture, and
+    every replay would repeat that one pattern: a silent change of meaning, so refuse it.
+    (Traced by torch.compile, the draw is an op of the graph instead.)"""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise ValueError(
             "fmha.fwd: dropout without dropout_seed cannot be captured in a CUDA graph (the "
             "seed is drawn once, at capture, so every replay would drop the same elements); "
             "pass dropout_seed (and dropout_offset) explicitly, one graph per value")
-    out, lse = _fwd_op(*ops, instance)
-    return (out, lse) if return_lse else out
 
 
 # The keyword options of fwd that select and explain share.

@@ -1,0 +1,177 @@
+"""Planned calls: fmha.fwd's host path for a call signature it has seen before.
+
+Every check of a call depends on its signature alone: the class, dtype, shape, strides, device
+and requires_grad of each tensor, and the values of its options. The first call of a signature
+runs every check (fmha._checks) and keeps what they built, a plan: the FwdArgs with each size,
+stride and option filled in, and the shapes of the outputs. A later call with the same signature
+allocates its outputs, reads its tensors' pointers and crosses into C++ once, where the C++ API
+checks what depends on the pointers (16-byte alignment) and picks the instance for the device.
+The pointers, the dropout seed and the dropout offset are values of the call, not of its
+signature: a training loop that passes a new seed per step keeps its one plan.
+
+Only plain eager calls take this path (call_key says which); under torch.compile, a dispatch
+or function mode, tensor subclasses or autograd, fmha.fwd calls its torch.library op as before.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from fmha import _C
+from fmha._checks import OFFSET_LIMIT, SEED_LIMIT
+
+# Plans kept at once, the oldest dropped first. A model has a handful of call signatures (its
+# attention layers' shapes); the bound keeps a caller whose shapes never repeat from growing the
+# table without end.
+MAX_PLANS = 512
+
+class Plan(NamedTuple):
+    """A checked call signature: everything fwd passes to C++ but the call's own values."""
+
+    args: "_C.FwdArgs"  # pointers, dropout seed and offset are the call's
+    out_shape: tuple
+    lse_shape: Optional[tuple]  # None: the call returns no log-sum-exp
+    seqused: bool  # rows past a sequence's used length stay as allocated: 0, and lse -inf
+    out_like_q: bool  # out has q's shape and q is contiguous: torch.empty_like(q) allocates it
+    bias_from_mask: bool  # the elementwise bias is the attn_mask argument, not bias
+    draws_seed: bool  # dropout without a seed: one is drawn per call
+    device: int
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    return (t.__class__, t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad)
+
+
+def _is_real(x) -> bool:
+    # Exact types: a bool equals 0 or 1 and would match a plan made for an int or a float.
+    return x.__class__ is float or x.__class__ is int
+
+
+def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
+             alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
+             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+             instance) -> Optional[tuple]:
+    """The signature of a call that may take a plan, or None for a call that takes the
+    torch.library op. Options must have their documented types exactly (a bool is no int here),
+    so that two calls with one key pass the same checks; any other value takes the op, whose
+    checks accept or reject it as they always did."""
+    if torch.compiler.is_compiling():
+        return None
+    if (q.__class__ is not torch.Tensor or k.__class__ is not torch.Tensor
+            or v.__class__ is not torch.Tensor or not q.is_cuda
+            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    if not (causal is True or causal is False) or not (return_lse is True or return_lse is False):
+        return None
+    if not (softmax_scale is None or _is_real(softmax_scale)) or not _is_real(softcap):
+        return None
+    if not _is_real(dropout_p) or mask_align.__class__ is not str:
+        return None
+    if not (window_size.__class__ is tuple and len(window_size) == 2
+            and window_size[0].__class__ is int and window_size[1].__class__ is int):
+        return None
+    if not (max_seqlen_q is None or max_seqlen_q.__class__ is int) or not (
+            max_seqlen_k is None or max_seqlen_k.__class__ is int):
+        return None
+    # Values of the call: an invalid one takes the op, whose checks say what is wrong.
+    if not (dropout_seed is None or (dropout_seed.__class__ is int
+                                     and 0 <= dropout_seed < SEED_LIMIT)):
+        return None
+    if not (dropout_offset.__class__ is int and 0 <= dropout_offset < OFFSET_LIMIT):
+        return None
+    # Hashable by construction: the checks above leave no list or other unhashable value. q,
+    # k and v are plain tensors that need no grad (checked above), so their class and
+    # requires_grad go without saying; each optional tensor states them.
+    return (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
+            k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), causal, softmax_scale,
+            window_size, mask_align, softcap, dropout_p, dropout_seed is None, return_lse,
+            max_seqlen_q, max_seqlen_k, instance,
+            None if bias is None else _signature(bias),
+            None if attn_mask is None else _signature(attn_mask),
+            None if alibi_slopes is None else _signature(alibi_slopes),
+            None if cu_seqlens_q is None else _signature(cu_seqlens_q),
+            None if cu_seqlens_k is None else _signature(cu_seqlens_k),
+            None if seqused_q is None else _signature(seqused_q),
+            None if seqused_k is None else _signature(seqused_k))
+
+
+def make(ops, bias, attn_mask, alibi_slopes, dropout_seed) -> Optional[Plan]:
+    """The plan of a checked call (`ops`, fmha._api._Operands, and the arguments fwd got), its
+    FwdArgs still None (they take the first call's outputs: fwd fills them in); or None when a
+    later call could not reuse it: a tensor of another class or one that needs grad, or a bias
+    or ALiBi operand that the checks made anew (a boolean mask turned into a bias, a copy made
+    contiguous), whose pointer a later call would not have."""
+    given = (ops.q, ops.k, ops.v, bias, attn_mask, alibi_slopes, ops.cu_seqlens_q,
+             ops.cu_seqlens_k, ops.seqused_q, ops.seqused_k)
+    for t in given:
+        if t is not None and (t.__class__ is not torch.Tensor or t.requires_grad):
+            return None
+    mask = bias if bias is not None else attn_mask
+    if ops.bias is not None and ops.bias.data_ptr() != mask.data_ptr():
+        return None
+    if ops.alibi_slopes is not alibi_slopes:
+        return None
+    q, v = ops.q, ops.v
+    group = ops.cu_seqlens_q is not None
+    lse_shape = None
+    if ops.return_lse:
+        lse_shape = (q.shape[1], q.shape[0]) if group else (q.shape[0], q.shape[2], q.shape[1])
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    return Plan(None, out_shape, lse_shape, ops.seqused_q is not None,
+                out_shape == tuple(q.shape) and q.is_contiguous(),
+                bias is None and attn_mask is not None, ops.dropout_p > 0 and dropout_seed is None,
+                q.get_device())
+
+
+def outputs(plan: Plan, q: torch.Tensor) -> tuple:
+    """The call's out and log-sum-exp (None without return_lse), allocated on q's device."""
+    if plan.seqused:  # the kernel leaves rows past seqused_q alone: an empty row's values
+        out = q.new_zeros(plan.out_shape)
+        lse = None if plan.lse_shape is None else q.new_full(plan.lse_shape, float("-inf"),
+                                                             dtype=torch.float32)
+    else:  # empty_like: ~1.4 us less than new_empty on the H100 machine (perf-notes v7)
+        out = torch.empty_like(q) if plan.out_like_q else q.new_empty(plan.out_shape)
+        lse = None if plan.lse_shape is None else q.new_empty(plan.lse_shape, dtype=torch.float32)
+    return out, lse
+
+
+def launch(plan: Plan, q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
+           cu_seqlens_k, seqused_q, seqused_k, dropout_seed: int, dropout_offset: int,
+           instance):
+    """Runs the plan on this call's tensors on the current stream of q's device; returns None,
+    or (status code, message) when nothing was launched."""
+    mask = attn_mask if plan.bias_from_mask else bias
+    call = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+            0 if lse is None else lse.data_ptr(), 0 if mask is None else mask.data_ptr(),
+            0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+            0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
+            0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+            0 if seqused_q is None else seqused_q.data_ptr(),
+            0 if seqused_k is None else seqused_k.data_ptr(), dropout_seed, dropout_offset,
+            torch._C._cuda_getCurrentRawStream(plan.device), instance)
+    if torch._C._cuda_getDevice() == plan.device:
+        return plan.args.run(*call)
+    with torch.cuda.device(plan.device):  # the dispatcher picks by the current device's arch
+        return plan.args.run(*call)
+
+
+class PlanTable:
+    """The plans by call signature, at most MAX_PLANS of them, the oldest dropped first."""
+
+    def __init__(self, limit: int = MAX_PLANS):
+        self._plans: dict = {}
+        self._limit = limit
+        self.get = self._plans.get  # the dict's own: one call less on every fwd call
+
+    def put(self, key, plan: Plan) -> None:
+        if len(self._plans) >= self._limit:
+            del self._plans[next(iter(self._plans))]
+        self._plans[key] = plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
