@@ -1,0 +1,50 @@
+"""Where one planned fmha.fwd call spends its host time (issue 13): each step of fmha.fwd's
+plan path timed alone, on the small shape of python -m bench (b=1, s=128, h=16, d=128, bf16),
+next to the whole call and torch SDPA's.
+
+    PYTHONPATH=build/dev/python python scripts/host_breakdown.py
+"""
+
+import torch
+import torch.nn.functional as F
+
+import fmha
+from fmha import _api, _plans
+from fmha.timing import host_us
+
+
+def main():
+    q, k, v = (torch.randn(1, 128, 16, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    fmha.fwd(q, k, v)
+    opts = (False, None, (-1, -1), "top_left", None, None, None, 0.0, 0.0, None, 0, False,
+            None, None, None, None, None, None, None)
+    key = _plans.call_key(q, k, v, *opts)
+    plan = _api._PLANS.get(key)
+    out, lse = _plans.outputs(plan, q)
+    call = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0,
+            0, torch._C._cuda_getCurrentRawStream(0), None)
+    full = _api._make_args(_api._prepare(q, k, v, False, None, **_api._OPTION_DEFAULTS,
+                                         materialize=True), out, None)
+    stream = call[-2]
+    steps = {
+        "fmha.fwd, whole call": lambda: fmha.fwd(q, k, v),
+        "  call_key": lambda: _plans.call_key(q, k, v, *opts),
+        "  PlanTable.get": lambda: _api._PLANS.get(key),
+        "  outputs (new_empty)": lambda: _plans.outputs(plan, q),
+        "  launch (pointers, stream, C++)": lambda: _plans.launch(
+            plan, q, k, v, out, lse, None, None, None, None, None, None, None, 0, 0, None),
+        "    FwdArgs.run, integers ready": lambda: plan.args.run(*call),
+        "    _C.fwd(FwdArgs ready): C++ alone": lambda: fmha._C.fwd(full, stream, None),
+        "  torch.empty_like(q)": lambda: torch.empty_like(q),
+        "  torch.empty_like(q, contiguous)": lambda: torch.empty_like(
+            q, memory_format=torch.contiguous_format),
+        "torch SDPA, default backend": lambda: F.scaled_dot_product_attention(qt, kt, vt),
+    }
+    for name, fn in steps.items():
+        print(f"{name:36s} {host_us(fn, warmup=200, repeat=2000):7.2f} us")
+
+
+if __name__ == "__main__":
+    main()
