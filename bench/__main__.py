@@ -5,8 +5,10 @@ fixed hidden size (nheads * headdim = 2048), so every row does the same work at 
 FLOPs are 4 * b * h * s^2 * d (two GEMMs), halved for causal. Each backend gets its native
 layout: fmha (b, s, h, d), SDPA (b, h, s, d). Times are medians of CUDA-event-timed calls
 run back to back after warm-up: GPU time, with the host's own cost per call kept out
-(fmha.timing). That host cost is measured apart, on a small problem, and printed under the
-table. Prints a table and, with --json, writes every row.
+(fmha.timing). That host cost is measured apart, on a small and a mid-size problem, for fmha
+and for SDPA's default choice and each of its two fast backends, and printed under the table;
+--graph adds fmha's time replayed from a CUDA graph, which shows where host time still bounds
+a row. Prints a table and, with --json, writes every row.
 
 --features adds one row per trait at one sequence length (--feature-seqlen), each against the
 SDPA backends that can compute the same thing (attn_mask: cuDNN and memory-efficient; dropout:
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
-from fmha.timing import host_us, median_ms
+from fmha.timing import graph_median_ms, host_us, median_ms
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -50,6 +52,9 @@ def parse_args(argv):
                    help="also time one row per trait (bias, ALiBi, window, soft-cap, dropout, "
                         "varlen, V^T, head-dim padding)")
     p.add_argument("--feature-seqlen", type=int, default=4096)
+    p.add_argument("--graph", action="store_true",
+                   help="also time fmha replayed from a CUDA graph (column fmha_graph): no "
+                        "host work between calls, so fmha/fmha_graph below 1 is host-bound")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
     unknown = set(args.dtypes) - set(DTYPES)
@@ -74,9 +79,11 @@ def time_sdpa(row, flops, backends, args, qt, kt, vt, **kwargs):
 
 def time_fmha(row, flops, args, q, k, v, **kwargs):
     row["instance"] = fmha.select(q, k, v, **kwargs)["name"]
-    ms = median_ms(lambda: fmha.fwd(q, k, v, **kwargs), args.warmup_ms,
-                   args.repeat_ms)
-    row["fmha"] = flops / ms * 1e-9
+    call = lambda: fmha.fwd(q, k, v, **kwargs)  # noqa: E731
+    row["fmha"] = flops / median_ms(call, args.warmup_ms, args.repeat_ms) * 1e-9
+    if args.graph:
+        row["fmha_graph"] = flops / graph_median_ms(call, 20, args.warmup_ms,
+                                                    args.repeat_ms) * 1e-9
 
 
 def run_case(dtype, d, s, causal, args):
@@ -142,27 +149,44 @@ def run_features(dtype, d, args):
     return rows
 
 
-def measure_host_us(dtype, d, args):
-    """Host microseconds per call of fmha and each SDPA backend on a problem small enough that
-    the GPU never holds the host back (one sequence of 128, the grid's heads)."""
-    h = args.hidden // d
-    q, k, v = (torch.randn(1, 128, h, d, device="cuda", dtype=dtype) for _ in range(3))
-    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    costs = {"fmha": host_us(lambda: fmha.fwd(q, k, v))}
-    for name in GRID_BACKENDS:
-        with sdpa_kernel(SDPA_BACKENDS[name]):
-            costs[name] = host_us(lambda: F.scaled_dot_product_attention(qt, kt, vt))
+# Host time is measured on two problems: a small one whose kernel takes a few microseconds, so
+# every backend's host cost shows whole, and the demo's (python -m fmha.demo), whose kernel
+# takes ~40-50 us on an H100: (name, batch, seqlen, nheads, headdim, causal), bf16.
+HOST_SHAPES = (("small", 1, 128, 16, 128, False), ("mid", 4, 2048, 16, 64, True))
+
+
+def measure_host_us():
+    """Host microseconds per call of fmha and of torch SDPA (its default choice of backend,
+    and flash and cuDNN forced) on HOST_SHAPES: {shape name: {backend: us}}."""
+    costs = {}
+    for name, b, s, h, d, causal in HOST_SHAPES:
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        try:
+            row = {"fmha": host_us(lambda: fmha.fwd(q, k, v, causal=causal))}
+        except fmha.MissingInstanceError:  # not in this build
+            row = {"fmha": None}
+        row["sdpa"] = host_us(lambda: F.scaled_dot_product_attention(qt, kt, vt,
+                                                                     is_causal=causal))
+        for backend in GRID_BACKENDS:
+            with sdpa_kernel(SDPA_BACKENDS[backend]):
+                row[backend] = host_us(
+                    lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+        costs[f"{name} b={b} s={s} h={h} d={d}{' causal' if causal else ''}"] = row
     return costs
 
 
 def format_table(rows, first):
     cols = [first, "fmha", "sdpa_flash", "cudnn", "sdpa_efficient", "vs_flash", "vs_cudnn"]
+    if any("fmha_graph" in r for r in rows):
+        cols += ["fmha_graph", "vs_graph"]
     lines = [" ".join(f"{c:>14}" for c in cols)]
     for r in rows:
         cells = []
         for c in cols:
             if c.startswith("vs_"):
-                other = r.get("sdpa_flash" if c == "vs_flash" else "cudnn")
+                other = r.get({"vs_flash": "sdpa_flash", "vs_cudnn": "cudnn",
+                               "vs_graph": "fmha_graph"}[c])
                 val = f"{r['fmha'] / other:.2f}x" if other and r.get("fmha") else "-"
             elif c == first:
                 val = " ".join(str(r[key]) for key in KEYS[first])
@@ -196,7 +220,7 @@ def main(argv=None):
         for dt in args.dtypes:
             for d in args.hdims:
                 feature_rows += run_features(DTYPES[dt], d, args)
-    host = measure_host_us(DTYPES[args.dtypes[0]], args.hdims[0], args)
+    host = measure_host_us()
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version(), "targets": fmha.compiled_targets(),
             "host_us_per_call": host}
@@ -205,8 +229,10 @@ def main(argv=None):
             json.dump({"info": info, "rows": rows, "feature_rows": feature_rows}, f, indent=1)
     print(f"{info['gpu']}, torch {info['torch']}, cuDNN {info['cudnn']}; TFLOP/s, medians")
     print(format_table(rows, "case"))
-    print("host time per call, us (not in the TFLOP/s above): "
-          + ", ".join(f"{name} {us:.0f}" for name, us in host.items()))
+    print("host time per call, us (not in the TFLOP/s above; bf16, sdpa: its default backend):")
+    for shape, costs in host.items():
+        print(f"  {shape:32s} " + ", ".join(
+            f"{name} {'-' if us is None else f'{us:.1f}'}" for name, us in costs.items()))
     if feature_rows:
         print(format_table(feature_rows, "feature"))
 

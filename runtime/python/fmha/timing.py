@@ -45,6 +45,24 @@ def median_ms(fn, warmup_ms: float = 100.0, repeat_ms: float = 200.0,
     return statistics.median(start.elapsed_time(stop) for start, stop in events)
 
 
+def graph_median_ms(fn, calls: int = 20, warmup_ms: float = 100.0,
+                    repeat_ms: float = 200.0) -> float:
+    """Median milliseconds of one `fn()` call's GPU work replayed from a CUDA graph of `calls`
+    calls: no host work between the calls at all, the yardstick for median_ms on problems
+    whose kernels are shorter than a call's host time."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # capture needs its warm-up off the capturing stream
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_ms(graph.replay, warmup_ms, repeat_ms) / calls
+
+
 def host_us(fn, warmup: int = 20, repeat: int = 200) -> float:
     """Mean host microseconds per `fn()` call. Meaningful when the GPU work of a call is shorter
     than its host work (a small problem), so that the host never waits for the GPU."""
