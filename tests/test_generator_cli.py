@@ -10,7 +10,7 @@ import pytest
 SUMMARY_FIELDS = ("name", "dtype", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode", "lse",
                   "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim", "block_m",
                   "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = "276 of 10104 instances selected (54408 pruned)"
+DEFAULT_SELECTED = "56 of 10104 instances selected (54408 pruned)"
 
 
 def test_default_render(run_cli, tmp_path):
@@ -19,9 +19,9 @@ def test_default_render(run_cli, tmp_path):
     result = run_cli("--out", out)
     assert time.perf_counter() - start < 5
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 276 TUs (sm80 126, sm90a 150), "
-                             f"279 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
-    assert len(list(out.glob("*.cu"))) == 276
+    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 56 TUs (sm80 24, sm90a 32), "
+                             f"59 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
+    assert len(list(out.glob("*.cu"))) == 56
     assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {
         p.name for p in out.iterdir()}
 
@@ -31,7 +31,7 @@ def test_second_run_writes_nothing(run_cli, tmp_path):
     run_cli("--out", out)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     result = run_cli("--out", out)
-    assert "0 files written, 279 unchanged, 0 removed" in result.stdout
+    assert "0 files written, 59 unchanged, 0 removed" in result.stdout
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
 
 
@@ -41,7 +41,7 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     result = run_cli("--out", out, "--preset", "minimal", "--targets", "90a")
     assert result.returncode == 0, result.stderr
     # minimal's instances leave out the log-sum-exp, default's write it: none are shared.
-    assert "2 of 10104 instances selected" in result.stdout and "276 removed" in result.stdout
+    assert "2 of 10104 instances selected" in result.stdout and "56 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
         "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu"]
 
@@ -136,7 +136,8 @@ def test_presets_table(run_cli):
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["preset", "instances", "TUs", "sm80", "sm90a", "why"]
     rows = {line.split()[0]: line.split()[1:5] for line in lines[1:] if not line.startswith(" ")}
-    assert rows == {"default": ["276", "276", "126", "150"], "minimal": ["4", "4", "2", "2"],
+    assert rows == {"default": ["56", "56", "24", "32"], "extended": ["276", "276", "126", "150"],
+                    "minimal": ["4", "4", "2", "2"],
                     "flash_attn": ["2040", "2040", "1008", "1032"],
                     "pytorch": ["448", "448", "224", "224"],
                     "coverage": ["592", "592", "284", "308"],
@@ -149,43 +150,48 @@ def test_presets_json_with_targets_and_filter(run_cli):
     result = run_cli("--presets", "--json", "--targets", "90a", "--filter", "fp16")
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
-    assert [row["preset"] for row in rows] == ["default", "minimal", "flash_attn", "pytorch",
-                                               "coverage", "all"]
+    assert [row["preset"] for row in rows] == ["default", "extended", "minimal", "flash_attn",
+                                               "pytorch", "coverage", "all"]
     default = rows[0]
     assert default == {
-        "preset": "default", "filters": ["bias=none,vlayout=row,lse=true,dropout=false,softcap=false"],
-        "instances": 75, "tus": 75, "tus_per_target": {"sm80": 0, "sm90a": 75},
+        "preset": "default",
+        "filters": ["hdim64|hdim128,mask=none|causal,bias=none,vlayout=row,lse=true,dropout=false,"
+                    "softcap=false"],
+        "instances": 16, "tus": 16, "tus_per_target": {"sm80": 0, "sm90a": 16},
         "why": default["why"]}
-    assert default["why"].startswith("What `pip install .` builds:")
-    assert rows[1]["instances"] == 2
+    assert default["why"].startswith("What `pip install .` builds")
+    assert rows[1]["instances"] == 75 and rows[2]["instances"] == 2
 
 
 def test_presets_count_an_emptied_preset_as_zero(run_cli):
     rows = json.loads(run_cli("--presets", "--json", "--filter", "dropout").stdout)
     assert {row["preset"]: row["instances"] for row in rows} == {
-        "default": 0, "minimal": 0, "flash_attn": 1008, "pytorch": 224, "coverage": 60,
+        "default": 0, "extended": 0, "minimal": 0, "flash_attn": 1008, "pytorch": 224, "coverage": 60,
         "all": 5040}
 
 
 # -- --shard -----------------------------------------------------------------------------------
 
 def test_shards_split_the_selection(run_cli, tmp_path):
-    whole = run_cli("--list").stdout.split()
-    parts = [run_cli("--list", "--shard", f"{index}/4").stdout.split() for index in range(1, 5)]
+    whole = run_cli("--list", "--preset", "extended").stdout.split()
+    parts = [run_cli("--list", "--preset", "extended", "--shard", f"{index}/4").stdout.split()
+             for index in range(1, 5)]
     assert sorted(sum(parts, [])) == sorted(whole)
     assert all(part == [name for name in whole if name in part] for part in parts)
     assert [len(part) for part in parts] == [69, 69, 69, 69]
-    assert parts[1] == run_cli("--list", "--shard", "2/4").stdout.split()  # deterministic
+    assert parts[1] == run_cli("--list", "--preset", "extended",
+                               "--shard", "2/4").stdout.split()  # deterministic
 
 
 def test_shard_render(run_cli, tmp_path):
     out = tmp_path / "gen"
-    result = run_cli("--out", out, "--shard", "2/4")
+    result = run_cli("--out", out, "--preset", "extended", "--shard", "2/4")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(f"generator: {DEFAULT_SELECTED}; shard 2/4: 69 TUs (sm80 ")
+    assert result.stdout.startswith("generator: 276 of 10104 instances selected (54408 pruned); "
+                                    "shard 2/4: 69 TUs (sm80 ")
     assert "72 files written" in result.stdout
     tus = sorted(p.name for p in out.glob("*.cu"))
-    listed = run_cli("--list", "--shard", "2/4").stdout.split()
+    listed = run_cli("--list", "--preset", "extended", "--shard", "2/4").stdout.split()
     assert tus == sorted(f"{name}.cu" for name in listed)
     manifest = json.loads((out / "manifest.json").read_text())
     assert len(manifest["instances"]) == 276
@@ -203,7 +209,8 @@ def test_bad_shard_message(run_cli):
 # -- --explain ---------------------------------------------------------------------------------
 
 def test_explain_hit_names_the_rule_and_the_runner_up(run_cli):
-    result = run_cli("--explain", "dtype=bf16,hdim=120,mask=causal,seqlen_q=1000,arch=8.6")
+    result = run_cli("--explain", "dtype=bf16,hdim=120,mask=causal,seqlen_q=1000,arch=8.6",
+                     "--preset", "extended")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == ("problem: dtype=bf16,hdim=120x120,mask=causal,bias=none,vlayout=row,"
@@ -262,7 +269,8 @@ def test_explain_only_one_serving(run_cli):
 
 
 def test_explain_miss_lists_the_nearest_and_a_filter_that_fits(run_cli):
-    result = run_cli("--explain", "dtype=bf16,hdim=128,bias=alibi,vlayout=col,arch=80")
+    result = run_cli("--explain", "dtype=bf16,hdim=128,bias=alibi,vlayout=col,arch=80",
+                     "--preset", "extended")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[1] == "no instance of the 276 selected serves it; the nearest:"

@@ -213,8 +213,8 @@ def test_repository_presets_parse_and_select():
     config = load(DEFAULT_CONFIG)
     counts = {name: len(select(config, DEFAULT_CATALOG, name).instances)
               for name in config.presets}
-    assert counts == {"default": 276, "minimal": 4, "flash_attn": 2040, "pytorch": 448,
-                      "coverage": 592, "all": 10104}
+    assert counts == {"default": 56, "extended": 276, "minimal": 4, "flash_attn": 2040,
+                      "pytorch": 448, "coverage": 592, "all": 10104}
 
 
 def test_minimal_preset_builds_each_pipeline_and_padding_path():
@@ -348,7 +348,7 @@ def test_bad_shards(text):
 
 @pytest.mark.parametrize("count", [1, 2, 3, 4, 7, 8])
 def test_shards_are_a_balanced_partition_in_dispatch_order(count):
-    instances = select(load(DEFAULT_CONFIG), DEFAULT_CATALOG, "default").instances
+    instances = select(load(DEFAULT_CONFIG), DEFAULT_CATALOG, "extended").instances
     shards = [Shard(index, count).take(instances) for index in range(1, count + 1)]
     names = [[i.name for i in shard] for shard in shards]
     assert sorted(sum(names, [])) == sorted(i.name for i in instances)  # disjoint, whole
