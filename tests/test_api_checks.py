@@ -554,7 +554,7 @@ def build_args(q, k, v, lse=False, **kwargs) -> "_C.FwdArgs":
     ops = _api._prepare(q, k, v, options.pop("causal", False), options.pop("softmax_scale", None),
                         **options, materialize=True)
     out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
-    lse_t = torch.empty(_api._lse_shape(q, ops.cu_seqlens_q is not None, True)) if lse else None
+    lse_t = torch.empty(_api._plans.lse_shape(q, ops.cu_seqlens_q is not None)) if lse else None
     return _api._make_args(ops, out, lse_t), ops, out, lse_t
 
 

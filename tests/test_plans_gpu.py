@@ -129,3 +129,22 @@ def test_modes_subclasses_and_grad_take_the_op():
     assert _api._plans.call_key(torch.nn.Parameter(q, requires_grad=False), k, v, False, None,
                                 (-1, -1), "top_left", None, None, None, 0.0, 0.0, None, 0,
                                 False, None, None, None, None, None, None, None) is None
+
+
+def test_the_ops_calls_plan_too():
+    """A torch.compile'd call runs the op fmha::fwd, which keeps plans of its own: fresh tensors
+    of one signature take one plan and give the eager call's results bitwise."""
+    spec = SPECS["causal_gqa_lse"]
+    _skip_unless_built(spec)
+
+    def attention(q, k, v):
+        return fmha.fwd(q, k, v, causal=True, mask_align="bottom_right", return_lse=True)
+
+    compiled = torch.compile(attention, fullgraph=True)
+    _api._OP_PLANS.clear()
+    for seed in (1, 2):
+        inputs = R.make_inputs(spec, seed=seed)
+        eager = attention(inputs.q, inputs.k, inputs.v)
+        traced = compiled(inputs.q, inputs.k, inputs.v)
+        assert all(torch.equal(a, b) for a, b in zip(eager, traced))
+    assert len(_api._OP_PLANS) == 1

@@ -193,12 +193,6 @@ def _make_args(ops: _Operands, out: Optional[torch.Tensor],
     return a
 
 
-def _lse_shape(q: torch.Tensor, group: bool, return_lse: bool) -> tuple:
-    if not return_lse:
-        return (0,)
-    return (q.shape[1], q.shape[0]) if group else (q.shape[0], q.shape[2], q.shape[1])
-
-
 # fmha::fwd, declared through torch.library's low-level API. @torch.library.custom_op declares
 # the same op but wraps every call in Python (an autograd layer, an output-aliasing check):
 # 69 us of fwd's 199 us of host time per call on the H100 machine of docs/perf-notes.md v5,
@@ -238,26 +232,37 @@ def _fwd_impl(
     return_lse: bool,
     instance: Optional[str],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out, lse); lse has no elements unless return_lse."""
+    """Returns (out, lse); lse has no elements unless return_lse. A signature's later calls
+    reuse its first call's FwdArgs (fmha._plans), as fwd's eager calls do."""
     check_alignment(q=q, k=k, v=v)
-    ops = _Operands(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                    seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align,
-                    window_left, window_right, softcap, dropout_p, dropout_seed, dropout_offset,
-                    return_lse)
-    group = cu_seqlens_q is not None
-    out_shape, lse_shape = (*q.shape[:-1], v.shape[-1]), _lse_shape(q, group, return_lse)
-    if seqused_q is None:
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    else:  # the kernel leaves rows past seqused_q alone: give them a defined, empty-row value
-        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
-        lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
-    args = _make_args(ops, out, lse if return_lse else None)
-    device = q.get_device()
-    with torch.cuda.device(device):  # the dispatcher picks by the current device's arch
-        code, message, _ = _C.fwd(args, torch._C._cuda_getCurrentRawStream(device), instance)
-    _raise_for(code, message)
-    return out, lse
+    key = _plans.op_key(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                        seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align,
+                        window_left, window_right, softcap, dropout_p, dropout_seed,
+                        dropout_offset, return_lse, instance)
+    plan = _OP_PLANS.get(key)
+    planned = plan is not None
+    if not planned:
+        ops = _Operands(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                        seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align,
+                        window_left, window_right, softcap, dropout_p, dropout_seed,
+                        dropout_offset, return_lse)
+        plan = _plans.make(ops, bias_from_mask=False, draws_seed=False)
+    out, lse = plan.outputs(q)
+    if not planned:
+        plan.args = _make_args(ops, out, lse)
+    seed = 0 if dropout_seed is None else int(dropout_seed.item()) % SEED_LIMIT
+    failed = plan.launch(q, k, v, out, lse, bias, None, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                         seqused_q, seqused_k, seed, dropout_offset, instance)
+    if failed is not None:
+        _raise_for(*failed)
+    if not planned:
+        _OP_PLANS.put(key, plan)
+    return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)
+
+
+# Plans of the op's calls (a torch.compile'd graph's, or fwd's under a dispatch mode or with
+# tensors that need grad), by the op's arguments (fmha._plans.op_key).
+_OP_PLANS = _plans.PlanTable()
 
 
 def _fwd_fake(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
@@ -265,7 +270,8 @@ def _fwd_fake(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q
               window_right, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
               instance):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None, return_lse), dtype=torch.float32)
+    lse_shape = _plans.lse_shape(q, cu_seqlens_q is not None) if return_lse else (0,)
+    lse = q.new_empty(lse_shape, dtype=torch.float32)
     return out, lse
 
 
@@ -315,21 +321,22 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     Returns out, or (out, lse) with return_lse=True: the natural-log log-sum-exp of every row's
     logits, float32 (batch, nheads, seqlen_q), or (nheads, total_q) in group mode.
     """
-    check_instance(instance)
+    if instance is not None:
+        check_instance(instance)
     key = _plans.call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias,
                           attn_mask, alibi_slopes, softcap, dropout_p, dropout_seed,
                           dropout_offset, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, seqused_q, seqused_k, instance)
     plan = None if key is None else _PLANS.get(key)
     if plan is not None:  # a signature seen before: its checks passed then
-        if not plan.draws_seed:
-            seed = 0 if dropout_seed is None else dropout_seed
-        else:
+        if plan.draws_seed:
             _refuse_drawn_seed_in_capture()
-            seed = int(_seed_operand(None).item()) % SEED_LIMIT
-        out, lse = _plans.outputs(plan, q)
-        _launch_plan(plan, q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
-                     cu_seqlens_k, seqused_q, seqused_k, seed, dropout_offset, instance)
+            dropout_seed = int(_seed_operand(None).item()) % SEED_LIMIT
+        out, lse, failed = plan.run(q, k, v, bias, attn_mask, alibi_slopes, cu_seqlens_q,
+                                    cu_seqlens_k, seqused_q, seqused_k, dropout_seed or 0,
+                                    dropout_offset, instance)
+        if failed is not None:
+            _raise_for_plan(failed, q, k, v)
         return (out, lse) if return_lse else out
 
     ops = _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
@@ -338,15 +345,18 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
                    materialize=True)
     if dropout_p and dropout_seed is None and not torch.compiler.is_compiling():
         _refuse_drawn_seed_in_capture()
-    plan = None if key is None else _plans.make(ops, bias, attn_mask, alibi_slopes, dropout_seed)
-    if plan is None:
+    if key is None or not _plans.reusable(ops, bias, attn_mask, alibi_slopes):
         out, lse = _fwd_op(*ops, instance)
         return (out, lse) if return_lse else out
-    out, lse = _plans.outputs(plan, q)
-    plan = plan._replace(args=_make_args(ops, out, lse))
-    _launch_plan(plan, q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
-                 cu_seqlens_k, seqused_q, seqused_k, plan.args.dropout_seed, ops.dropout_offset,
-                 instance)
+    plan = _plans.make(ops, bias_from_mask=bias is None and attn_mask is not None,
+                       draws_seed=ops.dropout_p > 0 and dropout_seed is None)
+    out, lse = plan.outputs(q)
+    plan.args = _make_args(ops, out, lse)
+    failed = plan.launch(q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
+                         cu_seqlens_k, seqused_q, seqused_k, plan.args.dropout_seed,
+                         ops.dropout_offset, instance)
+    if failed is not None:
+        _raise_for_plan(failed, q, k, v)
     _PLANS.put(key, plan)  # after it ran: a miss or a CUDA error leaves no plan behind
     return (out, lse) if return_lse else out
 
@@ -355,14 +365,11 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
 _PLANS = _plans.PlanTable()
 
 
-def _launch_plan(plan, q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
-                 cu_seqlens_k, seqused_q, seqused_k, seed, offset, instance) -> None:
-    failed = _plans.launch(plan, q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
-                           cu_seqlens_k, seqused_q, seqused_k, seed, offset, instance)
-    if failed is not None:
-        # What C++ checks per call is the pointers' alignment: say it as the op's checks do.
-        check_alignment(q=q, k=k, v=v)
-        _raise_for(*failed)
+def _raise_for_plan(failed: tuple, q, k, v) -> None:
+    """A planned call that launched nothing: what C++ checks per call is the pointers'
+    alignment, said here as the op's checks say it; else the status as an exception."""
+    check_alignment(q=q, k=k, v=v)
+    _raise_for(*failed)
 
 
 def _refuse_drawn_seed_in_capture() -> None:

@@ -13,7 +13,7 @@ Only plain eager calls take this path (call_key says which); under torch.compile
 or function mode, tensor subclasses or autograd, fmha.fwd calls its torch.library op as before.
 """
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -25,17 +25,65 @@ from fmha._checks import OFFSET_LIMIT, SEED_LIMIT
 # table without end.
 MAX_PLANS = 512
 
-class Plan(NamedTuple):
+class Plan:
     """A checked call signature: everything fwd passes to C++ but the call's own values."""
 
-    args: "_C.FwdArgs"  # pointers, dropout seed and offset are the call's
-    out_shape: tuple
-    lse_shape: Optional[tuple]  # None: the call returns no log-sum-exp
-    seqused: bool  # rows past a sequence's used length stay as allocated: 0, and lse -inf
-    out_like_q: bool  # out has q's shape and q is contiguous: torch.empty_like(q) allocates it
-    bias_from_mask: bool  # the elementwise bias is the attn_mask argument, not bias
-    draws_seed: bool  # dropout without a seed: one is drawn per call
-    device: int
+    __slots__ = ("args", "out_shape", "lse_shape", "seqused", "out_like_q", "bias_from_mask",
+                 "draws_seed", "device")
+
+    def __init__(self, out_shape: tuple, lse_shape: Optional[tuple], seqused: bool,
+                 out_like_q: bool, bias_from_mask: bool, draws_seed: bool, device: int):
+        self.args: Optional["_C.FwdArgs"] = None  # the first call's; fwd sets it
+        self.out_shape = out_shape
+        self.lse_shape = lse_shape  # None: the call returns no log-sum-exp
+        # Rows past a sequence's used length stay as allocated: 0, and lse -inf.
+        self.seqused = seqused
+        # out has q's shape and q is contiguous: torch.empty_like(q) allocates it, ~0.8 us
+        # faster than q.new_empty(shape) (scripts/host_breakdown.py, H100 machine).
+        self.out_like_q = out_like_q
+        self.bias_from_mask = bias_from_mask  # the elementwise bias is attn_mask, not bias
+        self.draws_seed = draws_seed  # dropout without a seed: one is drawn per call
+        self.device = device
+
+    def outputs(self, q: torch.Tensor) -> tuple:
+        """The call's out and log-sum-exp (None without return_lse), on q's device."""
+        if self.seqused:  # the kernel leaves rows past seqused_q alone: an empty row's values
+            out = q.new_zeros(self.out_shape)
+            lse = None if self.lse_shape is None else q.new_full(
+                self.lse_shape, float("-inf"), dtype=torch.float32)
+        else:
+            out = torch.empty_like(q) if self.out_like_q else q.new_empty(self.out_shape)
+            lse = None if self.lse_shape is None else q.new_empty(self.lse_shape,
+                                                                  dtype=torch.float32)
+        return out, lse
+
+    def launch(self, q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
+               cu_seqlens_k, seqused_q, seqused_k, dropout_seed: int, dropout_offset: int,
+               instance):
+        """Runs the plan on this call's tensors on the current stream of q's device; returns
+        None, or (status code, message) when nothing was launched."""
+        mask = attn_mask if self.bias_from_mask else bias
+        call = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                0 if lse is None else lse.data_ptr(), 0 if mask is None else mask.data_ptr(),
+                0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+                0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
+                0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+                0 if seqused_q is None else seqused_q.data_ptr(),
+                0 if seqused_k is None else seqused_k.data_ptr(), dropout_seed, dropout_offset,
+                torch._C._cuda_getCurrentRawStream(self.device), instance)
+        if torch._C._cuda_getDevice() == self.device:
+            return self.args.run(*call)
+        with torch.cuda.device(self.device):  # the dispatcher picks by the current device's arch
+            return self.args.run(*call)
+
+    def run(self, q, k, v, bias, attn_mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+            seqused_q, seqused_k, dropout_seed: int, dropout_offset: int, instance) -> tuple:
+        """outputs() and launch() of a later call: (out, lse, None), or (out, lse, (status
+        code, message)) when nothing was launched."""
+        out, lse = self.outputs(q)
+        return out, lse, self.launch(q, k, v, out, lse, bias, attn_mask, alibi_slopes,
+                                     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                     dropout_seed, dropout_offset, instance)
 
 
 def _signature(t: torch.Tensor) -> tuple:
@@ -97,64 +145,43 @@ def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
             None if seqused_k is None else _signature(seqused_k))
 
 
-def make(ops, bias, attn_mask, alibi_slopes, dropout_seed) -> Optional[Plan]:
-    """The plan of a checked call (`ops`, fmha._api._Operands, and the arguments fwd got), its
-    FwdArgs still None (they take the first call's outputs: fwd fills them in); or None when a
-    later call could not reuse it: a tensor of another class or one that needs grad, or a bias
-    or ALiBi operand that the checks made anew (a boolean mask turned into a bias, a copy made
-    contiguous), whose pointer a later call would not have."""
+def lse_shape(q: torch.Tensor, group: bool) -> tuple:
+    """The log-sum-exp's shape: (batch, nheads, seqlen_q), or (nheads, total_q) in group mode."""
+    return (q.shape[1], q.shape[0]) if group else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def op_key(*args) -> tuple:
+    """The signature of a call of the op fmha::fwd, from its arguments: the op gets operands
+    that fwd's checks (or torch.compile's trace of them) already made final, so every value but
+    a tensor's data is part of it."""
+    return tuple(_signature(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def reusable(ops, bias, attn_mask, alibi_slopes) -> bool:
+    """Whether a later fwd call of this signature can take the plan of this checked one (`ops`,
+    fmha._api._Operands, and the arguments fwd got): not when a tensor is of another class or
+    needs grad, nor when the checks made a bias or ALiBi operand anew (a boolean mask turned
+    into a bias, a copy made contiguous), whose pointer a later call would not have."""
     given = (ops.q, ops.k, ops.v, bias, attn_mask, alibi_slopes, ops.cu_seqlens_q,
              ops.cu_seqlens_k, ops.seqused_q, ops.seqused_k)
     for t in given:
         if t is not None and (t.__class__ is not torch.Tensor or t.requires_grad):
-            return None
+            return False
     mask = bias if bias is not None else attn_mask
     if ops.bias is not None and ops.bias.data_ptr() != mask.data_ptr():
-        return None
-    if ops.alibi_slopes is not alibi_slopes:
-        return None
+        return False
+    return ops.alibi_slopes is alibi_slopes
+
+
+def make(ops, bias_from_mask: bool, draws_seed: bool) -> Plan:
+    """The plan of a checked call (`ops`, fmha._api._Operands), its FwdArgs still to come: they
+    take the first call's outputs, which the plan allocates (the caller sets them)."""
     q, v = ops.q, ops.v
-    group = ops.cu_seqlens_q is not None
-    lse_shape = None
-    if ops.return_lse:
-        lse_shape = (q.shape[1], q.shape[0]) if group else (q.shape[0], q.shape[2], q.shape[1])
     out_shape = (*q.shape[:-1], v.shape[-1])
-    return Plan(None, out_shape, lse_shape, ops.seqused_q is not None,
-                out_shape == tuple(q.shape) and q.is_contiguous(),
-                bias is None and attn_mask is not None, ops.dropout_p > 0 and dropout_seed is None,
+    return Plan(out_shape, lse_shape(q, ops.cu_seqlens_q is not None) if ops.return_lse else None,
+                ops.seqused_q is not None,
+                out_shape == tuple(q.shape) and q.is_contiguous(), bias_from_mask, draws_seed,
                 q.get_device())
-
-
-def outputs(plan: Plan, q: torch.Tensor) -> tuple:
-    """The call's out and log-sum-exp (None without return_lse), allocated on q's device."""
-    if plan.seqused:  # the kernel leaves rows past seqused_q alone: an empty row's values
-        out = q.new_zeros(plan.out_shape)
-        lse = None if plan.lse_shape is None else q.new_full(plan.lse_shape, float("-inf"),
-                                                             dtype=torch.float32)
-    else:  # empty_like: ~1.4 us less than new_empty on the H100 machine (perf-notes v7)
-        out = torch.empty_like(q) if plan.out_like_q else q.new_empty(plan.out_shape)
-        lse = None if plan.lse_shape is None else q.new_empty(plan.lse_shape, dtype=torch.float32)
-    return out, lse
-
-
-def launch(plan: Plan, q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
-           cu_seqlens_k, seqused_q, seqused_k, dropout_seed: int, dropout_offset: int,
-           instance):
-    """Runs the plan on this call's tensors on the current stream of q's device; returns None,
-    or (status code, message) when nothing was launched."""
-    mask = attn_mask if plan.bias_from_mask else bias
-    call = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-            0 if lse is None else lse.data_ptr(), 0 if mask is None else mask.data_ptr(),
-            0 if alibi_slopes is None else alibi_slopes.data_ptr(),
-            0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
-            0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
-            0 if seqused_q is None else seqused_q.data_ptr(),
-            0 if seqused_k is None else seqused_k.data_ptr(), dropout_seed, dropout_offset,
-            torch._C._cuda_getCurrentRawStream(plan.device), instance)
-    if torch._C._cuda_getDevice() == plan.device:
-        return plan.args.run(*call)
-    with torch.cuda.device(plan.device):  # the dispatcher picks by the current device's arch
-        return plan.args.run(*call)
 
 
 class PlanTable:
