@@ -20,11 +20,13 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
 #include "fmha/fmha.h"
+#include "fmha/kernels/device_facts.cuh"
 #include "fmha/kernels/fwd_params.cuh"
 #include "fmha/kernels/mask.cuh"
 #include "fmha/kernels/philox.cuh"
@@ -551,8 +553,9 @@ cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
                         : dim3(static_cast<unsigned>(m_blocks), args.nhead_q, args.batch);
   auto* kernel = fwd_kernel<Cfg>;
   if (Cfg::kSmemBytes > 48 * 1024) {  // past 48 KB a kernel must opt in to dynamic smem
-    const cudaError_t err = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    static std::atomic<uint64_t> smem_raised{0};
+    const cudaError_t err =
+        allow_dynamic_smem(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes, smem_raised);
     if (err != cudaSuccess) return err;
   }
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);

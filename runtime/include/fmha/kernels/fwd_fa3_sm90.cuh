@@ -34,6 +34,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -52,6 +53,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "fmha/fmha.h"
+#include "fmha/kernels/device_facts.cuh"
 #include "fmha/kernels/fwd_params.cuh"
 #include "fmha/kernels/mask.cuh"
 #include "fmha/kernels/sm80_primitives.cuh"
@@ -853,16 +855,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 // the stride of a size-1 dimension (it is never stepped over), so any valid one stands in.
 inline int64_t tma_stride(int64_t stride) { return stride > 0 ? stride : 8; }
 
-inline int multiprocessor_count() {
-  int device = 0;
-  int count = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    return 0;
-  }
-  return count;
-}
-
 template <class Cfg>
 cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
   using namespace cute;
@@ -882,7 +874,8 @@ cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidConfiguration;
   }
   kp.p.m_blocks = static_cast<int>(m_blocks);
-  kp.spread_heads = std::getenv("FMHA_FA3_SPREAD_HEADS") != nullptr;
+  static const bool spread_heads = std::getenv("FMHA_FA3_SPREAD_HEADS") != nullptr;
+  kp.spread_heads = spread_heads;
   // Causal: one head group of every head is longest-first with no regard for L2.
   kp.p.group_heads = kp.spread_heads
                          ? static_cast<int>(batch_heads)
@@ -933,8 +926,9 @@ cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
   const int64_t units = work_units<Cfg>(m_blocks, batch_heads);
   const int grid = static_cast<int>(units < sms ? units : sms);
   auto* kernel = fwd_kernel<Cfg>;
-  const cudaError_t err = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  static std::atomic<uint64_t> smem_raised{0};
+  const cudaError_t err =
+      allow_dynamic_smem(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes, smem_raised);
   if (err != cudaSuccess) return err;
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
   return cudaGetLastError();
