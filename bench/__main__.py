@@ -17,7 +17,9 @@ only the visible (query, key) pairs as FLOPs.
 """
 
 import argparse
+import contextlib
 import json
+import statistics
 import sys
 
 import torch
@@ -155,23 +157,29 @@ def run_features(dtype, d, args):
 HOST_SHAPES = (("small", 1, 128, 16, 128, False), ("mid", 4, 2048, 16, 64, True))
 
 
-def measure_host_us():
+def measure_host_us(rounds: int = 5):
     """Host microseconds per call of fmha and of torch SDPA (its default choice of backend,
-    and flash and cuDNN forced) on HOST_SHAPES: {shape name: {backend: us}}."""
+    and flash and cuDNN forced) on HOST_SHAPES: {shape name: {backend: us}}, the median of
+    `rounds` rounds that take the backends in turn, so that a slow stretch of the host (the
+    same backend reads 20-31 us from one run to the next on the H100 machines) falls on all."""
     costs = {}
     for name, b, s, h, d, causal in HOST_SHAPES:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)  # noqa: E731
+        # (backend, call, the SDPA backend it forces or None)
+        calls = [("fmha", lambda: fmha.fwd(q, k, v, causal=causal), None), ("sdpa", sdpa, None)]
+        calls += [(backend, sdpa, SDPA_BACKENDS[backend]) for backend in GRID_BACKENDS]
         try:
-            row = {"fmha": host_us(lambda: fmha.fwd(q, k, v, causal=causal))}
+            fmha.fwd(q, k, v, causal=causal)
         except fmha.MissingInstanceError:  # not in this build
-            row = {"fmha": None}
-        row["sdpa"] = host_us(lambda: F.scaled_dot_product_attention(qt, kt, vt,
-                                                                     is_causal=causal))
-        for backend in GRID_BACKENDS:
-            with sdpa_kernel(SDPA_BACKENDS[backend]):
-                row[backend] = host_us(
-                    lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+            calls = calls[1:]
+        times = {backend: [] for backend, _, _ in calls}
+        for _ in range(rounds):
+            for backend, call, forced in calls:
+                with sdpa_kernel(forced) if forced is not None else contextlib.nullcontext():
+                    times[backend].append(host_us(call))
+        row = {backend: statistics.median(us) for backend, us in times.items()}
         costs[f"{name} b={b} s={s} h={h} d={d}{' causal' if causal else ''}"] = row
     return costs
 
@@ -232,7 +240,7 @@ def main(argv=None):
     print("host time per call, us (not in the TFLOP/s above; bf16, sdpa: its default backend):")
     for shape, costs in host.items():
         print(f"  {shape:32s} " + ", ".join(
-            f"{name} {'-' if us is None else f'{us:.1f}'}" for name, us in costs.items()))
+            f"{name} {us:.1f}" for name, us in costs.items()))
     if feature_rows:
         print(format_table(feature_rows, "feature"))
 

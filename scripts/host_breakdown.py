@@ -22,7 +22,7 @@ def main():
             None, None, None, None, None, None, None)
     key = _plans.call_key(q, k, v, *opts)
     plan = _api._PLANS.get(key)
-    out, lse = _plans.outputs(plan, q)
+    out, lse = plan.outputs(q)
     call = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0,
             0, torch._C._cuda_getCurrentRawStream(0), None)
     full = _api._make_args(_api._prepare(q, k, v, False, None, **_api._OPTION_DEFAULTS,
@@ -32,9 +32,9 @@ def main():
         "fmha.fwd, whole call": lambda: fmha.fwd(q, k, v),
         "  call_key": lambda: _plans.call_key(q, k, v, *opts),
         "  PlanTable.get": lambda: _api._PLANS.get(key),
-        "  outputs (new_empty)": lambda: _plans.outputs(plan, q),
-        "  launch (pointers, stream, C++)": lambda: _plans.launch(
-            plan, q, k, v, out, lse, None, None, None, None, None, None, None, 0, 0, None),
+        "  Plan.outputs (empty_like)": lambda: plan.outputs(q),
+        "  Plan.launch (pointers, stream, C++)": lambda: plan.launch(
+            q, k, v, out, lse, None, None, None, None, None, None, None, 0, 0, None),
         "    FwdArgs.run, integers ready": lambda: plan.args.run(*call),
         "    _C.fwd(FwdArgs ready): C++ alone": lambda: fmha._C.fwd(full, stream, None),
         "  torch.empty_like(q)": lambda: torch.empty_like(q),
@@ -42,6 +42,12 @@ def main():
             q, memory_format=torch.contiguous_format),
         "torch SDPA, default backend": lambda: F.scaled_dot_product_attention(qt, kt, vt),
     }
+    # The op's path: what a torch.compile'd model pays per call, next to SDPA's there.
+    compiled_fmha = torch.compile(lambda q, k, v: fmha.fwd(q, k, v), fullgraph=True)
+    compiled_sdpa = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+                                  fullgraph=True)
+    steps["torch.compile'd fmha.fwd (the op)"] = lambda: compiled_fmha(q, k, v)
+    steps["torch.compile'd SDPA"] = lambda: compiled_sdpa(qt, kt, vt)
     for name, fn in steps.items():
         print(f"{name:36s} {host_us(fn, warmup=200, repeat=2000):7.2f} us")
 
