@@ -98,6 +98,41 @@ def test_a_missing_cutlass_fails_configure_saying_how_to_get_it(tmp_path):
     assert "pip install --no-deps nvidia-cutlass==4.2.0.0" in message
 
 
+def _gpu_targets() -> list:
+    """What FMHA_ARCHS=auto should pick here: the targets of nvidia-smi's GPUs, or none."""
+    try:
+        caps = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if caps.returncode != 0:
+        return []
+    targets = []
+    for cap in re.findall(r"\d+\.\d+", caps.stdout):
+        major, minor = map(int, cap.split("."))
+        target = "90a" if (major, minor) == (9, 0) else "80" if major >= 8 else None
+        if target and target not in targets:
+            targets.append(target)
+    return targets
+
+
+def test_auto_targets_are_the_gpus_or_both(tmp_path):
+    """FMHA_ARCHS=auto, pip install's default: the build machine's GPUs, else sm80 and sm90a."""
+    result = subprocess.run(
+        ["cmake", "-S", REPO, "-B", tmp_path, "-G", "Ninja", f"-DFMHA_FILTER={FILTER},fa2",
+         "-DFMHA_ARCHS=auto", "-DFMHA_COMPILER_LAUNCHER=none", "-DFMHA_BUILD_PYTHON=OFF",
+         f"-DPython3_EXECUTABLE={sys.executable}"],
+        capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    expected = _gpu_targets()
+    if expected:
+        assert f"FMHA_ARCHS=auto: {';'.join(expected)}, for this machine's GPUs" in result.stdout
+    else:
+        assert "FMHA_ARCHS=auto: no GPU of compute capability 8.0 or newer here" in result.stdout
+        assert "(sm80 2, sm90a 1)" in result.stdout  # fa2 for both targets
+    assert "Compiler cache" not in result.stdout
+
+
 def test_bad_filter_fails_configure_with_the_generator_message(tmp_path):
     result = subprocess.run(
         ["cmake", "-S", REPO, "-B", tmp_path, "-G", "Ninja", "-DFMHA_FILTER=fp16,hdim80",
