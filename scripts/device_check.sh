@@ -39,7 +39,7 @@ if [[ $mode == all || $mode == test ]]; then
               "-prec=fp16 -d=128 -s=700 -softcap=30 -mask=t"; do
     "$build/fmha_fwd" -b=2 -h=4 $args -v=1 -kname=1 2>&1 | tee -a "$out/example.log" || status=1
   done
-  FMHA_PROPERTY_REPORT="$out/properties.txt" python3 -m pytest tests/test_fwd_gpu.py tests/test_dispatch_parity_gpu.py \
+  FMHA_PROPERTY_REPORT="$out/properties.txt" python3 -m pytest tests/test_fwd_gpu.py tests/test_dispatch_parity_gpu.py tests/test_plans_gpu.py \
     tests/test_fwd_properties_gpu.py tests/test_api_checks.py -q -p no:cacheprovider \
     2>&1 | tee "$out/pytest_gpu.log" | tail -n 25
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
