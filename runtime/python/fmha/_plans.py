@@ -195,8 +195,13 @@ class PlanTable:
         self.get = self._plans.get  # the dict's own: one call less on every fwd call
 
     def put(self, key, plan: Plan) -> None:
-        if len(self._plans) >= self._limit:
-            del self._plans[next(iter(self._plans))]
+        # Calls on several threads may evict at once: a key another thread took out already,
+        # or a table it emptied, is no error.
+        while len(self._plans) >= self._limit:
+            oldest = next(iter(self._plans), None)
+            if oldest is None:
+                break
+            self._plans.pop(oldest, None)
         self._plans[key] = plan
 
     def clear(self) -> None:
