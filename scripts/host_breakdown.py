@@ -43,6 +43,9 @@ def main():
         "torch SDPA, default backend": lambda: F.scaled_dot_product_attention(qt, kt, vt),
     }
     # The op's path: what a torch.compile'd model pays per call, next to SDPA's there.
+    ops = _api._prepare(q, k, v, False, None, **_api._OPTION_DEFAULTS, materialize=True)
+    steps["torch.ops.fmha.fwd (dispatch + impl)"] = lambda: _api._fwd_op(*ops, None)
+    steps["  _fwd_impl alone"] = lambda: _api._fwd_impl(*ops, None)
     compiled_fmha = torch.compile(lambda q, k, v: fmha.fwd(q, k, v), fullgraph=True)
     compiled_sdpa = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
                                   fullgraph=True)

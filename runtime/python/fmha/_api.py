@@ -234,14 +234,14 @@ def _fwd_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse); lse has no elements unless return_lse. A signature's later calls
     reuse its first call's FwdArgs (fmha._plans), as fwd's eager calls do."""
-    check_alignment(q=q, k=k, v=v)
     key = _plans.op_key(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                        seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align,
-                        window_left, window_right, softcap, dropout_p, dropout_seed,
-                        dropout_offset, return_lse, instance)
+                        seqused_k, dropout_seed, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
+                        mask_align, window_left, window_right, softcap, dropout_p, return_lse,
+                        instance)
     plan = _OP_PLANS.get(key)
     planned = plan is not None
     if not planned:
+        check_alignment(q=q, k=k, v=v)  # before anything is allocated; C++ checks it again
         ops = _Operands(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
                         seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align,
                         window_left, window_right, softcap, dropout_p, dropout_seed,
@@ -254,7 +254,7 @@ def _fwd_impl(
     failed = plan.launch(q, k, v, out, lse, bias, None, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                          seqused_q, seqused_k, seed, dropout_offset, instance)
     if failed is not None:
-        _raise_for(*failed)
+        _raise_for_plan(failed, q, k, v)
     if not planned:
         _OP_PLANS.put(key, plan)
     return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)

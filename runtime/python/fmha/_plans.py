@@ -152,11 +152,20 @@ def lse_shape(q: torch.Tensor, group: bool) -> tuple:
     return (q.shape[1], q.shape[0]) if group else (q.shape[0], q.shape[2], q.shape[1])
 
 
-def op_key(*args) -> tuple:
-    """The signature of a call of the op fmha::fwd, from its arguments: the op gets operands
-    that fwd's checks (or torch.compile's trace of them) already made final, so every value but
-    a tensor's data is part of it."""
-    return tuple(_signature(a) if isinstance(a, torch.Tensor) else a for a in args)
+def _layout(t: Optional[torch.Tensor]):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def op_key(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+           dropout_seed, *options) -> tuple:
+    """The signature of a call of the op fmha::fwd: the op gets operands that fwd's checks (or
+    torch.compile's trace of them) already made final, so only their layouts and the values of
+    its other arguments (`options`) decide its FwdArgs; the dropout seed's and offset's values
+    are the call's own."""
+    return (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
+            k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), _layout(bias),
+            _layout(alibi_slopes), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
+            _layout(seqused_q), _layout(seqused_k), dropout_seed is None, options)
 
 
 def reusable(ops, bias, attn_mask, alibi_slopes) -> bool:
