@@ -54,6 +54,9 @@ def parse_args(argv):
                    help="also time one row per trait (bias, ALiBi, window, soft-cap, dropout, "
                         "varlen, V^T, head-dim padding)")
     p.add_argument("--feature-seqlen", type=int, default=4096)
+    p.add_argument("--bwd", action="store_true",
+                   help="time the backward pass (2.5x the forward's FLOPs) and forward+backward "
+                        "(3.5x) instead of the forward, on the same grid")
     p.add_argument("--graph", action="store_true",
                    help="also time fmha replayed from a CUDA graph (column fmha_graph): no "
                         "host work between calls, so fmha/fmha_graph below 1 is host-bound")
@@ -98,6 +101,36 @@ def run_case(dtype, d, s, causal, args):
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     time_sdpa(row, flops, GRID_BACKENDS, args, qt, kt, vt, is_causal=causal)
     return row
+
+
+def run_backward_case(dtype, d, s, causal, args):
+    """The backward pass and forward+backward of one grid case: two rows, TFLOP/s at
+    FlashAttention's convention of 2.5x (3.5x) the forward's FLOPs. Each SDPA backend's
+    backward is the one its forward's autograd node runs. fmha has no backward pass yet
+    (issue 14): its cells say so."""
+    b, h = max(1, args.tokens // s), args.hidden // d
+    flops = 4 * b * h * s * s * d / (2 if causal else 1)
+    key = {"dtype": str(dtype).removeprefix("torch."), "hdim": d, "causal": causal, "batch": b,
+           "nheads": h, "seqlen": s}
+    bwd, both = dict(key, fmha=None), dict(key, fmha=None)
+    bwd["fmha_error"] = both["fmha_error"] = "fmha has no backward pass yet (issue 14)"
+    qt, kt, vt = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True)
+                  for _ in range(3))
+    forward = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)  # noqa: E731
+    for name in GRID_BACKENDS:
+        try:
+            with sdpa_kernel(SDPA_BACKENDS[name]):
+                out = forward()
+                dout = torch.randn_like(out)
+                grads = lambda: torch.autograd.grad(out, (qt, kt, vt), dout,  # noqa: E731
+                                                    retain_graph=True)
+                bwd[name] = 2.5 * flops / median_ms(grads, args.warmup_ms, args.repeat_ms) * 1e-9
+                step = lambda: torch.autograd.grad(forward(), (qt, kt, vt), dout)  # noqa: E731
+                both[name] = 3.5 * flops / median_ms(step, args.warmup_ms, args.repeat_ms) * 1e-9
+        except RuntimeError as err:  # backend unavailable for this shape/GPU
+            bwd[name] = both[name] = None
+            bwd[f"{name}_error"] = both[f"{name}_error"] = str(err).splitlines()[0]
+    return bwd, both
 
 
 def visible_pairs(s, left, right):
@@ -216,6 +249,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("python -m bench: needs a CUDA GPU")
     causal_values = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    if args.bwd:
+        return main_backward(args, causal_values)
     rows = []
     for dt in args.dtypes:
         for d in args.hdims:
@@ -243,6 +278,32 @@ def main(argv=None):
             f"{name} {us:.1f}" for name, us in costs.items()))
     if feature_rows:
         print(format_table(feature_rows, "feature"))
+
+
+def main_backward(args, causal_values):
+    """python -m bench --bwd: the backward grid and the forward+backward grid."""
+    bwd_rows, both_rows = [], []
+    for dt in args.dtypes:
+        for d in args.hdims:
+            for causal in causal_values:
+                for s in args.seqlens:
+                    bwd, both = run_backward_case(DTYPES[dt], d, s, causal, args)
+                    bwd_rows.append(bwd)
+                    both_rows.append(both)
+                    print(json.dumps({"bwd": bwd, "fwd_bwd": both}), file=sys.stderr, flush=True)
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cudnn": torch.backends.cudnn.version(), "targets": fmha.compiled_targets()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "bwd_rows": bwd_rows, "fwd_bwd_rows": both_rows}, f,
+                      indent=1)
+    print(f"{info['gpu']}, torch {info['torch']}, cuDNN {info['cudnn']}; TFLOP/s, medians")
+    print("backward (2.5x the forward's FLOPs):")
+    print(format_table(bwd_rows, "case"))
+    print("forward + backward (3.5x):")
+    print(format_table(both_rows, "case"))
+    if any(r.get("fmha_error") for r in bwd_rows):
+        print(f"fmha: {bwd_rows[0]['fmha_error']}")
 
 
 if __name__ == "__main__":
