@@ -855,14 +855,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 // the stride of a size-1 dimension (it is never stepped over), so any valid one stands in.
 inline int64_t tma_stride(int64_t stride) { return stride > 0 ? stride : 8; }
 
+// The kernel's parameters for `args`: sizes, the tile order's facts and the four TMA
+// descriptors; host work only, apart from the launch so that it can be timed alone
+// (scripts/host_costs_fa3.cu). cudaErrorInvalidConfiguration where a size is past what the
+// kernel addresses.
 template <class Cfg>
-cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
+cudaError_t make_kernel_params(const FwdArgs& args, typename Cfg::KernelParams& kp) {
   using namespace cute;
   using Element = typename Cfg::Element;
-  using Params = typename Cfg::KernelParams;
   constexpr bool kGroup = Cfg::kMode == Mode::kGroup;
 
-  Params kp{};
+  kp = {};
   kp.p = make_fwd_params(args, /*logits_in_scores=*/false);
   const int64_t m_blocks = (static_cast<int64_t>(args.seqlen_q) + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const int64_t batch_heads = static_cast<int64_t>(args.batch) * args.nhead_q;
@@ -919,11 +922,18 @@ cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
                   make_layout(kp.o_shape, stride(args.o_seq_stride, args.o_head_stride,
                                                  args.o_batch_stride))),
       typename Cfg::SmemLayoutO{}, Shape<_64, typename Cfg::DimV>{}, _1{});
+  return cudaSuccess;
+}
 
+template <class Cfg>
+cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
+  typename Cfg::KernelParams kp;
+  if (const cudaError_t err = make_kernel_params<Cfg>(args, kp); err != cudaSuccess) return err;
   // One CTA per SM (each takes ~all of its shared memory), looping over the tiles.
   const int sms = multiprocessor_count();
   if (sms <= 0) return cudaErrorInvalidDevice;
-  const int64_t units = work_units<Cfg>(m_blocks, batch_heads);
+  const int64_t units =
+      work_units<Cfg>(kp.p.m_blocks, static_cast<int64_t>(args.batch) * args.nhead_q);
   const int grid = static_cast<int>(units < sms ? units : sms);
   auto* kernel = fwd_kernel<Cfg>;
   static std::atomic<uint64_t> smem_raised{0};
