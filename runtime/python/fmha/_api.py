@@ -239,24 +239,21 @@ def _fwd_impl(
                         mask_align, window_left, window_right, softcap, dropout_p, return_lse,
                         instance)
     plan = _OP_PLANS.get(key)
-    planned = plan is not None
-    if not planned:
+    if plan is None:
         check_alignment(q=q, k=k, v=v)  # before anything is allocated; C++ checks it again
         ops = _Operands(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
                         seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align,
                         window_left, window_right, softcap, dropout_p, dropout_seed,
                         dropout_offset, return_lse)
         plan = _plans.make(ops, bias_from_mask=False, draws_seed=False)
-    out, lse = plan.outputs(q)
-    if not planned:
-        plan.args = _make_args(ops, out, lse)
-    seed = 0 if dropout_seed is None else int(dropout_seed.item()) % SEED_LIMIT
-    failed = plan.launch(q, k, v, out, lse, bias, None, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                         seqused_q, seqused_k, seed, dropout_offset, instance)
-    if failed is not None:
-        _raise_for_plan(failed, q, k, v)
-    if not planned:
-        _OP_PLANS.put(key, plan)
+        out, lse = _first_call(_OP_PLANS, key, plan, ops, bias, None, instance)
+    else:
+        seed = 0 if dropout_seed is None else int(dropout_seed.item()) % SEED_LIMIT
+        out, lse, failed = plan.run(q, k, v, bias, None, alibi_slopes, cu_seqlens_q,
+                                    cu_seqlens_k, seqused_q, seqused_k, seed, dropout_offset,
+                                    instance)
+        if failed is not None:
+            _raise_for_plan(failed, q, k, v)
     return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)
 
 
@@ -350,19 +347,27 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
         return (out, lse) if return_lse else out
     plan = _plans.make(ops, bias_from_mask=bias is None and attn_mask is not None,
                        draws_seed=ops.dropout_p > 0 and dropout_seed is None)
-    out, lse = plan.outputs(q)
-    plan.args = _make_args(ops, out, lse)
-    failed = plan.launch(q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
-                         cu_seqlens_k, seqused_q, seqused_k, plan.args.dropout_seed,
-                         ops.dropout_offset, instance)
-    if failed is not None:
-        _raise_for_plan(failed, q, k, v)
-    _PLANS.put(key, plan)  # after it ran: a miss or a CUDA error leaves no plan behind
+    out, lse = _first_call(_PLANS, key, plan, ops, bias, attn_mask, instance)
     return (out, lse) if return_lse else out
 
 
 # Plans of the eager calls fwd has checked, by call signature (fmha._plans).
 _PLANS = _plans.PlanTable()
+
+
+def _first_call(table, key, plan, ops: _Operands, bias, attn_mask, instance) -> tuple:
+    """The first call of a signature: the plan's FwdArgs take this call's outputs, it launches,
+    and `table` keeps it once it ran (a miss or a CUDA error leaves no plan behind). `bias`
+    and `attn_mask`: the tensors the caller gave, whose pointers the plan passes."""
+    out, lse = plan.outputs(ops.q)
+    plan.args = _make_args(ops, out, lse)
+    failed = plan.launch(ops.q, ops.k, ops.v, out, lse, bias, attn_mask, ops.alibi_slopes,
+                         ops.cu_seqlens_q, ops.cu_seqlens_k, ops.seqused_q, ops.seqused_k,
+                         plan.args.dropout_seed, ops.dropout_offset, instance)
+    if failed is not None:
+        _raise_for_plan(failed, ops.q, ops.k, ops.v)
+    table.put(key, plan)
+    return out, lse
 
 
 def _raise_for_plan(failed: tuple, q, k, v) -> None:
