@@ -24,7 +24,7 @@ def main():
     plan = _api._PLANS.get(key)
     out, lse = plan.outputs(q)
     call = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0,
-            0, torch._C._cuda_getCurrentRawStream(0), None)
+            0, *_plans._KEEP_SIZES, torch._C._cuda_getCurrentRawStream(0), None)
     full = _api._make_args(_api._prepare(q, k, v, False, None, **_api._OPTION_DEFAULTS,
                                          materialize=True), out, None)
     stream = call[-2]
@@ -32,14 +32,12 @@ def main():
         "fmha.fwd, whole call": lambda: fmha.fwd(q, k, v),
         "  call_key": lambda: _plans.call_key(q, k, v, *opts),
         "  PlanTable.get": lambda: _api._PLANS.get(key),
-        "  Plan.outputs (empty_like)": lambda: plan.outputs(q),
+        "  Plan.outputs (new_empty)": lambda: plan.outputs(q),
         "  Plan.launch (pointers, stream, C++)": lambda: plan.launch(
-            q, k, v, out, lse, None, None, None, None, None, None, None, 0, 0, None),
+            q, k, v, out, lse, None, None, None, None, None, None, None, None, None, 0, 0,
+            None),
         "    FwdArgs.run, integers ready": lambda: plan.args.run(*call),
         "    _C.fwd(FwdArgs ready): C++ alone": lambda: fmha._C.fwd(full, stream, None),
-        "  torch.empty_like(q)": lambda: torch.empty_like(q),
-        "  torch.empty_like(q, contiguous)": lambda: torch.empty_like(
-            q, memory_format=torch.contiguous_format),
         "torch SDPA, default backend": lambda: F.scaled_dot_product_attention(qt, kt, vt),
     }
     # The op's path: what a torch.compile'd model pays per call, next to SDPA's there.

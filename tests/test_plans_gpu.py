@@ -148,3 +148,47 @@ def test_the_ops_calls_plan_too():
         traced = compiled(inputs.q, inputs.k, inputs.v)
         assert all(torch.equal(a, b) for a, b in zip(eager, traced))
     assert len(_api._OP_PLANS) == 1
+
+
+class _PassThrough(__import__("torch.utils._python_dispatch", fromlist=["x"]).TorchDispatchMode):
+    """A dispatch mode that changes nothing: under it fmha.fwd runs its op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("through_op", [False, True], ids=["eager", "op"])
+def test_varlen_batches_of_other_lengths_share_a_plan(through_op):
+    """Packed batches differ in token counts and longest lengths from one step to the next;
+    a plan leaves both to the call, eager or through the op. (A batch of at most one token,
+    whose token stride is no stride, has a signature of its own.)"""
+    spec = SPECS["group"]
+    _skip_unless_built(spec)
+    batches = [spec, spec.replace(seqlens_q=[33, 7, 12], seqlens_k=[60, 1, 100]),
+               spec.replace(seqlens_q=[2, 0, 0], seqlens_k=[0, 3, 9], pad_q=[0, 0, 0]),
+               spec.replace(seqlens_q=[5, 200, 64], seqlens_k=[5, 250, 64])]
+    table = _api._OP_PLANS if through_op else _api._PLANS
+    table.clear()
+    for seed, batch in enumerate(batches):
+        with _PassThrough() if through_op else _no_mode():
+            R.check_fwd(fmha, batch, seed=seed, what=f"batch {seed}")
+        assert len(table) == 1, f"batch {seed} made a plan of its own"
+
+
+def test_a_varlen_plan_made_without_tokens_serves_one_token():
+    """0 and 1 tokens share a signature (no token stride either way). The plan made for the
+    call without tokens, whose q is a strided view that torch counts as contiguous for want of
+    elements, must still give the next call outputs laid out as its FwdArgs say."""
+    spec = R.Spec(torch.bfloat16, 64, 64, hq=4, hk=1, seqlens_q=[0], seqlens_k=[1],
+                  layout="poison")
+    _skip_unless_built(spec)
+    _api._PLANS.clear()
+    for seqlens_q, seqlens_k in (([0], [1]), ([1], [0]), ([1], [1])):
+        R.check_fwd(fmha, spec.replace(seqlens_q=seqlens_q, seqlens_k=seqlens_k))
+    assert len(_api._PLANS) == 1
+
+
+def _no_mode():
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -97,15 +97,18 @@ std::tuple<int, std::string, std::string> fwd(const fmha::FwdArgs& args, uintptr
 }
 
 // A planned call (fmha/_plans.py): `plan` holds a checked call's shapes, strides and options,
-// and this call's tensors bring their pointers, the dropout seed and offset. Runs on the
-// current device; returns None, or (status code, message) when nothing was launched. One
-// Python-to-C++ crossing per call, where setting FwdArgs' fields one property at a time cost
-// ~16 us of fwd's host time (docs/perf-notes.md v5).
+// and this call's tensors bring their pointers, the dropout seed and offset, and in group mode
+// (varlen) the lengths and token counts, which change from one batch to the next (negative:
+// the plan's). Runs on the current device; returns None, or (status code, message) when
+// nothing was launched. One Python-to-C++ crossing per call, where setting FwdArgs' fields
+// one property at a time cost ~16 us of fwd's host time (docs/perf-notes.md v5).
 py::object run_planned(const fmha::FwdArgs& plan, uintptr_t q, uintptr_t k, uintptr_t v,
                        uintptr_t o, uintptr_t lse, uintptr_t bias, uintptr_t alibi_slopes,
                        uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, uintptr_t seqused_q,
                        uintptr_t seqused_k, uint64_t dropout_seed, uint32_t dropout_offset,
-                       uintptr_t stream, std::optional<std::string> instance) {
+                       int seqlen_q, int seqlen_k, int64_t total_q, int64_t total_k,
+                       int64_t lse_head_stride, uintptr_t stream,
+                       std::optional<std::string> instance) {
   fmha::FwdArgs args = plan;
   args.q = reinterpret_cast<const void*>(q);
   args.k = reinterpret_cast<const void*>(k);
@@ -120,6 +123,11 @@ py::object run_planned(const fmha::FwdArgs& plan, uintptr_t q, uintptr_t k, uint
   args.seqused_k = reinterpret_cast<const int32_t*>(seqused_k);
   args.dropout_seed = dropout_seed;
   args.dropout_offset = dropout_offset;
+  if (seqlen_q >= 0) args.seqlen_q = seqlen_q;
+  if (seqlen_k >= 0) args.seqlen_k = seqlen_k;
+  if (total_q >= 0) args.total_q = total_q;
+  if (total_k >= 0) args.total_k = total_k;
+  if (lse_head_stride >= 0) args.lse_head_stride = lse_head_stride;
   fmha::Status st;
   {
     py::gil_scoped_release release;  // a launch blocks while the GPU's queue is full
@@ -220,11 +228,13 @@ void bind_args(py::module_& m) {
   cls.def("run", &run_planned, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
           py::arg("lse"), py::arg("bias"), py::arg("alibi_slopes"), py::arg("cu_seqlens_q"),
           py::arg("cu_seqlens_k"), py::arg("seqused_q"), py::arg("seqused_k"),
-          py::arg("dropout_seed"), py::arg("dropout_offset"), py::arg("stream"),
-          py::arg("instance"),
-          "Run these args with the pointers, dropout seed and offset given (0 for none) on the "
-          "stream, through the dispatcher or the named instance; returns None, or (status "
-          "code, message) when nothing was launched.");
+          py::arg("dropout_seed"), py::arg("dropout_offset"), py::arg("seqlen_q"),
+          py::arg("seqlen_k"), py::arg("total_q"), py::arg("total_k"),
+          py::arg("lse_head_stride"), py::arg("stream"), py::arg("instance"),
+          "Run these args with the pointers (0 for none), dropout seed and offset given, and "
+          "the sizes given (negative: these args') on the stream, through the dispatcher or "
+          "the named instance; returns None, or (status code, message) when nothing was "
+          "launched.");
 }
 
 }  // namespace

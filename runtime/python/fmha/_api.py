@@ -250,8 +250,8 @@ def _fwd_impl(
     else:
         seed = 0 if dropout_seed is None else int(dropout_seed.item()) % SEED_LIMIT
         out, lse, failed = plan.run(q, k, v, bias, None, alibi_slopes, cu_seqlens_q,
-                                    cu_seqlens_k, seqused_q, seqused_k, seed, dropout_offset,
-                                    instance)
+                                    cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                    max_seqlen_k, seed, dropout_offset, instance)
         if failed is not None:
             _raise_for_plan(failed, q, k, v)
     return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)
@@ -330,8 +330,8 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
             _refuse_drawn_seed_in_capture()
             dropout_seed = int(_seed_operand(None).item()) % SEED_LIMIT
         out, lse, failed = plan.run(q, k, v, bias, attn_mask, alibi_slopes, cu_seqlens_q,
-                                    cu_seqlens_k, seqused_q, seqused_k, dropout_seed or 0,
-                                    dropout_offset, instance)
+                                    cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_seed or 0, dropout_offset, instance)
         if failed is not None:
             _raise_for_plan(failed, q, k, v)
         return (out, lse) if return_lse else out
@@ -363,7 +363,8 @@ def _first_call(table, key, plan, ops: _Operands, bias, attn_mask, instance) -> 
     plan.args = _make_args(ops, out, lse)
     failed = plan.launch(ops.q, ops.k, ops.v, out, lse, bias, attn_mask, ops.alibi_slopes,
                          ops.cu_seqlens_q, ops.cu_seqlens_k, ops.seqused_q, ops.seqused_k,
-                         plan.args.dropout_seed, ops.dropout_offset, instance)
+                         ops.max_seqlen_q, ops.max_seqlen_k, plan.args.dropout_seed,
+                         ops.dropout_offset, instance)
     if failed is not None:
         _raise_for_plan(failed, ops.q, ops.k, ops.v)
     table.put(key, plan)

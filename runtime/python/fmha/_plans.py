@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from fmha import _C
-from fmha._checks import OFFSET_LIMIT, SEED_LIMIT
+from fmha._checks import INT_LIMIT, OFFSET_LIMIT, SEED_LIMIT
 
 # Plans kept at once, the oldest dropped first. A model has a handful of call signatures (its
 # attention layers' shapes); the bound keeps a caller whose shapes never repeat from growing the
@@ -30,41 +30,52 @@ MAX_PLANS = 512
 class Plan:
     """A checked call signature: everything fwd passes to C++ but the call's own values."""
 
-    __slots__ = ("args", "out_shape", "lse_shape", "seqused", "out_like_q", "bias_from_mask",
+    __slots__ = ("args", "out_shape", "lse_shape", "varlen", "seqused", "bias_from_mask",
                  "draws_seed", "device")
 
-    def __init__(self, out_shape: tuple, lse_shape: Optional[tuple], seqused: bool,
-                 out_like_q: bool, bias_from_mask: bool, draws_seed: bool, device: int):
+    def __init__(self, out_shape: tuple, lse_shape: Optional[tuple], varlen: bool, seqused: bool,
+                 bias_from_mask: bool, draws_seed: bool, device: int):
         self.args: Optional["_C.FwdArgs"] = None  # the first call's; fwd sets it
+        # The first call's; in varlen the token count (out's first dim, lse's last) is the call's.
         self.out_shape = out_shape
         self.lse_shape = lse_shape  # None: the call returns no log-sum-exp
+        self.varlen = varlen  # token counts and longest lengths are the call's (is_varlen)
         # Rows past a sequence's used length stay as allocated: 0, and lse -inf.
         self.seqused = seqused
-        # out has q's shape and q is contiguous: torch.empty_like(q) allocates it, 1.4 us
-        # faster than q.new_empty(shape) in one run of scripts/host_breakdown.py (H100 host).
-        self.out_like_q = out_like_q
         self.bias_from_mask = bias_from_mask  # the elementwise bias is attn_mask, not bias
         self.draws_seed = draws_seed  # dropout without a seed: one is drawn per call
         self.device = device
 
     def outputs(self, q: torch.Tensor) -> tuple:
-        """The call's out and log-sum-exp (None without return_lse), on q's device."""
+        """The call's out and log-sum-exp (None without return_lse), on q's device, contiguous:
+        their strides, which the plan's FwdArgs hold, follow from their shapes alone. (Not
+        torch.empty_like(q), whose strides follow q's where q is dense: a q without elements
+        counts as dense whatever its strides, and a varlen plan serves such a call too.)"""
+        out_shape, lse_shape = self.out_shape, self.lse_shape
+        if self.varlen:
+            tokens = q.shape[0]
+            out_shape = (tokens, *out_shape[1:])
+            lse_shape = None if lse_shape is None else (lse_shape[0], tokens)
         if self.seqused:  # the kernel leaves rows past seqused_q alone: an empty row's values
-            out = q.new_zeros(self.out_shape)
-            lse = None if self.lse_shape is None else q.new_full(
-                self.lse_shape, float("-inf"), dtype=torch.float32)
+            out = q.new_zeros(out_shape)
+            lse = None if lse_shape is None else q.new_full(lse_shape, float("-inf"),
+                                                            dtype=torch.float32)
         else:
-            out = torch.empty_like(q) if self.out_like_q else q.new_empty(self.out_shape)
-            lse = None if self.lse_shape is None else q.new_empty(self.lse_shape,
-                                                                  dtype=torch.float32)
+            out = q.new_empty(out_shape)
+            lse = None if lse_shape is None else q.new_empty(lse_shape, dtype=torch.float32)
         return out, lse
 
     def launch(self, q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
-               cu_seqlens_k, seqused_q, seqused_k, dropout_seed: int, dropout_offset: int,
-               instance):
+               cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+               dropout_seed: int, dropout_offset: int, instance):
         """Runs the plan on this call's tensors on the current stream of q's device; returns
         None, or (status code, message) when nothing was launched."""
         mask = attn_mask if self.bias_from_mask else bias
+        sizes = _KEEP_SIZES
+        if self.varlen:  # as fmha._api._make_args derives them
+            total_q, total_k = q.shape[0], k.shape[0]
+            sizes = (min(max_seqlen_q, total_q), min(max_seqlen_k, total_k), total_q, total_k,
+                     -1 if lse is None else lse.stride(0))
         call = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                 0 if lse is None else lse.data_ptr(), 0 if mask is None else mask.data_ptr(),
                 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
@@ -72,24 +83,54 @@ class Plan:
                 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
                 0 if seqused_q is None else seqused_q.data_ptr(),
                 0 if seqused_k is None else seqused_k.data_ptr(), dropout_seed, dropout_offset,
-                torch._C._cuda_getCurrentRawStream(self.device), instance)
+                *sizes, torch._C._cuda_getCurrentRawStream(self.device), instance)
         if torch._C._cuda_getDevice() == self.device:
             return self.args.run(*call)
         with torch.cuda.device(self.device):  # the dispatcher picks by the current device's arch
             return self.args.run(*call)
 
     def run(self, q, k, v, bias, attn_mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-            seqused_q, seqused_k, dropout_seed: int, dropout_offset: int, instance) -> tuple:
+            seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, dropout_seed: int,
+            dropout_offset: int, instance) -> tuple:
         """outputs() and launch() of a later call: (out, lse, None), or (out, lse, (status
         code, message)) when nothing was launched."""
         out, lse = self.outputs(q)
         return out, lse, self.launch(q, k, v, out, lse, bias, attn_mask, alibi_slopes,
                                      cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                                     dropout_seed, dropout_offset, instance)
+                                     max_seqlen_q, max_seqlen_k, dropout_seed, dropout_offset,
+                                     instance)
+
+
+# FwdArgs.run's seqlen_q, seqlen_k, total_q, total_k and lse_head_stride: -1 keeps the plan's.
+_KEEP_SIZES = (-1, -1, -1, -1, -1)
 
 
 def _signature(t: torch.Tensor) -> tuple:
     return (t.__class__, t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad)
+
+
+def is_varlen(cu_seqlens_q, bias) -> bool:
+    """Whether a call's plan leaves its token counts and longest lengths to the call: group mode
+    (varlen), where they change from one batch of packed sequences to the next while nothing
+    checked depends on them but sizes checked per call (_varlen_sizes_pass); not with an
+    elementwise bias, which must broadcast to the longest lengths."""
+    return cu_seqlens_q is not None and bias is None
+
+
+def _packed_layout(t: torch.Tensor) -> tuple:
+    """A packed (tokens, heads, dim) tensor's layout, its token count left out but for whether
+    it is above 1 (a dimension of size 1 passes as stride 0: _checks.kernel_strides)."""
+    return (t.shape[1:], t.stride(), t.shape[0] > 1, t.dtype, t.get_device())
+
+
+def _varlen_sizes_pass(q, k, v, max_seqlen_q, max_seqlen_k) -> bool:
+    """The checks of a varlen call that read its sizes (fmha._checks.check_mode and
+    check_inputs): packed 3-D tensors, as many K as V tokens, counts below 2^31, non-negative
+    longest lengths. A call that fails one takes the op, whose checks say which."""
+    return (q.dim() == 3 and k.dim() == 3 and v.dim() == 3 and k.shape[0] == v.shape[0]
+            and q.shape[0] < INT_LIMIT and k.shape[0] < INT_LIMIT
+            and max_seqlen_q is not None and max_seqlen_k is not None
+            and max_seqlen_q >= 0 and max_seqlen_k >= 0)
 
 
 def _is_real(x) -> bool:
@@ -131,13 +172,19 @@ def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
         return None
     if not (dropout_offset.__class__ is int and 0 <= dropout_offset < OFFSET_LIMIT):
         return None
+    if is_varlen(cu_seqlens_q, bias if bias is not None else attn_mask):
+        if not _varlen_sizes_pass(q, k, v, max_seqlen_q, max_seqlen_k):
+            return None
+        qkv, lengths = (_packed_layout(q), _packed_layout(k), _packed_layout(v)), None
+    else:
+        qkv = (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
+               k.get_device(), v.shape, v.stride(), v.dtype, v.get_device())
+        lengths = (max_seqlen_q, max_seqlen_k)
     # Hashable by construction: the checks above leave no list or other unhashable value. q,
     # k and v are plain tensors, and need no grad or run with grad off (checked above), so
     # their class and requires_grad go without saying; each optional tensor states them.
-    return (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
-            k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), causal, softmax_scale,
-            window_size, mask_align, softcap, dropout_p, dropout_seed is None, return_lse,
-            max_seqlen_q, max_seqlen_k, instance,
+    return (qkv, lengths, causal, softmax_scale, window_size, mask_align, softcap, dropout_p,
+            dropout_seed is None, return_lse, instance,
             None if bias is None else _signature(bias),
             None if attn_mask is None else _signature(attn_mask),
             None if alibi_slopes is None else _signature(alibi_slopes),
@@ -157,15 +204,20 @@ def _layout(t: Optional[torch.Tensor]):
 
 
 def op_key(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-           dropout_seed, *options) -> tuple:
+           dropout_seed, max_seqlen_q, max_seqlen_k, *options) -> tuple:
     """The signature of a call of the op fmha::fwd: the op gets operands that fwd's checks (or
     torch.compile's trace of them) already made final, so only their layouts and the values of
     its other arguments (`options`) decide its FwdArgs; the dropout seed's and offset's values
-    are the call's own."""
-    return (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
-            k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), _layout(bias),
-            _layout(alibi_slopes), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
-            _layout(seqused_q), _layout(seqused_k), dropout_seed is None, options)
+    are the call's own, and in varlen the token counts and longest lengths too (is_varlen)."""
+    if is_varlen(cu_seqlens_q, bias):
+        qkv, lengths = (_packed_layout(q), _packed_layout(k), _packed_layout(v)), None
+    else:
+        qkv = (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
+               k.get_device(), v.shape, v.stride(), v.dtype, v.get_device())
+        lengths = (max_seqlen_q, max_seqlen_k)
+    return (qkv, lengths, _layout(bias), _layout(alibi_slopes), _layout(cu_seqlens_q),
+            _layout(cu_seqlens_k), _layout(seqused_q), _layout(seqused_k), dropout_seed is None,
+            options)
 
 
 def reusable(ops, bias, attn_mask, alibi_slopes) -> bool:
@@ -190,9 +242,8 @@ def make(ops, bias_from_mask: bool, draws_seed: bool) -> Plan:
     q, v = ops.q, ops.v
     out_shape = (*q.shape[:-1], v.shape[-1])
     return Plan(out_shape, lse_shape(q, ops.cu_seqlens_q is not None) if ops.return_lse else None,
-                ops.seqused_q is not None,
-                out_shape == tuple(q.shape) and q.is_contiguous(), bias_from_mask, draws_seed,
-                q.get_device())
+                is_varlen(ops.cu_seqlens_q, ops.bias), ops.seqused_q is not None, bias_from_mask,
+                draws_seed, q.get_device())
 
 
 class PlanTable:
