@@ -7,25 +7,14 @@
 //     -o build/host_costs_api && build/host_costs_api
 #include <cuda_runtime.h>
 
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
 #include "fmha/fmha.h"
+#include "host_timing.h"
 
 namespace {
-
-template <class Fn>
-double us_per_call(Fn fn, int calls) {
-  for (int i = 0; i < calls; ++i) fn();
-  cudaDeviceSynchronize();
-  const auto begin = std::chrono::steady_clock::now();
-  for (int i = 0; i < calls; ++i) fn();
-  const auto end = std::chrono::steady_clock::now();
-  cudaDeviceSynchronize();
-  return std::chrono::duration<double, std::micro>(end - begin).count() / calls;
-}
 
 void require(const fmha::Status& st) {
   if (!st.ok()) {

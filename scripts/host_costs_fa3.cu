@@ -7,10 +7,10 @@
 //     -I$CUTLASS_INCLUDE -Iruntime/include scripts/host_costs_fa3.cu -o build/host_costs_fa3
 #include <cuda_runtime.h>
 
-#include <chrono>
 #include <cstdio>
 
 #include "fmha/kernels/fwd_fa3_sm90.cuh"
+#include "host_timing.h"
 
 namespace {
 
@@ -20,17 +20,6 @@ using Config = fmha::fa3::FwdConfig<
     /*kBias=*/fmha::BiasType::kNone, /*kVLayout=*/fmha::VLayout::kRowMajor,
     /*kMode=*/fmha::Mode::kBatch, /*kLse=*/true, /*kDropout=*/false, /*kSoftcap=*/false,
     /*kPadSeqlen=*/true, /*kPadHdim=*/false, /*kSmemLimit=*/232448>;
-
-template <class Fn>
-double us_per_call(Fn fn, int calls) {
-  for (int i = 0; i < calls; ++i) fn();
-  cudaDeviceSynchronize();
-  const auto begin = std::chrono::steady_clock::now();
-  for (int i = 0; i < calls; ++i) fn();
-  const auto end = std::chrono::steady_clock::now();
-  cudaDeviceSynchronize();
-  return std::chrono::duration<double, std::micro>(end - begin).count() / calls;
-}
 
 }  // namespace
 
