@@ -7,7 +7,8 @@ stride and option filled in, and the shapes of the outputs. A later call with th
 allocates its outputs, reads its tensors' pointers and crosses into C++ once, where the C++ API
 checks what depends on the pointers (16-byte alignment) and picks the instance for the device.
 The pointers, the dropout seed and the dropout offset are values of the call, not of its
-signature: a training loop that passes a new seed per step keeps its one plan.
+signature: a training loop that passes a new seed per step keeps its one plan. So are, in group
+mode (varlen), the token counts and the longest lengths, which change with every packed batch.
 
 Only plain eager calls take this path (call_key says which); under torch.compile, a dispatch
 or function mode, tensor subclasses or autograd, fmha.fwd calls its torch.library op as before,
@@ -75,7 +76,7 @@ class Plan:
         if self.varlen:  # as fmha._api._make_args derives them
             total_q, total_k = q.shape[0], k.shape[0]
             sizes = (min(max_seqlen_q, total_q), min(max_seqlen_k, total_k), total_q, total_k,
-                     -1 if lse is None else lse.stride(0))
+                     -1 if lse is None else lse.stride(-2))
         call = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                 0 if lse is None else lse.data_ptr(), 0 if mask is None else mask.data_ptr(),
                 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
@@ -121,6 +122,16 @@ def _packed_layout(t: torch.Tensor) -> tuple:
     """A packed (tokens, heads, dim) tensor's layout, its token count left out but for whether
     it is above 1 (a dimension of size 1 passes as stride 0: _checks.kernel_strides)."""
     return (t.shape[1:], t.stride(), t.shape[0] > 1, t.dtype, t.get_device())
+
+
+def _sizes_key(q, k, v, varlen: bool, max_seqlen_q, max_seqlen_k) -> tuple:
+    """What q, k, v and the longest lengths add to a key: their layouts; in varlen without the
+    token counts and longest lengths, which are the call's (Plan.launch passes them)."""
+    if varlen:
+        return (_packed_layout(q), _packed_layout(k), _packed_layout(v))
+    return (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
+            k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), max_seqlen_q,
+            max_seqlen_k)
 
 
 def _varlen_sizes_pass(q, k, v, max_seqlen_q, max_seqlen_k) -> bool:
@@ -172,19 +183,15 @@ def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
         return None
     if not (dropout_offset.__class__ is int and 0 <= dropout_offset < OFFSET_LIMIT):
         return None
-    if is_varlen(cu_seqlens_q, bias if bias is not None else attn_mask):
-        if not _varlen_sizes_pass(q, k, v, max_seqlen_q, max_seqlen_k):
-            return None
-        qkv, lengths = (_packed_layout(q), _packed_layout(k), _packed_layout(v)), None
-    else:
-        qkv = (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
-               k.get_device(), v.shape, v.stride(), v.dtype, v.get_device())
-        lengths = (max_seqlen_q, max_seqlen_k)
+    varlen = is_varlen(cu_seqlens_q, bias if bias is not None else attn_mask)
+    if varlen and not _varlen_sizes_pass(q, k, v, max_seqlen_q, max_seqlen_k):
+        return None
     # Hashable by construction: the checks above leave no list or other unhashable value. q,
     # k and v are plain tensors, and need no grad or run with grad off (checked above), so
     # their class and requires_grad go without saying; each optional tensor states them.
-    return (qkv, lengths, causal, softmax_scale, window_size, mask_align, softcap, dropout_p,
-            dropout_seed is None, return_lse, instance,
+    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k), causal, softmax_scale,
+            window_size, mask_align, softcap, dropout_p, dropout_seed is None, return_lse,
+            instance,
             None if bias is None else _signature(bias),
             None if attn_mask is None else _signature(attn_mask),
             None if alibi_slopes is None else _signature(alibi_slopes),
@@ -209,13 +216,8 @@ def op_key(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, s
     torch.compile's trace of them) already made final, so only their layouts and the values of
     its other arguments (`options`) decide its FwdArgs; the dropout seed's and offset's values
     are the call's own, and in varlen the token counts and longest lengths too (is_varlen)."""
-    if is_varlen(cu_seqlens_q, bias):
-        qkv, lengths = (_packed_layout(q), _packed_layout(k), _packed_layout(v)), None
-    else:
-        qkv = (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
-               k.get_device(), v.shape, v.stride(), v.dtype, v.get_device())
-        lengths = (max_seqlen_q, max_seqlen_k)
-    return (qkv, lengths, _layout(bias), _layout(alibi_slopes), _layout(cu_seqlens_q),
+    varlen = is_varlen(cu_seqlens_q, bias)
+    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k), _layout(bias), _layout(alibi_slopes), _layout(cu_seqlens_q),
             _layout(cu_seqlens_k), _layout(seqused_q), _layout(seqused_k), dropout_seed is None,
             options)
 
