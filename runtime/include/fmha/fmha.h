@@ -1,10 +1,11 @@
-// Public C++ API of libfmha: fused multi-head attention forward.
+// Public C++ API of libfmha: fused multi-head attention, forward and backward.
 //
 // The library holds one kernel instance per row of the generated matrix (instances.yaml) and a
 // dispatcher that picks the instance fitting a problem. Nothing here needs CUDA headers beyond
 // the stream type, and nothing needs torch.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -140,6 +141,57 @@ struct FMHA_API FwdArgs {
   FwdTraits traits() const;
 };
 
+// The functional traits of a backward problem: the forward's, less the V layout (the backward
+// takes row-major V) and the log-sum-exp (it always reads it), plus dbias.
+struct BwdTraits {
+  DataType dtype = DataType::kFP16;
+  int hdim_q = 0;
+  int hdim_v = 0;
+  MaskType mask = MaskType::kNone;
+  BiasType bias = BiasType::kNone;
+  Mode mode = Mode::kBatch;
+  bool dbias = false;    // writes the gradient of an elementwise bias
+  bool dropout = false;  // dropout_p > 0
+  bool softcap = false;  // softcap > 0
+};
+
+// One backward problem: the forward call it differentiates (`fwd`, with its o and lse, which
+// the backward reads), the gradient of its output, and where the gradients go. dout, dq, dk and
+// dv take the layouts of o, q, k and v (any strides with the head dim contiguous, multiples of
+// 8 elements); fwd.vlayout must be kRowMajor and fwd.lse must be set. With MQA/GQA dk and dv
+// are (batch, seqlen_k, nhead_k, hdim): the gradient summed over the query heads sharing a K/V
+// head.
+struct FMHA_API BwdArgs {
+  FwdArgs fwd;
+
+  const void* dout = nullptr;  // (batch, seqlen_q, nhead_q, hdim_v)
+  void* dq = nullptr;          // (batch, seqlen_q, nhead_q, hdim_q)
+  void* dk = nullptr;          // (batch, seqlen_k, nhead_k, hdim_q)
+  void* dv = nullptr;          // (batch, seqlen_k, nhead_k, hdim_v)
+  int64_t dout_batch_stride = 0, dout_seq_stride = 0, dout_head_stride = 0;
+  int64_t dq_batch_stride = 0, dq_seq_stride = 0, dq_head_stride = 0;
+  int64_t dk_batch_stride = 0, dk_seq_stride = 0, dk_head_stride = 0;
+  int64_t dv_batch_stride = 0, dv_seq_stride = 0, dv_head_stride = 0;
+
+  // Elementwise bias only, optional: the gradient of the bias, of the input dtype, written as a
+  // full (batch, nhead_q, seqlen_q, seqlen_k) tensor (group mode: per sequence b, as the bias is
+  // read), the key dimension contiguous. A caller whose bias broadcasts sums it over those
+  // dimensions. Set, it needs an instance with dbias.
+  void* dbias = nullptr;
+  int64_t dbias_batch_stride = 0, dbias_head_stride = 0, dbias_seq_stride = 0;
+
+  // true: gradients bitwise identical from run to run (dQ is summed in a fixed order), at a
+  // cost bwd_workspace_size() and the README quantify.
+  bool deterministic = false;
+
+  // Scratch of bwd_workspace_size() bytes, 256-byte aligned, for the instance bwd() runs (fp32
+  // dQ accumulators and dO.O row sums); its contents need not be initialized.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+
+  BwdTraits traits() const;
+};
+
 struct Status {
   enum class Code : int { kOk = 0, kInvalidArgument, kNoInstance, kCudaError };
   Code code = Code::kOk;
@@ -161,6 +213,20 @@ struct InstanceInfo {
   int block_n = 0;
   bool pad_seqlen = false;  // handles sequence lengths that are not multiples of the tile
   bool pad_hdim = false;    // also runs head dims below its own that are multiples of 8
+};
+
+// A compiled backward instance (one row of the generator's bwd matrix).
+struct BwdInstanceInfo {
+  std::string name;
+  BwdTraits traits;
+  std::string pipeline;
+  std::string arch;
+  int arch_cc = 0;
+  bool arch_exact = false;
+  int block_m = 0;  // query rows per step of the inner loop
+  int block_n = 0;  // keys per CTA (K, V, dK and dV stay on chip)
+  bool pad_seqlen = false;
+  bool pad_hdim = false;
 };
 
 // Runs the forward pass on `stream`. Checks the arguments and picks an instance first; on any
@@ -186,6 +252,24 @@ FMHA_API Status explain(const FwdArgs& args, std::string* explanation);
 // uint8, contiguous (batch, nhead, seqlen_q, seqlen_k). For tests and for reproducing a run.
 FMHA_API Status dropout_mask(uint64_t seed, uint32_t offset, float dropout_p, int batch,
                              int nhead, int seqlen_q, int seqlen_k, uint8_t* keep, Stream stream);
+
+// The backward pass on `stream`: dq, dk, dv (and dbias) of the forward call args.fwd describes.
+// Checks the arguments (the workspace's size included) and picks an instance first; on any
+// error nothing is launched. dq, dk and dv are overwritten, never accumulated into.
+FMHA_API Status bwd(const BwdArgs& args, Stream stream, std::string* chosen = nullptr);
+
+// As bwd(), with the compiled backward instance called `instance`.
+FMHA_API Status bwd_instance(const std::string& instance, const BwdArgs& args, Stream stream);
+
+// The workspace bwd() needs for `args` on the current device (pointers are not read).
+FMHA_API Status bwd_workspace_size(const BwdArgs& args, size_t* bytes);
+
+// select() and explain() of the backward.
+FMHA_API Status select(const BwdArgs& args, BwdInstanceInfo* chosen);
+FMHA_API Status explain(const BwdArgs& args, std::string* explanation);
+
+// Every compiled backward instance, in the dispatcher's order of preference.
+FMHA_API std::vector<BwdInstanceInfo> bwd_instances();
 
 // Every instance compiled into this library, in the dispatcher's order of preference.
 FMHA_API std::vector<InstanceInfo> instances();

@@ -61,6 +61,31 @@ extern const char* const kModeTokens[];
 extern const char* const kPipelineTokens[];
 extern const int kNumPipelines;
 
+// The backward instances, as the generator renders them from the bwd operation's matrix. An
+// instance is the set of kernels its algorithm needs (for fa2: dO.O row sums, the main
+// dQ/dK/dV kernel, the fp32 dQ conversion); `launch` runs them in order on the stream and
+// `workspace` sizes the scratch they share.
+using BwdLaunchFn = cudaError_t (*)(const BwdArgs& args, cudaStream_t stream);
+using BwdWorkspaceFn = size_t (*)(const BwdArgs& args);
+
+struct BwdInstanceEntry {
+  const char* name;
+  BwdTraits traits;
+  const char* pipeline;
+  const char* arch;
+  int arch_cc;
+  bool arch_exact;
+  int block_m;      // query rows per step of the inner loop
+  int block_n;      // keys per CTA
+  bool pad_seqlen;  // as InstanceEntry's
+  bool pad_hdim;
+  BwdLaunchFn launch;
+  BwdWorkspaceFn workspace;
+};
+
+extern const BwdInstanceEntry kBwdInstances[];
+extern const int kNumBwdInstances;
+
 // A rule of instances.yaml that leaves `pipeline` without instances on `arch` for the traits
 // it matches (generator/gaps.py). When an older pipeline runs such a problem on that arch,
 // explain says so and quotes the reason.
@@ -74,5 +99,17 @@ struct PipelineGap {
 // kNumPipelineGaps rows (a pointer, as there may be none).
 extern const PipelineGap* const kPipelineGaps;
 extern const int kNumPipelineGaps;
+
+// PipelineGap for the backward's traits: the rules of the bwd operation that leave a pipeline
+// without instances.
+struct BwdPipelineGap {
+  const char* pipeline;
+  const char* arch;
+  const char* traits;
+  const char* reason;
+  bool (*matches)(const BwdTraits& traits);
+};
+extern const BwdPipelineGap* const kBwdPipelineGaps;
+extern const int kNumBwdPipelineGaps;
 
 }  // namespace fmha::detail
