@@ -27,6 +27,7 @@
 
 #include "fmha/fmha.h"
 #include "fmha/kernels/device_facts.cuh"
+#include "fmha/kernels/fa2_copy.cuh"
 #include "fmha/kernels/fwd_params.cuh"
 #include "fmha/kernels/mask.cuh"
 #include "fmha/kernels/philox.cuh"
@@ -96,27 +97,6 @@ struct FwdConfig {
   // kSmemLimit: what one CTA may opt into on the target (generator/schema.py's smem_limit).
   static_assert(kSmemBytes <= kSmemLimit, "the tile does not fit the target's shared memory");
 };
-
-// All threads of the CTA copy kRows rows of a Tile (rows of tokens, columns of head dim), 16
-// bytes at a time. Rows at or past `rows_valid` (padded sequences) and chunks at or past
-// `chunks_valid` (padded head dims) are zero-filled: zero Q/K columns add nothing to QK^T,
-// zero K rows are masked anyway, and zero V rows keep 0 * garbage from turning into NaN.
-template <class Cfg, class Tile, int kRows>
-__device__ __forceinline__ void load_rows(uint32_t smem_tile, const typename Cfg::Element* gmem,
-                                          int64_t row_stride, int rows_valid, int chunks_valid) {
-  constexpr int kTotalChunks = kRows * Tile::kChunks;
-  static_assert(kTotalChunks % Cfg::kThreads == 0, "tile must split evenly over the CTA");
-#pragma unroll
-  for (int i = 0; i < kTotalChunks / Cfg::kThreads; ++i) {
-    const int idx = threadIdx.x + i * Cfg::kThreads;
-    const int row = idx / Tile::kChunks;
-    const int chunk = idx % Tile::kChunks;
-    const bool valid = (!Cfg::kPadSeqlen || row < rows_valid) &&
-                       (!Cfg::kPadHdim || chunk < chunks_valid);
-    const auto* src = valid ? gmem + row * row_stride + chunk * 8 : gmem;
-    sm80::cp_async_16(smem_tile + Tile::offset(row, chunk), src, valid ? 16 : 0);
-  }
-}
 
 // Column-major V: the tile is hdim_v rows of kBlockN keys, keys contiguous in global memory.
 // A chunk holds 8 keys, so at the end of a padded sequence a chunk is partly valid: cp.async

@@ -48,6 +48,19 @@ struct TileMask {
     return (keys + kBlockN - 1) / kBlockN;
   }
 
+  // The backward's question, transposed: the query tiles [begin, end) whose rows see some key
+  // of first_key..last_key; empty when end <= begin.
+  __device__ int m_block_begin(int first_key) const {
+    if (!kHasRight) return 0;
+    const int first_row = first_key - offset - right;
+    return first_row > 0 ? first_row / kBlockM : 0;
+  }
+  __device__ int m_block_end(int last_key, int seqlen_q) const {
+    int rows = seqlen_q;
+    if (kHasLeft) rows = min(rows, max(last_key - offset + left + 1, 0));
+    return (rows + kBlockM - 1) / kBlockM;
+  }
+
   // True when some element of key tile n_block is invisible to some row of first_row..last_row
   // (by default the query tile starting at first_row): it crosses either window edge, or runs
   // past the last key.

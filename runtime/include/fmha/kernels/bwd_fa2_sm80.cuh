@@ -1,0 +1,714 @@
+// FlashAttention-2 backward pipeline for sm80-class GPUs (runs on sm90 too): dQ, dK, dV (and
+// the bias gradient) of the forward in fwd_fa2_sm80.cuh, recomputing P from Q, K and the
+// forward's log-sum-exp instead of storing it.
+//
+// One instance is three kernels, launched in order on one stream by launch_bwd:
+//   1. bwd_dot_do_o_kernel: D = rowsum(dO * O) per (row, head), and zeroes the fp32 dQ
+//      accumulator, both in the workspace;
+//   2. bwd_kernel: one CTA per (key tile, K/V head, sequence). K_j and V_j stay in shared
+//      memory and dK_j, dV_j in registers while the query tiles i that see key tile j stream
+//      through a two-stage cp.async ring (Q_i, dO_i, LSE_i, D_i), for every query head sharing
+//      the K/V head (MQA/GQA sum there, without a second pass). Per query tile:
+//        S^T = K_j Q_i^T          -> logits (soft-cap, bias, ALiBi), mask on edge tiles
+//        P^T = exp2(S^T - LSE)    -> dropout with the forward's Philox pattern
+//        dP^T = V_j dO_i^T        -> dS^T = P^T * (dP^T - D)   (times tanh' under soft-cap)
+//        dV_j += P^T dO_i,  dK_j += dS^T Q_i,  dQ_i += dS K_j (fp32 reductions in global memory)
+//      Warps own 16 keys each, so S^T and dP^T come out of mma.sync with keys as rows: P^T and
+//      dS^T are then already the A operands of dV and dK, and stay in registers. dS^T goes
+//      through shared memory once, for dQ, whose tile the warps split by rows and head dim.
+//      Where dK and dV of 16 keys over the whole head dim do not fit the registers (head dims
+//      past 128), two warps share 16 keys, each taking half of the queries for S^T and half of
+//      the head dim for dK/dV, and P^T passes through shared memory too (kSplitD = 2);
+//   3. bwd_convert_dq_kernel: dQ = softmax_scale * (sum of the fp32 accumulators), rounded.
+// Deterministic mode: each CTA walks a fixed set of key tiles in order and adds into a dQ
+// accumulator of its own (plain read-add-write, no atomics); kernel 3 sums the accumulators in
+// a fixed order, so every run adds the same numbers in the same order.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "fmha/fmha.h"
+#include "fmha/kernels/device_facts.cuh"
+#include "fmha/kernels/fa2_copy.cuh"
+#include "fmha/kernels/fwd_params.cuh"
+#include "fmha/kernels/mask.cuh"
+#include "fmha/kernels/philox.cuh"
+#include "fmha/kernels/sm80_primitives.cuh"
+#include "fmha/kernels/smem_tile.cuh"
+
+namespace fmha::fa2 {
+
+template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
+          int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, Mode kMode_,
+          bool kDbias_, bool kDropout_, bool kSoftcap_, bool kPadSeqlen_, bool kPadHdim_,
+          int kSmemLimit>
+struct BwdConfig {
+  using Element = Element_;
+  static constexpr int kHeadDimQK = kHeadDimQK_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kBlockM = kBlockM_;  // query rows per step
+  static constexpr int kBlockN = kBlockN_;  // keys per CTA
+  static constexpr int kNumWarps = kNumWarps_;
+  static constexpr int kStages = kStages_;
+  static constexpr MaskType kMask = kMask_;
+  static constexpr BiasType kBias = kBias_;
+  static constexpr Mode kMode = kMode_;
+  static constexpr bool kDbias = kDbias_;
+  static constexpr bool kDropout = kDropout_;
+  static constexpr bool kSoftcap = kSoftcap_;
+  static constexpr bool kPadSeqlen = kPadSeqlen_;
+  static constexpr bool kPadHdim = kPadHdim_;
+
+  static constexpr int kThreads = kNumWarps * 32;
+  static constexpr bool kLogitsInScores = kSoftcap || kBias != BiasType::kNone;
+
+  // Warps along the keys (16 each), and how many warps share those 16 keys.
+  static constexpr int kKeySlices = kBlockN / 16;
+  static constexpr int kSplitD = kNumWarps / kKeySlices;
+  static constexpr int kQueriesPerWarp = kBlockM / kSplitD;  // columns of a warp's S^T
+  static constexpr int kDKCols = kHeadDimQK / kSplitD;       // a warp's share of dK's head dim
+  static constexpr int kDVCols = kHeadDimV / kSplitD;
+  // dQ's tile (kBlockM x kHeadDimQK) over the warps: 16-row groups, then the head dim.
+  static constexpr int kDQRowGroups = kBlockM / 16;
+  static constexpr int kDQColGroups = kNumWarps / kDQRowGroups;
+  static constexpr int kDQCols = kHeadDimQK / kDQColGroups;
+
+  static_assert(sizeof(Element) == 2, "fa2 takes 16-bit inputs");
+  static_assert(kBlockN % 16 == 0 && kNumWarps % kKeySlices == 0 &&
+                    (kSplitD == 1 || kSplitD == 2),
+                "fa2 bwd: 16 keys per warp, shared by one or two warps");
+  static_assert(kBlockM % (16 * kSplitD) == 0, "fa2 bwd: a warp's queries come in m16 tiles");
+  static_assert(kNumWarps % kDQRowGroups == 0 && kDQCols % 16 == 0,
+                "fa2 bwd: dQ's tile must split into 16-row, 16-column warp tiles");
+  static_assert(kDKCols % 16 == 0 && kDVCols % 16 == 0,
+                "fa2 bwd: dK/dV columns come in pairs of n8 tiles");
+  static_assert(kStages == 2, "fa2 bwd double-buffers Q and dO");
+  static_assert(kMode != Mode::kGroup || kPadSeqlen,
+                "group mode lengths are known only on the device: every tile may be ragged");
+
+  using KTile = SmemTile<kBlockN, kHeadDimQK>;
+  using VTile = SmemTile<kBlockN, kHeadDimV>;
+  using QTile = SmemTile<kBlockM, kHeadDimQK>;
+  using DoTile = SmemTile<kBlockM, kHeadDimV>;
+  using KeyQueryTile = SmemTile<kBlockN, kBlockM>;  // dS^T, and P^T where kSplitD == 2
+
+  // Per stage: Q, dO, and the LSE (log2 units) and D of each row.
+  static constexpr int kRowStatBytes = kBlockM * 4;
+  static constexpr int kStageBytes = QTile::kBytes + DoTile::kBytes + 2 * kRowStatBytes;
+  static constexpr int kSmemBytes = KTile::kBytes + VTile::kBytes + kStages * kStageBytes +
+                                    KeyQueryTile::kBytes * (kSplitD > 1 ? 2 : 1);
+  static_assert(kSmemBytes <= kSmemLimit, "the tile does not fit the target's shared memory");
+};
+
+// The backward problem as the kernels read it: the forward's parameters (the same logits,
+// mask, dropout pattern) plus the gradients and the workspace.
+struct BwdParams {
+  FwdParams fwd;
+  const void* dout;
+  int64_t do_batch_stride, do_seq_stride, do_head_stride;
+  void* dq;
+  void* dk;
+  void* dv;
+  int64_t dq_batch_stride, dq_seq_stride, dq_head_stride;
+  int64_t dk_batch_stride, dk_seq_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_seq_stride, dv_head_stride;
+  void* dbias;
+  int64_t dbias_batch_stride, dbias_head_stride, dbias_seq_stride;
+
+  int nhead_k;
+  int batch;
+  int64_t rows;         // query rows of the problem: batch * seqlen_q, or total_q
+  float* row_dot;       // D, (nhead_q, rows)
+  float* dq_accum;      // (splits, rows, nhead_q, kHeadDimQK) fp32
+  int64_t split_stride; // elements between two splits' accumulators
+  int n_blocks;         // key tiles of the longest sequence
+  int splits;           // deterministic: CTAs along the keys (each walks n_blocks / splits)
+  bool deterministic;
+};
+
+// Deterministic mode gives each of `splits` CTAs per (K/V head, sequence) a dQ accumulator of
+// its own: enough of them to fill the GPU twice over when batch * nhead_k alone does not.
+inline int bwd_splits(const BwdArgs& a, int block_n) {
+  const int n_blocks = static_cast<int>((static_cast<int64_t>(a.fwd.seqlen_k) + block_n - 1) /
+                                        block_n);
+  if (!a.deterministic || n_blocks <= 1) return 1;
+  const int64_t ctas = static_cast<int64_t>(a.fwd.batch) * a.fwd.nhead_k;
+  const int64_t wanted = (2 * static_cast<int64_t>(multiprocessor_count()) + ctas - 1) / ctas;
+  return static_cast<int>(wanted < 1 ? 1 : wanted > n_blocks ? n_blocks : wanted);
+}
+
+inline int64_t bwd_rows(const BwdArgs& a) {
+  return a.fwd.mode == Mode::kGroup ? a.fwd.total_q
+                                    : static_cast<int64_t>(a.fwd.batch) * a.fwd.seqlen_q;
+}
+
+constexpr size_t kWorkspaceAlign = 256;
+
+inline size_t align_workspace(size_t bytes) {
+  return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+}
+
+// The workspace: D (fp32 per row and head), then the fp32 dQ accumulators. No O(S^2) term.
+template <class Cfg>
+size_t bwd_workspace_bytes(const BwdArgs& a) {
+  const size_t row_heads = static_cast<size_t>(bwd_rows(a)) * a.fwd.nhead_q;
+  const size_t splits = static_cast<size_t>(bwd_splits(a, Cfg::kBlockN));
+  return align_workspace(row_heads * sizeof(float)) +
+         align_workspace(splits * row_heads * Cfg::kHeadDimQK * sizeof(float));
+}
+
+// Kernel 1: D[head][row] = sum_d dO * O (one warp per row and head, 16 bytes per lane), then
+// zeroes the dQ accumulators.
+template <class Cfg>
+__global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const __grid_constant__ BwdParams p) {
+  using Element = typename Cfg::Element;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t row_heads = p.rows * p.fwd.nhead_q;
+  const bool in_head = lane * 8 < p.fwd.hdim_v;
+  for (int64_t w = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; w < row_heads; w += warps) {
+    const int64_t row = w / p.fwd.nhead_q;
+    const int head = static_cast<int>(w % p.fwd.nhead_q);
+    int64_t o_off, do_off;
+    if constexpr (Cfg::kMode == Mode::kGroup) {
+      o_off = row * p.fwd.o_seq_stride;
+      do_off = row * p.do_seq_stride;
+    } else {
+      const int64_t b = row / p.fwd.seqlen_q, i = row % p.fwd.seqlen_q;
+      o_off = b * p.fwd.o_batch_stride + i * p.fwd.o_seq_stride;
+      do_off = b * p.do_batch_stride + i * p.do_seq_stride;
+    }
+    o_off += head * p.fwd.o_head_stride + lane * 8;
+    do_off += head * p.do_head_stride + lane * 8;
+    float dot = 0.f;
+    if (in_head) {
+      const uint4 o8 = *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.fwd.o) + o_off);
+      const uint4 do8 = *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.dout) + do_off);
+      const auto* o_e = reinterpret_cast<const Element*>(&o8);
+      const auto* do_e = reinterpret_cast<const Element*>(&do8);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dot += sm80::to_float(o_e[e]) * sm80::to_float(do_e[e]);
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s /= 2) dot += __shfl_xor_sync(0xffffffff, dot, s);
+    if (lane == 0) p.row_dot[head * p.rows + row] = dot;
+  }
+  const int64_t quads = p.splits * p.split_stride / 4;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < quads;
+       i += threads) {
+    reinterpret_cast<float4*>(p.dq_accum)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// Kernel 3: dQ = softmax_scale * sum over splits (in split order), one thread per 8 columns.
+template <class Cfg>
+__global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
+  using Element = typename Cfg::Element;
+  constexpr int kChunks = Cfg::kHeadDimQK / 8;
+  const int64_t total = p.rows * p.fwd.nhead_q * kChunks;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total;
+       t += threads) {
+    const int chunk = static_cast<int>(t % kChunks);
+    const int64_t row_head = t / kChunks;
+    if (Cfg::kPadHdim && chunk * 8 >= p.fwd.hdim_q) continue;
+    const int64_t row = row_head / p.fwd.nhead_q;
+    const int head = static_cast<int>(row_head % p.fwd.nhead_q);
+    float sum[8] = {};
+    const float* acc = p.dq_accum + row_head * Cfg::kHeadDimQK + chunk * 8;
+    for (int s = 0; s < p.splits; ++s) {
+      const float4 lo = *reinterpret_cast<const float4*>(acc + s * p.split_stride);
+      const float4 hi = *reinterpret_cast<const float4*>(acc + s * p.split_stride + 4);
+      sum[0] += lo.x, sum[1] += lo.y, sum[2] += lo.z, sum[3] += lo.w;
+      sum[4] += hi.x, sum[5] += hi.y, sum[6] += hi.z, sum[7] += hi.w;
+    }
+    int64_t off;
+    if constexpr (Cfg::kMode == Mode::kGroup) {
+      off = row * p.dq_seq_stride;
+    } else {
+      off = (row / p.fwd.seqlen_q) * p.dq_batch_stride + (row % p.fwd.seqlen_q) * p.dq_seq_stride;
+    }
+    off += head * p.dq_head_stride + chunk * 8;
+    uint4 out;
+    out.x = sm80::pack2<Element>(sum[0] * p.fwd.scale, sum[1] * p.fwd.scale);
+    out.y = sm80::pack2<Element>(sum[2] * p.fwd.scale, sum[3] * p.fwd.scale);
+    out.z = sm80::pack2<Element>(sum[4] * p.fwd.scale, sum[5] * p.fwd.scale);
+    out.w = sm80::pack2<Element>(sum[6] * p.fwd.scale, sum[7] * p.fwd.scale);
+    *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq) + off) = out;
+  }
+}
+
+// Adds a warp's dQ fragment (rows r and r + 8, columns c and c + 1 of each n8 tile) into the
+// fp32 accumulator: atomically where CTAs of other key tiles add into the same rows, with plain
+// loads and stores where this CTA owns its accumulator (deterministic mode).
+__device__ __forceinline__ void add_dq_pair(float* dst, float x, float y, bool atomic) {
+  if (atomic) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+#else
+    atomicAdd(dst, x);
+    atomicAdd(dst + 1, y);
+#endif
+  } else {
+    float2 v = *reinterpret_cast<float2*>(dst);
+    v.x += x;
+    v.y += y;
+    *reinterpret_cast<float2*>(dst) = v;
+  }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constant__ BwdParams p) {
+  using Element = typename Cfg::Element;
+  using Mask = TileMask<Cfg::kMask, Cfg::kPadSeqlen, Cfg::kBlockM, Cfg::kBlockN>;
+  using KTile = typename Cfg::KTile;
+  using VTile = typename Cfg::VTile;
+  using QTile = typename Cfg::QTile;
+  using DoTile = typename Cfg::DoTile;
+  using KQTile = typename Cfg::KeyQueryTile;
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kDimQK = Cfg::kHeadDimQK;
+  constexpr int kDimV = Cfg::kHeadDimV;
+  constexpr int kQTiles = Cfg::kQueriesPerWarp / 8;  // n8 tiles of a warp's S^T and dP^T
+  constexpr bool kGroup = Cfg::kMode == Mode::kGroup;
+  constexpr bool kSplit = Cfg::kSplitD > 1;
+  const FwdParams& f = p.fwd;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int key_slice = warp % Cfg::kKeySlices;  // this warp's 16 keys
+  const int d_half = warp / Cfg::kKeySlices;     // its half of the queries and of dK/dV's dims
+  const int dq_rows = warp % Cfg::kDQRowGroups;  // its 16-row, kDQCols-column tile of dQ
+  const int dq_cols = warp / Cfg::kDQRowGroups;
+
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SequenceExtent seq = sequence_extent<Cfg::kMode>(f, batch);
+  // Keys this sequence owns in dK/dV (seqused_k may use fewer): each is written, zero if unused.
+  const int keys_owned = kGroup ? f.cu_seqlens_k[batch + 1] - f.cu_seqlens_k[batch] : f.seqlen_k;
+
+  const uint32_t s_k = sm80::smem_addr(smem);
+  const uint32_t s_v = s_k + KTile::kBytes;
+  const uint32_t s_stages = s_v + VTile::kBytes;  // kStages x (Q, dO, LSE, D)
+  const uint32_t s_ds = s_stages + Cfg::kStages * Cfg::kStageBytes;
+  const uint32_t s_p = s_ds + KQTile::kBytes;  // kSplitD == 2 only
+  auto s_q = [&](int stage) { return s_stages + stage * Cfg::kStageBytes; };
+  auto s_do = [&](int stage) { return s_q(stage) + QTile::kBytes; };
+  auto row_stats = [&](int stage) {  // LSE (log2 units) of kBlockM rows, then their D
+    return reinterpret_cast<float*>(smem + (s_q(stage) + QTile::kBytes + DoTile::kBytes - s_k));
+  };
+
+  // Per-lane ldmatrix bases (SmemTile::step adds the compile-time parts). Row-major A operands
+  // (K, V, P^T): lanes 0-15 rows 0-15 at the low chunk, 16-31 the high chunk. B operands read
+  // as stored (Q, dO rows for S^T, dP^T): lanes 8i..8i+7 matrix i = (rows +0/+8) x (chunk lo/hi).
+  // B operands read transposed (dO, Q for dV, dK; K for dQ): lanes 0-15 rows, 16-31 chunk hi.
+  const int warp_key0 = key_slice * 16;
+  const int warp_query0 = d_half * Cfg::kQueriesPerWarp;
+  const uint32_t k_a = KTile::offset(warp_key0 + lane % 16, lane / 16);
+  const uint32_t v_a = VTile::offset(warp_key0 + lane % 16, lane / 16);
+  const uint32_t p_a = KQTile::offset(warp_key0 + lane % 16, lane / 16);
+  const uint32_t q_b = QTile::offset(warp_query0 + (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+  const uint32_t do_b = DoTile::offset(warp_query0 + (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+  const uint32_t q_bt = QTile::offset(lane % 16, lane / 16);
+  const uint32_t do_bt = DoTile::offset(lane % 16, lane / 16);
+  const uint32_t k_bt = KTile::offset(lane % 16, lane / 16);
+  // dS as dQ's A operand, read transposed out of dS^T: matrix i = (keys +0/+8) x (rows lo/hi).
+  const uint32_t ds_at =
+      KQTile::offset((lane / 16) * 8 + lane % 8, dq_rows * 2 + (lane / 8) % 2);
+
+  const Element* bias_base = nullptr;
+  Element* dbias_base = nullptr;
+  if constexpr (Cfg::kBias == BiasType::kElementwise) {
+    bias_base = static_cast<const Element*>(f.bias) + batch * f.bias_batch_stride;
+    if constexpr (Cfg::kDbias) {
+      dbias_base = static_cast<Element*>(p.dbias) + batch * p.dbias_batch_stride;
+    }
+  }
+  const Mask mask(seq.seqlen_q, seq.seqlen_k, f.bottom_right, f.window_left, f.window_right);
+  const int m_blocks_total = (seq.seqlen_q + kBlockM - 1) / kBlockM;
+
+  // Deterministic: this CTA adds into an accumulator of its own.
+  float* const dq_accum = p.dq_accum + (p.deterministic ? blockIdx.x * p.split_stride : 0);
+  const int64_t row_base = kGroup ? seq.q_start : static_cast<int64_t>(batch) * f.seqlen_q;
+
+  for (int n_block = blockIdx.x; n_block < p.n_blocks; n_block += gridDim.x) {
+    const int key0 = n_block * kBlockN;
+    if (key0 >= keys_owned) break;
+    const int last_key = min(key0 + kBlockN, seq.seqlen_k) - 1;
+    const int m_begin = key0 < seq.seqlen_k ? mask.m_block_begin(key0) : 0;
+    const int m_end = key0 < seq.seqlen_k ? min(mask.m_block_end(last_key, seq.seqlen_q),
+                                                m_blocks_total)
+                                          : 0;
+    const int m_count = max(m_end - m_begin, 0);
+    const int steps = m_count * f.kv_group;  // (query head, query tile) pairs, head-major
+
+    const Element* k = static_cast<const Element*>(f.k) + kv_head * f.k_head_stride +
+                       (kGroup ? seq.k_start * f.k_seq_stride : batch * f.k_batch_stride) +
+                       static_cast<int64_t>(key0) * f.k_seq_stride;
+    const Element* v = static_cast<const Element*>(f.v) + kv_head * f.v_head_stride +
+                       (kGroup ? seq.k_start * f.v_seq_stride : batch * f.v_batch_stride) +
+                       static_cast<int64_t>(key0) * f.v_seq_stride;
+
+    // The Q, dO, LSE and D of step `it` into stage `stage`: Q and dO by cp.async, LSE and D
+    // through registers (they may sit anywhere in memory, so they go 4 bytes per thread).
+    struct RowStats {
+      float lse2, dot;
+    };
+    auto step_coords = [&](int it, int* head, int* row0) {
+      *head = kv_head * f.kv_group + it / m_count;
+      *row0 = (m_begin + it % m_count) * kBlockM;
+    };
+    auto load_q_do = [&](int it, int stage) {
+      int head, row0;
+      step_coords(it, &head, &row0);
+      const int64_t q_off = head * f.q_head_stride + static_cast<int64_t>(row0) * f.q_seq_stride +
+                            (kGroup ? seq.q_start * f.q_seq_stride : batch * f.q_batch_stride);
+      const int64_t do_off = head * p.do_head_stride +
+                             static_cast<int64_t>(row0) * p.do_seq_stride +
+                             (kGroup ? seq.q_start * p.do_seq_stride : batch * p.do_batch_stride);
+      load_rows<Cfg, QTile, kBlockM>(s_q(stage), static_cast<const Element*>(f.q) + q_off,
+                                     f.q_seq_stride, seq.seqlen_q - row0, f.hdim_q / 8);
+      load_rows<Cfg, DoTile, kBlockM>(s_do(stage), static_cast<const Element*>(p.dout) + do_off,
+                                      p.do_seq_stride, seq.seqlen_q - row0, f.hdim_v / 8);
+      sm80::cp_async_commit();
+    };
+    // Rows past the sequence, and rows that see no key (LSE -inf), get LSE +inf: their P is 0.
+    auto fetch_stats = [&](int it) {
+      RowStats r{INFINITY, 0.f};
+      if (threadIdx.x < kBlockM) {
+        int head, row0;
+        step_coords(it, &head, &row0);
+        const int row = row0 + threadIdx.x;
+        if (row < seq.seqlen_q) {
+          const float lse = f.lse[head * f.lse_head_stride +
+                                  (kGroup ? seq.q_start : batch * f.lse_batch_stride) + row];
+          r.lse2 = lse == -INFINITY ? INFINITY : lse * static_cast<float>(M_LOG2E);
+          r.dot = p.row_dot[head * p.rows + row_base + row];
+        }
+      }
+      return r;
+    };
+    auto store_stats = [&](const RowStats& r, int stage) {
+      if (threadIdx.x < kBlockM) {
+        row_stats(stage)[threadIdx.x] = r.lse2;
+        row_stats(stage)[kBlockM + threadIdx.x] = r.dot;
+      }
+    };
+
+    // Prologue: K and V with the first step's Q and dO.
+    const int keys_valid = seq.seqlen_k - key0;
+    load_rows<Cfg, KTile, kBlockN>(s_k, k, f.k_seq_stride, keys_valid, f.hdim_q / 8);
+    load_rows<Cfg, VTile, kBlockN>(s_v, v, f.v_seq_stride, keys_valid, f.hdim_v / 8);
+    if (steps > 0) {
+      load_q_do(0, 0);
+      store_stats(fetch_stats(0), 0);
+    } else {
+      sm80::cp_async_commit();
+    }
+
+    float dk_acc[Cfg::kDKCols / 8][4] = {};
+    float dv_acc[Cfg::kDVCols / 8][4] = {};
+
+    for (int it = 0; it < steps; ++it) {
+      const int stage = it % 2;
+      int head, row0;
+      step_coords(it, &head, &row0);
+      sm80::cp_async_wait<0>();
+      __syncthreads();  // this step's tiles are in for every thread; the other stage is free
+      RowStats next_stats{};
+      if (it + 1 < steps) {
+        load_q_do(it + 1, stage ^ 1);
+        next_stats = fetch_stats(it + 1);
+      }
+
+      // S^T = K Q^T: this warp's 16 keys x kQueriesPerWarp queries.
+      float s[kQTiles][4] = {};
+#pragma unroll
+      for (int kt = 0; kt < kDimQK / 16; ++kt) {
+        uint32_t a[4];
+        sm80::ldmatrix_x4(a, s_k + KTile::step(k_a, 0, kt));
+#pragma unroll
+        for (int np = 0; np < kQTiles / 2; ++np) {
+          uint32_t b[4];
+          sm80::ldmatrix_x4(b, s_q(stage) + QTile::step(q_b, np, kt));
+          sm80::mma_16816<Element>(s[2 * np], a, b[0], b[1]);
+          sm80::mma_16816<Element>(s[2 * np + 1], a, b[2], b[3]);
+        }
+      }
+      // dP^T = V dO^T, the same shape.
+      float dp[kQTiles][4] = {};
+#pragma unroll
+      for (int kt = 0; kt < kDimV / 16; ++kt) {
+        uint32_t a[4];
+        sm80::ldmatrix_x4(a, s_v + VTile::step(v_a, 0, kt));
+#pragma unroll
+        for (int np = 0; np < kQTiles / 2; ++np) {
+          uint32_t b[4];
+          sm80::ldmatrix_x4(b, s_do(stage) + DoTile::step(do_b, np, kt));
+          sm80::mma_16816<Element>(dp[2 * np], a, b[0], b[1]);
+          sm80::mma_16816<Element>(dp[2 * np + 1], a, b[2], b[3]);
+        }
+      }
+
+      // Element (nt, e) of S^T is key key_of(e), query query_of(nt, e) (within the sequence).
+      auto key_of = [&](int e) { return key0 + warp_key0 + lane / 4 + (e / 2) * 8; };
+      auto query_of = [&](int nt, int e) {
+        return row0 + warp_query0 + nt * 8 + (lane % 4) * 2 + e % 2;
+      };
+      const float* lse2 = row_stats(stage);
+      const float* dot = lse2 + kBlockM;
+      const bool edge = mask.is_edge_tile(row0, n_block);
+      float alibi_slope = 0.f;
+      if constexpr (Cfg::kBias == BiasType::kAlibi) {
+        alibi_slope = f.alibi_slopes[batch * f.alibi_batch_stride + head];
+      }
+      const Element* bias = bias_base;
+      Element* dbias = dbias_base;
+      if constexpr (Cfg::kBias == BiasType::kElementwise) {
+        bias += head * f.bias_head_stride;
+        if constexpr (Cfg::kDbias) dbias += head * p.dbias_head_stride;
+      }
+      // In uint32 as in the forward: batch * nhead_q reaches past INT_MAX.
+      const uint32_t batch_head =
+          static_cast<uint32_t>(batch) * static_cast<uint32_t>(f.nhead_q) +
+          static_cast<uint32_t>(head);
+
+#pragma unroll
+      for (int nt = 0; nt < kQTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key_of(e);
+          const int query = query_of(nt, e);
+          const int local_query = query - row0;
+          float x = s[nt][e];
+          float tanh_slope = 1.f;  // d logit / d (scale * qk) under soft-cap: 1 - tanh^2
+          if constexpr (Cfg::kLogitsInScores) {
+            if constexpr (Cfg::kSoftcap) {
+              const float t = sm80::tanh_fast(x * f.softcap_scale);
+              tanh_slope = 1.f - t * t;
+              x = f.softcap * t;
+            } else {
+              x *= f.scale;
+            }
+            if constexpr (Cfg::kBias == BiasType::kElementwise) {
+              if (!Cfg::kPadSeqlen || (query < seq.seqlen_q && key < seq.seqlen_k)) {
+                x += sm80::to_float(bias[query * f.bias_seq_stride + key]);
+              }
+            }
+            if constexpr (Cfg::kBias == BiasType::kAlibi) {
+              x -= alibi_slope * fabsf(static_cast<float>(query + mask.offset - key));
+            }
+          }
+          float prob = sm80::fast_exp2(x * f.softmax_mul - lse2[local_query]);
+          if (edge && !mask.is_visible(query, key)) prob = 0.f;
+          float dprob = dp[nt][e];
+          if constexpr (Cfg::kDropout) {
+            const philox::Words r = philox::dropout_words(f.dropout_seed, f.dropout_offset,
+                                                          batch_head, query, key);
+            const bool keep = r.w[philox::dropout_word(query, key)] >= f.drop_threshold;
+            dprob = keep ? dprob * f.keep_scale : 0.f;
+            // dS uses P itself; dV the probability that reached O (dropped and rescaled).
+            const float ds = prob * (dprob - dot[local_query]);
+            dp[nt][e] = ds;
+            s[nt][e] = keep ? prob * f.keep_scale : 0.f;
+          } else {
+            dp[nt][e] = prob * (dprob - dot[local_query]);
+            s[nt][e] = prob;
+          }
+          if constexpr (Cfg::kDbias) {
+            if (query < seq.seqlen_q && key < seq.seqlen_k) {
+              dbias[query * p.dbias_seq_stride + key] = static_cast<Element>(dp[nt][e]);
+            }
+          }
+          if constexpr (Cfg::kSoftcap) dp[nt][e] *= tanh_slope;
+        }
+      }
+
+      // dS^T (and P^T when two warps share the keys) to shared memory, Element pairs.
+#pragma unroll
+      for (int nt = 0; nt < kQTiles; ++nt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int key_row = warp_key0 + lane / 4 + h * 8;
+          const uint32_t at = KQTile::offset(key_row, (warp_query0 + nt * 8) / 8) + (lane % 4) * 4;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_ds + at),
+                       "r"(sm80::pack2<Element>(dp[nt][2 * h], dp[nt][2 * h + 1])));
+          if constexpr (kSplit) {
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_p + at),
+                         "r"(sm80::pack2<Element>(s[nt][2 * h], s[nt][2 * h + 1])));
+          }
+        }
+      }
+      if constexpr (kSplit) __syncthreads();  // the other warp's queries of P^T and dS^T
+
+      // dV += P^T dO and dK += dS^T Q over the step's queries, 16 at a time. A operands come
+      // from this warp's registers (the accumulators of n8 tiles 2t and 2t+1 are the A
+      // fragment of k-step t), or from shared memory when the queries are split over two warps.
+#pragma unroll
+      for (int t = 0; t < kBlockM / 16; ++t) {
+        uint32_t pa[4], dsa[4];
+        if constexpr (kSplit) {
+          sm80::ldmatrix_x4(pa, s_p + KQTile::step(p_a, 0, t));
+          sm80::ldmatrix_x4(dsa, s_ds + KQTile::step(p_a, 0, t));
+        } else {
+          pa[0] = sm80::pack2<Element>(s[2 * t][0], s[2 * t][1]);
+          pa[1] = sm80::pack2<Element>(s[2 * t][2], s[2 * t][3]);
+          pa[2] = sm80::pack2<Element>(s[2 * t + 1][0], s[2 * t + 1][1]);
+          pa[3] = sm80::pack2<Element>(s[2 * t + 1][2], s[2 * t + 1][3]);
+          dsa[0] = sm80::pack2<Element>(dp[2 * t][0], dp[2 * t][1]);
+          dsa[1] = sm80::pack2<Element>(dp[2 * t][2], dp[2 * t][3]);
+          dsa[2] = sm80::pack2<Element>(dp[2 * t + 1][0], dp[2 * t + 1][1]);
+          dsa[3] = sm80::pack2<Element>(dp[2 * t + 1][2], dp[2 * t + 1][3]);
+        }
+#pragma unroll
+        for (int dpair = 0; dpair < Cfg::kDVCols / 16; ++dpair) {
+          uint32_t b[4];
+          sm80::ldmatrix_x4_trans(
+              b, s_do(stage) + DoTile::step(do_bt, t, d_half * (Cfg::kDVCols / 16) + dpair));
+          sm80::mma_16816<Element>(dv_acc[2 * dpair], pa, b[0], b[1]);
+          sm80::mma_16816<Element>(dv_acc[2 * dpair + 1], pa, b[2], b[3]);
+        }
+#pragma unroll
+        for (int dpair = 0; dpair < Cfg::kDKCols / 16; ++dpair) {
+          uint32_t b[4];
+          sm80::ldmatrix_x4_trans(
+              b, s_q(stage) + QTile::step(q_bt, t, d_half * (Cfg::kDKCols / 16) + dpair));
+          sm80::mma_16816<Element>(dk_acc[2 * dpair], dsa, b[0], b[1]);
+          sm80::mma_16816<Element>(dk_acc[2 * dpair + 1], dsa, b[2], b[3]);
+        }
+      }
+      if constexpr (!kSplit) __syncthreads();  // dS^T is complete
+
+      // dQ (kBlockM x kDimQK) += dS K: this warp's 16 rows x kDQCols columns, added into the
+      // fp32 accumulator of (row, head).
+      float dq[Cfg::kDQCols / 8][4] = {};
+#pragma unroll
+      for (int kt = 0; kt < kBlockN / 16; ++kt) {
+        uint32_t a[4];
+        sm80::ldmatrix_x4_trans(a, s_ds + KQTile::step(ds_at, kt, 0));
+#pragma unroll
+        for (int dpair = 0; dpair < Cfg::kDQCols / 16; ++dpair) {
+          uint32_t b[4];
+          sm80::ldmatrix_x4_trans(
+              b, s_k + KTile::step(k_bt, kt, dq_cols * (Cfg::kDQCols / 16) + dpair));
+          sm80::mma_16816<Element>(dq[2 * dpair], a, b[0], b[1]);
+          sm80::mma_16816<Element>(dq[2 * dpair + 1], a, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + dq_rows * 16 + lane / 4 + h * 8;
+        if (Cfg::kPadSeqlen && row >= seq.seqlen_q) continue;
+        float* dst = dq_accum + ((row_base + row) * f.nhead_q + head) * kDimQK +
+                     dq_cols * Cfg::kDQCols + (lane % 4) * 2;
+#pragma unroll
+        for (int dt = 0; dt < Cfg::kDQCols / 8; ++dt) {
+          add_dq_pair(dst + dt * 8, dq[dt][2 * h], dq[dt][2 * h + 1], !p.deterministic);
+        }
+      }
+      if (it + 1 < steps) store_stats(next_stats, stage ^ 1);
+    }
+
+    // Epilogue: dK = softmax_scale * sum dS^T Q (the scale of the logits, left out of dS), dV;
+    // 4-byte stores of element pairs, every key the sequence owns (zeros where no query sees
+    // it or past seqused_k).
+    const int64_t dk_base = kv_head * p.dk_head_stride +
+                            (kGroup ? seq.k_start * p.dk_seq_stride : batch * p.dk_batch_stride);
+    const int64_t dv_base = kv_head * p.dv_head_stride +
+                            (kGroup ? seq.k_start * p.dv_seq_stride : batch * p.dv_batch_stride);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key = key0 + warp_key0 + lane / 4 + h * 8;
+      if (Cfg::kPadSeqlen && key >= keys_owned) continue;
+#pragma unroll
+      for (int dt = 0; dt < Cfg::kDKCols / 8; ++dt) {
+        const int col = d_half * Cfg::kDKCols + dt * 8 + (lane % 4) * 2;
+        if (Cfg::kPadHdim && col >= f.hdim_q) continue;
+        *reinterpret_cast<uint32_t*>(static_cast<Element*>(p.dk) + dk_base +
+                                     key * p.dk_seq_stride + col) =
+            sm80::pack2<Element>(dk_acc[dt][2 * h] * f.scale, dk_acc[dt][2 * h + 1] * f.scale);
+      }
+#pragma unroll
+      for (int dt = 0; dt < Cfg::kDVCols / 8; ++dt) {
+        const int col = d_half * Cfg::kDVCols + dt * 8 + (lane % 4) * 2;
+        if (Cfg::kPadHdim && col >= f.hdim_v) continue;
+        *reinterpret_cast<uint32_t*>(static_cast<Element*>(p.dv) + dv_base +
+                                     key * p.dv_seq_stride + col) =
+            sm80::pack2<Element>(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
+      }
+    }
+    __syncthreads();  // the next key tile's prologue overwrites K, V and stage 0
+  }
+}
+
+template <class Cfg>
+cudaError_t launch_bwd(const BwdArgs& args, cudaStream_t stream) {
+  BwdParams p{};
+  p.fwd = make_fwd_params(args.fwd, Cfg::kLogitsInScores);
+  p.dout = args.dout;
+  p.do_batch_stride = args.dout_batch_stride;
+  p.do_seq_stride = args.dout_seq_stride;
+  p.do_head_stride = args.dout_head_stride;
+  p.dq = args.dq;
+  p.dk = args.dk;
+  p.dv = args.dv;
+  p.dq_batch_stride = args.dq_batch_stride;
+  p.dq_seq_stride = args.dq_seq_stride;
+  p.dq_head_stride = args.dq_head_stride;
+  p.dk_batch_stride = args.dk_batch_stride;
+  p.dk_seq_stride = args.dk_seq_stride;
+  p.dk_head_stride = args.dk_head_stride;
+  p.dv_batch_stride = args.dv_batch_stride;
+  p.dv_seq_stride = args.dv_seq_stride;
+  p.dv_head_stride = args.dv_head_stride;
+  p.dbias = args.dbias;
+  p.dbias_batch_stride = args.dbias_batch_stride;
+  p.dbias_head_stride = args.dbias_head_stride;
+  p.dbias_seq_stride = args.dbias_seq_stride;
+  p.nhead_k = args.fwd.nhead_k;
+  p.batch = args.fwd.batch;
+  p.rows = bwd_rows(args);
+  p.deterministic = args.deterministic;
+  p.n_blocks = static_cast<int>((static_cast<int64_t>(args.fwd.seqlen_k) + Cfg::kBlockN - 1) /
+                                Cfg::kBlockN);
+  p.splits = bwd_splits(args, Cfg::kBlockN);
+  const size_t row_heads = static_cast<size_t>(p.rows) * args.fwd.nhead_q;
+  p.split_stride = static_cast<int64_t>(row_heads) * Cfg::kHeadDimQK;
+  auto* workspace = static_cast<unsigned char*>(args.workspace);
+  p.row_dot = reinterpret_cast<float*>(workspace);
+  p.dq_accum = reinterpret_cast<float*>(workspace + align_workspace(row_heads * sizeof(float)));
+
+  // Kernels 1 and 3 are memory-bound grid-stride loops: a few waves of 256 threads per SM.
+  const int sms = multiprocessor_count();
+  const int stream_blocks = sms > 0 ? 4 * sms : 512;
+  bwd_dot_do_o_kernel<Cfg><<<stream_blocks, 256, 0, stream>>>(p);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+
+  auto* kernel = bwd_kernel<Cfg>;
+  if (Cfg::kSmemBytes > 48 * 1024) {  // past 48 KB a kernel must opt in to dynamic smem
+    static std::atomic<uint64_t> smem_raised{0};
+    const cudaError_t err =
+        allow_dynamic_smem(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes, smem_raised);
+    if (err != cudaSuccess) return err;
+  }
+  // Without keys there is no CTA to run: dQ is the zero the accumulators were set to.
+  const dim3 grid(static_cast<unsigned>(p.deterministic ? p.splits : p.n_blocks),
+                  static_cast<unsigned>(args.fwd.nhead_k), static_cast<unsigned>(args.fwd.batch));
+  if (p.n_blocks > 0) {
+    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  }
+
+  bwd_convert_dq_kernel<Cfg><<<stream_blocks, 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace fmha::fa2
