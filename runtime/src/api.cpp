@@ -1,4 +1,5 @@
-// The public entry points: argument checks, then the dispatcher, then one launch.
+// The public entry points of both operations: argument checks, then the dispatcher, then the
+// instance's launch.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -311,6 +312,110 @@ Status run(const FwdArgs& args, Stream stream, const std::string* instance, std:
   return Status::Ok();
 }
 
+// ---- the backward ------------------------------------------------------------------------
+
+// The scratch the kernels share is handed over by the caller: cudaMalloc per call would cost
+// more host time than the whole launch.
+constexpr uintptr_t kWorkspaceAlignBytes = 256;
+
+// The forward problem's checks, said as the backward's.
+Status as_bwd(Status st) {
+  const std::string fwd_prefix = "fmha::fwd: ";
+  if (!st.ok() && st.message.compare(0, fwd_prefix.size(), fwd_prefix) == 0) {
+    st.message = "fmha::bwd: " + st.message.substr(fwd_prefix.size());
+  }
+  return st;
+}
+
+Status invalid_bwd(const std::string& message) {
+  return {Status::Code::kInvalidArgument, "fmha::bwd: " + message};
+}
+
+// The forward's problem as it ran (o and lse are read), then what only the backward has. An
+// empty problem (no sequence or no head) writes nothing, so it needs no pointers.
+Status check_bwd_args(const BwdArgs& a, bool check_memory) {
+  const FwdArgs& f = a.fwd;
+  if (Status st = as_bwd(check_args(f, check_memory)); !st.ok()) return st;
+  if (f.vlayout != VLayout::kRowMajor) {
+    return invalid_bwd("the backward takes row-major V (VLayout::kRowMajor) only; pass V with "
+                       "its head dim contiguous");
+  }
+  if (a.dbias != nullptr && f.bias != BiasType::kElementwise) {
+    return invalid_bwd("dbias is set but the bias type is not BiasType::kElementwise (only an "
+                       "elementwise bias has a gradient)");
+  }
+  if (!check_memory || f.batch == 0 || f.nhead_q == 0) return Status::Ok();
+  if (f.lse == nullptr) {
+    return invalid_bwd("fwd.lse is a null pointer: the backward reads the forward's "
+                       "log-sum-exp; run the forward with it (return_lse)");
+  }
+  const bool batch_mode = f.mode == Mode::kBatch;
+  auto batch_stride = [&](int64_t stride) { return batch_mode ? stride : 0; };
+  struct Operand {
+    const char* name;
+    const void* ptr;
+    int64_t batch, seq, head;
+    bool present;  // a problem without rows or keys leaves the gradients of that side alone
+  };
+  const bool rows = f.seqlen_q > 0, keys = f.seqlen_k > 0;
+  for (const Operand& o :
+       {Operand{"dout", a.dout, a.dout_batch_stride, a.dout_seq_stride, a.dout_head_stride, rows},
+        Operand{"dq", a.dq, a.dq_batch_stride, a.dq_seq_stride, a.dq_head_stride, rows},
+        Operand{"dk", a.dk, a.dk_batch_stride, a.dk_seq_stride, a.dk_head_stride, keys},
+        Operand{"dv", a.dv, a.dv_batch_stride, a.dv_seq_stride, a.dv_head_stride, keys}}) {
+    if (!o.present) continue;
+    if (Status st = as_bwd(check_operand(
+            o.name, o.ptr, {{"batch", batch_stride(o.batch)}, {"seq", o.seq}, {"head", o.head}}));
+        !st.ok()) {
+      return st;
+    }
+  }
+  if (a.dbias != nullptr) {
+    if (!aligned(a.dbias, 2)) return invalid_bwd("dbias must be aligned to its 2-byte elements");
+    if (Status st = as_bwd(check_non_negative({{"dbias_batch_stride", a.dbias_batch_stride},
+                                               {"dbias_head_stride", a.dbias_head_stride},
+                                               {"dbias_seq_stride", a.dbias_seq_stride}}));
+        !st.ok()) {
+      return st;
+    }
+  }
+  return Status::Ok();
+}
+
+Status check_workspace(const BwdArgs& a, size_t needed) {
+  if (needed == 0) return Status::Ok();
+  if (a.workspace == nullptr || a.workspace_bytes < needed) {
+    return invalid_bwd("the workspace holds " + std::to_string(a.workspace_bytes) + " bytes" +
+                       (a.workspace == nullptr ? " (a null pointer)" : "") + "; this call needs " +
+                       std::to_string(needed) + " (fmha::bwd_workspace_size)");
+  }
+  if (!aligned(a.workspace, kWorkspaceAlignBytes)) {
+    return invalid_bwd("the workspace must be 256-byte aligned");
+  }
+  return Status::Ok();
+}
+
+Status run_bwd(const BwdArgs& args, Stream stream, const std::string* instance,
+               std::string* chosen) {
+  if (Status st = check_bwd_args(args, /*check_memory=*/true); !st.ok()) return st;
+  int cc = 0;
+  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
+  const detail::BwdInstanceEntry* entry = nullptr;
+  const Status found = instance != nullptr ? detail::find_instance(*instance, args, cc, &entry)
+                                           : detail::select_instance(args, cc, &entry);
+  if (!found.ok()) return found;
+  if (chosen != nullptr) *chosen = entry->name;
+  if (args.fwd.batch == 0 || args.fwd.nhead_q == 0) return Status::Ok();  // nothing to write
+  if (Status st = check_workspace(args, entry->workspace(args)); !st.ok()) return st;
+  const cudaError_t err = entry->launch(args, stream);
+  if (err != cudaSuccess) {
+    return {Status::Code::kCudaError, std::string("fmha::bwd: launching ") + entry->name +
+                                          " failed: " + cudaGetErrorName(err) + ": " +
+                                          cudaGetErrorString(err)};
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 FwdTraits FwdArgs::traits() const {
@@ -364,6 +469,67 @@ std::vector<InstanceInfo> instances() {
   std::vector<InstanceInfo> out;
   out.reserve(detail::kNumInstances);
   for (int i = 0; i < detail::kNumInstances; ++i) out.push_back(detail::to_info(detail::kInstances[i]));
+  return out;
+}
+
+BwdTraits BwdArgs::traits() const {
+  BwdTraits t;
+  t.dtype = fwd.dtype;
+  t.hdim_q = fwd.hdim_q;
+  t.hdim_v = fwd.hdim_v;
+  t.mask = fwd.mask;
+  t.bias = fwd.bias;
+  t.mode = fwd.mode;
+  t.dbias = dbias != nullptr;
+  t.dropout = fwd.dropout_p > 0.f;
+  t.softcap = fwd.softcap > 0.f;
+  return t;
+}
+
+Status bwd(const BwdArgs& args, Stream stream, std::string* chosen) {
+  return run_bwd(args, stream, nullptr, chosen);
+}
+
+Status bwd_instance(const std::string& instance, const BwdArgs& args, Stream stream) {
+  return run_bwd(args, stream, &instance, nullptr);
+}
+
+Status bwd_workspace_size(const BwdArgs& args, size_t* bytes) {
+  if (Status st = check_bwd_args(args, /*check_memory=*/false); !st.ok()) return st;
+  int cc = 0;
+  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
+  const detail::BwdInstanceEntry* entry = nullptr;
+  if (Status st = detail::select_instance(args, cc, &entry); !st.ok()) return st;
+  if (bytes != nullptr) {
+    *bytes = args.fwd.batch == 0 || args.fwd.nhead_q == 0 ? 0 : entry->workspace(args);
+  }
+  return Status::Ok();
+}
+
+Status select(const BwdArgs& args, BwdInstanceInfo* chosen) {
+  if (Status st = check_bwd_args(args, /*check_memory=*/false); !st.ok()) return st;
+  int cc = 0;
+  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
+  const detail::BwdInstanceEntry* entry = nullptr;
+  if (Status st = detail::select_instance(args, cc, &entry); !st.ok()) return st;
+  if (chosen != nullptr) *chosen = detail::to_info(*entry);
+  return Status::Ok();
+}
+
+Status explain(const BwdArgs& args, std::string* explanation) {
+  if (Status st = check_bwd_args(args, /*check_memory=*/false); !st.ok()) return st;
+  int cc = 0;
+  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
+  if (explanation != nullptr) *explanation = detail::explain_selection(args, cc);
+  return Status::Ok();
+}
+
+std::vector<BwdInstanceInfo> bwd_instances() {
+  std::vector<BwdInstanceInfo> out;
+  out.reserve(detail::kNumBwdInstances);
+  for (int i = 0; i < detail::kNumBwdInstances; ++i) {
+    out.push_back(detail::to_info(detail::kBwdInstances[i]));
+  }
   return out;
 }
 

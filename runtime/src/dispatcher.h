@@ -1,4 +1,4 @@
-// Instance selection: the functional match on a problem's traits and head dims, the device's
+// Instance selection, for each operation's table (fwd, bwd): the functional match on a problem's traits and head dims, the device's
 // architecture, then the instance's own constraints (tile divisibility), over the generator's
 // order of preference (the table is sorted). generator/dispatch.py mirrors the rule.
 #pragma once
@@ -16,18 +16,23 @@ Status current_device_cc(int* cc);
 // The entry that runs `args` on a device of compute capability `cc`, or a kNoInstance status
 // naming the traits asked for, the nearest compiled instances and the filter that builds one.
 Status select_instance(const FwdArgs& args, int cc, const InstanceEntry** chosen);
+Status select_instance(const BwdArgs& args, int cc, const BwdInstanceEntry** chosen);
 
 // The entry called `name`, if it can run `args` on a device of compute capability `cc`; if it
 // cannot, the status names the condition that fails.
 Status find_instance(const std::string& name, const FwdArgs& args, int cc,
                      const InstanceEntry** chosen);
+Status find_instance(const std::string& name, const BwdArgs& args, int cc,
+                     const BwdInstanceEntry** chosen);
 
 // select_instance() in words: the chosen entry, why it ranks before every other entry that
 // could run `args` and, when an older pipeline runs it, the rules of instances.yaml that leave
 // the newer one without these traits; or on a miss the nearest entries and the filter that
 // builds one.
 std::string explain_selection(const FwdArgs& args, int cc);
+std::string explain_selection(const BwdArgs& args, int cc);
 
 InstanceInfo to_info(const InstanceEntry& entry);
+BwdInstanceInfo to_info(const BwdInstanceEntry& entry);
 
 }  // namespace fmha::detail
