@@ -1,9 +1,10 @@
 // fmha._C: the C++ API for Python. It takes plain integers (pointers, shapes, strides, the
 // stream handle), not torch tensors, so it builds against no torch C++ headers; the Python
-// package turns tensors into an FwdArgs after checking them.
+// package turns tensors into an FwdArgs (a BwdArgs for the backward) after checking them.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -16,22 +17,23 @@ namespace py = pybind11;
 namespace {
 
 using Args = py::class_<fmha::FwdArgs>;
+using BwdArgsClass = py::class_<fmha::BwdArgs>;
 
 // A pointer field as an integer property: a tensor's data_ptr(), 0 for none.
-template <typename Ptr>
-void pointer_property(Args& cls, const char* name, Ptr fmha::FwdArgs::*field) {
+template <typename Struct, typename Ptr>
+void pointer_property(py::class_<Struct>& cls, const char* name, Ptr Struct::*field) {
   cls.def_property(
-      name, [field](const fmha::FwdArgs& a) { return reinterpret_cast<uintptr_t>(a.*field); },
-      [field](fmha::FwdArgs& a, uintptr_t value) { a.*field = reinterpret_cast<Ptr>(value); });
+      name, [field](const Struct& a) { return reinterpret_cast<uintptr_t>(a.*field); },
+      [field](Struct& a, uintptr_t value) { a.*field = reinterpret_cast<Ptr>(value); });
 }
 
 // An enum field as an int property (the module's *_ constants); the C++ checks reject values
 // outside the enum.
-template <typename Enum>
-void enum_property(Args& cls, const char* name, Enum fmha::FwdArgs::*field) {
+template <typename Struct, typename Enum>
+void enum_property(py::class_<Struct>& cls, const char* name, Enum Struct::*field) {
   cls.def_property(
-      name, [field](const fmha::FwdArgs& a) { return static_cast<int>(a.*field); },
-      [field](fmha::FwdArgs& a, int value) { a.*field = static_cast<Enum>(value); });
+      name, [field](const Struct& a) { return static_cast<int>(a.*field); },
+      [field](Struct& a, int value) { a.*field = static_cast<Enum>(value); });
 }
 
 py::dict info_dict(const fmha::InstanceInfo& i) {
@@ -75,6 +77,46 @@ py::dict traits_dict(const fmha::FwdTraits& t) {
   return d;
 }
 
+// A backward instance: InstanceInfo's keys, with the backward's traits (no vlayout or lse;
+// dbias).
+py::dict bwd_info_dict(const fmha::BwdInstanceInfo& i) {
+  py::dict d;
+  d["name"] = i.name;
+  d["dtype"] = fmha::to_string(i.traits.dtype);
+  d["hdim_q"] = i.traits.hdim_q;
+  d["hdim_v"] = i.traits.hdim_v;
+  d["mask"] = fmha::to_string(i.traits.mask);
+  d["bias"] = fmha::to_string(i.traits.bias);
+  d["mode"] = fmha::to_string(i.traits.mode);
+  d["dbias"] = i.traits.dbias;
+  d["dropout"] = i.traits.dropout;
+  d["softcap"] = i.traits.softcap;
+  d["pipeline"] = i.pipeline;
+  d["arch"] = i.arch;
+  d["arch_cc"] = i.arch_cc;
+  d["arch_exact"] = i.arch_exact;
+  d["block_m"] = i.block_m;
+  d["block_n"] = i.block_n;
+  d["pad_seqlen"] = i.pad_seqlen;
+  d["pad_hdim"] = i.pad_hdim;
+  return d;
+}
+
+// BwdArgs::traits() with enums as ints, as traits_dict.
+py::dict bwd_traits_dict(const fmha::BwdTraits& t) {
+  py::dict d;
+  d["dtype"] = static_cast<int>(t.dtype);
+  d["hdim_q"] = t.hdim_q;
+  d["hdim_v"] = t.hdim_v;
+  d["mask"] = static_cast<int>(t.mask);
+  d["bias"] = static_cast<int>(t.bias);
+  d["mode"] = static_cast<int>(t.mode);
+  d["dbias"] = t.dbias;
+  d["dropout"] = t.dropout;
+  d["softcap"] = t.softcap;
+  return d;
+}
+
 int code(const fmha::Status& st) { return static_cast<int>(st.code); }
 
 // (status code, message, instance name): the Python side maps codes to exception types.
@@ -94,6 +136,14 @@ std::tuple<int, std::string, std::string> fwd(const fmha::FwdArgs& args, uintptr
     }
   }
   return {code(st), st.message, chosen};
+}
+
+// The sizes a planned group-mode (varlen) call brings: negative keeps the plan's.
+void set_sizes(fmha::FwdArgs& a, int seqlen_q, int seqlen_k, int64_t total_q, int64_t total_k) {
+  if (seqlen_q >= 0) a.seqlen_q = seqlen_q;
+  if (seqlen_k >= 0) a.seqlen_k = seqlen_k;
+  if (total_q >= 0) a.total_q = total_q;
+  if (total_k >= 0) a.total_k = total_k;
 }
 
 // A planned call (fmha/_plans.py): `plan` holds a checked call's shapes, strides and options,
@@ -123,10 +173,7 @@ py::object run_planned(const fmha::FwdArgs& plan, uintptr_t q, uintptr_t k, uint
   args.seqused_k = reinterpret_cast<const int32_t*>(seqused_k);
   args.dropout_seed = dropout_seed;
   args.dropout_offset = dropout_offset;
-  if (seqlen_q >= 0) args.seqlen_q = seqlen_q;
-  if (seqlen_k >= 0) args.seqlen_k = seqlen_k;
-  if (total_q >= 0) args.total_q = total_q;
-  if (total_k >= 0) args.total_k = total_k;
+  set_sizes(args, seqlen_q, seqlen_k, total_q, total_k);
   if (lse_head_stride >= 0) args.lse_head_stride = lse_head_stride;
   fmha::Status st;
   {
@@ -162,6 +209,157 @@ std::tuple<int, std::string> dropout_mask(uint64_t seed, uint32_t offset, float 
                             reinterpret_cast<fmha::Stream>(stream));
   }
   return {code(st), st.message};
+}
+
+// The backward's fwd(): (status code, message, instance name).
+std::tuple<int, std::string, std::string> bwd(const fmha::BwdArgs& args, uintptr_t stream,
+                                              std::optional<std::string> instance) {
+  std::string chosen;
+  fmha::Status st;
+  {
+    py::gil_scoped_release release;
+    const auto s = reinterpret_cast<fmha::Stream>(stream);
+    if (instance) {
+      st = fmha::bwd_instance(*instance, args, s);
+      if (st.ok()) chosen = *instance;
+    } else {
+      st = fmha::bwd(args, s, &chosen);
+    }
+  }
+  return {code(st), st.message, chosen};
+}
+
+// (status code, message, bytes): the workspace bwd() needs for args on the current device.
+std::tuple<int, std::string, size_t> bwd_workspace_size(const fmha::BwdArgs& args) {
+  size_t bytes = 0;
+  const fmha::Status st = fmha::bwd_workspace_size(args, &bytes);
+  return {code(st), st.message, bytes};
+}
+
+// A planned backward call (fmha/_plans.py's BwdPlan), as run_planned is for the forward: `plan`
+// holds a checked call's shapes, strides and options; this call brings its pointers (the
+// forward's operands, its out and log-sum-exp, dO, the gradients, the workspace), the dropout
+// seed and offset, and in group mode the lengths, token counts and the log-sum-exp's head
+// stride (negative: the plan's). Runs on the current device; returns None, or (status code,
+// message) when nothing was launched. One crossing into C++ per call.
+py::object run_bwd_planned(const fmha::BwdArgs& plan, uintptr_t dout, uintptr_t q, uintptr_t k,
+                           uintptr_t v, uintptr_t o, uintptr_t lse, uintptr_t bias,
+                           uintptr_t alibi_slopes, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k,
+                           uintptr_t seqused_q, uintptr_t seqused_k, uint64_t dropout_seed,
+                           uint32_t dropout_offset, uintptr_t dq, uintptr_t dk, uintptr_t dv,
+                           uintptr_t dbias, uintptr_t workspace, size_t workspace_bytes,
+                           int seqlen_q, int seqlen_k, int64_t total_q, int64_t total_k,
+                           int64_t lse_head_stride, uintptr_t stream,
+                           std::optional<std::string> instance) {
+  fmha::BwdArgs args = plan;
+  fmha::FwdArgs& f = args.fwd;
+  f.q = reinterpret_cast<const void*>(q);
+  f.k = reinterpret_cast<const void*>(k);
+  f.v = reinterpret_cast<const void*>(v);
+  f.o = reinterpret_cast<void*>(o);
+  f.lse = reinterpret_cast<float*>(lse);
+  f.bias_ptr = reinterpret_cast<const void*>(bias);
+  f.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
+  f.cu_seqlens_q = reinterpret_cast<const int32_t*>(cu_seqlens_q);
+  f.cu_seqlens_k = reinterpret_cast<const int32_t*>(cu_seqlens_k);
+  f.seqused_q = reinterpret_cast<const int32_t*>(seqused_q);
+  f.seqused_k = reinterpret_cast<const int32_t*>(seqused_k);
+  f.dropout_seed = dropout_seed;
+  f.dropout_offset = dropout_offset;
+  set_sizes(f, seqlen_q, seqlen_k, total_q, total_k);
+  if (lse_head_stride >= 0) f.lse_head_stride = lse_head_stride;
+  args.dout = reinterpret_cast<const void*>(dout);
+  args.dq = reinterpret_cast<void*>(dq);
+  args.dk = reinterpret_cast<void*>(dk);
+  args.dv = reinterpret_cast<void*>(dv);
+  args.dbias = reinterpret_cast<void*>(dbias);
+  args.workspace = reinterpret_cast<void*>(workspace);
+  args.workspace_bytes = workspace_bytes;
+  fmha::Status st;
+  {
+    py::gil_scoped_release release;  // a launch blocks while the GPU's queue is full
+    const auto s = reinterpret_cast<fmha::Stream>(stream);
+    st = instance ? fmha::bwd_instance(*instance, args, s) : fmha::bwd(args, s);
+  }
+  if (st.ok()) return py::none();
+  return py::make_tuple(code(st), st.message);
+}
+
+// bwd_workspace_size() of a plan with a group-mode call's sizes (negative: the plan's), the
+// one value a varlen call must ask for before it allocates: (status code, message, bytes).
+std::tuple<int, std::string, size_t> planned_workspace_size(const fmha::BwdArgs& plan,
+                                                            int seqlen_q, int seqlen_k,
+                                                            int64_t total_q, int64_t total_k) {
+  fmha::BwdArgs args = plan;
+  set_sizes(args.fwd, seqlen_q, seqlen_k, total_q, total_k);
+  return bwd_workspace_size(args);
+}
+
+std::tuple<int, std::string, py::object> select_bwd(const fmha::BwdArgs& args) {
+  fmha::BwdInstanceInfo info;
+  const fmha::Status st = fmha::select(args, &info);
+  py::object chosen = st.ok() ? py::object(bwd_info_dict(info)) : py::none();
+  return {code(st), st.message, chosen};
+}
+
+std::tuple<int, std::string, std::string> explain_bwd(const fmha::BwdArgs& args) {
+  std::string text;
+  const fmha::Status st = fmha::explain(args, &text);
+  return {code(st), st.message, text};
+}
+
+void bind_bwd_args(py::module_& m) {
+  BwdArgsClass cls(
+      m, "BwdArgs",
+      "fmha::BwdArgs: one backward problem. `fwd` is the forward call it differentiates (an "
+      "FwdArgs, edited in place: a.fwd.q = ptr), with its o and lse; pointers are integers, "
+      "strides are in elements.");
+  cls.def(py::init<>());
+  // def_readwrite of a class member returns a reference into this BwdArgs (pybind11's
+  // reference_internal), so a.fwd.q = ptr sets this BwdArgs' field; assigning a.fwd copies.
+  cls.def_readwrite("fwd", &fmha::BwdArgs::fwd);
+  pointer_property(cls, "dout", &fmha::BwdArgs::dout);
+  pointer_property(cls, "dq", &fmha::BwdArgs::dq);
+  pointer_property(cls, "dk", &fmha::BwdArgs::dk);
+  pointer_property(cls, "dv", &fmha::BwdArgs::dv);
+  cls.def_readwrite("dout_batch_stride", &fmha::BwdArgs::dout_batch_stride)
+      .def_readwrite("dout_seq_stride", &fmha::BwdArgs::dout_seq_stride)
+      .def_readwrite("dout_head_stride", &fmha::BwdArgs::dout_head_stride)
+      .def_readwrite("dq_batch_stride", &fmha::BwdArgs::dq_batch_stride)
+      .def_readwrite("dq_seq_stride", &fmha::BwdArgs::dq_seq_stride)
+      .def_readwrite("dq_head_stride", &fmha::BwdArgs::dq_head_stride)
+      .def_readwrite("dk_batch_stride", &fmha::BwdArgs::dk_batch_stride)
+      .def_readwrite("dk_seq_stride", &fmha::BwdArgs::dk_seq_stride)
+      .def_readwrite("dk_head_stride", &fmha::BwdArgs::dk_head_stride)
+      .def_readwrite("dv_batch_stride", &fmha::BwdArgs::dv_batch_stride)
+      .def_readwrite("dv_seq_stride", &fmha::BwdArgs::dv_seq_stride)
+      .def_readwrite("dv_head_stride", &fmha::BwdArgs::dv_head_stride);
+  pointer_property(cls, "dbias", &fmha::BwdArgs::dbias);
+  cls.def_readwrite("dbias_batch_stride", &fmha::BwdArgs::dbias_batch_stride)
+      .def_readwrite("dbias_head_stride", &fmha::BwdArgs::dbias_head_stride)
+      .def_readwrite("dbias_seq_stride", &fmha::BwdArgs::dbias_seq_stride)
+      .def_readwrite("deterministic", &fmha::BwdArgs::deterministic);
+  pointer_property(cls, "workspace", &fmha::BwdArgs::workspace);
+  cls.def_readwrite("workspace_bytes", &fmha::BwdArgs::workspace_bytes);
+  cls.def(
+      "traits", [](const fmha::BwdArgs& a) { return bwd_traits_dict(a.traits()); },
+      "BwdArgs::traits(): what a backward instance must match, enums as ints.");
+  cls.def("run", &run_bwd_planned, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"),
+          py::arg("o"), py::arg("lse"), py::arg("bias"), py::arg("alibi_slopes"),
+          py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("seqused_q"),
+          py::arg("seqused_k"), py::arg("dropout_seed"), py::arg("dropout_offset"),
+          py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("dbias"), py::arg("workspace"),
+          py::arg("workspace_bytes"), py::arg("seqlen_q"), py::arg("seqlen_k"),
+          py::arg("total_q"), py::arg("total_k"), py::arg("lse_head_stride"), py::arg("stream"),
+          py::arg("instance"),
+          "Run these args with the pointers (0 for none), dropout seed and offset, workspace "
+          "and sizes given (negative: these args') on the stream, through the dispatcher or "
+          "the named backward instance; returns None, or (status code, message) when nothing "
+          "was launched.");
+  cls.def("workspace_size", &planned_workspace_size, py::arg("seqlen_q"), py::arg("seqlen_k"),
+          py::arg("total_q"), py::arg("total_k"),
+          "bwd_workspace_size of these args with the sizes given (negative: these args') on "
+          "the current device; returns (code, message, bytes).");
 }
 
 void bind_args(py::module_& m) {
@@ -240,7 +438,9 @@ void bind_args(py::module_& m) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "libfmha bindings: an FwdArgs of pointers, shapes and strides in; see the fmha package";
+  m.doc() =
+      "libfmha bindings: an FwdArgs (or BwdArgs) of pointers, shapes and strides in; see the "
+      "fmha package";
 
   m.attr("STATUS_OK") = static_cast<int>(fmha::Status::Code::kOk);
   m.attr("STATUS_INVALID_ARGUMENT") = static_cast<int>(fmha::Status::Code::kInvalidArgument);
@@ -282,4 +482,23 @@ PYBIND11_MODULE(_C, m) {
     return out;
   }, "Every compiled instance, in the dispatcher's order of preference.");
   m.def("compiled_targets", &fmha::compiled_targets, "GPU targets this library holds code for.");
+
+  bind_bwd_args(m);
+  m.def("bwd", &bwd, py::arg("args"), py::arg("stream"), py::arg("instance") = py::none(),
+        "Run the backward pass on the stream (a cudaStream_t as an int), with the dispatcher's "
+        "backward instance or the one named; returns (status code, message, instance name).");
+  m.def("bwd_workspace_size", &bwd_workspace_size, py::arg("args"),
+        "The workspace bwd needs for args on the current device (pointers are not read); "
+        "returns (code, message, bytes).");
+  m.def("select_bwd", &select_bwd, py::arg("args"),
+        "The backward instance bwd would run on the current device; returns (code, message, "
+        "info dict or None).");
+  m.def("explain_bwd", &explain_bwd, py::arg("args"),
+        "Why select_bwd chooses what it chooses, or what would build an instance on a miss; "
+        "returns (code, message, text).");
+  m.def("bwd_instances", [] {
+    py::list out;
+    for (const auto& i : fmha::bwd_instances()) out.append(bwd_info_dict(i));
+    return out;
+  }, "Every compiled backward instance, in the dispatcher's order of preference.");
 }
