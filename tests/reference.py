@@ -1,4 +1,5 @@
-"""The float64 reference of fmha.fwd, its dropout pattern, and the problem builder of the GPU tests.
+"""The float64 reference of fmha.fwd and fmha.bwd, the dropout pattern, and the problem builder
+of the GPU tests.
 
 Nothing here imports fmha: the reference is plain torch, so its own tests (test_reference.py)
 run on a CPU, and the GPU tests compare the kernels against it.
@@ -7,10 +8,14 @@ run on a CPU, and the GPU tests compare the kernels against it.
   alignment, windows, elementwise bias / SDPA attn_mask, ALiBi, soft-capping, dropout given the
   keep pattern, GQA, batch mode with seqused, group (varlen) mode with physical padding),
   computed in float64 (the truth) or in the input precision (the yardstick of the pass rule).
+- attention_grads(): the backward pass, torch.autograd.grad of attention_reference() in either
+  precision (dq, dk, dv, and the gradient of an elementwise bias summed over its broadcast
+  dimensions).
 - philox4x32_10() and dropout_keep_mask(): runtime/include/fmha/kernels/philox.cuh in torch,
   the uint8 (batch, nhead, seqlen_q, seqlen_k) keep tensor fmha.dropout_mask writes.
 - Spec, make_inputs() and compare(): a problem described in a few fields, its tensors (with
-  NaN poison where a kernel must not look), and the pass rule of the GPU tests.
+  NaN poison where a kernel must not look), and the pass rule of the GPU tests; check_fwd() and
+  check_bwd() run one problem through fmha and apply it.
 """
 
 from __future__ import annotations
@@ -154,7 +159,12 @@ def _attend(q, k, v, *, scale, softcap, bias, slopes, left, right, mask_align, k
     if slopes is not None:
         s = s - slopes.to(acc).view(B, hq, 1, 1) * (i + off - j).abs().to(acc)
     s = s.masked_fill(~visible(sq, sk, left, right, mask_align, device=q.device), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # -inf where a row sees nothing (also for sk == 0)
+    # lse is -inf where a row sees nothing (also for sk == 0). Such a row's logits go into
+    # logsumexp as zeros: its value is replaced anyway, and logsumexp's gradient at a row of
+    # -inf is NaN (exp(-inf - -inf)), which would reach q and k where a bias empties the row.
+    empty = torch.isneginf(s).all(dim=-1, keepdim=True)
+    lse = torch.logsumexp(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty.squeeze(-1),
+                                                                        float("-inf"))
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     p = torch.exp(s - safe.unsqueeze(-1))  # rows of only -inf: exp(-inf) = 0, output 0
     if keep is not None:
@@ -285,6 +295,55 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_siz
 
 
 # ---------------------------------------------------------------------------------------------
+# The backward reference.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Gradients:
+    """attention_grads()' result: the forward's (out, lse) and the gradients, detached."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dbias: Optional[torch.Tensor] = None
+
+
+def attention_grads(q, k, v, dout, *, dbias=False, compute_dtype=torch.float64,
+                    **kwargs) -> Gradients:
+    """fmha.bwd's semantics: torch.autograd.grad of attention_reference(q, k, v, **kwargs) at
+    dout, computed in compute_dtype (float64: the truth; the input dtype: the same backward in
+    the input precision, as PyTorch's autograd runs it, the yardstick of the pass rule).
+
+    q, k, v (and with dbias the elementwise bias: `bias`, or a float `attn_mask`) become leaves
+    of compute_dtype, so the gradients have their shapes: dk and dv summed over the query heads
+    that share a K/V head, dbias over the dimensions the bias broadcasts. dout has out's shape;
+    its rows that no sequence uses are not read (they may be NaN). Rows that no sequence uses,
+    query rows that see no key and keys that no row sees get gradient 0.
+    """
+
+    def leaf(t):
+        return t.detach().to(compute_dtype).requires_grad_()
+
+    q, k, v = leaf(q), leaf(k), leaf(v)
+    leaves = [q, k, v]
+    if dbias:
+        name = "bias" if kwargs.get("bias") is not None else "attn_mask"
+        if kwargs.get(name) is None or kwargs[name].dtype == torch.bool:
+            raise ValueError("dbias needs a float bias or attn_mask (a bool mask has no "
+                             "gradient: pass its 0/-inf bias, as_bias(None, mask, dtype))")
+        kwargs = dict(kwargs, **{name: leaf(kwargs[name])})
+        leaves.append(kwargs[name])
+    out, lse = attention_reference(q, k, v, compute_dtype=compute_dtype, **kwargs)
+    used = ~out.isnan()  # rows no sequence uses stay NaN, and their dout is never read
+    grad_out = torch.where(used, dout.to(compute_dtype), torch.zeros_like(out))
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    return Gradients(out.detach(), lse.detach(), *grads)
+
+
+# ---------------------------------------------------------------------------------------------
 # Problems of the GPU tests: a spec, its tensors, and the pass rule.
 # ---------------------------------------------------------------------------------------------
 
@@ -310,6 +369,7 @@ class Spec:
     the way the logits grow, each key tile's max then passes the running max by several times
     2^8 and by less, so an online softmax rescales O in some steps and keeps a stale max in
     others, whichever way a kernel walks the keys (fa2 first to last, fa3 last to first).
+    dbias (the backward only): the gradient of the elementwise bias is asked for too.
     """
 
     dtype: torch.dtype
@@ -341,6 +401,7 @@ class Spec:
     scale: Optional[float] = None
     qscale: float = 1.0
     kramp: float = 0.0
+    dbias: bool = False
 
     @property
     def group(self) -> bool:
@@ -389,6 +450,8 @@ class Spec:
             parts.append(f"scale={self.scale:.4g}")
         if self.kramp:
             parts.append(f"kramp={self.kramp:g}")
+        if self.dbias:
+            parts.append("dbias")
         return " ".join(parts)
 
 
@@ -402,6 +465,7 @@ class Inputs:
     keep_shape: Optional[tuple] = None  # (batch, nhead, seqlen_q, seqlen_k) of the keep pattern
     spec: Optional[Spec] = None
     extra: dict = field(default_factory=dict)
+    dout: Optional[torch.Tensor] = None  # make_inputs(grad=True): the output's gradient
 
 
 def _round8(x: int) -> int:
@@ -417,20 +481,16 @@ def _tensor(lead: tuple, s: int, h: int, dim: int, *, layout, dtype, device, gen
     col: seq dimension contiguous (V^T storage), its stride rounded up to a multiple of 8.
     """
     poison = layout == "poison"
-    fill = float("nan") if poison else 0.0
-    s_extra, d_extra = (3, 8) if poison else (0, 0)
     if col:
         s_store = _round8(s) + (8 if poison else 0)
-        buf = torch.full((*lead, h, dim + d_extra, s_store), fill, dtype=dtype, device=device)
+        fill = float("nan") if poison else 0.0
+        buf = torch.full((*lead, h, dim + (8 if poison else 0), s_store), fill, dtype=dtype,
+                         device=device)
         inner = buf[..., :dim, :s]
         n = len(lead)
         view = inner.permute(*range(n), n + 2, n, n + 1)  # (*lead, s, h, dim), seq stride 1
-    elif layout == "bhsd":
-        buf = torch.empty((*lead, h, s, dim), dtype=dtype, device=device)
-        view = buf.transpose(-3, -2)
     else:
-        buf = torch.full((*lead, s + s_extra, h, dim + d_extra), fill, dtype=dtype, device=device)
-        view = buf[..., :s, :, :dim]
+        view = _layout_view((*lead, s, h, dim), layout, dtype, device)
     values = torch.randn((*lead, s, h, dim), generator=gen, device="cpu", dtype=torch.float32)
     view.copy_((values * scale).to(dtype))
     if dead_rows is not None and poison:  # otherwise they keep their random values
@@ -438,6 +498,25 @@ def _tensor(lead: tuple, s: int, h: int, dim: int, *, layout, dtype, device, gen
             target = view[idx] if idx is not None else view
             target[rows] = float("nan")
     return view
+
+
+def _layout_view(shape: tuple, layout: str, dtype, device) -> torch.Tensor:
+    """An uninitialized (*lead, s, h, dim) view in the layout (see Spec): "poison" views a
+    NaN-filled buffer longer in s and dim."""
+    *lead, s, h, dim = shape
+    if layout == "bhsd":
+        return torch.empty((*lead, h, s, dim), dtype=dtype, device=device).transpose(-3, -2)
+    if layout == "poison":
+        buf = torch.full((*lead, s + 3, h, dim + 8), float("nan"), dtype=dtype, device=device)
+        return buf[..., :s, :, :dim]
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def in_layout(values: torch.Tensor, layout: str, dtype=None) -> torch.Tensor:
+    """A copy of the (*lead, s, h, dim) `values` (in `dtype`, default theirs) in the layout: the
+    output of the forward as the backward's caller holds it."""
+    view = _layout_view(tuple(values.shape), layout, dtype or values.dtype, values.device)
+    return view.copy_(values)
 
 
 def _ramp(spec: Spec, rows: int):
@@ -448,8 +527,10 @@ def _ramp(spec: Spec, rows: int):
     return 1.0 + (ramp if spec.kramp > 0 else ramp.flip(0))
 
 
-def make_inputs(spec: Spec, device="cuda", seed: int = 0) -> Inputs:
-    """The tensors and keyword arguments of `spec`, drawn from a CPU generator seeded by seed."""
+def make_inputs(spec: Spec, device="cuda", seed: int = 0, grad: bool = False) -> Inputs:
+    """The tensors and keyword arguments of `spec`, drawn from a CPU generator seeded by seed.
+    grad: also the output's gradient dout, in the layout of q (poison: NaN in the rows no
+    sequence uses), drawn last so that the forward's tensors are those of grad=False."""
     gen = torch.Generator().manual_seed(seed)
     dt = spec.dtype
     T = dict(dtype=dt, device=device, gen=gen)
@@ -544,7 +625,12 @@ def make_inputs(spec: Spec, device="cuda", seed: int = 0) -> Inputs:
         keep_shape = (nbatch, spec.hq, bias_sq, bias_sk)
     if spec.lse:
         fwd["return_lse"] = True
-    return Inputs(q, k, v, fwd, ref, keep_shape, spec)
+    dout = None
+    if grad:
+        lead = () if spec.group else (nb,)
+        rows = q.shape[len(lead)]
+        dout = _tensor(lead, rows, spec.hq, spec.dv, layout=spec.layout, dead_rows=dq, **T)
+    return Inputs(q, k, v, fwd, ref, keep_shape, spec, dout=dout)
 
 
 def _bias(kind, b, h, sq, sk, dtype, device, gen):
@@ -677,7 +763,7 @@ DROPOUT_PS = (0.17, 0.5, 0.9)
 def trait(inst: dict, key: str):
     """An instance's trait, with the defaults of a manifest that predates the key."""
     defaults = dict(mask="none", bias="none", vlayout="row", mode="batch", lse=False,
-                    dropout=False, softcap=False, pad_seqlen=True, pad_hdim=False)
+                    dropout=False, softcap=False, pad_seqlen=True, pad_hdim=False, dbias=False)
     return inst.get(key, defaults.get(key))
 
 
@@ -823,6 +909,23 @@ def fits(spec: Spec, inst: dict) -> str:
     return ""
 
 
+def bwd_instance_specs(inst: dict) -> list[tuple[str, Spec]]:
+    """The cases of one backward instance (a row of fmha.bwd_instances()): the forward's shapes
+    and trait variants (instance_specs: a backward instance has no V layout or lse trait, so
+    no case asks for V^T), each asking for the bias gradient where the instance writes it."""
+    cases = instance_specs(inst)
+    if trait(inst, "dbias"):
+        cases = [(f"{case_id}-dbias", spec.replace(dbias=True)) for case_id, spec in cases]
+    return cases
+
+
+def fits_bwd(spec: Spec, inst: dict) -> str:
+    """Why the backward instance `inst` cannot run `spec` ("" when it can)."""
+    if spec.dbias != bool(trait(inst, "dbias")):
+        return "dbias"
+    return fits(spec, inst)
+
+
 # ---------------------------------------------------------------------------------------------
 # One call of fmha.fwd against the reference (the module is passed in: nothing here imports it).
 # ---------------------------------------------------------------------------------------------
@@ -871,3 +974,141 @@ def check_fwd(fmha, spec: Spec, *, instance=None, seed=0, device="cuda", what=""
                                   dropout_keep=keep, compute_dtype=spec.dtype)
     return compare(out, ref, lowp, dtype=spec.dtype, lse=lse,
                    ref_lse=ref_lse if spec.lse else None, what=what)
+
+
+# ---------------------------------------------------------------------------------------------
+# One call of fmha.bwd against the reference.
+# ---------------------------------------------------------------------------------------------
+
+
+def grad_kwargs(inputs: Inputs) -> tuple[dict, dict]:
+    """(fmha.bwd's keyword arguments, attention_grads') for a problem of make_inputs: fwd's
+    less return_lse, with an attn_mask passed as the bias it means (a bool mask as its 0/-inf
+    bias, a float one as it is), the tensor whose gradient dbias is."""
+    bwd = {name: value for name, value in inputs.fwd_kwargs.items() if name != "return_lse"}
+    ref = dict(inputs.ref_kwargs)
+    mask = bwd.pop("attn_mask", None)
+    if mask is not None:
+        del ref["attn_mask"]
+        bwd["bias"] = ref["bias"] = (as_bias(None, mask, inputs.q.dtype)
+                                     if mask.dtype == torch.bool else mask)
+    return bwd, ref
+
+
+@dataclass
+class BwdCase:
+    """One backward problem, ready to run: the forward's inputs and dout (make_inputs), the
+    forward's output as the backward's caller holds it (the truth rounded to the input dtype,
+    in the spec's layout: NaN in rows no sequence uses) and its log-sum-exp (float32, NaN
+    there too), fmha.bwd's keyword arguments, and the reference's gradients."""
+
+    spec: Spec
+    inputs: Inputs
+    out: torch.Tensor
+    lse: torch.Tensor
+    kwargs: dict
+    truth: Gradients
+    lowp: Gradients
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return self.kwargs.get("bias")
+
+
+def bwd_case(fmha, spec: Spec, device="cuda", seed: int = 0) -> BwdCase:
+    """The case of `spec`, its tensors drawn as make_inputs(spec, device, seed, grad=True).
+
+    The backward gets the reference's output and log-sum-exp rather than a forward kernel's,
+    so that it is tested alone, on inputs as exact as its dtype holds, whichever forward
+    instances the build has."""
+    inputs = make_inputs(spec, device, seed, grad=True)
+    keep = keep_pattern(fmha, spec, inputs) if spec.dropout_p else None
+    kwargs, ref = grad_kwargs(inputs)
+    args = (inputs.q, inputs.k, inputs.v, inputs.dout)
+    truth = attention_grads(*args, **ref, dropout_keep=keep, dbias=spec.dbias)
+    lowp = attention_grads(*args, **ref, dropout_keep=keep, dbias=spec.dbias,
+                           compute_dtype=spec.dtype)
+    out = in_layout(truth.out, spec.layout, spec.dtype)
+    return BwdCase(spec, inputs, out, truth.lse.float().contiguous(), kwargs, truth, lowp)
+
+
+def poison_allocator(shapes, device) -> None:
+    """Frees NaN-filled blocks of each (shape, dtype), so that what a call then allocates with
+    torch.empty of those sizes (outputs, scratch) most likely starts as NaN: the caching
+    allocator hands a freed block of a fitting size on the same stream back first. A kernel
+    that leaves part of an output unwritten, or reads scratch it did not clear, then shows."""
+    blocks = [torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+              for shape, dtype in shapes]
+    del blocks
+
+
+GRAD_NAMES = ("dq", "dk", "dv", "dbias")
+
+
+def run_bwd(fmha, case: BwdCase, **options) -> dict:
+    """One fmha.bwd call of the case (options: instance, deterministic) on a poisoned allocator:
+    its gradients by name, their shapes, dtypes and devices checked."""
+    inp, spec = case.inputs, case.spec
+    q, k, v = inp.q, inp.k, inp.v
+    # dq, dk, dv; the workspace (an fp32 dQ accumulator and the dO.O row sums, in one block
+    # whose size the library pads: that estimate and twice it); dbias, and the full one.
+    workspace = q.numel() + case.lse.numel()
+    shapes = [(q.shape, q.dtype), (k.shape, q.dtype), (v.shape, q.dtype),
+              ((workspace,), torch.float32), ((2 * workspace,), torch.float32)]
+    if spec.dbias:
+        kw = case.kwargs
+        if spec.group:
+            full = (len(kw["cu_seqlens_q"]) - 1, q.shape[1], kw["max_seqlen_q"],
+                    kw["max_seqlen_k"])
+        else:
+            full = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+        shapes += [(case.bias.shape, q.dtype), (full, q.dtype)]
+    poison_allocator(shapes, q.device)
+    result = fmha.bwd(inp.dout, q, k, v, case.out, case.lse, **case.kwargs,
+                      return_dbias=spec.dbias, **options)
+    if q.is_cuda:
+        torch.cuda.synchronize()  # surfaces asynchronous CUDA errors here
+    names = GRAD_NAMES if spec.dbias else GRAD_NAMES[:3]
+    assert isinstance(result, tuple) and len(result) == len(names), (
+        f"fmha.bwd(return_dbias={spec.dbias}) returns ({', '.join(names)})")
+    got = dict(zip(names, result))
+    for name, like in zip(names, (q, k, v, case.bias)):
+        g = got[name]
+        assert (tuple(g.shape), g.dtype, g.device) == (tuple(like.shape), q.dtype, q.device), (
+            f"{name}: {tuple(g.shape)} {g.dtype} on {g.device}, want {tuple(like.shape)} "
+            f"{q.dtype} on {q.device}")
+    return got
+
+
+def check_grads(case: BwdCase, got: dict, what: str = "") -> dict:
+    """compare()'s pass rule on each gradient (the truth against the input-precision backward's
+    error), and exact zeros where the truth is zero by the problem's structure: dq of query
+    rows that see no key or that no sequence uses, dk and dv of keys that no row sees or no
+    sequence uses. Returns the Comparison of each gradient by name."""
+    results = {name: compare(value, getattr(case.truth, name), getattr(case.lowp, name),
+                             dtype=case.spec.dtype, what=f"{what} {name}")
+               for name, value in got.items()}
+    lse = case.truth.lse
+    no_key = ~torch.isfinite(lse)  # -inf: sees no key; NaN: no sequence uses the row
+    no_key = no_key.permute(0, 2, 1) if lse.dim() == 3 else no_key.transpose(0, 1)
+    assert (got["dq"][no_key] == 0).all(), (
+        f"{what}: dq of query rows that see no key (or that no sequence uses) must be 0")
+    unseen = (case.truth.dk == 0).all(-1) & (case.truth.dv == 0).all(-1)
+    for name in ("dk", "dv"):
+        assert (got[name][unseen] == 0).all(), (
+            f"{what}: {name} of keys that no row sees (or no sequence uses) must be 0")
+    return results
+
+
+def check_bwd(fmha, spec: Spec, *, instance=None, seed=0, device="cuda", what="",
+              calls: int = 2) -> dict:
+    """Runs `spec` through fmha.bwd (forced to `instance` when given) `calls` times, each on a
+    poisoned allocator (a second call finds what the first left in any scratch it keeps), and
+    checks every call's gradients (check_grads); returns the last call's Comparisons."""
+    case = bwd_case(fmha, spec, device, seed)
+    what = f"{what or instance or 'dispatcher'} [{spec.describe()}]"
+    results = {}
+    for call in range(calls):
+        results = check_grads(case, run_bwd(fmha, case, instance=instance),
+                              f"{what} call {call + 1}")
+    return results

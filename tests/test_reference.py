@@ -4,6 +4,9 @@ Against torch SDPA where SDPA has the feature (no mask, top-left causal, attn_ma
 element-by-element loops written from fmha.h's wording where it has not (windows, bottom-right
 alignment, ALiBi, soft-capping, dropout), group mode against per-sequence batch calls, and its
 Philox against Random123's known-answer vectors and against philox.cuh compiled on the host.
+The backward reference's gradients against SDPA's autograd where SDPA has the feature, and
+against central differences of the forward reference for every feature; the GPU backward
+tests' cases and pass rule against a CPU stand-in for fmha.bwd.
 """
 
 from __future__ import annotations
@@ -672,3 +675,383 @@ def test_instance_cases_fit_and_cover_the_traits(inst):
         small = [s for s in specs
                  if max(s.sq, s.sk, *(s.seqlens_q or [0]), *(s.seqlens_k or [0])) < 1000]
         assert any(empty_rows_somewhere(s) for s in small), "a case whose mask empties rows"
+
+
+# ------------------------------------------------------------------------------------------
+# The backward reference (attention_grads)
+# ------------------------------------------------------------------------------------------
+
+
+def grads_of(fn, inputs, dout):
+    """torch.autograd.grad of fn(*leaves) at dout, the leaves float64 copies of inputs."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    return torch.autograd.grad(fn(*leaves), leaves, dout)
+
+
+def assert_grads(got: R.Gradients, want, names=("dq", "dk", "dv", "dbias")):
+    for name, w in zip(names, want):
+        torch.testing.assert_close(getattr(got, name), w, rtol=1e-10, atol=1e-12,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_grads_match_sdpa_plain_and_scaled():
+    q, k, v = qkv(hq=4, hk=4, d=16, dv=16)
+    dout = rand(2, 7, 4, 16, seed=3)
+    for scale in (None, 0.3):
+        got = R.attention_grads(q, k, v, dout, softmax_scale=scale)
+        assert_grads(got, grads_of(lambda a, b, c: sdpa(a, b, c, scale=scale), (q, k, v), dout))
+
+
+@pytest.mark.parametrize("sq,sk", [(7, 7), (5, 9)])
+def test_grads_match_sdpa_causal_top_left(sq, sk):
+    q, k, v = qkv(sq=sq, sk=sk, hq=4, hk=4, d=16, dv=16)
+    dout = rand(2, sq, 4, 16, seed=4)
+    got = R.attention_grads(q, k, v, dout, causal=True)
+    assert_grads(got, grads_of(lambda a, b, c: sdpa(a, b, c, is_causal=True), (q, k, v), dout))
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 7, 9), (1, 1, 7, 9), (2, 1, 1, 9), (1, 4, 7, 9),
+                                   (7, 9)])
+@pytest.mark.parametrize("name", ["bias", "attn_mask"])
+def test_dbias_matches_sdpa_summed_over_broadcast_dims(shape, name):
+    q, k, v = qkv(sq=7, sk=9, hq=4, hk=4, d=16, dv=16)
+    mask = rand(*shape, seed=9)
+    dout = rand(2, 7, 4, 16, seed=5)
+    got = R.attention_grads(q, k, v, dout, dbias=True, **{name: mask})
+    assert got.dbias.shape == mask.shape
+    want = grads_of(lambda a, b, c, m: sdpa(a, b, c, attn_mask=m), (q, k, v, mask), dout)
+    assert_grads(got, want)
+
+
+@pytest.mark.parametrize("hq,hk", [(8, 1), (6, 3)])
+def test_gqa_grads_are_summed_over_the_heads_of_a_kv_head(hq, hk):
+    q, k, v = qkv(hq=hq, hk=hk, d=16, dv=16)
+    dout = rand(2, 7, hq, 16, seed=6)
+    got = R.attention_grads(q, k, v, dout, causal=True)
+    assert got.dk.shape == k.shape and got.dv.shape == v.shape
+    # sdpa() repeats K/V heads: autograd sums the repeated heads' gradients.
+    assert_grads(got, grads_of(lambda a, b, c: sdpa(a, b, c, is_causal=True), (q, k, v), dout))
+
+
+def test_dbias_needs_a_float_bias():
+    q, k, v = qkv(hq=2, hk=2)
+    dout = rand(2, 7, 2, 12, seed=7)
+    with pytest.raises(ValueError, match="dbias"):
+        R.attention_grads(q, k, v, dout, dbias=True)
+    with pytest.raises(ValueError, match="bool"):
+        R.attention_grads(q, k, v, dout, dbias=True, attn_mask=torch.ones(7, 9, dtype=torch.bool))
+
+
+def directional_check(q, k, v, dout, *, dbias=False, step=1e-5, seed=0, **kw) -> R.Gradients:
+    """attention_grads' gradients against central differences of attention_reference along a
+    random direction e of each leaf x: <dx, e> = <dout, f(x + step e) - f(x - step e)> / 2 step,
+    dout read only in the rows that the output defines. Returns the gradients."""
+    got = R.attention_grads(q, k, v, dout, dbias=dbias, **kw)
+    used = ~got.out.isnan()
+    weights = torch.where(used, dout, torch.zeros_like(dout))
+    bias_name = "bias" if kw.get("bias") is not None else "attn_mask"
+    leaves = {"dq": q, "dk": k, "dv": v}
+    if dbias:
+        leaves["dbias"] = kw[bias_name]
+    gen = torch.Generator().manual_seed(seed)
+
+    def loss(name, x):
+        args, options = dict(q=q, k=k, v=v), dict(kw)
+        if name == "dbias":
+            options[bias_name] = x
+        else:
+            args[name[1]] = x
+        out, _ = R.attention_reference(args["q"], args["k"], args["v"], **options)
+        return (torch.where(used, out, torch.zeros_like(out)) * weights).sum().item()
+
+    for name, x in leaves.items():
+        e = torch.randn(x.shape, generator=gen, dtype=f64)
+        numeric = (loss(name, x + step * e) - loss(name, x - step * e)) / (2 * step)
+        grad = getattr(got, name)
+        analytic = (grad * e).sum().item()
+        assert not grad.isnan().any(), f"{name} has NaN"
+        assert abs(numeric - analytic) <= 1e-7 * (1 + grad.norm().item() * e.norm().item()), (
+            f"{name}: <grad, e> = {analytic:.12g}, central differences {numeric:.12g}")
+    return got
+
+
+def group_problem(used_q, used_k, pad_q, pad_k, hq, hk, d, dv, seed):
+    """Packed q, k, v of sequences with these used lengths and padding after each, and the
+    cu_seqlens / seqused / max_seqlen arguments of the call."""
+    phys_q = [u + p for u, p in zip(used_q, pad_q)]
+    phys_k = [u + p for u, p in zip(used_k, pad_k)]
+    cu_q = torch.tensor([0] + torch.tensor(phys_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(phys_k).cumsum(0).tolist(), dtype=torch.int32)
+    q = rand(int(cu_q[-1]), hq, d, seed=seed)
+    k = rand(int(cu_k[-1]), hk, d, seed=seed + 1)
+    v = rand(int(cu_k[-1]), hk, dv, seed=seed + 2)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(phys_q),
+              max_seqlen_k=max(phys_k), seqused_q=torch.tensor(used_q, dtype=torch.int32),
+              seqused_k=torch.tensor(used_k, dtype=torch.int32))
+    return q, k, v, kw
+
+
+def feature_cases():
+    """(id, q, k, v, keyword arguments) of problems with every feature the reference has."""
+    cases = []
+    for align in R.ALIGNS:
+        short = "tl" if align == "top_left" else "br"
+        q, k, v = qkv(b=1, sq=6, sk=9, hq=2, hk=1, d=8, dv=8, seed=40)
+        cases.append((f"window_{short}", q, k, v, dict(window_size=(2, 1), mask_align=align)))
+        q, k, v = qkv(b=2, sq=9, sk=6, hq=2, hk=2, d=8, dv=4, seed=41)
+        cases.append((f"causal_more_queries_{short}", q, k, v,
+                      dict(causal=True, window_size=(3, -1), mask_align=align)))
+        q, k, v = qkv(b=2, sq=5, sk=8, hq=3, hk=1, d=8, dv=8, seed=42)
+        cases.append((f"alibi_{short}", q, k, v,
+                      dict(alibi_slopes=torch.rand(2, 3, dtype=f64) + 0.1, mask_align=align)))
+    q, k, v = qkv(b=2, sq=4, sk=6, hq=2, hk=2, d=8, dv=8, seed=43)
+    cases.append(("softcap_bias_dbias", q * 4, k, v,
+                  dict(softcap=2.0, bias=rand(2, 1, 4, 6, seed=44), dbias=True)))
+    q, k, v = qkv(b=2, sq=5, sk=7, hq=2, hk=1, d=8, dv=8, seed=45)
+    cases.append(("dropout", q, k, v, dict(dropout_p=0.3, causal=True, mask_align="bottom_right",
+                                           dropout_keep=R.dropout_keep_mask(99, 3, 0.3, 2, 2, 5,
+                                                                            7))))
+    q, k, v = qkv(b=1, sq=6, sk=5, hq=2, hk=2, d=8, dv=8, seed=46)
+    mask = torch.rand(1, 2, 6, 5, generator=torch.Generator().manual_seed(1)) < 0.6
+    mask[0, :, 2] = False  # a row that sees nothing, through the bias alone
+    cases.append(("bool_mask", q, k, v, dict(attn_mask=mask)))
+    q, k, v = qkv(b=1, sq=6, sk=5, hq=2, hk=2, d=8, dv=8, seed=47)
+    cases.append(("key_bias_dbias", q, k, v, dict(bias=rand(1, 1, 1, 5, seed=48), dbias=True)))
+    q, k, v = qkv(b=3, sq=8, sk=10, hq=4, hk=2, d=8, dv=8, seed=49)
+    cases.append(("seqused", q, k, v, dict(
+        causal=True, seqused_q=torch.tensor([8, 3, 0], dtype=torch.int32),
+        seqused_k=torch.tensor([10, 2, 5], dtype=torch.int32), bias=rand(3, 1, 8, 10, seed=50),
+        dbias=True)))
+    q, k, v, kw = group_problem([3, 0, 7, 1], [5, 4, 0, 6], [2, 1, 0, 3], [0, 2, 1, 4], 4, 2, 8,
+                                8, seed=51)
+    cases.append(("group", q, k, v, dict(
+        kw, window_size=(2, 1), mask_align="bottom_right", softcap=3.0,
+        bias=rand(4, 1, kw["max_seqlen_q"], kw["max_seqlen_k"], seed=54), dbias=True,
+        alibi_slopes=torch.rand(4, 4, dtype=f64), dropout_p=0.25,
+        dropout_keep=R.dropout_keep_mask(77, 1, 0.25, 4, 4, kw["max_seqlen_q"],
+                                         kw["max_seqlen_k"]))))
+    return cases
+
+
+@pytest.mark.parametrize("case", feature_cases(), ids=lambda c: c[0])
+def test_grads_are_central_differences(case):
+    _, q, k, v, kw = case
+    out, _ = R.attention_reference(q, k, v, **{n: x for n, x in kw.items() if n != "dbias"})
+    directional_check(q, k, v, rand(*out.shape, seed=60), **kw)
+
+
+def structural_zeros(q, k, v, kw):
+    """(gradients at a dout that is NaN in the rows the output leaves undefined, query rows that
+    see no key or that no sequence uses (as dq's rows), keys that no row sees or no sequence
+    uses (as dk's rows))."""
+    kw = {n: x for n, x in kw.items() if n != "dbias"}
+    out, lse = R.attention_reference(q, k, v, **kw)
+    dout = rand(*out.shape, seed=61).masked_fill(out.isnan(), float("nan"))
+    got = R.attention_grads(q, k, v, dout, **kw)
+    no_key = ~torch.isfinite(lse)
+    no_key = no_key.permute(0, 2, 1) if lse.dim() == 3 else no_key.transpose(0, 1)
+    # A key that no row sees: sum_i P_ij = 0 without dropout (that sum is dv at dout = 1).
+    visible_kw = {n: x for n, x in kw.items() if n not in ("dropout_p", "dropout_keep")}
+    unseen = R.attention_grads(q, k, v, torch.ones_like(dout), **visible_kw).dv.sum(-1) == 0
+    return got, no_key, unseen
+
+
+@pytest.mark.parametrize("case", feature_cases(), ids=lambda c: c[0])
+def test_grads_are_zero_where_nothing_is_seen(case):
+    """dq of those rows and dk, dv of those keys are exactly 0, and nothing is NaN: the poison
+    in dout's undefined rows, and the -inf of rows that see nothing, reach no gradient."""
+    got, no_key, unseen = structural_zeros(*case[1:])
+    for name in ("dq", "dk", "dv"):
+        assert not getattr(got, name).isnan().any(), name
+    assert (got.dq[no_key] == 0).all()
+    assert (got.dk[unseen] == 0).all() and (got.dv[unseen] == 0).all()
+
+
+def test_feature_cases_have_empty_rows_and_unseen_keys():
+    found = [structural_zeros(*case[1:])[1:] for case in feature_cases()]
+    assert any(no_key.any() for no_key, _ in found) and any(unseen.any() for _, unseen in found)
+
+
+def test_group_grads_are_per_sequence_batch_grads():
+    used_q, used_k = [3, 0, 7, 1], [5, 4, 0, 6]
+    q, k, v, kw = group_problem(used_q, used_k, [2, 1, 0, 3], [0, 2, 1, 4], 4, 2, 8, 8, seed=70)
+    cu_q, cu_k = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
+    bias = rand(4, 1, kw["max_seqlen_q"], kw["max_seqlen_k"], seed=71)
+    slopes = torch.rand(4, 4, dtype=f64)
+    options = dict(causal=True, mask_align="bottom_right", softcap=3.0, alibi_slopes=slopes)
+    dout = rand(q.shape[0], 4, 8, seed=72)
+    got = R.attention_grads(q, k, v, dout, bias=bias, dbias=True, **kw, **options)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dbias = torch.zeros_like(bias)
+    for b in range(4):
+        q0, k0, uq, uk = cu_q[b], cu_k[b], used_q[b], used_k[b]
+        one = R.attention_grads(
+            q[None, q0:q0 + uq], k[None, k0:k0 + uk], v[None, k0:k0 + uk],
+            dout[None, q0:q0 + uq], bias=bias[b:b + 1, :, :uq, :uk], dbias=True,
+            causal=True, mask_align="bottom_right", softcap=3.0, alibi_slopes=slopes[b:b + 1])
+        dq[q0:q0 + uq], dk[k0:k0 + uk], dv[k0:k0 + uk] = one.dq[0], one.dk[0], one.dv[0]
+        dbias[b:b + 1, :, :uq, :uk] = one.dbias
+    assert_grads(got, (dq, dk, dv, dbias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_grads_are_close_but_rounded(dtype):
+    q, k, v = qkv(b=1, sq=16, sk=40, hq=2, hk=1, d=32, dv=32, seed=73, dtype=dtype)
+    bias = rand(1, 2, 16, 40, seed=74, dtype=dtype)
+    dout = rand(1, 16, 2, 32, seed=75, dtype=dtype)
+    truth = R.attention_grads(q, k, v, dout, bias=bias, dbias=True, causal=True)
+    lowp = R.attention_grads(q, k, v, dout, bias=bias, dbias=True, causal=True,
+                             compute_dtype=dtype)
+    eps = torch.finfo(dtype).eps
+    for name in ("dq", "dk", "dv", "dbias"):
+        t, lp = getattr(truth, name), getattr(lowp, name)
+        assert t.dtype == f64 and lp.dtype == dtype
+        err = (lp.double() - t).abs().max().item()
+        assert 0 < err < 16 * eps * t.abs().max().item(), (name, err)
+
+
+# ------------------------------------------------------------------------------------------
+# The cases and the pass rule test_bwd_gpu.py derives from the backward instances
+# ------------------------------------------------------------------------------------------
+
+
+def synthetic_bwd_manifest():
+    """Backward instances with every trait value, shaped like fmha.bwd_instances()' rows (no
+    vlayout or lse trait; dbias)."""
+    rows = []
+    variants = [dict(bias="none", dbias=False, dropout=False, softcap=False),
+                dict(bias="elementwise", dbias=False, dropout=False, softcap=False),
+                dict(bias="elementwise", dbias=True, dropout=True, softcap=False),
+                dict(bias="alibi", dbias=False, dropout=True, softcap=True)]
+    for (hq, hv, m, n) in ((64, 64, 64, 128), (128, 128, 64, 128), (256, 256, 64, 64)):
+        for mask in ("none", "causal", "window"):
+            for mode, pad in (("batch", False), ("batch", True), ("group", True)):
+                for var in variants:
+                    rows.append(dict(name=f"bwd{len(rows)}", dtype="fp16", hdim_q=hq,
+                                     hdim_v=hv, mask=mask, mode=mode, pipeline="fa2",
+                                     arch="sm80", block_m=m, block_n=n, pad_seqlen=pad,
+                                     pad_hdim=pad, **var))
+    return rows
+
+
+@pytest.mark.parametrize("inst", synthetic_bwd_manifest(), ids=lambda i: "-".join(
+    str(i[k]) for k in ("hdim_q", "mask", "mode", "pad_seqlen", "bias", "dbias", "dropout")))
+def test_bwd_instance_cases_fit_and_cover_the_traits(inst):
+    cases = R.bwd_instance_specs(inst)
+    ids = [case_id for case_id, _ in cases]
+    assert len(set(ids)) == len(ids), ids
+    specs = [spec for _, spec in cases]
+    for case_id, spec in cases:
+        assert not R.fits_bwd(spec, inst), f"{case_id}: {R.fits_bwd(spec, inst)}"
+        assert R.fits_bwd(spec, dict(inst, dbias=not inst["dbias"])) == "dbias"
+        assert not spec.vcol and not spec.lse, "the backward takes row-major V and always an lse"
+    assert all(s.dbias == inst["dbias"] for s in specs)
+    if inst["dbias"]:
+        assert {"11", "b1", "1h", "key", "full"} <= {s.bias for s in specs}, "broadcast dbias"
+    assert any(s.hq == 8 * s.hk for s in specs), "GQA 8:1"
+    assert {s.layout for s in specs} == set(R.LAYOUTS)
+
+
+class FakeFmha:
+    """A CPU stand-in for fmha's backward API: bwd() checks that out and lse are the forward's
+    (the truth rounded to the input dtype, NaN in rows no sequence uses) and returns the
+    input-precision reference's gradients, which `spoil` may change as a faulty kernel would."""
+
+    def __init__(self, spoil=None):
+        self.spoil = spoil
+        self.options = []
+
+    @staticmethod
+    def dropout_mask(seed, offset, dropout_p, batch, nhead, seqlen_q, seqlen_k):
+        return R.dropout_keep_mask(seed, offset, dropout_p, batch, nhead, seqlen_q, seqlen_k)
+
+    def bwd(self, dout, q, k, v, out, lse, causal=False, softmax_scale=None, *,
+            window_size=(-1, -1), mask_align="top_left", bias=None, alibi_slopes=None,
+            softcap=0.0, dropout_p=0.0, dropout_seed=None, dropout_offset=0, cu_seqlens_q=None,
+            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+            seqused_k=None, deterministic=False, return_dbias=False, instance=None):
+        self.options.append(dict(deterministic=deterministic, instance=instance))
+        kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                  mask_align=mask_align, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
+                  dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
+                  seqused_k=seqused_k)
+        if dropout_p:
+            group = cu_seqlens_q is not None
+            shape = ((len(cu_seqlens_q) - 1, q.shape[-2], max_seqlen_q, max_seqlen_k) if group
+                     else (q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
+            kw["dropout_keep"] = R.dropout_keep_mask(dropout_seed, dropout_offset, dropout_p,
+                                                     *shape)
+        want_out, want_lse = R.attention_reference(q, k, v, **kw)
+        assert torch.equal(out.isnan(), want_out.isnan()) and torch.equal(lse.isnan(),
+                                                                          want_lse.isnan())
+        used = ~want_out.isnan()
+        assert torch.equal(out[used], want_out[used].to(out.dtype))
+        assert torch.equal(lse.nan_to_num(), want_lse.float().nan_to_num())
+        g = R.attention_grads(q, k, v, dout, dbias=return_dbias, compute_dtype=q.dtype, **kw)
+        grads = [g.dq, g.dk, g.dv] + ([g.dbias] if return_dbias else [])
+        return tuple(self.spoil(grads) if self.spoil else grads)
+
+
+BWD_SPECS = [
+    R.Spec(torch.float16, 64, 64, hq=4, hk=2, b=2, sq=17, sk=30, causal=True,
+           align="bottom_right", layout="poison", bias="full", dbias=True),
+    R.Spec(torch.bfloat16, 48, 56, hq=8, hk=1, b=3, sq=20, sk=33, used_q=[20, 1, 0],
+           used_k=[33, 0, 5], layout="poison", alibi="batch_head", window=(4, 2)),
+    R.Spec(torch.bfloat16, 32, 32, hq=2, hk=2, b=2, sq=9, sk=5, layout="bhsd", bias="attn_bool",
+           window=(3, -1), dropout_p=0.3, seed=2**40 + 1, offset=5),
+    R.Spec(torch.bfloat16, 32, 32, hq=2, hk=2, b=2, sq=9, sk=5, bias="attn_bool", dbias=True),
+    R.Spec(torch.float16, 40, 24, hq=4, hk=2, seqlens_q=[0, 17, 3], seqlens_k=[5, 0, 30],
+           pad_q=[2, 0, 1], pad_k=[3, 8, 0], layout="poison", bias="key", dbias=True,
+           softcap=5.0, qscale=3.0, dropout_p=0.17, seed=3),
+    R.Spec(torch.float16, 64, 64, hq=2, hk=1, seqlens_q=[7, 12], seqlens_k=[12, 7],
+           layout="bhsd", bias="attn_float2d", dbias=True, causal=True, align="bottom_right"),
+]
+
+
+@pytest.mark.parametrize("spec", BWD_SPECS, ids=lambda s: s.describe())
+def test_check_bwd_accepts_the_input_precision_backward(spec):
+    fake = FakeFmha()
+    results = R.check_bwd(fake, spec, device="cpu", seed=2, instance="bwd_x")
+    assert set(results) == ({"dq", "dk", "dv", "dbias"} if spec.dbias else {"dq", "dk", "dv"})
+    assert fake.options == [dict(deterministic=False, instance="bwd_x")] * 2
+    inputs = R.make_inputs(spec, device="cpu", seed=2, grad=True)
+    assert inputs.dout.shape == inputs.q.shape[:-1] + (spec.dv,)
+    assert contract_strides_ok(inputs.dout)
+    if spec.layout == "poison" and (spec.used_q or spec.pad_q):
+        assert inputs.dout.isnan().any(), "dout is NaN in rows no sequence uses"
+    plain = R.make_inputs(spec, device="cpu", seed=2)
+    assert all(torch.equal(a.nan_to_num(), b.nan_to_num())
+               for a, b in ((inputs.q, plain.q), (inputs.k, plain.k), (inputs.v, plain.v))), (
+        "drawing dout leaves the forward's tensors as they were")
+
+
+def spoil_first(name, change):
+    """A spoil of FakeFmha: `change` applied in place to gradient `name` of each call."""
+
+    def spoil(grads):
+        change(grads[("dq", "dk", "dv", "dbias").index(name)])
+        return grads
+
+    return spoil
+
+
+# Rows 0-4 of every sequence see no key (bottom-right causal, 9 queries, 4 keys); in the
+# second problem keys 4-8 are seen by no row (top-left causal, 4 queries, 9 keys).
+EMPTY_ROWS = R.Spec(torch.float16, 32, 32, hq=2, hk=1, b=2, sq=9, sk=4, causal=True,
+                    align="bottom_right")
+UNSEEN_KEYS = R.Spec(torch.float16, 32, 32, hq=2, hk=1, b=2, sq=4, sk=9, causal=True,
+                     bias="1h", dbias=True)
+
+
+@pytest.mark.parametrize("spec,spoil,match", [
+    (BWD_SPECS[0], spoil_first("dq", lambda g: g[0, 3, 1].fill_(float("nan"))), "NaN"),
+    (BWD_SPECS[4], spoil_first("dk", lambda g: g[7, 0].add_(0.25)), "dk: max error"),
+    (BWD_SPECS[4], spoil_first("dbias", lambda g: g[1, 0, 0, 3].add_(0.25)), "dbias: max err"),
+    (EMPTY_ROWS, spoil_first("dq", lambda g: g[:, 0].add_(1e-6)), "dq of query rows"),
+    (UNSEEN_KEYS, spoil_first("dv", lambda g: g[:, -1].add_(1e-6)), "dv of keys"),
+    (UNSEEN_KEYS, lambda grads: [g.float() for g in grads], "want"),
+])
+def test_check_bwd_rejects_what_a_faulty_kernel_returns(spec, spoil, match):
+    with pytest.raises(AssertionError, match=match):
+        R.check_bwd(FakeFmha(spoil), spec, device="cpu")
