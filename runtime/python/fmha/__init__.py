@@ -1,4 +1,4 @@
-"""Generated FlashAttention forward kernels for NVIDIA GPUs.
+"""Generated FlashAttention kernels for NVIDIA GPUs: forward and backward.
 
     import fmha
     out = fmha.fwd(q, k, v, causal=True)   # q: (batch, seqlen_q, nheads, headdim), CUDA
@@ -6,6 +6,21 @@
     fmha.select(q, k, v, causal=True)       # the instance fwd would run
     print(fmha.explain(q, k, v))            # and why
     fmha.instances()                        # what this build compiled
+
+Training: fmha.fwd is differentiable (a torch.library op with an autograd formula, which
+torch.compile(fullgraph=True) traces forward and backward):
+
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = fmha.fwd(q, k, v, causal=True)
+    out.sum().backward()                    # q.grad, k.grad, v.grad from the backward kernels
+    fmha.select_bwd(q, k, v, causal=True)   # the backward instance it runs
+    fmha.bwd_instances()
+
+Frameworks with their own autograd call the backward directly, with the forward's arguments,
+its out and log-sum-exp, and the gradient of out:
+
+    out, lse = fmha.fwd(q, k, v, causal=True, return_lse=True)
+    dq, dk, dv = fmha.bwd(dout, q, k, v, out, lse, causal=True)
 
 The kernels come from instances.yaml through ``python -m generator``; a problem that no compiled
 instance fits raises :class:`MissingInstanceError`, whose message names the filter that builds one.
@@ -20,13 +35,18 @@ from fmha._api import (
     instances,
     select,
 )
+from fmha._bwd import bwd, bwd_instances, explain_bwd, select_bwd
 
 __all__ = [
     "MissingInstanceError",
+    "bwd",
+    "bwd_instances",
     "compiled_targets",
     "dropout_mask",
     "explain",
+    "explain_bwd",
     "fwd",
     "instances",
     "select",
+    "select_bwd",
 ]

@@ -5,7 +5,8 @@ traces it with fullgraph=True; the op turns its tensors into an fmha._C.FwdArgs 
 strides) and launches on the current stream. A plain eager call skips the op's dispatch: its
 first call of a signature checks it and keeps the FwdArgs as a plan, and the later ones only
 fill in their pointers (fmha._plans). select and explain check and describe the same call
-through the same FwdArgs, without launching.
+through the same FwdArgs, without launching. The op's autograd formula, the backward's op
+fmha::bwd and fmha.bwd are in fmha._bwd.
 """
 
 from typing import NamedTuple, Optional
@@ -108,17 +109,23 @@ def _seed_operand(seed: Optional[int]) -> torch.Tensor:
 def _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
              alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-             materialize: bool) -> _Operands:
-    """Every check of a call, then its operands: what fwd, select and explain share."""
-    group = check_mode(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    p = check_inputs(q, k, v, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+             materialize: bool, api: str = "fwd", more_checks=None) -> _Operands:
+    """Every check of a call, then its operands: what fwd, select and explain share, and bwd,
+    select_bwd and explain_bwd (`api` names the caller in messages). more_checks(p, o): the
+    caller's own checks of the Problem and Options, run before the device check; it returns
+    the further tensors (by name) whose device to check."""
+    group = check_mode(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, api)
+    p = check_inputs(q, k, v, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     api)
     o: Options = check_options(causal, softmax_scale, window_size, mask_align, softcap,
-                               dropout_p, dropout_seed, dropout_offset, return_lse, p.hdim_q)
-    check_bias(bias, attn_mask, alibi_slopes, q.dtype, p)
-    check_seqused(seqused_q, seqused_k, p)
-    check_devices(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                               dropout_p, dropout_seed, dropout_offset, return_lse, p.hdim_q,
+                               api)
+    check_bias(bias, attn_mask, alibi_slopes, q.dtype, p, api)
+    check_seqused(seqused_q, seqused_k, p, api)
+    more = {} if more_checks is None else more_checks(p, o)
+    check_devices(api=api, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                   seqused_q=seqused_q, seqused_k=seqused_k, bias=bias, attn_mask=attn_mask,
-                  alibi_slopes=alibi_slopes)
+                  alibi_slopes=alibi_slopes, **more)
     if materialize and alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
         alibi_slopes = alibi_slopes.contiguous()  # slope (b, h) is at b * batch stride + h
     seed = _seed_operand(o.dropout_seed) if materialize and o.dropout_p > 0 else None
@@ -317,6 +324,12 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
 
     Returns out, or (out, lse) with return_lse=True: the natural-log log-sum-exp of every row's
     logits, float32 (batch, nheads, seqlen_q), or (nheads, total_q) in group mode.
+
+    Differentiable: with grad enabled and q, k, v or an elementwise bias (bias, or an additive
+    attn_mask) requiring grad, autograd records the call and its backward runs the backward
+    kernels (fmha.bwd's; a boolean attn_mask and ALiBi slopes get no gradient, lse is not
+    differentiable). Such a call computes the log-sum-exp for autograd whatever return_lse
+    says, and an unseeded dropout call keeps the seed it drew for the backward.
     """
     if instance is not None:
         check_instance(instance)
@@ -343,6 +356,9 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     if dropout_p and dropout_seed is None and not torch.compiler.is_compiling():
         _refuse_drawn_seed_in_capture()
     if key is None or not _plans.reusable(ops, bias, attn_mask, alibi_slopes):
+        if not ops.return_lse and _needs_grad(ops):
+            # The backward reads the log-sum-exp: the op computes it for autograd to keep.
+            return _fwd_op(*ops._replace(return_lse=True), instance)[0]
         out, lse = _fwd_op(*ops, instance)
         return (out, lse) if return_lse else out
     plan = _plans.make(ops, bias_from_mask=bias is None and attn_mask is not None,
@@ -353,6 +369,13 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
 
 # Plans of the eager calls fwd has checked, by call signature (fmha._plans).
 _PLANS = _plans.PlanTable()
+
+
+def _needs_grad(ops: _Operands) -> bool:
+    """Whether autograd records this call of the op, whose formula (fmha._bwd) differentiates
+    q, k, v and an elementwise bias (a boolean attn_mask's bias, made here, needs none)."""
+    return torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (ops.q, ops.k, ops.v, ops.bias))
 
 
 def _first_call(table, key, plan, ops: _Operands, bias, attn_mask, instance) -> tuple:

@@ -1,5 +1,6 @@
-"""Argument checks for fmha.fwd (and select/explain, which describe a fwd call): every bad call
-fails here, before anything reaches the GPU.
+"""Argument checks for fmha.fwd and fmha.bwd (and select/explain, which describe a call): every
+bad call fails here, before anything reaches the GPU. A message starts with the API called
+(`api`: "fwd", "bwd", "select_bwd", ...) and names the argument that is wrong.
 
 Order matters for the messages: types, dtypes, ranks, shapes, strides, options, then devices, so
 a problem is described in the terms of the first thing wrong with it, and CPU or meta tensors
@@ -86,45 +87,45 @@ def v_layout(v: torch.Tensor) -> tuple[int, int, int]:
     return None, seq_stride, dim_stride
 
 
-def check_mode(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> bool:
+def check_mode(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, api: str = "fwd") -> bool:
     """Whether the call is in group mode (varlen), and that its group arguments are complete."""
     group = cu_seqlens_q is not None or cu_seqlens_k is not None
     if group and (cu_seqlens_q is None or cu_seqlens_k is None):
         raise ValueError(
-            "fmha.fwd: group mode (varlen) needs both cu_seqlens_q and cu_seqlens_k, got only "
+            f"fmha.{api}: group mode (varlen) needs both cu_seqlens_q and cu_seqlens_k, got only "
             + ("cu_seqlens_q" if cu_seqlens_k is None else "cu_seqlens_k")
         )
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not group:
             if value is not None:
                 raise ValueError(
-                    f"fmha.fwd: {name} is for group mode (with cu_seqlens_q/cu_seqlens_k); "
+                    f"fmha.{api}: {name} is for group mode (with cu_seqlens_q/cu_seqlens_k); "
                     "batch mode takes the lengths from the tensors"
                 )
             continue
         if value is None:
-            raise ValueError(f"fmha.fwd: group mode needs {name} (the longest sequence's length)")
+            raise ValueError(f"fmha.{api}: group mode needs {name} (the longest sequence's length)")
         if not _is_int(value):
-            raise TypeError(f"fmha.fwd: {name} must be an int, got {type(value).__name__}")
+            raise TypeError(f"fmha.{api}: {name} must be an int, got {type(value).__name__}")
         if value < 0:
-            raise ValueError(f"fmha.fwd: {name} must be non-negative, got {value}")
+            raise ValueError(f"fmha.{api}: {name} must be non-negative, got {value}")
     return group
 
 
 def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                 max_seqlen_k) -> Problem:
+                 max_seqlen_k, api: str = "fwd") -> Problem:
     named = (("q", q), ("k", k), ("v", v))
     for name, t in named:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"fmha.fwd: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"fmha.{api}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if q.dtype not in DTYPE_CODES:
         raise TypeError(
-            f"fmha.fwd: q has dtype {q.dtype}; supported are torch.float16 and torch.bfloat16"
+            f"fmha.{api}: q has dtype {q.dtype}; supported are torch.float16 and torch.bfloat16"
         )
     for name, t in named[1:]:
         if t.dtype != q.dtype:
             raise TypeError(
-                f"fmha.fwd: {name} has dtype {t.dtype} but q has {q.dtype}; "
+                f"fmha.{api}: {name} has dtype {t.dtype} but q has {q.dtype}; "
                 "q, k and v must share one dtype"
             )
     cu_named = (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
@@ -132,69 +133,69 @@ def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         for name, t in cu_named:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(
-                    f"fmha.fwd: {name} must be a torch.Tensor, got {type(t).__name__}"
+                    f"fmha.{api}: {name} must be a torch.Tensor, got {type(t).__name__}"
                 )
             if t.dtype != torch.int32:
-                raise TypeError(f"fmha.fwd: {name} has dtype {t.dtype}; it must be torch.int32")
+                raise TypeError(f"fmha.{api}: {name} has dtype {t.dtype}; it must be torch.int32")
     for name, t in named:
         if group and t.dim() != 3:
             raise ValueError(
-                f"fmha.fwd: in group mode {name} must be 3-D (total_tokens, nheads, headdim), "
+                f"fmha.{api}: in group mode {name} must be 3-D (total_tokens, nheads, headdim), "
                 f"got shape {_shape(t)}"
             )
         if not group and t.dim() != 4:
             raise ValueError(
-                f"fmha.fwd: {name} must be 4-D (batch, seqlen, nheads, headdim), "
+                f"fmha.{api}: {name} must be 4-D (batch, seqlen, nheads, headdim), "
                 f"got shape {_shape(t)}"
             )
     for name, t in named:
         if t.dim() and max(t.shape) >= INT_LIMIT:
             raise ValueError(
-                f"fmha.fwd: {name} has shape {_shape(t)}; every size must be below 2**31 "
+                f"fmha.{api}: {name} has shape {_shape(t)}; every size must be below 2**31 "
                 "(fmha::FwdArgs holds them as int)"
             )
     if group:
         for name, t in cu_named:
             if t.dim() != 1 or t.shape[0] < 1:
                 raise ValueError(
-                    f"fmha.fwd: {name} must be 1-D with batch + 1 entries, got shape {_shape(t)}"
+                    f"fmha.{api}: {name} must be 1-D with batch + 1 entries, got shape {_shape(t)}"
                 )
-            _check_entries_contiguous(name, t)
+            _check_entries_contiguous(name, t, api)
         if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
             raise ValueError(
-                f"fmha.fwd: cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k "
+                f"fmha.{api}: cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k "
                 f"has {cu_seqlens_k.shape[0]}; both are batch + 1"
             )
         (sq, hq, dq), (sk, hk, dk), (sv, hv, dv) = q.shape, k.shape, v.shape
         b = cu_seqlens_q.shape[0] - 1
         if sv != sk:
-            raise ValueError(f"fmha.fwd: k has {sk} tokens but v has {sv}")
+            raise ValueError(f"fmha.{api}: k has {sk} tokens but v has {sv}")
         seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
     else:
         (b, sq, hq, dq), (bk, sk, hk, dk), (bv, sv, hv, dv) = q.shape, k.shape, v.shape
         if not (bk == b and bv == b):
-            raise ValueError(f"fmha.fwd: batch sizes differ: q {b}, k {bk}, v {bv}")
+            raise ValueError(f"fmha.{api}: batch sizes differ: q {b}, k {bk}, v {bv}")
         if sv != sk:
-            raise ValueError(f"fmha.fwd: k has seqlen {sk} but v has {sv}")
+            raise ValueError(f"fmha.{api}: k has seqlen {sk} but v has {sv}")
         seqlen_q, seqlen_k = sq, sk
     if hv != hk:
-        raise ValueError(f"fmha.fwd: k has {hk} heads but v has {hv}")
+        raise ValueError(f"fmha.{api}: k has {hk} heads but v has {hv}")
     if dk != dq:
-        raise ValueError(f"fmha.fwd: q has head dim {dq} but k has {dk}")
+        raise ValueError(f"fmha.{api}: q has head dim {dq} but k has {dk}")
     if hk == 0 or hq % hk != 0:
         raise ValueError(
-            f"fmha.fwd: q's {hq} heads must be a multiple of k/v's {hk} heads (MQA/GQA)"
+            f"fmha.{api}: q's {hq} heads must be a multiple of k/v's {hk} heads (MQA/GQA)"
         )
     for name, t in named[:2]:
         if t.stride(-1) != 1 and t.size(-1) > 1:
             raise ValueError(
-                f"fmha.fwd: {name}'s last (head) dimension must be contiguous, got strides "
+                f"fmha.{api}: {name}'s last (head) dimension must be contiguous, got strides "
                 f"{tuple(t.stride())}; pass {name}.contiguous() or a view of a contiguous tensor"
             )
     layout = v_layout(v)[0]
     if layout is None:
         raise ValueError(
-            f"fmha.fwd: v must have its head dimension (last) or its sequence dimension "
+            f"fmha.{api}: v must have its head dimension (last) or its sequence dimension "
             f"contiguous, got shape {_shape(v)} and strides {tuple(v.stride())}; pass "
             "v.contiguous(), or a transpose of a contiguous V^T for the column-major layout"
         )
@@ -202,12 +203,12 @@ def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     # tensor odd: say what is wrong in its own terms.
     if dq == 0 or dv == 0 or dq % ROW_PIECE or dv % ROW_PIECE:
         raise ValueError(
-            f"fmha.fwd: head dims must be positive multiples of {ROW_PIECE} (the kernels move "
+            f"fmha.{api}: head dims must be positive multiples of {ROW_PIECE} (the kernels move "
             f"rows in 16-byte pieces), got {dq} for q and k and {dv} for v"
         )
     v_contiguous = -1 if layout == _C.VLAYOUT_ROW_MAJOR else -3
     for name, t, contiguous in (("q", q, -1), ("k", k, -1), ("v", v, v_contiguous)):
-        _check_strides(name, t, contiguous % t.dim())
+        _check_strides(name, t, contiguous % t.dim(), api)
     return Problem(group, b, seqlen_q, seqlen_k, hq, hk, dq, dv)
 
 
@@ -218,29 +219,29 @@ def kernel_strides(t: torch.Tensor) -> tuple:
     return tuple([0 if size <= 1 else stride for size, stride in zip(t.shape, t.stride())])
 
 
-def _check_strides(name: str, t: torch.Tensor, contiguous: int) -> None:
+def _check_strides(name: str, t: torch.Tensor, contiguous: int, api: str = "fwd") -> None:
     """Every stride but the contiguous dimension's a multiple of 8 elements, so that each row
     starts on a 16-byte boundary: what the C++ checks ask of every stride they are given."""
     for dim, stride in enumerate(kernel_strides(t)):
         if dim == contiguous or stride % ROW_PIECE == 0:
             continue
         raise ValueError(
-            f"fmha.fwd: {name} has strides {tuple(t.stride())}; every one but its contiguous "
+            f"fmha.{api}: {name} has strides {tuple(t.stride())}; every one but its contiguous "
             f"dimension's must be a multiple of {ROW_PIECE} elements (the kernels move rows in "
             f"16-byte pieces); pass {name}.contiguous()"
         )
 
 
-def _check_entries_contiguous(name: str, t: torch.Tensor) -> None:
+def _check_entries_contiguous(name: str, t: torch.Tensor, api: str = "fwd") -> None:
     """The kernels read entry b of a per-sequence int32 array at offset b."""
     if t.shape[0] > 1 and t.stride(0) != 1:
         raise ValueError(
-            f"fmha.fwd: {name} must be contiguous, got stride {t.stride(0)}; pass "
+            f"fmha.{api}: {name} must be contiguous, got stride {t.stride(0)}; pass "
             f"{name}.contiguous()"
         )
 
 
-def check_alignment(**tensors: torch.Tensor) -> None:
+def check_alignment(api: str = "fwd", **tensors: torch.Tensor) -> None:
     """Q, K and V start on a 16-byte boundary; a view at an element offset that is not a
     multiple of 8 does not. Called by the op's implementation, on real tensors: under
     torch.compile the checks above see fake ones, which have no data pointer. As in the C++
@@ -251,36 +252,36 @@ def check_alignment(**tensors: torch.Tensor) -> None:
         offset = t.data_ptr() % ALIGN_BYTES
         if t.numel() and offset:
             raise ValueError(
-                f"fmha.fwd: {name} starts {offset} bytes past a 16-byte boundary; the kernels "
+                f"fmha.{api}: {name} starts {offset} bytes past a 16-byte boundary; the kernels "
                 f"load rows in 16-byte pieces, so it must start on one (a view at an element "
                 f"offset that is not a multiple of {ROW_PIECE} does not); pass {name}.clone()"
             )
 
 
-def _mask(causal: bool, window_size) -> tuple[int, int, int]:
+def _mask(causal: bool, window_size, api: str = "fwd") -> tuple[int, int, int]:
     """(mask type, window_left, window_right) in FlashAttention's conventions."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(
-            f"fmha.fwd: window_size must be a (left, right) pair of ints, got {window_size!r}"
+            f"fmha.{api}: window_size must be a (left, right) pair of ints, got {window_size!r}"
         )
     left, right = window_size
     if not (_is_int(left) and _is_int(right)):
         raise TypeError(
-            f"fmha.fwd: window_size must be a (left, right) pair of ints, got {window_size!r}"
+            f"fmha.{api}: window_size must be a (left, right) pair of ints, got {window_size!r}"
         )
     if left < -1 or right < -1:
         raise ValueError(
-            f"fmha.fwd: window_size entries must be -1 (unbounded) or non-negative, got "
+            f"fmha.{api}: window_size entries must be -1 (unbounded) or non-negative, got "
             f"{tuple(window_size)}"
         )
     if left >= INT_LIMIT or right >= INT_LIMIT:
         raise ValueError(
-            f"fmha.fwd: window_size entries must be below 2**31 (fmha::FwdArgs holds them as "
+            f"fmha.{api}: window_size entries must be below 2**31 (fmha::FwdArgs holds them as "
             f"int), got {tuple(window_size)}; -1 is an unbounded side"
         )
     if causal and right > 0:
         raise ValueError(
-            f"fmha.fwd: causal=True sees no key to the right, so window_size's right must be "
+            f"fmha.{api}: causal=True sees no key to the right, so window_size's right must be "
             f"0 or -1, got {tuple(window_size)}"
         )
     if left == -1 and right == -1:
@@ -290,54 +291,56 @@ def _mask(causal: bool, window_size) -> tuple[int, int, int]:
 
 
 def check_options(causal, softmax_scale, window_size, mask_align, softcap, dropout_p,
-                  dropout_seed, dropout_offset, return_lse, hdim_q: int) -> Options:
+                  dropout_seed, dropout_offset, return_lse, hdim_q: int,
+                  api: str = "fwd") -> Options:
     if not isinstance(causal, bool):
-        raise TypeError(f"fmha.fwd: causal must be a bool, got {type(causal).__name__}")
+        raise TypeError(f"fmha.{api}: causal must be a bool, got {type(causal).__name__}")
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(hdim_q) if hdim_q > 0 else 1.0
     elif not _is_real(softmax_scale):
         raise TypeError(
-            f"fmha.fwd: softmax_scale must be a float or None, got {type(softmax_scale).__name__}"
+            f"fmha.{api}: softmax_scale must be a float or None, got {type(softmax_scale).__name__}"
         )
     elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(
-            f"fmha.fwd: softmax_scale must be finite and positive, got {softmax_scale}"
+            f"fmha.{api}: softmax_scale must be finite and positive, got {softmax_scale}"
         )
     else:
         scale = float(softmax_scale)
-    mask, window_left, window_right = _mask(causal, window_size)
+    mask, window_left, window_right = _mask(causal, window_size, api)
     if not isinstance(mask_align, str):
-        raise TypeError(f"fmha.fwd: mask_align must be a str, got {type(mask_align).__name__}")
+        raise TypeError(f"fmha.{api}: mask_align must be a str, got {type(mask_align).__name__}")
     if mask_align not in MASK_ALIGNS:
         raise ValueError(
-            f"fmha.fwd: mask_align must be 'top_left' (torch SDPA's is_causal) or 'bottom_right' "
+            f"fmha.{api}: mask_align must be 'top_left' (torch SDPA's is_causal) or 'bottom_right' "
             f"(FlashAttention's causal), got {mask_align!r}"
         )
     if not _is_real(softcap):
-        raise TypeError(f"fmha.fwd: softcap must be a float, got {type(softcap).__name__}")
+        raise TypeError(f"fmha.{api}: softcap must be a float, got {type(softcap).__name__}")
     if not (math.isfinite(softcap) and softcap >= 0):
         raise ValueError(
-            f"fmha.fwd: softcap must be finite and non-negative (0: off), got {softcap}"
+            f"fmha.{api}: softcap must be finite and non-negative (0: off), got {softcap}"
         )
     if not _is_real(dropout_p):
-        raise TypeError(f"fmha.fwd: dropout_p must be a float, got {type(dropout_p).__name__}")
+        raise TypeError(f"fmha.{api}: dropout_p must be a float, got {type(dropout_p).__name__}")
     if not (math.isfinite(dropout_p) and 0 <= dropout_p < 1):
-        raise ValueError(f"fmha.fwd: dropout_p must be in [0, 1), got {dropout_p}")
+        raise ValueError(f"fmha.{api}: dropout_p must be in [0, 1), got {dropout_p}")
     if dropout_seed is not None:
         if not _is_int(dropout_seed):
             raise TypeError(
-                f"fmha.fwd: dropout_seed must be an int or None, got {type(dropout_seed).__name__}"
+                f"fmha.{api}: dropout_seed must be an int or None, got "
+                f"{type(dropout_seed).__name__}"
             )
         if not 0 <= dropout_seed < SEED_LIMIT:
-            raise ValueError(f"fmha.fwd: dropout_seed must be in [0, 2**64), got {dropout_seed}")
+            raise ValueError(f"fmha.{api}: dropout_seed must be in [0, 2**64), got {dropout_seed}")
     if not _is_int(dropout_offset):
         raise TypeError(
-            f"fmha.fwd: dropout_offset must be an int, got {type(dropout_offset).__name__}"
+            f"fmha.{api}: dropout_offset must be an int, got {type(dropout_offset).__name__}"
         )
     if not 0 <= dropout_offset < OFFSET_LIMIT:
-        raise ValueError(f"fmha.fwd: dropout_offset must be in [0, 2**32), got {dropout_offset}")
+        raise ValueError(f"fmha.{api}: dropout_offset must be in [0, 2**32), got {dropout_offset}")
     if not isinstance(return_lse, bool):
-        raise TypeError(f"fmha.fwd: return_lse must be a bool, got {type(return_lse).__name__}")
+        raise TypeError(f"fmha.{api}: return_lse must be a bool, got {type(return_lse).__name__}")
     return Options(scale, mask, MASK_ALIGNS[mask_align], window_left, window_right,
                    float(softcap), float(dropout_p), dropout_seed, int(dropout_offset),
                    return_lse)
@@ -354,78 +357,165 @@ def bias_target(p: Problem) -> tuple:
     return (p.batch, p.nhead_q, p.seqlen_q, p.seqlen_k)
 
 
-def check_bias(bias, attn_mask, alibi_slopes, dtype: torch.dtype, p: Problem) -> None:
+def check_bias(bias, attn_mask, alibi_slopes, dtype: torch.dtype, p: Problem,
+               api: str = "fwd") -> None:
     if bias is not None and attn_mask is not None:
-        raise ValueError("fmha.fwd: pass bias or attn_mask, not both (attn_mask is a bias)")
+        raise ValueError(f"fmha.{api}: pass bias or attn_mask, not both (attn_mask is a bias)")
     dims = "(batch, nheads, max_seqlen_q, max_seqlen_k)" if p.group else (
         "(batch, nheads, seqlen_q, seqlen_k)")
     for name, t in (("bias", bias), ("attn_mask", attn_mask)):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"fmha.fwd: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"fmha.{api}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if name == "bias" and t.dtype != dtype:
-            raise TypeError(f"fmha.fwd: bias has dtype {t.dtype}; it must be q's dtype {dtype}")
+            raise TypeError(f"fmha.{api}: bias has dtype {t.dtype}; it must be q's dtype {dtype}")
         if name == "attn_mask" and t.dtype not in (torch.bool, dtype):
             raise TypeError(
-                f"fmha.fwd: attn_mask has dtype {t.dtype}; it must be torch.bool (True: take "
+                f"fmha.{api}: attn_mask has dtype {t.dtype}; it must be torch.bool (True: take "
                 f"part) or q's dtype {dtype} (an additive bias)"
             )
         if not _broadcasts(_shape(t), bias_target(p)):
             raise ValueError(
-                f"fmha.fwd: {name} of shape {_shape(t)} does not broadcast to {dims} = "
+                f"fmha.{api}: {name} of shape {_shape(t)} does not broadcast to {dims} = "
                 f"{bias_target(p)}"
             )
     if alibi_slopes is None:
         return
     if not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError(
-            f"fmha.fwd: alibi_slopes must be a torch.Tensor, got {type(alibi_slopes).__name__}"
+            f"fmha.{api}: alibi_slopes must be a torch.Tensor, got {type(alibi_slopes).__name__}"
         )
     if alibi_slopes.dtype != torch.float32:
         raise TypeError(
-            f"fmha.fwd: alibi_slopes has dtype {alibi_slopes.dtype}; it must be torch.float32"
+            f"fmha.{api}: alibi_slopes has dtype {alibi_slopes.dtype}; it must be torch.float32"
         )
     if _shape(alibi_slopes) not in ((p.nhead_q,), (p.batch, p.nhead_q)):
         raise ValueError(
-            f"fmha.fwd: alibi_slopes must be (nheads,) = ({p.nhead_q},) or (batch, nheads) = "
+            f"fmha.{api}: alibi_slopes must be (nheads,) = ({p.nhead_q},) or (batch, nheads) = "
             f"({p.batch}, {p.nhead_q}), got shape {_shape(alibi_slopes)}"
         )
     if bias is not None or attn_mask is not None:
         raise ValueError(
-            "fmha.fwd: alibi_slopes cannot be combined with bias or attn_mask (one bias per call)"
+            f"fmha.{api}: alibi_slopes cannot be combined with bias or attn_mask (one bias per "
+            "call)"
         )
 
 
-def check_seqused(seqused_q, seqused_k, p: Problem) -> None:
+def check_seqused(seqused_q, seqused_k, p: Problem, api: str = "fwd") -> None:
     for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"fmha.fwd: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"fmha.{api}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype != torch.int32:
-            raise TypeError(f"fmha.fwd: {name} has dtype {t.dtype}; it must be torch.int32")
+            raise TypeError(f"fmha.{api}: {name} has dtype {t.dtype}; it must be torch.int32")
         if _shape(t) != (p.batch,):
             raise ValueError(
-                f"fmha.fwd: {name} must be (batch,) = ({p.batch},), got shape {_shape(t)}"
+                f"fmha.{api}: {name} must be (batch,) = ({p.batch},), got shape {_shape(t)}"
             )
-        _check_entries_contiguous(name, t)
+        _check_entries_contiguous(name, t, api)
 
 
-def check_instance(instance) -> None:
+def check_bwd_options(v, bias, attn_mask, deterministic, return_dbias, api: str = "bwd") -> None:
+    """What fmha.bwd (and select_bwd/explain_bwd) asks beyond a forward call: a row-major V
+    (the backward's kernels take no V^T), its two flags, and a bias for return_dbias."""
+    if v_layout(v)[0] != _C.VLAYOUT_ROW_MAJOR:
+        raise ValueError(
+            f"fmha.{api}: v must be row-major (its head dimension contiguous) for the backward, "
+            f"got strides {tuple(v.stride())}; a V^T view (sequence dimension contiguous) runs "
+            "forward only: pass v.contiguous()"
+        )
+    for name, value in (("deterministic", deterministic), ("return_dbias", return_dbias)):
+        if not isinstance(value, bool):
+            raise TypeError(f"fmha.{api}: {name} must be a bool, got {type(value).__name__}")
+    if not return_dbias:
+        return
+    if bias is None and (attn_mask is None or attn_mask.dtype == torch.bool):
+        raise ValueError(
+            f"fmha.{api}: return_dbias=True needs an elementwise bias (bias, or an additive "
+            + ("attn_mask; a boolean attn_mask has no gradient)" if attn_mask is not None
+               else "attn_mask), got none")
+        )
+
+
+def check_bwd_operands(dout, q, k, v, out, lse, p: Problem, o: Options,
+                       api: str = "bwd") -> None:
+    """fmha.bwd's operands beyond the forward's: out and lse as the forward returned them
+    (fmha.fwd(..., return_lse=True)), dout of out's shape and dtype, both in layouts the kernels
+    take, and the forward's dropout seed. Devices are checked with the others, last."""
+    for name, t in (("dout", dout), ("out", out), ("lse", lse)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fmha.{api}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if out.dtype != q.dtype:
+        raise TypeError(
+            f"fmha.{api}: out has dtype {out.dtype} but q has {q.dtype}; out is the forward's "
+            "output"
+        )
+    if dout.dtype != out.dtype:
+        raise TypeError(
+            f"fmha.{api}: dout has dtype {dout.dtype} but out has {out.dtype}; dout is the "
+            "gradient of out"
+        )
+    if lse.dtype != torch.float32:
+        raise TypeError(
+            f"fmha.{api}: lse has dtype {lse.dtype}; it must be torch.float32, the log-sum-exp "
+            "fmha.fwd(..., return_lse=True) returns"
+        )
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    if _shape(out) != out_shape:
+        raise ValueError(
+            f"fmha.{api}: out has shape {_shape(out)}; the forward's output has q's shape with "
+            f"v's head dim, {out_shape}"
+        )
+    if _shape(dout) != _shape(out):
+        raise ValueError(
+            f"fmha.{api}: dout has shape {_shape(dout)} but out has {_shape(out)}; dout is the "
+            "gradient of out"
+        )
+    lse_shape = (p.nhead_q, q.shape[0]) if p.group else (p.batch, p.nhead_q, p.seqlen_q)
+    if _shape(lse) != lse_shape:
+        dims = "(nheads, total_q)" if p.group else "(batch, nheads, seqlen_q)"
+        raise ValueError(
+            f"fmha.{api}: lse has shape {_shape(lse)}; the forward's log-sum-exp is {dims} = "
+            f"{lse_shape}"
+        )
+    if lse.size(-1) > 1 and lse.stride(-1) != 1:
+        raise ValueError(
+            f"fmha.{api}: lse's last (row) dimension must be contiguous, got strides "
+            f"{tuple(lse.stride())}; pass lse.contiguous()"
+        )
+    for name, t in (("out", out), ("dout", dout)):
+        if t.stride(-1) != 1 and t.size(-1) > 1:
+            raise ValueError(
+                f"fmha.{api}: {name}'s last (head) dimension must be contiguous, got strides "
+                f"{tuple(t.stride())}; pass {name}.contiguous()"
+            )
+        _check_strides(name, t, t.dim() - 1, api)
+    if o.dropout_p > 0 and o.dropout_seed is None:
+        raise ValueError(
+            f"fmha.{api}: dropout_p > 0 needs dropout_seed, the forward call's (the backward "
+            "regenerates its dropout pattern from the seed and offset); a forward without one "
+            "drew its own, which only autograd through fmha.fwd keeps"
+        )
+
+
+def check_instance(instance, api: str = "fwd") -> None:
     if instance is not None and not isinstance(instance, str):
-        raise TypeError(f"fmha.fwd: instance must be a str or None, got {type(instance).__name__}")
+        raise TypeError(
+            f"fmha.{api}: instance must be a str or None, got {type(instance).__name__}"
+        )
 
 
-def check_devices(**tensors: Optional[torch.Tensor]) -> None:
+def check_devices(api: str = "fwd", **tensors: Optional[torch.Tensor]) -> None:
     """Last of the checks, so that CPU and meta tensors reach every other one first. `tensors`
     starts with q; None stands for an argument not given."""
     q = next(iter(tensors.values()))
     if q.device.type != "cuda":
-        raise ValueError(f"fmha.fwd: q is on {q.device}; fmha.fwd needs CUDA tensors")
+        raise ValueError(f"fmha.{api}: q is on {q.device}; fmha.{api} needs CUDA tensors")
     for name, t in tensors.items():
         if t is not None and t.device != q.device:
             raise ValueError(
-                f"fmha.fwd: {name} is on {t.device} but q is on {q.device}; "
+                f"fmha.{api}: {name} is on {t.device} but q is on {q.device}; "
                 "all tensors must be on one GPU"
             )

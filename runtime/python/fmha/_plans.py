@@ -13,6 +13,10 @@ mode (varlen), the token counts and the longest lengths, which change with every
 Only plain eager calls take this path (call_key says which); under torch.compile, a dispatch
 or function mode, tensor subclasses or autograd, fmha.fwd calls its torch.library op as before,
 and the op's implementation keeps plans of its own, by the op's arguments (op_key).
+
+The backward's op fmha::bwd keeps plans the same way (BwdPlan, bwd_op_key): a key of its
+operands' layouts and its options, the BwdArgs built on a signature's first call, and a later
+call that allocates dq, dk, dv (and dbias) and the workspace and crosses into C++ once.
 """
 
 from typing import Optional
@@ -217,9 +221,9 @@ def op_key(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, s
     its other arguments (`options`) decide its FwdArgs; the dropout seed's and offset's values
     are the call's own, and in varlen the token counts and longest lengths too (is_varlen)."""
     varlen = is_varlen(cu_seqlens_q, bias)
-    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k), _layout(bias), _layout(alibi_slopes), _layout(cu_seqlens_q),
-            _layout(cu_seqlens_k), _layout(seqused_q), _layout(seqused_k), dropout_seed is None,
-            options)
+    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k), _layout(bias),
+            _layout(alibi_slopes), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
+            _layout(seqused_q), _layout(seqused_k), dropout_seed is None, options)
 
 
 def reusable(ops, bias, attn_mask, alibi_slopes) -> bool:
@@ -271,3 +275,167 @@ class PlanTable:
 
     def __len__(self) -> int:
         return len(self._plans)
+
+
+class BwdPlan:
+    """A checked backward call signature (the op fmha::bwd's): its BwdArgs with every size,
+    stride and option, and what a call allocates. A later call of the signature costs, on the
+    host: the key (bwd_op_key: a tuple of each operand's shape, strides, dtype and device),
+    three or four allocations from torch's caching allocator (dq, dk, dv, dbias) and one for
+    the workspace, reading ~20 data pointers, and one crossing into C++ (BwdArgs.run), which
+    checks alignment, picks the instance and launches its kernels; in group mode (varlen) one
+    more crossing asks for the workspace's size, which follows the call's token counts."""
+
+    __slots__ = ("args", "varlen", "zero_grads", "dbias_shape", "workspace_bytes", "device")
+
+    def __init__(self, varlen: bool, zero_grads: bool, dbias_shape: Optional[tuple],
+                 device: int):
+        self.args: Optional["_C.BwdArgs"] = None  # the first call's; the op sets it
+        self.varlen = varlen  # token counts and longest lengths are the call's (is_varlen)
+        # Gradients of rows no sequence uses (seqused, group mode's rows outside every
+        # sequence, an empty problem's) are 0: the kernels write only the rows they visit.
+        self.zero_grads = zero_grads
+        self.dbias_shape = dbias_shape  # None: no dbias; else the bias operand's (b, h, sq, sk)
+        # None until the first launch asks; in varlen asked on every call (its sizes vary).
+        self.workspace_bytes: Optional[int] = None
+        self.device = device
+
+    def outputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """(dq, dk, dv, dbias or None): contiguous, of q's, k's and v's shapes (their strides,
+        which the plan's BwdArgs hold, follow from the shapes); dbias zeroed, as the kernels
+        write only the tiles the mask lets them visit."""
+        if self.zero_grads:
+            dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        else:
+            dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        dbias = None if self.dbias_shape is None else q.new_zeros(self.dbias_shape)
+        return dq, dk, dv, dbias
+
+    def launch(self, dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+               seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, dropout_seed: int,
+               dropout_offset: int, dq, dk, dv, dbias, instance):
+        """Allocates the workspace and runs the plan on this call's tensors on the current
+        stream of q's device; returns None, or (status code, message) when nothing was
+        launched."""
+        if torch._C._cuda_getDevice() == self.device:
+            return self._launch_here(dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
+                                     cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                     max_seqlen_k, dropout_seed, dropout_offset, dq, dk, dv,
+                                     dbias, instance)
+        with torch.cuda.device(self.device):  # the dispatcher picks by the current device's arch
+            return self._launch_here(dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
+                                     cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                     max_seqlen_k, dropout_seed, dropout_offset, dq, dk, dv,
+                                     dbias, instance)
+
+    def _launch_here(self, dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
+                     cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                     dropout_seed, dropout_offset, dq, dk, dv, dbias, instance):
+        sizes = _KEEP_SIZES
+        if self.varlen:  # as fmha._api._make_args derives them
+            total_q, total_k = q.shape[0], k.shape[0]
+            sizes = (min(max_seqlen_q, total_q), min(max_seqlen_k, total_k), total_q, total_k,
+                     lse.stride(-2))
+        workspace_bytes = self.workspace_bytes
+        if workspace_bytes is None:
+            code, message, workspace_bytes = self.args.workspace_size(*sizes[:4])
+            if code != _C.STATUS_OK:
+                return code, message
+            if not self.varlen:
+                self.workspace_bytes = workspace_bytes
+        # The caching allocator's blocks start 512-byte aligned (BwdArgs asks for 256), and
+        # are reused only in the current stream's order, where the kernels run.
+        workspace = None  # the tensor lives until the launch is queued: enough (see above)
+        if workspace_bytes:
+            workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=q.device)
+        return self.args.run(
+            dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+            lse.data_ptr(), 0 if bias is None else bias.data_ptr(),
+            0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+            0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
+            0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+            0 if seqused_q is None else seqused_q.data_ptr(),
+            0 if seqused_k is None else seqused_k.data_ptr(), dropout_seed, dropout_offset,
+            dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0 if dbias is None else dbias.data_ptr(),
+            0 if workspace is None else workspace.data_ptr(), workspace_bytes, *sizes,
+            torch._C._cuda_getCurrentRawStream(self.device), instance)
+
+    def run(self, dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+            seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, dropout_seed: int,
+            dropout_offset: int, instance) -> tuple:
+        """outputs() and launch() of a later call: (dq, dk, dv, dbias, None), or with (status
+        code, message) last when nothing was launched."""
+        dq, dk, dv, dbias = self.outputs(q, k, v)
+        return dq, dk, dv, dbias, self.launch(
+            dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
+            seqused_k, max_seqlen_q, max_seqlen_k, dropout_seed, dropout_offset, dq, dk, dv,
+            dbias, instance)
+
+
+def _lse_layout(lse: torch.Tensor) -> tuple:
+    """A group-mode log-sum-exp's layout, (nheads, total_q), its token count (and with it the
+    head stride of a contiguous one) left out: BwdPlan.launch passes the head stride."""
+    return (lse.shape[:-1], lse.stride(-1), lse.shape[-1] > 1, lse.dtype, lse.get_device())
+
+
+def bwd_op_key(dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+               seqused_q, seqused_k, dropout_seed, max_seqlen_q, max_seqlen_k,
+               *options) -> tuple:
+    """The signature of a call of the op fmha::bwd, as op_key is fmha::fwd's: its operands'
+    layouts (in varlen without token counts) and its other arguments' values (`options`); the
+    dropout seed's and offset's values are the call's own."""
+    varlen = is_varlen(cu_seqlens_q, bias)
+    if varlen:
+        grads = (_packed_layout(dout), _packed_layout(out), _lse_layout(lse))
+    else:
+        grads = (_layout(dout), _layout(out), _layout(lse))
+    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k), grads, _layout(bias),
+            _layout(alibi_slopes), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
+            _layout(seqused_q), _layout(seqused_k), dropout_seed is None, options)
+
+
+def bwd_call_key(dout, q, k, v, out, lse, causal, softmax_scale, window_size, mask_align, bias,
+                 attn_mask, alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset,
+                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                 deterministic, return_dbias, instance) -> Optional[tuple]:
+    """The signature of an fmha.bwd call that may take a plan, or None for one that takes the
+    op fmha::bwd: call_key of its forward arguments (with the log-sum-exp), the layouts of dout,
+    out and lse, and its two flags, by the same rules (exact types; plain tensors; none that
+    needs grad while grad is on, whose call the op's autograd kernel must see)."""
+    if not (deterministic is True or deterministic is False) or not (
+            return_dbias is True or return_dbias is False):
+        return None
+    if (dout.__class__ is not torch.Tensor or out.__class__ is not torch.Tensor
+            or lse.__class__ is not torch.Tensor):
+        return None
+    if torch.is_grad_enabled() and (dout.requires_grad or out.requires_grad
+                                    or lse.requires_grad):
+        return None
+    key = call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
+                   alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, True,
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                   instance)
+    if key is None:
+        return None
+    if is_varlen(cu_seqlens_q, bias if bias is not None else attn_mask):
+        # The checks that read token counts (fmha._checks.check_bwd_operands): out and dout
+        # have q's, lse is (nheads, q's); a call that fails one takes the op, which says so.
+        if not (out.dim() == 3 and out.shape[0] == q.shape[0] and dout.shape == out.shape
+                and lse.dim() == 2 and lse.shape[1] == q.shape[0]):
+            return None
+        grads = (_packed_layout(dout), _packed_layout(out), _lse_layout(lse))
+    else:
+        grads = (_layout(dout), _layout(out), _layout(lse))
+    return key, grads, deterministic, return_dbias
+
+
+def make_bwd(ops, return_dbias: bool) -> BwdPlan:
+    """The plan of a backward call of the forward `ops` (fmha._api._Operands), its BwdArgs still
+    to come: they take the first call's gradients, which the plan allocates."""
+    q, k = ops.q, ops.k
+    group = ops.cu_seqlens_q is not None
+    empty = q.numel() == 0 or k.numel() == 0
+    zero_grads = group or empty or ops.seqused_q is not None or ops.seqused_k is not None
+    dbias_shape = tuple(ops.bias.shape) if return_dbias and ops.bias is not None else None
+    return BwdPlan(is_varlen(ops.cu_seqlens_q, ops.bias), zero_grads, dbias_shape,
+                   q.get_device())

@@ -1,0 +1,424 @@
+"""The backward pass: fmha.bwd, the op fmha::bwd, and fmha::fwd's autograd formula.
+
+fmha::bwd is a torch.library op, declared as fmha::fwd is (fmha._api) and with a fake
+implementation, so torch.compile traces it. fmha::fwd's autograd formula saves q, k, v, the
+forward's out and log-sum-exp, the bias operands, the dropout seed tensor and the options, and
+its backward calls fmha::bwd: `fmha.fwd(q, k, v, causal=True).sum().backward()` runs the
+forward's kernel once and the backward's once, eager or compiled (fullgraph=True traces both).
+fmha.fwd asks the op for the log-sum-exp whenever autograd will need it, and returns only what
+the caller asked for.
+
+fmha.bwd is the same backward for frameworks that keep their own autograd: the forward's
+arguments, its out and lse, and dout in; dq, dk, dv (and dbias) out. It checks its arguments as
+fmha.fwd does (fmha._checks, through fmha._api._prepare) and then some, and calls the op.
+
+The op's implementation keeps plans (fmha._plans.BwdPlan) by its operands' layouts, as fmha::fwd's
+does: a signature's first call checks and builds the BwdArgs, later calls allocate the gradients
+and the workspace and fill in pointers (see BwdPlan for what a call costs on the host).
+"""
+
+from typing import Optional
+
+import torch
+
+from fmha import _C, _plans
+from fmha._api import (
+    _LIBRARY,
+    _LSE_WANTED,
+    _OPTION_DEFAULTS,
+    MissingInstanceError,  # noqa: F401  (raised through _raise_for)
+    _make_args,
+    _Operands,
+    _prepare,
+    _raise_for,
+)
+from fmha._checks import (
+    SEED_LIMIT,
+    check_alignment,
+    check_bwd_operands,
+    check_bwd_options,
+    check_instance,
+    kernel_strides,
+    v_layout,
+    ROW_PIECE,
+)
+
+# select_bwd/explain_bwd read no pointer; BwdArgs says that dbias is wanted by its pointer being
+# set, as FwdArgs says it of the log-sum-exp.
+_DBIAS_WANTED = 16
+
+
+def _contiguous_strides(shape) -> tuple:
+    """kernel_strides of a contiguous tensor of `shape`: what the plans allocate, and what
+    select_bwd/explain_bwd describe for tensors they are not given."""
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(0 if size <= 1 else step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _bsh(strides: tuple, group: bool) -> tuple:
+    """(batch, seq, head) strides of a (batch, seq, head, dim) or, in group mode, a (tokens,
+    head, dim) layout; group mode has no batch stride."""
+    return (0 if group else strides[0], strides[-3], strides[-2])
+
+
+def _make_bwd_args(ops: _Operands, dout, out, lse, dq, dk, dv, dbias, deterministic: bool,
+                   dbias_wanted: bool) -> "_C.BwdArgs":
+    """The one translation of a checked backward call into fmha::BwdArgs: `ops` is the forward
+    call (with its log-sum-exp), the tensors are this call's. select_bwd/explain_bwd pass None
+    for every tensor: out, dout and the gradients then have the layouts fmha.fwd and the plans
+    give them (contiguous), and lse and (dbias_wanted) dbias are marked as set."""
+    q, k, v = ops.q, ops.k, ops.v
+    group = ops.cu_seqlens_q is not None
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    b = _C.BwdArgs()
+    b.fwd = _make_args(ops, out, lse)
+    if out is None:
+        f = b.fwd  # a reference into b: its fields are b's
+        f.o_batch_stride, f.o_seq_stride, f.o_head_stride = _bsh(
+            _contiguous_strides(out_shape), group)
+        lse_strides = _contiguous_strides(_plans.lse_shape(q, group))
+        f.lse = _LSE_WANTED
+        f.lse_head_stride = lse_strides[-2]
+        f.lse_batch_stride = 0 if group else lse_strides[0]
+    dout_strides = _contiguous_strides(out_shape) if dout is None else kernel_strides(dout)
+    b.dout_batch_stride, b.dout_seq_stride, b.dout_head_stride = _bsh(dout_strides, group)
+    b.dq_batch_stride, b.dq_seq_stride, b.dq_head_stride = _bsh(
+        _contiguous_strides(q.shape), group)
+    b.dk_batch_stride, b.dk_seq_stride, b.dk_head_stride = _bsh(
+        _contiguous_strides(k.shape), group)
+    b.dv_batch_stride, b.dv_seq_stride, b.dv_head_stride = _bsh(
+        _contiguous_strides(v.shape), group)
+    if dout is not None:
+        b.dout = dout.data_ptr()
+    if dq is not None:
+        b.dq, b.dk, b.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+    if dbias is not None or dbias_wanted:
+        # The full (batch, nheads, seqlen_q, seqlen_k) gradient, contiguous.
+        b.dbias = _DBIAS_WANTED if dbias is None else dbias.data_ptr()
+        b.dbias_batch_stride, b.dbias_head_stride, b.dbias_seq_stride = _contiguous_strides(
+            ops.bias.shape)[:3]
+    b.deterministic = deterministic
+    return b
+
+
+# ---- the op fmha::bwd ---------------------------------------------------------------------------
+
+_LIBRARY.define(
+    "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? bias, "
+    "Tensor? alibi_slopes, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_q, "
+    "Tensor? seqused_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, "
+    "SymInt mask, SymInt mask_align, SymInt window_left, SymInt window_right, float softcap, "
+    "float dropout_p, Tensor? dropout_seed, SymInt dropout_offset, bool deterministic, "
+    "bool return_dbias, str? instance) -> (Tensor, Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,))
+
+
+def _bwd_impl(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    seqused_q: Optional[torch.Tensor],
+    seqused_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    mask: int,
+    mask_align: int,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    dropout_seed: Optional[torch.Tensor],
+    dropout_offset: int,
+    deterministic: bool,
+    return_dbias: bool,
+    instance: Optional[str],
+) -> tuple:
+    """Returns (dq, dk, dv, dbias): contiguous, of q's, k's and v's shapes; dbias of bias's
+    (batch, nheads, seqlen_q, seqlen_k) shape with return_dbias, else without elements. A
+    signature's later calls reuse its first call's BwdArgs (fmha._plans.BwdPlan)."""
+    key = _plans.bwd_op_key(dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
+                            cu_seqlens_k, seqused_q, seqused_k, dropout_seed, max_seqlen_q,
+                            max_seqlen_k, softmax_scale, mask, mask_align, window_left,
+                            window_right, softcap, dropout_p, deterministic, return_dbias,
+                            instance)
+    plan = _BWD_OP_PLANS.get(key)
+    if plan is None:
+        if return_dbias and bias is None:
+            raise ValueError("fmha::bwd: return_dbias=True needs an elementwise bias")
+        ops = _Operands(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                        seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align,
+                        window_left, window_right, softcap, dropout_p, dropout_seed,
+                        dropout_offset, True)
+        dq, dk, dv, dbias = _bwd_first_call(_BWD_OP_PLANS, key, ops, dout, out, lse,
+                                            deterministic, return_dbias, bias, instance)
+    else:
+        seed = 0 if dropout_seed is None else int(dropout_seed.item()) % SEED_LIMIT
+        dq, dk, dv, dbias, failed = plan.run(dout, q, k, v, out, lse, bias, alibi_slopes,
+                                             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                             max_seqlen_q, max_seqlen_k, seed, dropout_offset,
+                                             instance)
+        if failed is not None:
+            _raise_for_bwd_plan(failed, dout, q, k, v, out)
+    return dq, dk, dv, dbias if dbias is not None else q.new_empty((0,))
+
+
+# Plans of the op's calls, by the op's arguments (fmha._plans.bwd_op_key).
+_BWD_OP_PLANS = _plans.PlanTable()
+
+
+def _bwd_first_call(table, key, ops: _Operands, dout, out, lse, deterministic: bool,
+                    return_dbias: bool, bias, instance) -> tuple:
+    """A signature's first call, the op's or fmha.bwd's: the plan's BwdArgs take this call's
+    gradients, it launches, and `table` keeps it once it ran (a miss or a CUDA error leaves no
+    plan behind). `bias`: the tensor whose pointer the plan passes (the caller's)."""
+    q, k, v = ops.q, ops.k, ops.v
+    check_alignment(api="bwd", q=q, k=k, v=v, out=out, dout=dout)  # C++ checks it again
+    plan = _plans.make_bwd(ops, return_dbias)
+    dq, dk, dv, dbias = plan.outputs(q, k, v)
+    plan.args = _make_bwd_args(ops, dout, out, lse, dq, dk, dv, dbias, deterministic,
+                               return_dbias)
+    failed = plan.launch(dout, q, k, v, out, lse, bias, ops.alibi_slopes, ops.cu_seqlens_q,
+                         ops.cu_seqlens_k, ops.seqused_q, ops.seqused_k, ops.max_seqlen_q,
+                         ops.max_seqlen_k, plan.args.fwd.dropout_seed, ops.dropout_offset, dq, dk,
+                         dv, dbias, instance)
+    if failed is not None:
+        _raise_for_bwd_plan(failed, dout, q, k, v, out)
+    table.put(key, plan)
+    return dq, dk, dv, dbias
+
+
+def _raise_for_bwd_plan(failed: tuple, dout, q, k, v, out) -> None:
+    """A call that launched nothing: what C++ checks per call is the pointers' alignment, said
+    here in the checks' words; else the status as an exception."""
+    check_alignment(api="bwd", q=q, k=k, v=v, out=out, dout=dout)
+    _raise_for(*failed)
+
+
+def _bwd_fake(dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+              seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align,
+              window_left, window_right, softcap, dropout_p, dropout_seed, dropout_offset,
+              deterministic, return_dbias, instance):
+    dbias = q.new_empty(bias.shape if return_dbias and bias is not None else (0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _bwd_backward(ctx, *grads):
+    raise RuntimeError(
+        "fmha::bwd has no derivative: a second backward through fmha.fwd (double backward, "
+        "create_graph=True and differentiating the gradients) is not supported")
+
+
+_LIBRARY.impl("bwd", _bwd_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("fmha::bwd", _bwd_fake, lib=_LIBRARY)
+# Without an autograd formula torch would only warn, and a double backward would be silently
+# wrong; this one raises when a gradient of the gradients is asked for.
+torch.library.register_autograd("fmha::bwd", _bwd_backward, lib=_LIBRARY)
+_bwd_op = torch.ops.fmha.bwd.default
+
+
+# ---- fmha::fwd's autograd formula -------------------------------------------------------------
+
+
+def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy where the kernels cannot read it: its head dim contiguous, its
+    other strides multiples of 8 elements, and its storage offset too (so that a tensor of
+    torch's allocator starts on a 16-byte boundary). Autograd hands gradients over in any
+    layout: out.sum()'s is one value expanded, every stride 0. No data_ptr: under torch.compile
+    this is traced on fake tensors."""
+    readable = ((t.stride(-1) == 1 or t.size(-1) <= 1)
+                and all(s % ROW_PIECE == 0 for s in kernel_strides(t)[:-1])
+                and t.storage_offset() % ROW_PIECE == 0)
+    return t if readable else t.clone(memory_format=torch.contiguous_format)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    (q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+     max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align, window_left, window_right,
+     softcap, dropout_p, dropout_seed, dropout_offset, return_lse, instance) = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)  # the backward takes no gradient of the log-sum-exp
+    # The seed tensor the forward ran with: the one an unseeded call drew.
+    ctx.save_for_backward(q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                          seqused_q, seqused_k, dropout_seed)
+    ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align, window_left,
+                   window_right, softcap, dropout_p)
+    ctx.dropout_offset = dropout_offset
+    ctx.has_lse = return_lse
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    if not ctx.has_lse:
+        raise RuntimeError(
+            "fmha::fwd ran with return_lse=False, so its backward has no log-sum-exp to read; "
+            "call fmha.fwd, which asks for it whenever autograd records the call, or pass "
+            "return_lse=True to the op")
+    (q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+     dropout_seed) = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    return_dbias = bias is not None and needs[3]
+    if v_layout(v)[0] != _C.VLAYOUT_ROW_MAJOR:
+        v = v.contiguous()  # the backward takes row-major V only; dv has v's shape either way
+    dq, dk, dv, dbias = _bwd_op(
+        _kernel_layout(dout), q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        seqused_q, seqused_k, *ctx.options, dropout_seed, ctx.dropout_offset,
+        torch.are_deterministic_algorithms_enabled(), return_dbias, None)
+    # One gradient per input of fmha::fwd: q, k, v, bias, then 18 that have none.
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+            dbias if return_dbias else None) + (None,) * 18
+
+
+torch.library.register_autograd("fmha::fwd", _fwd_backward, setup_context=_fwd_setup_context,
+                                lib=_LIBRARY)
+
+
+# ---- the public API -----------------------------------------------------------------------------
+
+
+def bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, *, window_size=(-1, -1),
+        mask_align="top_left", bias=None, attn_mask=None, alibi_slopes=None, softcap=0.0,
+        dropout_p=0.0, dropout_seed=None, dropout_offset=0, cu_seqlens_q=None,
+        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+        seqused_k=None, deterministic=False, return_dbias=False, instance=None):
+    """Attention backward: the gradients of fmha.fwd(q, k, v, ...) given dout, the gradient of
+    its output; for frameworks that keep their own autograd (with torch's, out.backward() after
+    fmha.fwd runs this for you).
+
+    q, k, v and every option are the forward call's, with fmha.fwd's meaning and checks, and
+    must be the same values (the backward recomputes the attention probabilities from them):
+    causal, softmax_scale, window_size, mask_align, bias/attn_mask, alibi_slopes, softcap,
+    dropout_p with dropout_seed and dropout_offset, cu_seqlens_*/max_seqlen_* (group mode),
+    seqused_*. out and lse are what the forward returned with return_lse=True: out (q's shape
+    with v's head dim, q's dtype) and lse (float32, (batch, nheads, seqlen_q), or (nheads,
+    total_q) in group mode). dout: out's shape and dtype. On q's device, with the layouts
+    fmha.fwd takes (head dim contiguous, other strides multiples of 8 elements, 16-byte
+    aligned); v row-major only (a V^T view runs forward only). dropout_p > 0 needs the forward's
+    dropout_seed: an unseeded forward drew its own, which only autograd keeps.
+
+    deterministic=True: gradients bitwise identical from run to run (dQ summed in a fixed
+    order), at a cost in memory and time. return_dbias=True (with an elementwise bias, or an
+    additive attn_mask) also returns dbias, the gradient of the bias in its own shape: the
+    kernel writes the full (batch, nheads, seqlen_q, seqlen_k) gradient and it is summed over
+    the dimensions the bias broadcasts. instance: a name from fmha.bwd_instances() to run
+    instead of the dispatcher's choice.
+
+    Returns (dq, dk, dv), or (dq, dk, dv, dbias): new contiguous tensors of q's, k's, v's (and
+    the bias's) shapes and q's dtype; with MQA/GQA dk and dv are summed over the query heads
+    that share a K/V head. Runs on torch.cuda.current_stream(q.device).
+    """
+    if instance is not None:
+        check_instance(instance, "bwd")
+    given = bias if bias is not None else attn_mask
+    key = _plans.bwd_call_key(dout, q, k, v, out, lse, causal, softmax_scale, window_size,
+                              mask_align, bias, attn_mask, alibi_slopes, softcap, dropout_p,
+                              dropout_seed, dropout_offset, cu_seqlens_q, cu_seqlens_k,
+                              max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, deterministic,
+                              return_dbias, instance)
+    plan = None if key is None else _BWD_PLANS.get(key)
+    if plan is not None:  # a signature seen before: its checks passed then
+        dq, dk, dv, dbias, failed = plan.run(dout, q, k, v, out, lse, given, alibi_slopes,
+                                             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                             max_seqlen_q, max_seqlen_k, dropout_seed or 0,
+                                             dropout_offset, instance)
+        if failed is not None:
+            _raise_for_bwd_plan(failed, dout, q, k, v, out)
+        return (dq, dk, dv, dbias.sum_to_size(given.shape)) if return_dbias else (dq, dk, dv)
+
+    def more_checks(p, o):
+        check_bwd_options(v, bias, attn_mask, deterministic, return_dbias, "bwd")
+        check_bwd_operands(dout, q, k, v, out, lse, p, o, "bwd")
+        return dict(dout=dout, out=out, lse=lse)
+
+    ops = _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
+                   alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, True,
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                   materialize=True, api="bwd", more_checks=more_checks)
+    if key is not None and _plans.reusable(ops, bias, attn_mask, alibi_slopes):
+        dq, dk, dv, dbias = _bwd_first_call(_BWD_PLANS, key, ops, dout, out, lse, deterministic,
+                                            return_dbias, given, instance)
+    else:
+        dq, dk, dv, dbias = _bwd_op(dout, q, k, v, out, lse, ops.bias, ops.alibi_slopes,
+                                    ops.cu_seqlens_q, ops.cu_seqlens_k, ops.seqused_q,
+                                    ops.seqused_k, ops.max_seqlen_q, ops.max_seqlen_k,
+                                    ops.softmax_scale, ops.mask, ops.mask_align, ops.window_left,
+                                    ops.window_right, ops.softcap, ops.dropout_p,
+                                    ops.dropout_seed, ops.dropout_offset, deterministic,
+                                    return_dbias, instance)
+    return (dq, dk, dv, dbias.sum_to_size(given.shape)) if return_dbias else (dq, dk, dv)
+
+
+# Plans of the eager fmha.bwd calls, by call signature (fmha._plans.bwd_call_key): a later
+# call of a signature skips every Python check, as fmha.fwd's do, and runs the plan.
+_BWD_PLANS = _plans.PlanTable()
+
+
+# The keyword options of bwd that select_bwd and explain_bwd take: fwd's, less return_lse (the
+# backward always reads the log-sum-exp), plus the backward's own.
+_BWD_OPTION_DEFAULTS = {
+    **{name: value for name, value in _OPTION_DEFAULTS.items() if name != "return_lse"},
+    "deterministic": False,
+    "return_dbias": False,
+}
+
+
+def _described_bwd(api: str, q, k, v, causal, softmax_scale, options: dict) -> "_C.BwdArgs":
+    unknown = sorted(set(options) - set(_BWD_OPTION_DEFAULTS))
+    if unknown:
+        raise TypeError(f"fmha.{api}: unexpected keyword argument {unknown[0]!r}; it takes "
+                        f"fmha.bwd's, without dout, out, lse and instance")
+    kwargs = {**_BWD_OPTION_DEFAULTS, **options}
+    deterministic, return_dbias = kwargs.pop("deterministic"), kwargs.pop("return_dbias")
+
+    def more_checks(p, o):
+        check_bwd_options(v, kwargs["bias"], kwargs["attn_mask"], deterministic, return_dbias,
+                          api)
+        return {}
+
+    ops = _prepare(q, k, v, causal, softmax_scale, return_lse=True, materialize=False, api=api,
+                   more_checks=more_checks, **kwargs)
+    return _make_bwd_args(ops, None, None, None, None, None, None, None, deterministic,
+                          return_dbias)
+
+
+def select_bwd(q, k, v, causal=False, softmax_scale=None, **options) -> dict:
+    """The compiled backward instance fmha.bwd (and autograd through fmha.fwd) would run for
+    these arguments on q's GPU, without running it: fmha.bwd's arguments without dout, out, lse
+    and instance (the keyword options: fwd's without return_lse, plus deterministic and
+    return_dbias). A dict as fmha.bwd_instances() lists them.
+
+    Raises MissingInstanceError, naming the filter that would build a fitting instance.
+    """
+    args = _described_bwd("select_bwd", q, k, v, causal, softmax_scale, options)
+    with torch.cuda.device(q.device):
+        code, message, info = _C.select_bwd(args)
+    _raise_for(code, message)
+    return info
+
+
+def explain_bwd(q, k, v, causal=False, softmax_scale=None, **options) -> str:
+    """Why fmha.bwd would run the backward instance it runs for these arguments (select_bwd's)
+    on q's GPU: the instance and the rule that ranks it first, or, when none fits, the nearest
+    ones and the generator filter that would build one. Raises only for invalid arguments."""
+    args = _described_bwd("explain_bwd", q, k, v, causal, softmax_scale, options)
+    with torch.cuda.device(q.device):
+        code, message, text = _C.explain_bwd(args)
+    _raise_for(code, message)
+    return text
+
+
+def bwd_instances() -> list[dict]:
+    """Every compiled backward instance, in the dispatcher's order of preference: a dict of its
+    traits (name, dtype, hdim_q, hdim_v, mask, bias, mode, dbias, dropout, softcap), pipeline,
+    arch (arch, arch_cc, arch_exact), tile (block_m: query rows per step, block_n: keys per
+    CTA) and padding (pad_seqlen, pad_hdim)."""
+    return _C.bwd_instances()
