@@ -26,7 +26,6 @@ from fmha._api import (
     _LIBRARY,
     _LSE_WANTED,
     _OPTION_DEFAULTS,
-    MissingInstanceError,  # noqa: F401  (raised through _raise_for)
     _make_args,
     _Operands,
     _prepare,
