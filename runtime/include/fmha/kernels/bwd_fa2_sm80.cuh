@@ -483,11 +483,16 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
 
 #pragma unroll
       for (int nt = 0; nt < kQTiles; ++nt) {
+        // The LSE and D of this lane's two queries (e % 2) of the n8 tile.
+        const int first_query = warp_query0 + nt * 8 + (lane % 4) * 2;
+        const float2 lse_pair = *reinterpret_cast<const float2*>(lse2 + first_query);
+        const float2 dot_pair = *reinterpret_cast<const float2*>(dot + first_query);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = key_of(e);
           const int query = query_of(nt, e);
-          const int local_query = query - row0;
+          const float row_lse = e % 2 ? lse_pair.y : lse_pair.x;
+          const float row_dot = e % 2 ? dot_pair.y : dot_pair.x;
           float x = s[nt][e];
           float tanh_slope = 1.f;  // d logit / d (scale * qk) under soft-cap: 1 - tanh^2
           if constexpr (Cfg::kLogitsInScores) {
@@ -507,7 +512,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
               x -= alibi_slope * fabsf(static_cast<float>(query + mask.offset - key));
             }
           }
-          float prob = sm80::fast_exp2(x * f.softmax_mul - lse2[local_query]);
+          float prob = sm80::fast_exp2(x * f.softmax_mul - row_lse);
           if (edge && !mask.is_visible(query, key)) prob = 0.f;
           float dprob = dp[nt][e];
           if constexpr (Cfg::kDropout) {
@@ -516,11 +521,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
             const bool keep = r.w[philox::dropout_word(query, key)] >= f.drop_threshold;
             dprob = keep ? dprob * f.keep_scale : 0.f;
             // dS uses P itself; dV the probability that reached O (dropped and rescaled).
-            const float ds = prob * (dprob - dot[local_query]);
+            const float ds = prob * (dprob - row_dot);
             dp[nt][e] = ds;
             s[nt][e] = keep ? prob * f.keep_scale : 0.f;
           } else {
-            dp[nt][e] = prob * (dprob - dot[local_query]);
+            dp[nt][e] = prob * (dprob - row_dot);
             s[nt][e] = prob;
           }
           if constexpr (Cfg::kDbias) {
