@@ -13,12 +13,12 @@
 //        P^T = exp2(S^T - LSE)    -> dropout with the forward's Philox pattern
 //        dP^T = V_j dO_i^T        -> dS^T = P^T * (dP^T - D)   (times tanh' under soft-cap)
 //        dV_j += P^T dO_i,  dK_j += dS^T Q_i,  dQ_i += dS K_j (fp32 reductions in global memory)
-//      Warps own 16 keys each, so S^T and dP^T come out of mma.sync with keys as rows: P^T and
-//      dS^T are then already the A operands of dV and dK, and stay in registers. dS^T goes
-//      through shared memory once, for dQ, whose tile the warps split by rows and head dim.
-//      Where dK and dV of 16 keys over the whole head dim do not fit the registers (head dims
-//      past 128), two warps share 16 keys, each taking half of the queries for S^T and half of
-//      the head dim for dK/dV, and P^T passes through shared memory too (kSplitD = 2);
+//      Warps own keys (S^T and dP^T come out of mma.sync with keys as rows), 32 of them up to
+//      head dim 128 and 16 past it. Two warps share their keys (kSplitD = 2), each taking half
+//      of the queries for S^T and dP^T and half of the head dims for dK and dV, with P^T and
+//      dS^T passed through shared memory; with one warp per 16 keys (kSplitD = 1) P^T and dS^T
+//      are already the A operands of dV and dK in its registers. dS^T goes through shared
+//      memory for dQ, whose tile the warps split by rows and head dim;
 //   3. bwd_convert_dq_kernel: dQ = softmax_scale * (sum of the fp32 accumulators), rounded.
 // Deterministic mode: each CTA walks a fixed set of key tiles in order and adds into a dQ
 // accumulator of its own (plain read-add-write, no atomics); kernel 3 sums the accumulators in
@@ -67,8 +67,15 @@ struct BwdConfig {
   static constexpr int kThreads = kNumWarps * 32;
   static constexpr bool kLogitsInScores = kSoftcap || kBias != BiasType::kNone;
 
-  // Warps along the keys (16 each), and how many warps share those 16 keys.
-  static constexpr int kKeySlices = kBlockN / 16;
+  // Keys per warp. Each warp reads the step's whole Q and dO tiles from shared memory as B
+  // operands of S^T, dP^T, dK and dV, and shared-memory bandwidth bounds the kernel (ncu, H100,
+  // d128: L1 at 74% of its peak), so the more keys (m16 fragments) a B fragment feeds, the
+  // better: 32 keys where dK and dV of 32 keys over half the head dims fit the registers
+  // (hdim_q + hdim_v <= 256, with two warps sharing the keys), else 16.
+  static constexpr int kWarpKeys = kHeadDimQK + kHeadDimV <= 256 ? 32 : 16;
+  static constexpr int kKeyFrags = kWarpKeys / 16;
+  // Warps along the keys, and how many warps share a warp's keys.
+  static constexpr int kKeySlices = kBlockN / kWarpKeys;
   static constexpr int kSplitD = kNumWarps / kKeySlices;
   static constexpr int kQueriesPerWarp = kBlockM / kSplitD;  // columns of a warp's S^T
   static constexpr int kDKCols = kHeadDimQK / kSplitD;       // a warp's share of dK's head dim
@@ -79,9 +86,11 @@ struct BwdConfig {
   static constexpr int kDQCols = kHeadDimQK / kDQColGroups;
 
   static_assert(sizeof(Element) == 2, "fa2 takes 16-bit inputs");
-  static_assert(kBlockN % 16 == 0 && kNumWarps % kKeySlices == 0 &&
+  static_assert(kBlockN % kWarpKeys == 0 && kNumWarps % kKeySlices == 0 &&
                     (kSplitD == 1 || kSplitD == 2),
-                "fa2 bwd: 16 keys per warp, shared by one or two warps");
+                "fa2 bwd: 16 or 32 keys per warp, shared by one or two warps");
+  static_assert(kKeyFrags == 1 || kSplitD == 2,
+                "fa2 bwd: 32 keys per warp need two warps to share them (registers)");
   static_assert(kBlockM % (16 * kSplitD) == 0, "fa2 bwd: a warp's queries come in m16 tiles");
   static_assert(kNumWarps % kDQRowGroups == 0 && kDQCols % 16 == 0,
                 "fa2 bwd: dQ's tile must split into 16-row, 16-column warp tiles");
@@ -284,7 +293,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int key_slice = warp % Cfg::kKeySlices;  // this warp's 16 keys
+  const int key_slice = warp % Cfg::kKeySlices;  // this warp's kWarpKeys keys
   const int d_half = warp / Cfg::kKeySlices;     // its half of the queries and of dK/dV's dims
   const int dq_rows = warp % Cfg::kDQRowGroups;  // its 16-row, kDQCols-column tile of dQ
   const int dq_cols = warp / Cfg::kDQRowGroups;
@@ -310,7 +319,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
   // (K, V, P^T): lanes 0-15 rows 0-15 at the low chunk, 16-31 the high chunk. B operands read
   // as stored (Q, dO rows for S^T, dP^T): lanes 8i..8i+7 matrix i = (rows +0/+8) x (chunk lo/hi).
   // B operands read transposed (dO, Q for dV, dK; K for dQ): lanes 0-15 rows, 16-31 chunk hi.
-  const int warp_key0 = key_slice * 16;
+  constexpr int kKeyFrags = Cfg::kKeyFrags;  // m16 fragments of the warp's keys
+  const int warp_key0 = key_slice * Cfg::kWarpKeys;
   const int warp_query0 = d_half * Cfg::kQueriesPerWarp;
   const uint32_t k_a = KTile::offset(warp_key0 + lane % 16, lane / 16);
   const uint32_t v_a = VTile::offset(warp_key0 + lane % 16, lane / 16);
@@ -414,8 +424,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
       sm80::cp_async_commit();
     }
 
-    float dk_acc[Cfg::kDKCols / 8][4] = {};
-    float dv_acc[Cfg::kDVCols / 8][4] = {};
+    float dk_acc[kKeyFrags][Cfg::kDKCols / 8][4] = {};
+    float dv_acc[kKeyFrags][Cfg::kDVCols / 8][4] = {};
 
     for (int it = 0; it < steps; ++it) {
       const int stage = it % 2;
@@ -429,37 +439,53 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
         next_stats = fetch_stats(it + 1);
       }
 
-      // S^T = K Q^T: this warp's 16 keys x kQueriesPerWarp queries.
-      float s[kQTiles][4] = {};
+      // S^T = K Q^T: this warp's keys x kQueriesPerWarp queries; each Q fragment read from
+      // shared memory feeds kKeyFrags mma.
+      float s[kKeyFrags][kQTiles][4] = {};
 #pragma unroll
       for (int kt = 0; kt < kDimQK / 16; ++kt) {
-        uint32_t a[4];
-        sm80::ldmatrix_x4(a, s_k + KTile::step(k_a, 0, kt));
+        uint32_t a[kKeyFrags][4];
+#pragma unroll
+        for (int mf = 0; mf < kKeyFrags; ++mf) {
+          sm80::ldmatrix_x4(a[mf], s_k + KTile::step(k_a, mf, kt));
+        }
 #pragma unroll
         for (int np = 0; np < kQTiles / 2; ++np) {
           uint32_t b[4];
           sm80::ldmatrix_x4(b, s_q(stage) + QTile::step(q_b, np, kt));
-          sm80::mma_16816<Element>(s[2 * np], a, b[0], b[1]);
-          sm80::mma_16816<Element>(s[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+          for (int mf = 0; mf < kKeyFrags; ++mf) {
+            sm80::mma_16816<Element>(s[mf][2 * np], a[mf], b[0], b[1]);
+            sm80::mma_16816<Element>(s[mf][2 * np + 1], a[mf], b[2], b[3]);
+          }
         }
       }
       // dP^T = V dO^T, the same shape.
-      float dp[kQTiles][4] = {};
+      float dp[kKeyFrags][kQTiles][4] = {};
 #pragma unroll
       for (int kt = 0; kt < kDimV / 16; ++kt) {
-        uint32_t a[4];
-        sm80::ldmatrix_x4(a, s_v + VTile::step(v_a, 0, kt));
+        uint32_t a[kKeyFrags][4];
+#pragma unroll
+        for (int mf = 0; mf < kKeyFrags; ++mf) {
+          sm80::ldmatrix_x4(a[mf], s_v + VTile::step(v_a, mf, kt));
+        }
 #pragma unroll
         for (int np = 0; np < kQTiles / 2; ++np) {
           uint32_t b[4];
           sm80::ldmatrix_x4(b, s_do(stage) + DoTile::step(do_b, np, kt));
-          sm80::mma_16816<Element>(dp[2 * np], a, b[0], b[1]);
-          sm80::mma_16816<Element>(dp[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+          for (int mf = 0; mf < kKeyFrags; ++mf) {
+            sm80::mma_16816<Element>(dp[mf][2 * np], a[mf], b[0], b[1]);
+            sm80::mma_16816<Element>(dp[mf][2 * np + 1], a[mf], b[2], b[3]);
+          }
         }
       }
 
-      // Element (nt, e) of S^T is key key_of(e), query query_of(nt, e) (within the sequence).
-      auto key_of = [&](int e) { return key0 + warp_key0 + lane / 4 + (e / 2) * 8; };
+      // Element (mf, nt, e) of S^T is key key_of(mf, e), query query_of(nt, e) (within the
+      // sequence).
+      auto key_of = [&](int mf, int e) {
+        return key0 + warp_key0 + mf * 16 + lane / 4 + (e / 2) * 8;
+      };
       auto query_of = [&](int nt, int e) {
         return row0 + warp_query0 + nt * 8 + (lane % 4) * 2 + e % 2;
       };
@@ -482,73 +508,80 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
           static_cast<uint32_t>(head);
 
 #pragma unroll
-      for (int nt = 0; nt < kQTiles; ++nt) {
-        // The LSE and D of this lane's two queries (e % 2) of the n8 tile.
-        const int first_query = warp_query0 + nt * 8 + (lane % 4) * 2;
-        const float2 lse_pair = *reinterpret_cast<const float2*>(lse2 + first_query);
-        const float2 dot_pair = *reinterpret_cast<const float2*>(dot + first_query);
+      for (int mf = 0; mf < kKeyFrags; ++mf) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key_of(e);
-          const int query = query_of(nt, e);
-          const float row_lse = e % 2 ? lse_pair.y : lse_pair.x;
-          const float row_dot = e % 2 ? dot_pair.y : dot_pair.x;
-          float x = s[nt][e];
-          float tanh_slope = 1.f;  // d logit / d (scale * qk) under soft-cap: 1 - tanh^2
-          if constexpr (Cfg::kLogitsInScores) {
-            if constexpr (Cfg::kSoftcap) {
-              const float t = sm80::tanh_fast(x * f.softcap_scale);
-              tanh_slope = 1.f - t * t;
-              x = f.softcap * t;
-            } else {
-              x *= f.scale;
-            }
-            if constexpr (Cfg::kBias == BiasType::kElementwise) {
-              if (!Cfg::kPadSeqlen || (query < seq.seqlen_q && key < seq.seqlen_k)) {
-                x += sm80::to_float(bias[query * f.bias_seq_stride + key]);
+        for (int nt = 0; nt < kQTiles; ++nt) {
+          // The LSE and D of this lane's two queries (e % 2) of the n8 tile.
+          const int first_query = warp_query0 + nt * 8 + (lane % 4) * 2;
+          const float2 lse_pair = *reinterpret_cast<const float2*>(lse2 + first_query);
+          const float2 dot_pair = *reinterpret_cast<const float2*>(dot + first_query);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = key_of(mf, e);
+            const int query = query_of(nt, e);
+            const float row_lse = e % 2 ? lse_pair.y : lse_pair.x;
+            const float row_dot = e % 2 ? dot_pair.y : dot_pair.x;
+            float x = s[mf][nt][e];
+            float tanh_slope = 1.f;  // d logit / d (scale * qk) under soft-cap: 1 - tanh^2
+            if constexpr (Cfg::kLogitsInScores) {
+              if constexpr (Cfg::kSoftcap) {
+                const float t = sm80::tanh_fast(x * f.softcap_scale);
+                tanh_slope = 1.f - t * t;
+                x = f.softcap * t;
+              } else {
+                x *= f.scale;
+              }
+              if constexpr (Cfg::kBias == BiasType::kElementwise) {
+                if (!Cfg::kPadSeqlen || (query < seq.seqlen_q && key < seq.seqlen_k)) {
+                  x += sm80::to_float(bias[query * f.bias_seq_stride + key]);
+                }
+              }
+              if constexpr (Cfg::kBias == BiasType::kAlibi) {
+                x -= alibi_slope * fabsf(static_cast<float>(query + mask.offset - key));
               }
             }
-            if constexpr (Cfg::kBias == BiasType::kAlibi) {
-              x -= alibi_slope * fabsf(static_cast<float>(query + mask.offset - key));
+            float prob = sm80::fast_exp2(x * f.softmax_mul - row_lse);
+            if (edge && !mask.is_visible(query, key)) prob = 0.f;
+            float dprob = dp[mf][nt][e];
+            if constexpr (Cfg::kDropout) {
+              const philox::Words r = philox::dropout_words(f.dropout_seed, f.dropout_offset,
+                                                            batch_head, query, key);
+              const bool keep = r.w[philox::dropout_word(query, key)] >= f.drop_threshold;
+              dprob = keep ? dprob * f.keep_scale : 0.f;
+              // dS uses P itself; dV the probability that reached O (dropped and rescaled).
+              const float ds = prob * (dprob - row_dot);
+              dp[mf][nt][e] = ds;
+              s[mf][nt][e] = keep ? prob * f.keep_scale : 0.f;
+            } else {
+              dp[mf][nt][e] = prob * (dprob - row_dot);
+              s[mf][nt][e] = prob;
             }
-          }
-          float prob = sm80::fast_exp2(x * f.softmax_mul - row_lse);
-          if (edge && !mask.is_visible(query, key)) prob = 0.f;
-          float dprob = dp[nt][e];
-          if constexpr (Cfg::kDropout) {
-            const philox::Words r = philox::dropout_words(f.dropout_seed, f.dropout_offset,
-                                                          batch_head, query, key);
-            const bool keep = r.w[philox::dropout_word(query, key)] >= f.drop_threshold;
-            dprob = keep ? dprob * f.keep_scale : 0.f;
-            // dS uses P itself; dV the probability that reached O (dropped and rescaled).
-            const float ds = prob * (dprob - row_dot);
-            dp[nt][e] = ds;
-            s[nt][e] = keep ? prob * f.keep_scale : 0.f;
-          } else {
-            dp[nt][e] = prob * (dprob - row_dot);
-            s[nt][e] = prob;
-          }
-          if constexpr (Cfg::kDbias) {
-            if (query < seq.seqlen_q && key < seq.seqlen_k) {
-              dbias[query * p.dbias_seq_stride + key] = static_cast<Element>(dp[nt][e]);
+            if constexpr (Cfg::kDbias) {
+              if (query < seq.seqlen_q && key < seq.seqlen_k) {
+                dbias[query * p.dbias_seq_stride + key] = static_cast<Element>(dp[mf][nt][e]);
+              }
             }
+            if constexpr (Cfg::kSoftcap) dp[mf][nt][e] *= tanh_slope;
           }
-          if constexpr (Cfg::kSoftcap) dp[nt][e] *= tanh_slope;
         }
       }
 
       // dS^T (and P^T when two warps share the keys) to shared memory, Element pairs.
 #pragma unroll
-      for (int nt = 0; nt < kQTiles; ++nt) {
+      for (int mf = 0; mf < kKeyFrags; ++mf) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int key_row = warp_key0 + lane / 4 + h * 8;
-          const uint32_t at = KQTile::offset(key_row, (warp_query0 + nt * 8) / 8) + (lane % 4) * 4;
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_ds + at),
-                       "r"(sm80::pack2<Element>(dp[nt][2 * h], dp[nt][2 * h + 1])));
-          if constexpr (kSplit) {
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_p + at),
-                         "r"(sm80::pack2<Element>(s[nt][2 * h], s[nt][2 * h + 1])));
+        for (int nt = 0; nt < kQTiles; ++nt) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int key_row = warp_key0 + mf * 16 + lane / 4 + h * 8;
+            const uint32_t at =
+                KQTile::offset(key_row, (warp_query0 + nt * 8) / 8) + (lane % 4) * 4;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_ds + at),
+                         "r"(sm80::pack2<Element>(dp[mf][nt][2 * h], dp[mf][nt][2 * h + 1])));
+            if constexpr (kSplit) {
+              asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_p + at),
+                           "r"(sm80::pack2<Element>(s[mf][nt][2 * h], s[mf][nt][2 * h + 1])));
+            }
           }
         }
       }
@@ -559,35 +592,48 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
       // fragment of k-step t), or from shared memory when the queries are split over two warps.
 #pragma unroll
       for (int t = 0; t < kBlockM / 16; ++t) {
-        uint32_t pa[4], dsa[4];
-        if constexpr (kSplit) {
-          sm80::ldmatrix_x4(pa, s_p + KQTile::step(p_a, 0, t));
-          sm80::ldmatrix_x4(dsa, s_ds + KQTile::step(p_a, 0, t));
-        } else {
-          pa[0] = sm80::pack2<Element>(s[2 * t][0], s[2 * t][1]);
-          pa[1] = sm80::pack2<Element>(s[2 * t][2], s[2 * t][3]);
-          pa[2] = sm80::pack2<Element>(s[2 * t + 1][0], s[2 * t + 1][1]);
-          pa[3] = sm80::pack2<Element>(s[2 * t + 1][2], s[2 * t + 1][3]);
-          dsa[0] = sm80::pack2<Element>(dp[2 * t][0], dp[2 * t][1]);
-          dsa[1] = sm80::pack2<Element>(dp[2 * t][2], dp[2 * t][3]);
-          dsa[2] = sm80::pack2<Element>(dp[2 * t + 1][0], dp[2 * t + 1][1]);
-          dsa[3] = sm80::pack2<Element>(dp[2 * t + 1][2], dp[2 * t + 1][3]);
+        uint32_t pa[kKeyFrags][4], dsa[kKeyFrags][4];
+#pragma unroll
+        for (int mf = 0; mf < kKeyFrags; ++mf) {
+          if constexpr (kSplit) {
+            sm80::ldmatrix_x4(pa[mf], s_p + KQTile::step(p_a, mf, t));
+            sm80::ldmatrix_x4(dsa[mf], s_ds + KQTile::step(p_a, mf, t));
+          } else {
+            const auto& lo = s[mf][2 * t];
+            const auto& hi = s[mf][2 * t + 1];
+            pa[mf][0] = sm80::pack2<Element>(lo[0], lo[1]);
+            pa[mf][1] = sm80::pack2<Element>(lo[2], lo[3]);
+            pa[mf][2] = sm80::pack2<Element>(hi[0], hi[1]);
+            pa[mf][3] = sm80::pack2<Element>(hi[2], hi[3]);
+            const auto& dlo = dp[mf][2 * t];
+            const auto& dhi = dp[mf][2 * t + 1];
+            dsa[mf][0] = sm80::pack2<Element>(dlo[0], dlo[1]);
+            dsa[mf][1] = sm80::pack2<Element>(dlo[2], dlo[3]);
+            dsa[mf][2] = sm80::pack2<Element>(dhi[0], dhi[1]);
+            dsa[mf][3] = sm80::pack2<Element>(dhi[2], dhi[3]);
+          }
         }
 #pragma unroll
         for (int dpair = 0; dpair < Cfg::kDVCols / 16; ++dpair) {
           uint32_t b[4];
           sm80::ldmatrix_x4_trans(
               b, s_do(stage) + DoTile::step(do_bt, t, d_half * (Cfg::kDVCols / 16) + dpair));
-          sm80::mma_16816<Element>(dv_acc[2 * dpair], pa, b[0], b[1]);
-          sm80::mma_16816<Element>(dv_acc[2 * dpair + 1], pa, b[2], b[3]);
+#pragma unroll
+          for (int mf = 0; mf < kKeyFrags; ++mf) {
+            sm80::mma_16816<Element>(dv_acc[mf][2 * dpair], pa[mf], b[0], b[1]);
+            sm80::mma_16816<Element>(dv_acc[mf][2 * dpair + 1], pa[mf], b[2], b[3]);
+          }
         }
 #pragma unroll
         for (int dpair = 0; dpair < Cfg::kDKCols / 16; ++dpair) {
           uint32_t b[4];
           sm80::ldmatrix_x4_trans(
               b, s_q(stage) + QTile::step(q_bt, t, d_half * (Cfg::kDKCols / 16) + dpair));
-          sm80::mma_16816<Element>(dk_acc[2 * dpair], dsa, b[0], b[1]);
-          sm80::mma_16816<Element>(dk_acc[2 * dpair + 1], dsa, b[2], b[3]);
+#pragma unroll
+          for (int mf = 0; mf < kKeyFrags; ++mf) {
+            sm80::mma_16816<Element>(dk_acc[mf][2 * dpair], dsa[mf], b[0], b[1]);
+            sm80::mma_16816<Element>(dk_acc[mf][2 * dpair + 1], dsa[mf], b[2], b[3]);
+          }
         }
       }
       if constexpr (!kSplit) __syncthreads();  // dS^T is complete
@@ -630,24 +676,28 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
     const int64_t dv_base = kv_head * p.dv_head_stride +
                             (kGroup ? seq.k_start * p.dv_seq_stride : batch * p.dv_batch_stride);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int key = key0 + warp_key0 + lane / 4 + h * 8;
-      if (Cfg::kPadSeqlen && key >= keys_owned) continue;
+    for (int mf = 0; mf < kKeyFrags; ++mf) {
 #pragma unroll
-      for (int dt = 0; dt < Cfg::kDKCols / 8; ++dt) {
-        const int col = d_half * Cfg::kDKCols + dt * 8 + (lane % 4) * 2;
-        if (Cfg::kPadHdim && col >= f.hdim_q) continue;
-        *reinterpret_cast<uint32_t*>(static_cast<Element*>(p.dk) + dk_base +
-                                     key * p.dk_seq_stride + col) =
-            sm80::pack2<Element>(dk_acc[dt][2 * h] * f.scale, dk_acc[dt][2 * h + 1] * f.scale);
-      }
+      for (int h = 0; h < 2; ++h) {
+        const int key = key0 + warp_key0 + mf * 16 + lane / 4 + h * 8;
+        if (Cfg::kPadSeqlen && key >= keys_owned) continue;
 #pragma unroll
-      for (int dt = 0; dt < Cfg::kDVCols / 8; ++dt) {
-        const int col = d_half * Cfg::kDVCols + dt * 8 + (lane % 4) * 2;
-        if (Cfg::kPadHdim && col >= f.hdim_v) continue;
-        *reinterpret_cast<uint32_t*>(static_cast<Element*>(p.dv) + dv_base +
-                                     key * p.dv_seq_stride + col) =
-            sm80::pack2<Element>(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
+        for (int dt = 0; dt < Cfg::kDKCols / 8; ++dt) {
+          const int col = d_half * Cfg::kDKCols + dt * 8 + (lane % 4) * 2;
+          if (Cfg::kPadHdim && col >= f.hdim_q) continue;
+          *reinterpret_cast<uint32_t*>(static_cast<Element*>(p.dk) + dk_base +
+                                       key * p.dk_seq_stride + col) =
+              sm80::pack2<Element>(dk_acc[mf][dt][2 * h] * f.scale,
+                                   dk_acc[mf][dt][2 * h + 1] * f.scale);
+        }
+#pragma unroll
+        for (int dt = 0; dt < Cfg::kDVCols / 8; ++dt) {
+          const int col = d_half * Cfg::kDVCols + dt * 8 + (lane % 4) * 2;
+          if (Cfg::kPadHdim && col >= f.hdim_v) continue;
+          *reinterpret_cast<uint32_t*>(static_cast<Element*>(p.dv) + dv_base +
+                                       key * p.dv_seq_stride + col) =
+              sm80::pack2<Element>(dv_acc[mf][dt][2 * h], dv_acc[mf][dt][2 * h + 1]);
+        }
       }
     }
     __syncthreads();  // the next key tile's prologue overwrites K, V and stage 0
