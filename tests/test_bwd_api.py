@@ -754,13 +754,14 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(),
 
 def gpu_problem(seed=0, **options):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(2, 200, h, 64, device="cuda", generator=gen).to(torch.bfloat16)
+    q, k, v = (torch.randn(2, 200, h, 64, device="cuda", generator=gen).to(F16)
                for h in (4, 2, 2))
     try:
+        fmha.select(q, k, v, return_lse=True, **options)  # the forward autograd runs
         fmha.select_bwd(q, k, v, **options)
     except fmha.MissingInstanceError as exc:
-        pytest.skip(f"no backward instance for this problem in this build: {str(exc)[:80]}")
-    dout = torch.randn(2, 200, 4, 64, device="cuda", generator=gen).to(torch.bfloat16)
+        pytest.skip(f"no instance for this problem in this build: {str(exc)[:80]}")
+    dout = torch.randn(2, 200, 4, 64, device="cuda", generator=gen).to(F16)
     return q, k, v, dout
 
 
@@ -770,7 +771,8 @@ def autograd_grads(q, k, v, dout, **options):
 
 
 @GPU
-@pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(32, 0), softcap=20.0)])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True),
+                                     dict(window_size=(32, 0), softcap=20.0)])
 def test_gpu_fmha_bwd_gives_autograds_gradients_and_plans_once(options):
     q, k, v, dout = gpu_problem(**options)
     with torch.no_grad():
@@ -806,8 +808,27 @@ def test_gpu_autograd_differentiates_the_dropout_pattern_it_drew():
 
 @GPU
 def test_gpu_the_ops_backward_plans_serve_fresh_tensors():
-    gpu_problem(causal=True)  # skips without an instance
+    gpu_problem()  # skips without an instance
     _bwd._BWD_OP_PLANS.clear()
     for seed in (1, 2, 3):
-        autograd_grads(*gpu_problem(seed=seed, causal=True), causal=True)
+        autograd_grads(*gpu_problem(seed=seed))
     assert len(_bwd._BWD_OP_PLANS) == 1
+
+
+@GPU
+def test_gpu_torch_compile_runs_forward_and_backward_as_eager_autograd():
+    q, k, v, dout = gpu_problem(causal=True)
+
+    def attention(q, k, v):
+        return fmha.fwd(q, k, v, causal=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, fullgraph=True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        eager = autograd_grads(q, k, v, dout, causal=True)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        traced = torch.autograd.grad(compiled(*leaves), leaves, dout)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(eager, traced))
