@@ -311,7 +311,7 @@ class Gradients:
     dbias: Optional[torch.Tensor] = None
 
 
-def attention_grads(q, k, v, dout, *, dbias=False, compute_dtype=torch.float64,
+def attention_grads(q, k, v, dout, *, dbias=False, bwd_out=None, compute_dtype=torch.float64,
                     **kwargs) -> Gradients:
     """fmha.bwd's semantics: torch.autograd.grad of attention_reference(q, k, v, **kwargs) at
     dout, computed in compute_dtype (float64: the truth; the input dtype: the same backward in
@@ -322,6 +322,11 @@ def attention_grads(q, k, v, dout, *, dbias=False, compute_dtype=torch.float64,
     that share a K/V head, dbias over the dimensions the bias broadcasts. dout has out's shape;
     its rows that no sequence uses are not read (they may be NaN). Rows that no sequence uses,
     query rows that see no key and keys that no row sees get gradient 0.
+
+    bwd_out: the forward's output as the backward reads it (rounded to the input dtype, or a
+    forward kernel's). FlashAttention's backward takes D_i = dO_i . O_i from it, in
+    dS_ij = P_ij (dP_ij - D_i); the gradients are then those of that D, which differs from the
+    exact one by the output's own error (with one visible key, dS is that difference alone).
     """
 
     def leaf(t):
@@ -339,7 +344,13 @@ def attention_grads(q, k, v, dout, *, dbias=False, compute_dtype=torch.float64,
     out, lse = attention_reference(q, k, v, compute_dtype=compute_dtype, **kwargs)
     used = ~out.isnan()  # rows no sequence uses stay NaN, and their dout is never read
     grad_out = torch.where(used, dout.to(compute_dtype), torch.zeros_like(out))
-    grads = torch.autograd.grad(out, leaves, grad_out)
+    # D_i of bwd_out moves dS_ij by -P_ij (D_i(bwd_out) - D_i(out)): the gradient, at s, of
+    # -(that difference) * lse_i, since d lse_i / d s_ij = P_ij.
+    grad_lse = torch.zeros_like(lse)
+    if bwd_out is not None:
+        moved = torch.where(used, bwd_out.to(compute_dtype) - out.detach(), torch.zeros_like(out))
+        grad_lse = -(grad_out * moved).sum(-1).transpose(-1, -2)
+    grads = torch.autograd.grad((out, lse), leaves, (grad_out, grad_lse))
     return Gradients(out.detach(), lse.detach(), *grads)
 
 
@@ -998,9 +1009,9 @@ def grad_kwargs(inputs: Inputs) -> tuple[dict, dict]:
 @dataclass
 class BwdCase:
     """One backward problem, ready to run: the forward's inputs and dout (make_inputs), the
-    forward's output as the backward's caller holds it (the truth rounded to the input dtype,
-    in the spec's layout: NaN in rows no sequence uses) and its log-sum-exp (float32, NaN
-    there too), fmha.bwd's keyword arguments, and the reference's gradients."""
+    forward's output as the backward's caller holds it and its log-sum-exp (bwd_case says
+    whose: the reference's are in the spec's layout and NaN in rows no sequence uses),
+    fmha.bwd's keyword arguments, and the reference's gradients."""
 
     spec: Spec
     inputs: Inputs
@@ -1015,21 +1026,26 @@ class BwdCase:
         return self.kwargs.get("bias")
 
 
-def bwd_case(fmha, spec: Spec, device="cuda", seed: int = 0) -> BwdCase:
+def bwd_case(fmha, spec: Spec, device="cuda", seed: int = 0, forward=None) -> BwdCase:
     """The case of `spec`, its tensors drawn as make_inputs(spec, device, seed, grad=True).
 
-    The backward gets the reference's output and log-sum-exp rather than a forward kernel's,
-    so that it is tested alone, on inputs as exact as its dtype holds, whichever forward
-    instances the build has."""
+    The backward reads the reference's output (rounded to the input dtype) and log-sum-exp, so
+    that it is tested alone, whichever forward instances the build has; `forward` (fmha.fwd)
+    gives it that forward's instead. The truth takes D_i = dO_i . O_i of the output the
+    backward reads (attention_grads' bwd_out)."""
     inputs = make_inputs(spec, device, seed, grad=True)
     keep = keep_pattern(fmha, spec, inputs) if spec.dropout_p else None
     kwargs, ref = grad_kwargs(inputs)
+    if forward is None:
+        exact, lse = attention_reference(inputs.q, inputs.k, inputs.v, **ref, dropout_keep=keep)
+        out, lse = in_layout(exact, spec.layout, spec.dtype), lse.float().contiguous()
+    else:
+        out, lse = forward(inputs.q, inputs.k, inputs.v, **kwargs, return_lse=True)
     args = (inputs.q, inputs.k, inputs.v, inputs.dout)
-    truth = attention_grads(*args, **ref, dropout_keep=keep, dbias=spec.dbias)
+    truth = attention_grads(*args, **ref, dropout_keep=keep, dbias=spec.dbias, bwd_out=out)
     lowp = attention_grads(*args, **ref, dropout_keep=keep, dbias=spec.dbias,
                            compute_dtype=spec.dtype)
-    out = in_layout(truth.out, spec.layout, spec.dtype)
-    return BwdCase(spec, inputs, out, truth.lse.float().contiguous(), kwargs, truth, lowp)
+    return BwdCase(spec, inputs, out, lse, kwargs, truth, lowp)
 
 
 def poison_allocator(shapes, device) -> None:

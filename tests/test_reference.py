@@ -894,6 +894,29 @@ def test_group_grads_are_per_sequence_batch_grads():
     assert_grads(got, (dq, dk, dv, dbias))
 
 
+def test_bwd_out_gives_d_of_the_output_the_backward_reads():
+    """dS_ij = P_ij (dP_ij - D_i) with D_i = dO_i . O_i of the output given as bwd_out:
+    FlashAttention's backward written out with the probabilities, GQA heads summed."""
+    q, k, v = qkv(b=1, sq=5, sk=7, hq=4, hk=2, d=8, dv=8, seed=80)
+    dout = rand(1, 5, 4, 8, seed=81)
+    kw = dict(causal=True, mask_align="bottom_right", softmax_scale=0.3)
+    out, _ = R.attention_reference(q, k, v, **kw)
+    exact = R.attention_grads(q, k, v, dout, **kw)
+    assert_grads(R.attention_grads(q, k, v, dout, **kw, bwd_out=out),
+                 (exact.dq, exact.dk, exact.dv))
+    given = out + 1e-3 * rand(*out.shape, seed=82)
+    got = R.attention_grads(q, k, v, dout, **kw, bwd_out=given)
+    qh, doh, oh = (t.transpose(1, 2) for t in (q, dout, given))
+    kh, vh = (t.transpose(1, 2).repeat_interleave(2, dim=1) for t in (k, v))
+    s = (qh @ kh.transpose(-1, -2) * 0.3).masked_fill(
+        ~R.visible(5, 7, -1, 0, "bottom_right"), float("-inf"))
+    p = torch.softmax(s, -1)
+    ds = p * (doh @ vh.transpose(-1, -2) - (doh * oh).sum(-1, keepdim=True))
+    dk = (0.3 * ds.transpose(-1, -2) @ qh).view(1, 2, 2, 7, 8).sum(2)  # GQA: 2 heads a K/V head
+    dv = (p.transpose(-1, -2) @ doh).view(1, 2, 2, 7, 8).sum(2)
+    assert_grads(got, [t.transpose(1, 2) for t in (0.3 * ds @ kh, dk, dv)])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_grads_are_close_but_rounded(dtype):
     q, k, v = qkv(b=1, sq=16, sk=40, hq=2, hk=1, d=32, dv=32, seed=73, dtype=dtype)
