@@ -14,6 +14,13 @@ a row. Prints a table and, with --json, writes every row.
 SDPA backends that can compute the same thing (attn_mask: cuDNN and memory-efficient; dropout:
 flash) and against fmha's own plain row, whose ratio shows what the trait costs. Windows count
 only the visible (query, key) pairs as FLOPs.
+
+--bwd times the backward pass instead, at FlashAttention's 2.5x the forward's FLOPs, and the
+forward and backward together at 3.5x: every backend through torch.autograd.grad (fmha's
+through fmha.fwd's autograd formula, SDPA's through the backward its forward's autograd node
+runs), on the same grid. --deterministic adds fmha.bwd's deterministic mode, called directly
+(column fmha_det, and det/fmha its share of the default mode's speed). Under the tables: the
+peak memory of one forward+backward of each backend on one shape of the grid.
 """
 
 import argparse
@@ -57,6 +64,8 @@ def parse_args(argv):
     p.add_argument("--bwd", action="store_true",
                    help="time the backward pass (2.5x the forward's FLOPs) and forward+backward "
                         "(3.5x) instead of the forward, on the same grid")
+    p.add_argument("--deterministic", action="store_true",
+                   help="with --bwd: also time fmha.bwd(deterministic=True) (column fmha_det)")
     p.add_argument("--graph", action="store_true",
                    help="also time fmha replayed from a CUDA graph (column fmha_graph): no "
                         "host work between calls, so fmha/fmha_graph below 1 is host-bound")
@@ -65,6 +74,8 @@ def parse_args(argv):
     unknown = set(args.dtypes) - set(DTYPES)
     if unknown:
         p.error(f"unknown dtype {sorted(unknown)}; valid: {', '.join(DTYPES)}")
+    if args.deterministic and not args.bwd:
+        p.error("--deterministic times the backward: give --bwd too")
     return args
 
 
@@ -103,19 +114,55 @@ def run_case(dtype, d, s, causal, args):
     return row
 
 
+def time_fmha_backward(bwd, both, flops, args, q, k, v, dout, causal):
+    """Adds fmha's backward and forward+backward TFLOP/s to the two rows: torch.autograd.grad
+    through fmha.fwd, and with --deterministic fmha.bwd(deterministic=True) on the forward's
+    out and lse (fmha_det). A problem the build has no instance for leaves fmha_error."""
+    try:
+        bwd["instance"] = both["instance"] = fmha.select_bwd(q, k, v, causal=causal)["name"]
+        out = fmha.fwd(q, k, v, causal=causal)
+        grads = lambda: torch.autograd.grad(out, (q, k, v), dout,  # noqa: E731
+                                            retain_graph=True)
+        bwd["fmha"] = 2.5 * flops / median_ms(grads, args.warmup_ms, args.repeat_ms) * 1e-9
+        step = lambda: torch.autograd.grad(fmha.fwd(q, k, v, causal=causal),  # noqa: E731
+                                           (q, k, v), dout)
+        both["fmha"] = 3.5 * flops / median_ms(step, args.warmup_ms, args.repeat_ms) * 1e-9
+        if args.deterministic:
+            q, k, v = q.detach(), k.detach(), v.detach()
+            out, lse = fmha.fwd(q, k, v, causal=causal, return_lse=True)
+            grads = lambda: fmha.bwd(dout, q, k, v, out, lse, causal=causal,  # noqa: E731
+                                     deterministic=True)
+            bwd["fmha_det"] = 2.5 * flops / median_ms(grads, args.warmup_ms,
+                                                      args.repeat_ms) * 1e-9
+            step = lambda: deterministic_step(q, k, v, dout, causal)  # noqa: E731
+            both["fmha_det"] = 3.5 * flops / median_ms(step, args.warmup_ms,
+                                                       args.repeat_ms) * 1e-9
+    except (ValueError, RuntimeError) as err:  # not in this build, or unavailable here
+        for row in (bwd, both):
+            row.setdefault("fmha", None)
+            row["fmha_error"] = str(err).splitlines()[0]
+
+
+def deterministic_step(q, k, v, dout, causal):
+    """fmha.fwd(q, k, v) and fmha.bwd(deterministic=True) of it, on tensors without grad."""
+    out, lse = fmha.fwd(q, k, v, causal=causal, return_lse=True)
+    return fmha.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=True)
+
+
 def run_backward_case(dtype, d, s, causal, args):
     """The backward pass and forward+backward of one grid case: two rows, TFLOP/s at
     FlashAttention's convention of 2.5x (3.5x) the forward's FLOPs. Each SDPA backend's
-    backward is the one its forward's autograd node runs. fmha has no backward pass yet
-    (issue 14): its cells say so."""
+    backward is the one its forward's autograd node runs; fmha's is fmha.fwd's autograd
+    formula (time_fmha_backward)."""
     b, h = max(1, args.tokens // s), args.hidden // d
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
     key = {"dtype": str(dtype).removeprefix("torch."), "hdim": d, "causal": causal, "batch": b,
            "nheads": h, "seqlen": s}
-    bwd, both = dict(key, fmha=None), dict(key, fmha=None)
-    bwd["fmha_error"] = both["fmha_error"] = "fmha has no backward pass yet (issue 14)"
-    qt, kt, vt = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True)
-                  for _ in range(3))
+    bwd, both = dict(key), dict(key)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    time_fmha_backward(bwd, both, flops, args, q, k, v, torch.randn_like(q), causal)
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     forward = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)  # noqa: E731
     for name in GRID_BACKENDS:
         try:
@@ -131,6 +178,52 @@ def run_backward_case(dtype, d, s, causal, args):
             bwd[name] = both[name] = None
             bwd[f"{name}_error"] = both[f"{name}_error"] = str(err).splitlines()[0]
     return bwd, both
+
+
+def peak_mib(step) -> float:
+    """MiB one step() allocates at its peak above what was allocated before it (its outputs
+    included); a first call, untimed and unmeasured, leaves plans and workspaces behind it."""
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def measure_backward_memory(args) -> dict:
+    """The peak memory of one forward+backward of each backend on one case of the grid: the
+    first dtype, head dim 128 where the grid has it, the longest sequence, no mask. {"shape":
+    its description, backend: MiB or the error that stopped it}."""
+    dtype = DTYPES[args.dtypes[0]]
+    d = 128 if 128 in args.hdims else args.hdims[0]
+    s = max(args.seqlens)
+    b, h = max(1, args.tokens // s), args.hidden // d
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    qt, kt, vt, dout_t = (t.detach().transpose(1, 2).contiguous() for t in (q, k, v, dout))
+    qt, kt, vt = (t.requires_grad_() for t in (qt, kt, vt))
+    steps = {"fmha": lambda: torch.autograd.grad(fmha.fwd(q, k, v), (q, k, v), dout)}
+    if args.deterministic:
+        steps["fmha_det"] = lambda: deterministic_step(q.detach(), k.detach(), v.detach(),
+                                                       dout, False)
+    sdpa = lambda: torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt),  # noqa: E731
+                                       (qt, kt, vt), dout_t)
+    memory = {"shape": f"{args.dtypes[0]} d{d} S={s} b={b} h={h}"}
+    for name, step in steps.items():
+        try:
+            memory[name] = peak_mib(step)
+        except (ValueError, RuntimeError) as err:
+            memory[name] = str(err).splitlines()[0]
+    for name in GRID_BACKENDS:
+        try:
+            with sdpa_kernel(SDPA_BACKENDS[name]):
+                memory[name] = peak_mib(sdpa)
+        except RuntimeError as err:
+            memory[name] = str(err).splitlines()[0]
+    return memory
 
 
 def visible_pairs(s, left, right):
@@ -217,18 +310,24 @@ def measure_host_us(rounds: int = 5):
     return costs
 
 
+# The ratio columns of the tables: (numerator, denominator) of the row's TFLOP/s.
+RATIOS = {"vs_flash": ("fmha", "sdpa_flash"), "vs_cudnn": ("fmha", "cudnn"),
+          "vs_graph": ("fmha", "fmha_graph"), "det/fmha": ("fmha_det", "fmha")}
+
+
 def format_table(rows, first):
     cols = [first, "fmha", "sdpa_flash", "cudnn", "sdpa_efficient", "vs_flash", "vs_cudnn"]
     if any("fmha_graph" in r for r in rows):
         cols += ["fmha_graph", "vs_graph"]
+    if any("fmha_det" in r for r in rows):
+        cols += ["fmha_det", "det/fmha"]
     lines = [" ".join(f"{c:>14}" for c in cols)]
     for r in rows:
         cells = []
         for c in cols:
-            if c.startswith("vs_"):
-                other = r.get({"vs_flash": "sdpa_flash", "vs_cudnn": "cudnn",
-                               "vs_graph": "fmha_graph"}[c])
-                val = f"{r['fmha'] / other:.2f}x" if other and r.get("fmha") else "-"
+            if c in RATIOS:
+                num, den = (r.get(key) for key in RATIOS[c])
+                val = f"{num / den:.2f}x" if num and den else "-"
             elif c == first:
                 val = " ".join(str(r[key]) for key in KEYS[first])
             else:
@@ -291,8 +390,10 @@ def main_backward(args, causal_values):
                     bwd_rows.append(bwd)
                     both_rows.append(both)
                     print(json.dumps({"bwd": bwd, "fwd_bwd": both}), file=sys.stderr, flush=True)
+    memory = measure_backward_memory(args)
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "cudnn": torch.backends.cudnn.version(), "targets": fmha.compiled_targets()}
+            "cudnn": torch.backends.cudnn.version(), "targets": fmha.compiled_targets(),
+            "peak_memory_mib": memory}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "bwd_rows": bwd_rows, "fwd_bwd_rows": both_rows}, f,
@@ -302,8 +403,13 @@ def main_backward(args, causal_values):
     print(format_table(bwd_rows, "case"))
     print("forward + backward (3.5x):")
     print(format_table(both_rows, "case"))
-    if any(r.get("fmha_error") for r in bwd_rows):
-        print(f"fmha: {bwd_rows[0]['fmha_error']}")
+    for error in sorted({r["fmha_error"] for r in bwd_rows if r.get("fmha_error")}):
+        print(f"fmha: {error}")
+    shape = memory.pop("shape")
+    print(f"peak memory of one forward+backward ({shape}), MiB above the inputs, gradients "
+          "included:")
+    print("  " + ", ".join(f"{name} {mib:.0f}" if isinstance(mib, float) else f"{name}: {mib}"
+                           for name, mib in memory.items()))
 
 
 if __name__ == "__main__":
