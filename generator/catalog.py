@@ -1,68 +1,91 @@
-"""From the configuration to the instances it defines: expand the matrix, prune it with the
-rules, give each surviving point its tile. Filters then select from this catalog."""
+"""From the configuration to the instances it defines, per operation: expand its matrix, prune
+it with its rules, give each surviving point its tile. Filters then select from this catalog."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 
-from .config import Config, Matrix, TileEntry
+from .config import Config, OperationConfig, TileEntry
 from .dispatch import check_dispatchable, dispatch_order
 from .errors import GeneratorError
 from .gaps import PipelineGap, pipeline_gaps
-from .model import FwdTraits, Instance, MatrixPoint
-from .schema import MATRIX_AXES
+from .model import Instance, MatrixPoint
+from .schema import BUILD_AXES, OperationKind
 
 
 @dataclass(frozen=True)
 class Catalog:
-    instances: tuple[Instance, ...]  # in the dispatcher's order of preference
+    # Operation by operation (operations.OPERATIONS's order), each in the dispatcher's order of
+    # preference.
+    instances: tuple[Instance, ...]
     pruned: int  # matrix points dropped by rules
-    gaps: tuple[PipelineGap, ...]  # traits the rules leave a pipeline without, per arch
+    gaps: tuple[PipelineGap, ...]  # traits the rules leave a pipeline without, per op and arch
+
+    def of(self, op: OperationKind) -> tuple[Instance, ...]:
+        return tuple(i for i in self.instances if i.op == op)
 
 
 def build_catalog(config: Config) -> Catalog:
-    points = expand(config.matrix)
-    kept = prune(points, config)
-    instances = dispatch_order(assign_tiles(kept, config))
-    try:
-        check_dispatchable(instances)
-    except GeneratorError as err:
-        # An instance the dispatcher never runs is a point that a rule should prune.
-        raise config.error(config.section_lines["rules"], f"rules: {err.message}") from None
-    return Catalog(instances, pruned=len(points) - len(kept),
-                   gaps=pipeline_gaps(config.rules, instances))
+    points = {token: expand(op_config) for token, op_config in config.operations.items()}
+    for rule in config.shared_rules:
+        if not any(rule.matches(p) for op_points in points.values() for p in op_points):
+            raise config.error(rule.line, f"{rule.label}: this rule matches no point of the "
+                                          f"matrix of any operation; fix or remove it")
+    instances, pruned, gaps = [], 0, []
+    for token, op_config in config.operations.items():
+        kept = prune(points[token], op_config, config)
+        ordered = dispatch_order(assign_tiles(kept, op_config, config))
+        try:
+            check_dispatchable(ordered)
+        except GeneratorError as err:
+            # An instance the dispatcher never runs is a point that a rule should prune.
+            raise config.error(op_config.lines["rules"],
+                               f"{op_config.label}.rules: {err.message}") from None
+        instances += ordered
+        pruned += len(points[token]) - len(kept)
+        gaps += pipeline_gaps(op_config.rules, ordered)
+    return Catalog(tuple(instances), pruned=pruned, gaps=tuple(gaps))
 
 
-def expand(matrix: Matrix) -> tuple[MatrixPoint, ...]:
-    """The cross product of the matrix axes, in the order the YAML lists their values."""
-    return tuple(
-        MatrixPoint(FwdTraits(dtype, hdim_q, hdim_v, mask, bias, vlayout, mode, lse, dropout,
-                              softcap),
-                    pipeline, arch, pad_seqlen, pad_hdim)
-        for (dtype, (hdim_q, hdim_v), mask, bias, vlayout, mode, lse, dropout, softcap, pipeline,
-             arch, pad_seqlen, pad_hdim)
-        in itertools.product(*(getattr(matrix, axis) for axis in MATRIX_AXES)))
+def expand(op_config: OperationConfig) -> tuple[MatrixPoint, ...]:
+    """The cross product of an operation's matrix axes, in the order the YAML lists their
+    values."""
+    op, matrix = op_config.op, op_config.matrix
+    # The matrix axes are the traits' fields in order (hdim for the two head dims), then
+    # BUILD_AXES in MatrixPoint's order: both are built positionally.
+    axes, traits = op.matrix_axes, op.traits
+    assert axes[1] == "hdim" and axes[-len(BUILD_AXES):] == BUILD_AXES
+    functional = len(axes) - len(BUILD_AXES)
+    return tuple(MatrixPoint(traits(values[0], *values[1], *values[2:functional]),
+                             *values[functional:])
+                 for values in itertools.product(*(matrix[axis] for axis in axes)))
 
 
-def prune(points: tuple[MatrixPoint, ...], config: Config) -> tuple[MatrixPoint, ...]:
-    """Drops the points some rule matches. A rule that matches no point of the matrix is dead
-    configuration, most likely a typo in a value that does exist, so it is an error."""
-    for rule in config.rules:
-        if not any(rule.matches(point) for point in points):
-            raise config.error(rule.line, "rules: this rule matches no point of the matrix; "
-                                          "fix or remove it")
-    kept = tuple(p for p in points if not any(rule.matches(p) for rule in config.rules))
+def prune(points: tuple[MatrixPoint, ...], op_config: OperationConfig,
+          config: Config) -> tuple[MatrixPoint, ...]:
+    """Drops the points some rule matches. A rule of the operation's own that matches no point
+    of its matrix is dead configuration, most likely a typo in a value that does exist, so it
+    is an error (a shared rule needs to match a point of some operation's)."""
+    shared = set(config.shared_rules)
+    for rule in op_config.rules:
+        if rule not in shared and not any(rule.matches(point) for point in points):
+            raise config.error(rule.line, f"{rule.label}: this rule matches no point of the "
+                                          f"matrix; fix or remove it")
+    kept = tuple(p for p in points if not any(rule.matches(p) for rule in op_config.rules))
     if not kept:
-        raise config.error(config.section_lines["rules"], "rules: they prune every point of "
-                                                          "the matrix, so nothing would be built")
+        raise config.error(op_config.lines["rules"],
+                           f"{op_config.label}.rules: they prune every point of the matrix, so "
+                           f"nothing would be built")
     return kept
 
 
-def assign_tiles(points: tuple[MatrixPoint, ...], config: Config) -> tuple[Instance, ...]:
-    """Gives each point the one `tiles:` entry that matches it. None, two, or an entry no point
-    uses are configuration errors: a tile choice must be explicit, single and alive. So is a
-    tile whose shared memory exceeds what an arch it is used on allows: the launch would fail.
+def assign_tiles(points: tuple[MatrixPoint, ...], op_config: OperationConfig,
+                 config: Config) -> tuple[Instance, ...]:
+    """Gives each point the one `tiles:` entry of its operation that matches it. None, two, or
+    an entry no point uses are configuration errors: a tile choice must be explicit, single
+    and alive. So is a tile whose shared memory exceeds what an arch it is used on allows: the
+    launch would fail.
 
     Points differ in many axes a tile does not depend on, so the entry is looked up once per
     (pipeline, arch, hdim_q, hdim_v)."""
@@ -71,14 +94,14 @@ def assign_tiles(points: tuple[MatrixPoint, ...], config: Config) -> tuple[Insta
     for point in points:
         key = (point.pipeline, point.arch, point.traits.hdim_q, point.traits.hdim_v)
         if key not in used:
-            used[key] = _tile_entry(point, config)
+            used[key] = _tile_entry(point, op_config, config)
         instances.append(Instance(point, used[key].tile))
-    for entry in config.tiles:
+    for entry in op_config.tiles:
         if entry not in used.values():
-            raise config.error(entry.line, "tiles: this entry matches no instance; "
-                                           "fix or remove it")
+            raise config.error(entry.line, f"{entry.label}: this entry matches no instance; "
+                                           f"fix or remove it")
     for (pipeline, arch, *_), entry in used.items():
-        smem = pipeline.shared_memory
+        smem = op_config.op.kernel(pipeline).shared_memory
         needed = smem.bytes(entry.tile, entry.hdim)
         if needed > arch.smem_limit:
             raise config.error(entry.line, f"{entry.label}: the tile needs {needed} bytes of "
@@ -87,15 +110,15 @@ def assign_tiles(points: tuple[MatrixPoint, ...], config: Config) -> tuple[Insta
     return tuple(instances)
 
 
-def _tile_entry(point: MatrixPoint, config: Config) -> TileEntry:
-    entries = [entry for entry in config.tiles if entry.matches(point)]
+def _tile_entry(point: MatrixPoint, op_config: OperationConfig, config: Config) -> TileEntry:
+    entries = [entry for entry in op_config.tiles if entry.matches(point)]
     key = (f"pipeline={point.pipeline.token}, arch={point.arch.token}, "
            f"hdim_q={point.traits.hdim_q}, hdim_v={point.traits.hdim_v}")
+    label = f"{op_config.label}.tiles"
     if not entries:
-        raise config.error(config.section_lines["tiles"], f"tiles: no entry matches {key}; "
-                                                          f"add one")
+        raise config.error(op_config.lines["tiles"], f"{label}: no entry matches {key}; add one")
     if len(entries) > 1:
         first, second = entries[:2]
-        raise config.error(second.line, f"tiles: this entry and the one at line {first.line} "
+        raise config.error(second.line, f"{label}: this entry and the one at line {first.line} "
                                         f"both match {key}; each instance needs exactly one")
     return entries[0]

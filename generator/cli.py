@@ -64,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     action.add_argument("--list", action="store_true",
                         help="print the selected instance names in dispatch order; write nothing")
     action.add_argument("--presets", action="store_true",
-                        help="print each preset's instance and TU counts (per target too) with "
-                             "its reason, with --filter and --targets applied; JSON with "
-                             "--json; write nothing")
+                        help="print each preset's instance counts per operation and TU counts "
+                             "(per target too) with its reason, with --filter and --targets "
+                             "applied; JSON with --json; write nothing")
     action.add_argument("--explain", metavar="PROBLEM",
                         help="print the selected instance the runtime would run for PROBLEM "
                              "and why, or on a miss the nearest ones and a --filter that "
@@ -136,14 +136,21 @@ def _run(args: argparse.Namespace) -> None:
     report = sync(args.out, files, owned=manifest_sources)
     if not args.quiet:
         part = f"; shard {shard}:" if shard else ","
+        per_op = ", ".join(f"{op} {count}"
+                           for op, count in _per_op(selection.instances, config).items())
         print(f"generator: {len(selection.instances)} of {len(catalog.instances)} instances "
-              f"selected ({catalog.pruned} pruned){part} {_tu_counts(built, selection.targets)}, "
-              f"{report.written} files written, {report.unchanged} unchanged, "
-              f"{report.removed} removed -> {args.out.as_posix()}")
+              f"selected ({per_op}; {catalog.pruned} pruned){part} "
+              f"{_tu_counts(built, selection.targets)}, {report.written} files written, "
+              f"{report.unchanged} unchanged, {report.removed} removed -> {args.out.as_posix()}")
 
 
 def _per_target(instances: Sequence[Instance], targets: Sequence[Arch]) -> dict[str, int]:
     return {arch.token: sum(i.point.arch == arch for i in instances) for arch in targets}
+
+
+def _per_op(instances: Sequence[Instance], config: Config) -> dict[str, int]:
+    """Instances per operation of the config."""
+    return {op: sum(i.op.token == op for i in instances) for op in config.operations}
 
 
 def _tu_counts(instances: Sequence[Instance], targets: Sequence[Arch]) -> str:
@@ -155,19 +162,22 @@ def _tu_counts(instances: Sequence[Instance], targets: Sequence[Arch]) -> str:
 
 def _print_presets(selections: dict[str, Selection], config: Config, catalog: Catalog,
                    as_json: bool) -> None:
-    """One row per preset: instances, TUs (one per instance) in all and per target, and why."""
+    """One row per preset: instances per operation, TUs (one per instance) in all and per
+    target, and why."""
     archs = [arch for arch in ARCH if any(i.point.arch == arch for i in catalog.instances)]
     rows = [{"preset": name, "filters": list(config.presets[name].filters),
-             "instances": len(selection.instances), "tus": len(selection.instances),
+             "instances": len(selection.instances),
+             "instances_per_op": _per_op(selection.instances, config),
+             "tus": len(selection.instances),
              "tus_per_target": _per_target(selection.instances, archs),
              "why": " ".join(config.presets[name].why.split())}
             for name, selection in selections.items()]
     if as_json:
         sys.stdout.write(json_text(rows))
         return
-    table = [["preset", "instances", "TUs", *(arch.token for arch in archs)],
-             *([row["preset"], row["instances"], row["tus"], *row["tus_per_target"].values()]
-               for row in rows)]
+    table = [["preset", *config.operations, "TUs", *(arch.token for arch in archs)],
+             *([row["preset"], *row["instances_per_op"].values(), row["tus"],
+                *row["tus_per_target"].values()] for row in rows)]
     widths = [max(len(str(line[column])) for line in table) for column in range(len(table[0]))]
 
     def cells(line: list) -> str:

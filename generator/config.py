@@ -1,11 +1,18 @@
 """Loading instances.yaml: every key, type and value is checked against the schema, and each
 mistake is reported as `file:line: what is wrong; valid: ...`.
 
-The file has four sections, all required:
-  matrix:   the values of each axis; the instance matrix is their cross product
-  tiles:    the tile of each (pipeline, arch, hdim_q, hdim_v), with the reason for it
-  rules:    pruning rules, `{when: {axis: value, [values] or {not: either}}, reason: ...}`
-  presets:  named filters, like CK's receipts; `default` is what a plain run builds
+The file's sections:
+  matrix:      optional; the axes every operation has, written once: their values
+  rules:       optional; pruning rules that hold for every operation (on the shared axes)
+  operations:  one entry per operation (fwd, bwd; operations.py says what each one is):
+    matrix:    optional; the values of its own axes (and of shared ones the top matrix leaves
+               out): each axis of an operation is given once, here or in the top matrix; its
+               matrix is their cross product
+    tiles:     the tile of each (pipeline, arch, hdim_q, hdim_v), with the reason for it
+    rules:     optional; its pruning rules, `{when: {axis: value, [values] or {not: either}},
+               reason: ...}`
+  presets:     named filters over every operation, like CK's receipts; `default` is what a
+               plain run builds
 """
 
 from __future__ import annotations
@@ -18,41 +25,37 @@ from pathlib import Path
 from . import yamllines
 from .errors import ConfigError, GeneratorError
 from .model import Condition, MatrixPoint, Tile
-from .schema import (BOOL_AXES, CONDITION_AXES, ENUM_AXES, INT_AXES, MATRIX_AXES, Arch, DataType,
-                     EnumAxis, EnumValue, Pipeline)
+from .operations import OPERATIONS, Operation
+from .schema import BOOL_AXES, ENUM_AXES, INT_AXES, MATRIX_AXES, Arch, EnumAxis, Pipeline
 from .yamllines import LineList, LineMap
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "instances.yaml"
 DEFAULT_PRESET = "default"
 
-_SECTIONS = ("matrix", "tiles", "rules", "presets")
+# In the order of the file; `operations` and `presets` are required.
+_SECTIONS = ("matrix", "rules", "operations", "presets")
+_OPERATION_SECTIONS = ("matrix", "tiles", "rules")  # `tiles` is required
 _TILE_MATCH_KEYS = ("pipeline", "hdim_q", "hdim_v")
 _TILE_SHAPE_KEYS = ("block_m", "block_n", "warps", "stages")
 
 
 @dataclass(frozen=True)
 class Matrix:
-    dtype: tuple[DataType, ...]
-    hdim: tuple[tuple[int, int], ...]  # (hdim_q, hdim_v)
-    mask: tuple[EnumValue, ...]
-    bias: tuple[EnumValue, ...]
-    vlayout: tuple[EnumValue, ...]
-    mode: tuple[EnumValue, ...]
-    lse: tuple[bool, ...]
-    dropout: tuple[bool, ...]
-    softcap: tuple[bool, ...]
-    pipeline: tuple[Pipeline, ...]
-    arch: tuple[Arch, ...]
-    pad_seqlen: tuple[bool, ...]
-    pad_hdim: tuple[bool, ...]
+    """The values of each axis of an operation's matrix, in its matrix_axes order; `hdim` holds
+    (hdim_q, hdim_v) pairs."""
+
+    axes: dict[str, tuple]
+
+    def __getitem__(self, axis: str) -> tuple:
+        return self.axes[axis]
 
 
 @dataclass(frozen=True)
 class TileEntry:
-    """One row of `tiles:`: the tile of every point with its pipeline and head dims, on its arch
-    or, when arch is not given, on every arch."""
+    """One row of an operation's `tiles:`: the tile of every point with its pipeline and head
+    dims, on its arch or, when arch is not given, on every arch."""
 
-    label: str  # its place in the file, tiles[i], for messages
+    label: str  # its place in the file, operations.fwd.tiles[i], for messages
     pipeline: Pipeline
     arch: Arch | None
     hdim: tuple[int, int]
@@ -73,6 +76,7 @@ class Rule:
     when: tuple[Condition, ...]
     reason: str
     line: int
+    label: str  # its place in the file: rules[i] (a shared rule) or operations.fwd.rules[i]
 
     def matches(self, point: MatrixPoint) -> bool:
         return all(condition.holds(point) for condition in self.when)
@@ -94,13 +98,26 @@ class Preset:
 
 
 @dataclass(frozen=True)
-class Config:
-    file: str  # the path as shown in messages
+class OperationConfig:
+    """One entry of `operations:`: an operation's matrix (the shared axes included), tiles and
+    rules (the shared rules first)."""
+
+    op: Operation
     matrix: Matrix
     tiles: tuple[TileEntry, ...]
     rules: tuple[Rule, ...]
+    label: str  # operations.fwd
+    lines: dict[str, int]  # where the entry, its matrix, tiles and rules start (or the entry)
+
+
+@dataclass(frozen=True)
+class Config:
+    file: str  # the path as shown in messages
+    # In operations.OPERATIONS's order, whatever the file's.
+    operations: dict[str, OperationConfig]
+    shared_rules: tuple[Rule, ...]  # also in each operation's rules
     presets: dict[str, Preset]
-    section_lines: dict[str, int]  # where `matrix:`, `tiles:`, ... start
+    section_lines: dict[str, int]  # where `matrix:`, `operations:`, ... start
 
     def error(self, line: int, message: str, details: str = "") -> ConfigError:
         return ConfigError(self.file, line, message, details)
@@ -159,33 +176,101 @@ class _Reader:
     # -- sections ----------------------------------------------------------------------------
 
     def config(self, data) -> Config:
-        top = self.mapping(data, "", 1, required=_SECTIONS)
-        tiles = self.items(top["tiles"], "tiles", top.line_of("tiles"))
-        rules = self.items(top["rules"], "rules", top.line_of("rules"), allow_empty=True)
+        top = self.mapping(data, "", 1, required=("operations", "presets"),
+                           optional=("matrix", "rules"), order=_SECTIONS)
+        entries = self.mapping(top["operations"], "operations", top.line_of("operations"),
+                               optional=tuple(OPERATIONS))
+        if not entries:
+            raise self.error(entries.line, f"operations: needs at least one operation; valid: "
+                                           f"{', '.join(OPERATIONS)}")
+        ops = [op for token, op in OPERATIONS.items() if token in entries]
+        shared = self.shared_matrix(top, ops)
+        shared_rules = ()
+        if "rules" in top:
+            rules = self.items(top["rules"], "rules", top.line_of("rules"), allow_empty=True)
+            shared_rules = tuple(self.rule(item, f"rules[{i}]", line, ops)
+                                 for i, item, line in rules)
+        operations = {op.token: self.operation(op, entries[op.token], entries.line_of(op.token),
+                                               shared, shared_rules) for op in ops}
         return Config(
             file=self.file,
-            matrix=self.matrix(top["matrix"], "matrix", top.line_of("matrix")),
-            tiles=tuple(self.tile(item, f"tiles[{i}]", line) for i, item, line in tiles),
-            rules=tuple(self.rule(item, f"rules[{i}]", line) for i, item, line in rules),
+            operations=operations,
+            shared_rules=shared_rules,
             presets=self.presets(top["presets"], "presets", top.line_of("presets")),
             section_lines={section: top.line_of(section) for section in _SECTIONS},
         )
 
-    def matrix(self, data, label: str, line: int) -> Matrix:
-        fields = self.mapping(data, label, line, required=MATRIX_AXES)
+    def shared_matrix(self, top: LineMap, ops: list[Operation]) -> dict[str, list]:
+        """The top `matrix:`: axis -> (raw values, line), for the axes every operation has."""
+        if "matrix" not in top:
+            return {}
+        common = [axis for axis in MATRIX_AXES if all(axis in op.matrix_axes for op in ops)]
+        fields = self.mapping(top["matrix"], "matrix", top.line_of("matrix"), any_key=True)
+        for key in fields:
+            owners = [op.token for op in ops if key in op.matrix_axes]
+            if key in common:
+                continue
+            if owners:
+                raise self.error(fields.line_of(key), f"matrix: {key} is an axis of "
+                                 f"{' and '.join(owners)} only; give it under "
+                                 f"operations.{owners[0]}.matrix")
+            raise self.error(fields.line_of(key),
+                             f"matrix: unknown key {key!r}; valid: {', '.join(common)}")
+        return {axis: (fields[axis], fields.line_of(axis)) for axis in fields}
+
+    def operation(self, op: Operation, data, line: int, shared: dict,
+                  shared_rules: tuple[Rule, ...]) -> OperationConfig:
+        label = f"operations.{op.token}"
+        fields = self.mapping(data, label, line, required=("tiles",),
+                              optional=("matrix", "rules"), order=_OPERATION_SECTIONS)
+        lines = {"operation": line, **{key: fields.line_of(key) for key in _OPERATION_SECTIONS}}
+        matrix = self.matrix(op, fields, label, line, shared)
+        tiles = self.items(fields["tiles"], f"{label}.tiles", fields.line_of("tiles"))
+        rules = []
+        if "rules" in fields:
+            items = self.items(fields["rules"], f"{label}.rules", fields.line_of("rules"),
+                               allow_empty=True)
+            rules = [self.rule(item, f"{label}.rules[{i}]", item_line, [op])
+                     for i, item, item_line in items]
+        return OperationConfig(
+            op=op, matrix=matrix,
+            tiles=tuple(self.tile(op, item, f"{label}.tiles[{i}]", item_line)
+                        for i, item, item_line in tiles),
+            rules=(*shared_rules, *rules), label=label, lines=lines)
+
+    def matrix(self, op: Operation, fields: LineMap, label: str, line: int,
+               shared: dict) -> Matrix:
+        """The operation's matrix: its own `matrix:` and the shared axes."""
+        own_label = f"{label}.matrix"
+        own = {}
+        if "matrix" in fields:
+            own = self.mapping(fields["matrix"], own_label, fields.line_of("matrix"),
+                               optional=op.matrix_axes)
+            for key in own:
+                if key in shared:
+                    raise self.error(own.line_of(key), f"{own_label}: {key} is given in the top "
+                                     f"matrix too (line {shared[key][1]}); give each axis once")
         axes = {}
-        for axis in MATRIX_AXES:
-            axis_label = f"{label}.{axis}"
+        for axis in op.matrix_axes:
+            if axis in own:
+                raw, axis_label, axis_line = own[axis], f"{own_label}.{axis}", own.line_of(axis)
+            elif axis in shared:
+                (raw, axis_line), axis_label = shared[axis], f"matrix.{axis}"
+            else:
+                where = fields.line_of("matrix") if "matrix" in fields else line
+                raise self.error(where, f"{own_label}: missing field {axis!r} (an axis of "
+                                        f"{op.token} that the top matrix does not give)")
             values: list = []
-            for _, raw, item_line in self.items(fields[axis], axis_label, fields.line_of(axis)):
-                value = self.axis_value(axis, raw, axis_label, item_line)
+            for _, item, item_line in self.items(raw, axis_label, axis_line):
+                value = self.axis_value(axis, item, axis_label, item_line, op)
                 if value in values:
-                    raise self.error(item_line, f"{axis_label}: {_yaml_text(raw)} is listed twice")
+                    raise self.error(item_line, f"{axis_label}: {_yaml_text(item)} is listed "
+                                                f"twice")
                 values.append(value)
             axes[axis] = tuple(values)
-        return Matrix(**axes)
+        return Matrix(axes)
 
-    def tile(self, data, label: str, line: int) -> TileEntry:
+    def tile(self, op: Operation, data, label: str, line: int) -> TileEntry:
         fields = self.mapping(data, label, line, optional=("arch",),
                               required=(*_TILE_MATCH_KEYS, *_TILE_SHAPE_KEYS, "why"))
 
@@ -193,13 +278,13 @@ class _Reader:
             return read(fields[key], f"{label}.{key}", fields.line_of(key))
 
         def axis(key: str):
-            return field(key, partial(self.axis_value, key))
+            return field(key, partial(self.axis_value, key, op=op))
 
         pipeline = axis("pipeline")
         arch = axis("arch") if "arch" in fields else None
         hdim = (axis("hdim_q"), axis("hdim_v"))
         tile = Tile(**{key: field(key, self.positive_int) for key in _TILE_SHAPE_KEYS})
-        for constraint in pipeline.tile_constraints:
+        for constraint in op.kernel(pipeline).tile_constraints:
             if not constraint.holds(tile, hdim):
                 raise self.error(line, f"{label}: pipeline {pipeline.token} needs "
                                        f"{constraint.reason}; got block_m={tile.block_m}, "
@@ -207,20 +292,35 @@ class _Reader:
                                        f"stages={tile.stages}, hdim_q={hdim[0]}, hdim_v={hdim[1]}")
         return TileEntry(label, pipeline, arch, hdim, tile, field("why", self.text), line)
 
-    def rule(self, data, label: str, line: int) -> Rule:
+    def rule(self, data, label: str, line: int, ops: list[Operation]) -> Rule:
+        """A rule of `ops` (one operation's, or every operation's for a shared rule): its
+        conditions may name the axes they all have."""
         fields = self.mapping(data, label, line, required=("when", "reason"))
         when_label = f"{label}.when"
-        when = self.mapping(fields["when"], when_label, fields.line_of("when"),
-                            optional=CONDITION_AXES)
+        axes = [axis for axis in ops[0].condition_axes
+                if all(axis in op.condition_axes for op in ops)]
+        when = self.mapping(fields["when"], when_label, fields.line_of("when"), any_key=True)
+        for key in when:
+            owners = [op.token for op in ops if key in op.condition_axes]
+            if key not in axes:
+                if len(ops) > 1 and owners:
+                    raise self.error(when.line_of(key), f"{when_label}: {key} is an axis of "
+                                     f"{' and '.join(owners)} only; give this rule under "
+                                     f"operations.{owners[0]}.rules")
+                raise self.error(when.line_of(key), f"{when_label}: unknown key {key!r}; "
+                                                    f"valid: {', '.join(axes)}")
         if not when:
             raise self.error(when.line, f"{when_label}: needs at least one condition; "
-                                        f"axes: {', '.join(CONDITION_AXES)}")
-        conditions = tuple(self.condition(axis, raw, f"{when_label}.{axis}", when.line_of(axis))
+                                        f"axes: {', '.join(axes)}")
+        op = ops[0] if len(ops) == 1 else None
+        conditions = tuple(self.condition(axis, raw, f"{when_label}.{axis}", when.line_of(axis),
+                                          op)
                            for axis, raw in when.items())
         reason = self.text(fields["reason"], f"{label}.reason", fields.line_of("reason"))
-        return Rule(conditions, reason, line)
+        return Rule(conditions, reason, line, label)
 
-    def condition(self, axis: str, raw, label: str, line: int) -> Condition:
+    def condition(self, axis: str, raw, label: str, line: int,
+                  op: Operation | None) -> Condition:
         """One value, a list of values any of which matches, or `{not: either}`, which matches
         every other value. `hdim` takes a list of [hdim_q, hdim_v] pairs, as matrix.hdim does."""
         negated = isinstance(raw, LineMap)
@@ -229,7 +329,7 @@ class _Reader:
             label, line, raw = f"{label}.not", fields.line_of("not"), fields["not"]
         items = (self.items(raw, label, line) if isinstance(raw, LineList) or axis == "hdim"
                  else [(0, raw, line)])
-        values = frozenset(self.axis_value(axis, item, label, item_line)
+        values = frozenset(self.axis_value(axis, item, label, item_line, op)
                            for _, item, item_line in items)
         return Condition(axis, values, negated)
 
@@ -265,13 +365,14 @@ class _Reader:
     # -- building blocks ---------------------------------------------------------------------
 
     def mapping(self, data, label: str, line: int, required=(), optional=(),
-                any_key: bool = False) -> LineMap:
+                any_key: bool = False, order=()) -> LineMap:
         """Checks that `data` is a mapping with all `required` keys and no keys beyond
-        `required` and `optional` (any key when `any_key`)."""
+        `required` and `optional` (any key when `any_key`); `order` lists the valid keys in
+        the order messages name them, when it is not required then optional."""
         where = f"{label}: " if label else ""
         if not isinstance(data, LineMap):
             raise self.error(line, f"{where}expected a mapping, got {_describe(data)}")
-        valid = (*required, *optional)
+        valid = order or (*required, *optional)
         for key in data:
             if not any_key and key not in valid:
                 raise self.error(data.line_of(key),
@@ -289,11 +390,17 @@ class _Reader:
             raise self.error(line, f"{label}: needs at least one entry")
         return [(i, item, data.line_of(i)) for i, item in enumerate(data)]
 
-    def axis_value(self, axis: str, raw, label: str, line: int):
+    def axis_value(self, axis: str, raw, label: str, line: int, op: Operation | None = None):
         """A value on one of schema.CONDITION_AXES, typed: a schema value, an int, a bool or an
-        (hdim_q, hdim_v) pair."""
+        (hdim_q, hdim_v) pair. A pipeline must be one of `op`'s, when given."""
         if axis == "hdim":
             return self.hdim_pair(raw, label, line)
+        if axis == "pipeline" and op is not None:
+            value = self.token(ENUM_AXES[axis], raw, label, line)
+            if value not in op.pipelines.values:
+                raise self.error(line, f"{label}: {op.token} has no pipeline {raw!r}; its "
+                                       f"pipelines: {', '.join(op.pipelines.tokens)}")
+            return value
         if axis in ENUM_AXES:
             return self.token(ENUM_AXES[axis], raw, label, line)
         if axis in INT_AXES:

@@ -1,10 +1,12 @@
 """The dispatcher's view of the instances: which problems an instance serves, the order of
 preference, and the proof that each instance is the one chosen for some problem.
 
-The C++ dispatcher (runtime/src/dispatcher.cpp) walks the generated table in order and runs the
-first instance that serves the problem. `serves` is its matching rule, mirrored here so that
-the generator can order the table, prove it has no dead rows, and explain a choice
-(generator/explain.py) without a GPU.
+The C++ dispatcher (runtime/src/dispatcher.cpp) walks the generated table of the problem's
+operation in order and runs the first instance that serves the problem. `serves` is its
+matching rule, mirrored here so that the generator can order each table, prove it has no dead
+rows, and explain a choice (generator/explain.py) without a GPU. The rule and the order are
+the same for every operation, over the traits it has: its traits must be equal (the forward's
+lse excepted: an instance writing it also serves calls that do not ask for it).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
+from functools import cache
 
 from .errors import GeneratorError
-from .model import FwdTraits, Instance
-from .schema import MODE, PIPELINE, TRAIT_BOOL_AXES, Arch
+from .model import Instance, Traits
+from .schema import MODE, OPERATION, PIPELINE, Arch, OperationKind
 
 # Head dims a head-dim-padded instance runs are multiples of this: rows move in 16-byte chunks
 # of 8 elements, and the padded lanes are whole chunks the loads zero-fill.
@@ -27,14 +30,19 @@ _BATCH = MODE.get("batch")
 
 @dataclass(frozen=True)
 class Problem:
-    """One forward call as the dispatcher sees it: the traits it asks for (FwdArgs::traits()),
-    the shape facts the padding rules read, and the device it runs on."""
+    """One call as the dispatcher sees it: the traits it asks for (FwdArgs::traits(),
+    BwdArgs::traits(), whose class says the operation), the shape facts the padding rules read,
+    and the device it runs on."""
 
-    traits: FwdTraits
+    traits: Traits
     seqlen_q: int
     seqlen_k: int
     seqused: bool  # per-batch effective lengths (FwdArgs::seqused_q / seqused_k) are given
     cc: int  # the device's compute capability, major*10+minor
+
+    @property
+    def op(self) -> OperationKind:
+        return self.traits.kind
 
 
 def runs_on(arch: Arch, cc: int) -> bool:
@@ -59,8 +67,9 @@ def _seqlens_fit(instance: Instance, problem: Problem) -> bool:
             and problem.seqlen_q % tile.block_m == 0 and problem.seqlen_k % tile.block_n == 0)
 
 
-# The traits `serves` requires equal: instances that differ in one of them never compete.
-EQUAL_TRAITS = ("dtype", "mask", "bias", "vlayout", "mode", "dropout", "softcap")
+# The traits `serves` requires equal, of every operation (each has some of them): instances
+# that differ in one of them never compete.
+EQUAL_TRAITS = ("dtype", "mask", "bias", "vlayout", "mode", "dbias", "dropout", "softcap")
 
 
 def _same(trait: str) -> Callable[[Instance, Problem], bool]:
@@ -70,17 +79,23 @@ def _same(trait: str) -> Callable[[Instance, Problem], bool]:
 
 @dataclass(frozen=True)
 class Requirement:
-    """One condition of the matching rule; `needs` says it in words for explanations."""
+    """One condition of the matching rule; `needs` says it in words for explanations. `trait`:
+    the trait it reads, which only some operations have; None for a condition of every
+    operation's."""
 
     name: str
     needs: str
     met: Callable[[Instance, Problem], bool]
+    trait: str | None = None
 
 
-# The matching rule: an instance serves a problem when every requirement is met. The order is
-# only for speed: instances that share their traits (the dispatch proof's competitors) differ
-# in arch, head dims, lse and padding, so those tests come first and reject early.
+# The matching rule: an instance serves a problem when every requirement of its operation is
+# met. The order is only for speed: instances that share their traits (the dispatch proof's
+# competitors) differ in arch, head dims, lse and padding, so those tests come first and reject
+# early. The operation comes first: an instance never serves another operation's problem.
 REQUIREMENTS = (
+    Requirement("op", "the same operation",  # each operation has a traits class of its own
+                lambda instance, problem: type(instance.point.traits) is type(problem.traits)),
     Requirement("arch", "an arch that runs on the device (an exact target such as sm90a only on "
                         "its own compute capability, a portable one on it and newer)",
                 lambda instance, problem: runs_on(instance.point.arch, problem.cc)),
@@ -88,21 +103,47 @@ REQUIREMENTS = (
                         f"positive multiples of {HDIM_PAD_MULTIPLE}", _hdims_fit),
     Requirement("lse", "lse=true when the call asks for the log-sum-exp (an lse instance also "
                        "serves calls that do not; the store is skipped)",
-                lambda instance, problem: instance.point.traits.lse or not problem.traits.lse),
+                lambda instance, problem: instance.point.traits.lse or not problem.traits.lse,
+                trait="lse"),
     Requirement("seqlen", "batch mode, no seqused, and seqlen_q and seqlen_k multiples of "
                           "block_m and block_n when pad_seqlen=false", _seqlens_fit),
-    *(Requirement(trait, f"the same {trait}", _same(trait)) for trait in EQUAL_TRAITS),
+    *(Requirement(trait, f"the same {trait}", _same(trait), trait=trait)
+      for trait in EQUAL_TRAITS),
 )
+
+# Flags with which an instance also serves calls that do not ask for them (see "lse" above).
+SERVES_WITHOUT = ("lse",)
+
+
+@cache
+def _requirements(traits: type[Traits]) -> tuple[Requirement, ...]:
+    return tuple(r for r in REQUIREMENTS if r.trait is None or r.trait in traits.axes())
+
+
+def requirements(instance: Instance) -> tuple[Requirement, ...]:
+    """The requirements of the instance's operation: REQUIREMENTS on the traits it has."""
+    return _requirements(type(instance.point.traits))
+
+
+def equal_traits(traits: type[Traits]) -> tuple[str, ...]:
+    """The traits of an operation that `serves` requires equal, in EQUAL_TRAITS's order."""
+    return tuple(trait for trait in EQUAL_TRAITS if trait in traits.axes())
 
 
 def serves(instance: Instance, problem: Problem) -> bool:
     """The runtime's matching rule (REQUIREMENTS): can this instance run this problem?"""
-    return all(requirement.met(instance, problem) for requirement in REQUIREMENTS)
+    for requirement in _requirements(type(instance.point.traits)):
+        if not requirement.met(instance, problem):
+            return False
+    return True
 
 
 def unmet(instance: Instance, problem: Problem) -> list[Requirement]:
-    """The requirements that keep `instance` from serving `problem`; empty when it serves it."""
-    return [r for r in REQUIREMENTS if not r.met(instance, problem)]
+    """The requirements that keep `instance` from serving `problem`; empty when it serves it.
+    For another operation's problem, only `op`."""
+    if instance.op != problem.op:
+        return [REQUIREMENTS[0]]
+    return [r for r in requirements(instance) if not r.met(instance, problem)]
 
 
 @dataclass(frozen=True)
@@ -131,8 +172,8 @@ def _padded_hdims(instance: Instance) -> tuple:
 #      padded sibling behind it catches every other problem;
 #   5-6. exact head dims before padded ones, and among padded ones the smallest that fits, so
 #      the fewest zero-filled lanes are computed;
-#   7. leanest first: an instance without the log-sum-exp store before one with it (the latter
-#      also serves calls that do not ask for it);
+#   7. leanest first: a forward instance without the log-sum-exp store before one with it (the
+#      latter also serves calls that do not ask for it; the backward has no lse);
 #   8. a larger tile does more work per CTA when both fit;
 #   9. the name, so the order is total and the output deterministic.
 PREFERENCE = (
@@ -148,12 +189,17 @@ PREFERENCE = (
               lambda i: f"pad_hdim={str(i.point.pad_hdim).lower()}"),
     Criterion("the tightest padded head dims first", _padded_hdims,
               lambda i: f"head dims {i.point.traits.hdim_q}x{i.point.traits.hdim_v}"),
-    Criterion("without the log-sum-exp store first", lambda i: i.point.traits.lse,
-              lambda i: f"lse={str(i.point.traits.lse).lower()}"),
+    Criterion("without the log-sum-exp store first", lambda i: _flag(i, "lse"),
+              lambda i: f"lse={str(_flag(i, 'lse')).lower()}"),
     Criterion("larger tile first", lambda i: -i.tile.block_m * i.tile.block_n,
               lambda i: f"tile {i.tile.block_m}x{i.tile.block_n}"),
     Criterion("by name", lambda i: i.name, lambda i: i.name),
 )
+
+
+def _flag(instance: Instance, axis: str) -> bool:
+    """A boolean trait, false for an operation without it (the backward has no lse)."""
+    return getattr(instance.point.traits, axis, False)
 
 
 def preference(instance: Instance) -> tuple:
@@ -167,7 +213,10 @@ def deciding_criterion(first: Instance, second: Instance) -> Criterion:
 
 
 def dispatch_order(instances: Iterable[Instance]) -> tuple[Instance, ...]:
-    return tuple(sorted(instances, key=preference))
+    """Each operation's instances in its order of preference, the operations in
+    schema.OPERATION's order (each has a table of its own)."""
+    return tuple(sorted(instances, key=lambda i: (OPERATION.values.index(i.op),
+                                                  *preference(i))))
 
 
 def first_serving(ordered: Iterable[Instance], problem: Problem) -> Instance | None:
@@ -191,7 +240,7 @@ def check_dispatchable(ordered: tuple[Instance, ...]) -> None:
     # of its group that run there: this keeps the proof fast on thousands of instances.
     groups: dict[tuple, list[Instance]] = defaultdict(list)
     for instance in ordered:
-        groups[_equal_key(instance.point.traits)].append(instance)
+        groups[_equal_key(instance)].append(instance)
     for group in groups.values():
         running: dict[int, list[Instance]] = {}
         for instance in group:
@@ -201,8 +250,9 @@ def check_dispatchable(ordered: tuple[Instance, ...]) -> None:
             _check_chosen(instance, running[cc])
 
 
-def _equal_key(traits: FwdTraits) -> tuple:
-    return tuple(getattr(traits, trait) for trait in EQUAL_TRAITS)
+def _equal_key(instance: Instance) -> tuple:
+    traits = instance.point.traits
+    return (instance.op, *(getattr(traits, trait) for trait in equal_traits(type(traits))))
 
 
 def _check_chosen(instance: Instance, group: list[Instance]) -> None:
@@ -247,13 +297,16 @@ def candidate_problems(instance: Instance) -> Iterator[Problem]:
     usually a witness."""
     own = own_problem(instance)
     tile = instance.tile
-    lses = (True, False) if own.traits.lse else (False,)
+    # The flags it writes but a call may leave off: every combination, its own first.
+    flags = [axis for axis in SERVES_WITHOUT if _flag(instance, axis)]
+    variants = [dict(zip(flags, values))
+                for values in itertools.product((True, False), repeat=len(flags))]
     shapes = [(own.seqlen_q, own.seqlen_k, False)]
     if instance.point.pad_seqlen:
         shapes += [(tile.block_m, tile.block_n, True), (tile.block_m, tile.block_n, False)]
     for hdim_q, hdim_v in _candidate_hdims(instance):
-        for lse in lses:
-            traits = replace(own.traits, hdim_q=hdim_q, hdim_v=hdim_v, lse=lse)
+        for variant in variants:
+            traits = replace(own.traits, hdim_q=hdim_q, hdim_v=hdim_v, **variant)
             for seqlen_q, seqlen_k, seqused in shapes:
                 yield replace(own, traits=traits, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                               seqused=seqused)
@@ -272,13 +325,26 @@ def _candidate_hdims(instance: Instance) -> Iterator[tuple[int, int]]:
                           key=lambda pair: sum(own) - sum(pair))
 
 
+# The operation of an --explain problem that does not name one.
+DEFAULT_OP = OPERATION.get("fwd")
+
+
+def spelled(value) -> str:
+    """A trait value as problems and filters write it: true, causal."""
+    return str(value).lower() if isinstance(value, bool) else value.token
+
+
 def describe_problem(problem: Problem) -> str:
-    """A problem in the --explain syntax, so that it can be pasted back."""
+    """A problem in the --explain syntax, so that it can be pasted back: op= first unless it
+    is the default, then its traits in their class's order."""
     traits = problem.traits
-    fields = [f"dtype={traits.dtype.token}", f"hdim={traits.hdim_q}x{traits.hdim_v}",
-              *(f"{axis}={getattr(traits, axis).token}"
-                for axis in ("mask", "bias", "vlayout", "mode")),
-              *(f"{axis}={str(getattr(traits, axis)).lower()}" for axis in TRAIT_BOOL_AXES),
-              f"seqlen_q={problem.seqlen_q}", f"seqlen_k={problem.seqlen_k}",
-              f"seqused={str(problem.seqused).lower()}", f"arch={problem.cc}"]
+    fields = [] if problem.op == DEFAULT_OP else [f"op={problem.op.token}"]
+    for axis in traits.axes():
+        value = getattr(traits, axis)
+        if axis == "hdim_q":
+            fields.append(f"hdim={traits.hdim_q}x{traits.hdim_v}")
+        elif axis != "hdim_v":
+            fields.append(f"{axis}={spelled(value)}")
+    fields += [f"seqlen_q={problem.seqlen_q}", f"seqlen_k={problem.seqlen_k}",
+               f"seqused={str(problem.seqused).lower()}", f"arch={problem.cc}"]
     return ",".join(fields)

@@ -4,7 +4,8 @@ from it (gaps.py); on a miss, the nearest selected instances and a --filter that
 that fits.
 
 It answers with dispatch.serves and dispatch.PREFERENCE, the matching rule and the order that
-the C++ dispatcher applies to the table this selection renders, so no GPU is needed.
+the C++ dispatcher applies to the table of the problem's operation (op=fwd or op=bwd) that this
+selection renders, so no GPU is needed.
 """
 
 from __future__ import annotations
@@ -14,35 +15,53 @@ from collections.abc import Callable, Sequence
 
 from .catalog import Catalog
 from .config import Config
-from .dispatch import (EQUAL_TRAITS, PREFERENCE, Problem, deciding_criterion, describe_problem,
-                       first_serving, serves, unmet)
+from .dispatch import (DEFAULT_OP, EQUAL_TRAITS, PREFERENCE, SERVES_WITHOUT, Problem,
+                       deciding_criterion, describe_problem, equal_traits, first_serving, serves,
+                       unmet)
 from .errors import GeneratorError
 from .gaps import fallback_notes, spell
-from .model import FwdTraits, Instance
-from .schema import ARCH, ENUM_AXES, INTEGER, TRAIT_BOOL_AXES, Arch
+from .model import Instance
+from .operations import OPERATIONS, Operation
+from .schema import ARCH, BUILD_AXES, ENUM_AXES, INTEGER, MATRIX_AXES, OPERATION, Arch
 from .selection import Selection, parse_filter, select_each_preset
 
-_ENUM_KEYS = ("dtype", "mask", "bias", "vlayout", "mode")
-_DEFAULTS = {"mask": "none", "bias": "none", "vlayout": "row", "mode": "batch", "lse": "false",
-             "dropout": "false", "softcap": "false", "seqlen_q": "1024", "seqlen_k": "1024",
-             "seqused": "false"}
-PROBLEM_KEYS = ("dtype", "hdim", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode",
-                *TRAIT_BOOL_AXES, "seqlen_q", "seqlen_k", "seqused", "arch")
+_SHAPE_DEFAULTS = {"seqlen_q": "1024", "seqlen_k": "1024", "seqused": "false"}
+_SHAPE_KEYS = (*_SHAPE_DEFAULTS, "arch")
+
+
+def problem_keys(op: Operation) -> tuple[str, ...]:
+    """The keys of a problem of `op`: its traits (hdim for the two head dims, or each), the
+    shape, the device, and op."""
+    traits = [axis for axis in op.traits.axes() if axis not in ("hdim_q", "hdim_v")]
+    return (traits[0], "hdim", "hdim_q", "hdim_v", *traits[1:], *_SHAPE_KEYS, "op")
+
+
+# Every operation's keys, in the order of the matrix axes.
+PROBLEM_KEYS = ("dtype", "hdim", "hdim_q", "hdim_v",
+                *(axis for axis in MATRIX_AXES[2:] if axis not in BUILD_AXES
+                  and any(axis in op.traits.axes() for op in OPERATIONS.values())),
+                *_SHAPE_KEYS, "op")
 
 # The device a problem runs on unless it says: the newest one a target is built for.
 _NEWEST = max(ARCH, key=lambda arch: (arch.cc, arch.exact))
 
 PROBLEM_HELP = f"""\
 PROBLEM (--explain) is comma-separated key=value:
+  op               {', '.join(OPERATION.tokens)}: the forward or the backward pass
+                   (default: {DEFAULT_OP.token})
   dtype            {', '.join(ENUM_AXES['dtype'].tokens)} (required)
   hdim             N or QxV, or hdim_q=N and hdim_v=N (required; hdim_v defaults to hdim_q)
-  mask, bias, vlayout, mode       as in the matrix (default: none, none, row, batch)
-  lse, dropout, softcap           true or false (default: false)
+  mask, bias, mode                as in the matrix (default: none, none, batch)
+  vlayout          fwd only: row or col (default: row)
+  lse              fwd only: true or false (default: false)
+  dbias            bwd only: true or false (default: false)
+  dropout, softcap                true or false (default: false)
   seqlen_q, seqlen_k              positive integers (default: 1024)
   seqused          true or false: per-batch effective lengths are given (default: false)
   arch             the device: a target (sm90a, 90a) or a compute capability (90, 8.6);
                    default: cc {_NEWEST.cc} ({_NEWEST.token}'s)
-e.g. --explain dtype=bf16,hdim=128,mask=causal,lse=true,seqlen_q=1000,arch=sm90a"""
+e.g. --explain dtype=bf16,hdim=128,mask=causal,lse=true,seqlen_q=1000,arch=sm90a
+     --explain op=bwd,dtype=bf16,hdim=128,mask=causal,arch=sm90a"""
 
 # How many of the nearest instances a miss lists.
 NEAREST = 3
@@ -65,15 +84,28 @@ def parse_problem(text: str) -> Problem:
         if key in fields:
             raise _error(f"{key} is given twice")
         fields[key] = value
+    op = OPERATIONS[_enum_value("op", fields.get("op", DEFAULT_OP.token)).token]
+    keys = problem_keys(op)
+    for key in fields:
+        if key not in keys:
+            owners = [other.token for other in OPERATIONS.values() if key in problem_keys(other)]
+            raise _error(f"{key} is a key of op={' and op='.join(owners)}, not of op={op.token}; "
+                         f"valid: {', '.join(keys)}")
     if "dtype" not in fields:
         raise _error(f"needs dtype= ({', '.join(ENUM_AXES['dtype'].tokens)})")
-    values = {**_DEFAULTS, **fields}
     hdim_q, hdim_v = _head_dims(fields)
-    traits = FwdTraits(hdim_q=hdim_q, hdim_v=hdim_v,
-                       **{key: _enum_value(key, values[key]) for key in _ENUM_KEYS},
-                       **{key: _bool_value(key, values[key]) for key in TRAIT_BOOL_AXES})
+    traits = {}
+    for axis in op.traits.axes():
+        if axis in ("hdim_q", "hdim_v"):
+            continue
+        if axis in ENUM_AXES:
+            traits[axis] = _enum_value(axis, fields.get(axis, ENUM_AXES[axis].name_default))
+        else:
+            traits[axis] = _bool_value(axis, fields.get(axis, "false"))
+    values = {**_SHAPE_DEFAULTS, **fields}
     return Problem(
-        traits, seqlen_q=_positive(values, "seqlen_q"), seqlen_k=_positive(values, "seqlen_k"),
+        op.traits(hdim_q=hdim_q, hdim_v=hdim_v, **traits),
+        seqlen_q=_positive(values, "seqlen_q"), seqlen_k=_positive(values, "seqlen_k"),
         seqused=_bool_value("seqused", values["seqused"]),
         cc=_compute_capability(fields.get("arch", _NEWEST.token)))
 
@@ -160,6 +192,7 @@ def _trait_mismatch(trait: str) -> Callable[[Instance, Problem], str]:
 
 
 _MISMATCH: dict[str, Callable[[Instance, Problem], str]] = {
+    "op": lambda instance, problem: f"op={instance.op.token} (the call: {problem.op.token})",
     "arch": _arch_mismatch,
     "hdim": _hdim_mismatch,
     "lse": lambda instance, problem: "lse=false (the call asks for the log-sum-exp)",
@@ -177,31 +210,34 @@ def mismatches(instance: Instance, problem: Problem) -> list[str]:
 def explain(problem: Problem, selection: Selection, config: Config, catalog: Catalog,
             preset: str, targets: tuple[Arch, ...] | None) -> str:
     """The explanation as printed, for the selection this run's preset, --filter and --targets
-    made; on a miss the config's presets are searched for one that builds a fitting instance."""
+    made; the problem's operation's instances are its table. On a miss the config's presets
+    are searched for one that builds a fitting instance."""
     lines = [f"problem: {describe_problem(problem)}"]
-    serving = [i for i in selection.instances if serves(i, problem)]
+    table = [i for i in selection.instances if i.op == problem.op]
+    serving = [i for i in table if serves(i, problem)]
     if serving:
-        lines += _hit(serving, problem, selection)
+        lines += _hit(serving, problem, selection, len(table))
     else:
-        lines += _miss(problem, selection, catalog, select_each_preset(config, catalog), preset,
+        lines += _miss(problem, table, catalog, select_each_preset(config, catalog), preset,
                        targets)
     return "\n".join(lines) + "\n"
 
 
-def _hit(serving: list[Instance], problem: Problem, selection: Selection) -> list[str]:
-    chosen, selected = serving[0], len(selection.instances)
+def _hit(serving: list[Instance], problem: Problem, selection: Selection,
+         selected: int) -> list[str]:
+    chosen, op = serving[0], problem.op.token
     lines = [f"chosen:  {chosen.name}"]
     notes = [f"note:    {note}"
              for note in fallback_notes(chosen, problem.traits, selection.gaps)]
     if len(serving) == 1:
-        return [*lines, f"why:     the only one of the {selected} selected instances that "
+        return [*lines, f"why:     the only one of the {selected} selected {op} instances that "
                         f"serves it", *notes]
     runner_up = serving[1]
     criterion = deciding_criterion(chosen, runner_up)
     rule = PREFERENCE.index(criterion) + 1
-    lines.append(f"why:     {len(serving)} of the {selected} selected instances serve it; it "
-                 f"goes ahead of the runner-up {runner_up.name} by rule {rule} of the dispatch "
-                 f"order, {criterion.prefers}: {criterion.shows(chosen)} against "
+    lines.append(f"why:     {len(serving)} of the {selected} selected {op} instances serve it; "
+                 f"it goes ahead of the runner-up {runner_up.name} by rule {rule} of the "
+                 f"dispatch order, {criterion.prefers}: {criterion.shows(chosen)} against "
                  f"{criterion.shows(runner_up)}")
     lines += notes
     lines.append("serving, in dispatch order:")
@@ -216,12 +252,14 @@ def _nearest(instances: Sequence[Instance], problem: Problem) -> list[str]:
     return [f"  {i.name}: {'; '.join(mismatches(i, problem))}" for i in ranked]
 
 
-def _miss(problem: Problem, selection: Selection, catalog: Catalog,
+def _miss(problem: Problem, table: list[Instance], catalog: Catalog,
           presets: dict[str, Selection], preset: str,
           targets: tuple[Arch, ...] | None) -> list[str]:
-    """`presets`: what each preset selects without --filter and --targets."""
-    lines = [f"no instance of the {len(selection.instances)} selected serves it; the nearest:",
-             *_nearest(selection.instances, problem)]
+    """`table`: the selected instances of the problem's operation; `presets`: what each preset
+    selects without --filter and --targets."""
+    op = problem.op.token
+    lines = [f"none of the {len(table)} selected {op} instances serves it; the nearest:",
+             *_nearest(table, problem)]
     # The preset to build a fitting instance with: this run's when it has one (then --filter or
     # --targets left it out), else the one that builds the least.
     fits = {name: fit for name, chosen in presets.items()
@@ -233,8 +271,9 @@ def _miss(problem: Problem, selection: Selection, catalog: Catalog,
     else:
         fit = first_serving(catalog.instances, problem)
     if fit is None:
-        return lines + ["no instance of the whole matrix serves it either; the nearest there:",
-                        *_nearest(catalog.instances, problem),
+        return lines + [f"no {op} instance of the whole matrix serves it either; the nearest "
+                        f"there:",
+                        *_nearest(catalog.of(problem.op), problem),
                         "extend the matrix (instances.yaml) to build one"]
     filter_text = fitting_filter(fit, problem, catalog)
     lines.append(f"the matrix has one that fits: {fit.name}")
@@ -249,17 +288,19 @@ def _miss(problem: Problem, selection: Selection, catalog: Catalog,
 
 def fitting_filter(fit: Instance, problem: Problem, catalog: Catalog) -> str:
     """A --filter whose every instance serves `problem`, starting from `fit`'s traits: the
-    traits serves() compares are always named; lse, arch and the padding are named only where
-    leaving them out would admit an instance that does not fit."""
+    traits serves() compares are always named; the operation, lse, arch and the padding are
+    named only where leaving them out would admit an instance that does not fit."""
     traits, point = fit.point.traits, fit.point
     hdim = (f"hdim{traits.hdim_q}" if traits.hdim_q == traits.hdim_v
             else f"hdim{traits.hdim_q}x{traits.hdim_v}")
     core = [traits.dtype.token, hdim,
-            *(f"{axis}={getattr(traits, axis).token}" for axis in ("mask", "bias", "vlayout",
-                                                                   "mode")),
-            *(f"{axis}={str(getattr(traits, axis)).lower()}" for axis in ("dropout", "softcap"))]
-    optional = [f"lse={str(traits.lse).lower()}", point.arch.token,
-                "pad" if point.pad_seqlen else "nopad", "hpad" if point.pad_hdim else "nohpad"]
+            *(f"{axis}={spell(getattr(traits, axis))}" for axis in equal_traits(type(traits))
+              if axis != "dtype")]
+    optional = [fit.op.token,
+                *(f"{axis}={spell(getattr(traits, axis))}" for axis in SERVES_WITHOUT
+                  if axis in traits.axes()),
+                point.arch.token, "pad" if point.pad_seqlen else "nopad",
+                "hpad" if point.pad_hdim else "nohpad"]
     core_tokens = parse_filter(",".join(core), "--explain", catalog)
     candidates = [i for i in catalog.instances if all(t.holds(i) for t in core_tokens)]
     kept = list(optional)
@@ -269,4 +310,5 @@ def fitting_filter(fit: Instance, problem: Problem, catalog: Catalog) -> str:
         if all(serves(i, problem) for i in candidates
                if all(t.holds(i) for t in trial_tokens)):
             kept = trial
-    return ",".join([*core, *kept])
+    op_token = [token for token in kept if token == fit.op.token]
+    return ",".join([*op_token, *core, *(token for token in kept if token != fit.op.token)])

@@ -3,8 +3,8 @@ without instances for some traits, e.g. `{pipeline: fa3, bias: [elementwise, ali
 
 When the dispatcher runs an older pipeline's instance on an arch where a newer pipeline has
 instances, --explain (generator/explain.py) and the runtime's explain (runtime/src/
-dispatcher.cpp, from the rows rendered into the dispatch table) quote the gaps the problem's
-traits fall into, with the rules' reasons.
+dispatcher.cpp, from the rows rendered into the dispatch table, one array per operation) quote
+the gaps the problem's traits fall into, with the rules' reasons.
 """
 
 from __future__ import annotations
@@ -14,23 +14,25 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .config import Rule
-from .model import Condition, FwdTraits, Instance
-from .schema import ARCH, BUILD_AXES, PIPELINE, Arch, Pipeline
+from .model import Condition, Instance, Traits
+from .schema import ARCH, BUILD_AXES, PIPELINE, Arch, OperationKind, Pipeline
 
 
 @dataclass(frozen=True)
 class PipelineGap:
-    """Traits for which `pipeline` has no instance on `arch`, because a rule drops them."""
+    """Traits of operation `op` for which `pipeline` has no instance on `arch`, because a rule
+    drops them."""
 
+    op: OperationKind
     pipeline: Pipeline
     arch: Arch
     conditions: tuple[Condition, ...]  # the rule's conditions on traits (none on BUILD_AXES)
     reason: str  # the rule's reason, on one line
 
-    def matches(self, traits: FwdTraits) -> bool:
-        return all(condition.holds(traits) for condition in self.conditions)
+    def matches(self, traits: Traits) -> bool:
+        return traits.kind == self.op and all(c.holds(traits) for c in self.conditions)
 
-    def describe(self, traits: FwdTraits) -> str:
+    def describe(self, traits: Traits) -> str:
         """The problem's values on the traits the rule names, e.g. `bias=elementwise`."""
         return ", ".join(f"{condition.axis}={spell(traits.value(condition.axis))}"
                          for condition in self.conditions)
@@ -46,9 +48,14 @@ def spell(value) -> str:
 
 
 def pipeline_gaps(rules: Iterable[Rule], instances: Iterable[Instance]) -> tuple[PipelineGap, ...]:
-    """A gap per rule that names a pipeline and otherwise traits (and maybe archs), for each
-    pipeline it names and each arch that pipeline has instances on. A rule on padding is left
-    out: it drops a variant of the traits, which another variant serves."""
+    """The gaps of one operation's rules, given its instances: a gap per rule that names a
+    pipeline and otherwise traits (and maybe archs), for each pipeline it names and each arch
+    that pipeline has instances of the operation on. A rule on padding is left out: it drops a
+    variant of the traits, which another variant serves."""
+    instances = tuple(instances)
+    if not instances:
+        return ()
+    op = instances[0].op
     built = {(i.point.pipeline.token, i.point.arch.token) for i in instances}
     gaps = []
     for rule in rules:
@@ -60,15 +67,15 @@ def pipeline_gaps(rules: Iterable[Rule], instances: Iterable[Instance]) -> tuple
         for pipeline, arch in itertools.product(PIPELINE, ARCH):
             if ((pipeline.token, arch.token) in built and by_axis["pipeline"].admits(pipeline)
                     and ("arch" not in by_axis or by_axis["arch"].admits(arch))):
-                gaps.append(PipelineGap(pipeline, arch, traits, reason))
+                gaps.append(PipelineGap(op, pipeline, arch, traits, reason))
     return tuple(gaps)
 
 
-def fallback_notes(chosen: Instance, traits: FwdTraits,
+def fallback_notes(chosen: Instance, traits: Traits,
                    gaps: Iterable[PipelineGap]) -> list[str]:
-    """One note per gap that keeps a pipeline newer than `chosen`'s, on chosen's arch, from a
-    problem with `traits`: `fa3 (sm90a) has no instance for bias=elementwise: <reason>; falling
-    back to fa2`."""
+    """One note per gap of chosen's operation that keeps a pipeline newer than `chosen`'s, on
+    chosen's arch, from a problem with `traits`: `fa3 (sm90a) has no instance for
+    bias=elementwise: <reason>; falling back to fa2`."""
     point = chosen.point
     newer = PIPELINE.tokens[:PIPELINE.tokens.index(point.pipeline.token)]
     return [f"{gap.pipeline.token} ({gap.arch.token}) has no instance for "

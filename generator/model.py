@@ -1,18 +1,66 @@
 """The instance model: a kernel instance is a matrix point (what it computes, for which GPU and
-sequence-length handling) plus the tile it runs with. Its name is derived here, once."""
+sequence-length handling) plus the tile it runs with. Its name is derived here, once.
+
+Each operation has its own traits class (FwdTraits, BwdTraits): the functional traits a problem
+asks for, mirroring fmha.h's struct of the same name. Everything else (points, instances,
+names, conditions) is the same for every operation.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, fields
+from functools import cache, cached_property
+from typing import ClassVar
 
-from .schema import (BIAS, BUILD_AXES, MASK, MODE, TRAIT_BOOL_AXES, VLAYOUT, Arch, DataType,
-                     EnumValue, Pipeline)
+from .schema import BUILD_AXES, ENUM_AXES, OPERATION, Arch, DataType, EnumValue, OperationKind, \
+    Pipeline
+
+
+class _Absent:
+    """The value of an axis that an operation does not have (lse of a bwd instance): no
+    condition on that axis holds for it."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT = _Absent()
+
+
+@cache
+def _axes(cls: type) -> tuple[str, ...]:
+    return tuple(field.name for field in fields(cls))
+
+
+class Traits:
+    """What a problem must match for an instance to run it. Subclasses are frozen dataclasses
+    whose fields, in order, are the operation's functional axes (dtype, hdim_q, hdim_v, then its
+    enum and boolean traits): they give the operation's matrix axes, instance names, dispatch
+    rows and manifest records their order."""
+
+    kind: ClassVar[OperationKind]
+
+    @classmethod
+    def axes(cls) -> tuple[str, ...]:
+        """The field names, in order."""
+        return _axes(cls)
+
+    def value(self, axis: str):
+        """The value on one of schema.FILTER_AXES that is not a BUILD_AXES one; ABSENT for an
+        axis this operation does not have."""
+        if axis == "hdim":
+            return self.hdim_q, self.hdim_v
+        if axis == "op":
+            return self.kind
+        # Axis names are schema.FILTER_AXES: none of them names a method or a class variable.
+        return getattr(self, axis, ABSENT)
 
 
 @dataclass(frozen=True)
-class FwdTraits:
-    """What a problem must match for an instance to run it; mirrors fmha::FwdTraits."""
+class FwdTraits(Traits):
+    """The forward's traits; mirrors fmha::FwdTraits."""
+
+    kind: ClassVar[OperationKind] = OPERATION.get("fwd")
 
     dtype: DataType
     hdim_q: int
@@ -25,33 +73,53 @@ class FwdTraits:
     dropout: bool
     softcap: bool
 
-    def value(self, axis: str):
-        """The value on one of schema.CONDITION_AXES that is not a BUILD_AXES one."""
-        return (self.hdim_q, self.hdim_v) if axis == "hdim" else getattr(self, axis)
+
+@dataclass(frozen=True)
+class BwdTraits(Traits):
+    """The backward's traits; mirrors fmha::BwdTraits. No V layout (it takes row-major V) and
+    no lse (it always reads the forward's log-sum-exp)."""
+
+    kind: ClassVar[OperationKind] = OPERATION.get("bwd")
+
+    dtype: DataType
+    hdim_q: int
+    hdim_v: int
+    mask: EnumValue
+    bias: EnumValue
+    mode: EnumValue
+    dbias: bool  # writes the gradient of an elementwise bias
+    dropout: bool
+    softcap: bool
 
 
 @dataclass(frozen=True)
 class MatrixPoint:
-    """One point of the expanded matrix: the traits and how the kernel for them is built.
-    Rules prune points; each surviving point gets a tile and becomes an Instance."""
+    """One point of an operation's expanded matrix: the traits and how the kernel for them is
+    built. Rules prune points; each surviving point gets a tile and becomes an Instance."""
 
-    traits: FwdTraits
+    traits: Traits
     pipeline: Pipeline
     arch: Arch
     pad_seqlen: bool  # False: the kernel needs seqlens that are multiples of its tile
     pad_hdim: bool  # True: it also runs head dims below its own that are multiples of 8
 
+    @property
+    def op(self) -> OperationKind:
+        return self.traits.kind
+
     def value(self, axis: str):
-        """The value on one of schema.CONDITION_AXES: the point's own fields, or its traits'."""
+        """The value on one of schema.FILTER_AXES: the point's own fields, or its traits'."""
         return getattr(self, axis) if axis in BUILD_AXES else self.traits.value(axis)
 
 
 @dataclass(frozen=True)
 class Tile:
-    block_m: int  # query rows per CTA
-    block_n: int  # key rows per main-loop step
+    # fwd: query rows per CTA; bwd: query rows per step of the loop over queries
+    block_m: int
+    # fwd: key rows per main-loop step; bwd: keys per CTA (their K, V, dK and dV stay on chip)
+    block_n: int
     warps: int
-    stages: int  # K/V tiles in flight in shared memory
+    stages: int  # fwd: K/V tiles in flight in shared memory; bwd: Q/dO tiles
 
 
 @dataclass(frozen=True)
@@ -59,26 +127,36 @@ class Instance:
     point: MatrixPoint
     tile: Tile
 
+    @property
+    def op(self) -> OperationKind:
+        return self.point.traits.kind
+
     def value(self, axis: str):
         return self.point.value(axis)
 
     @cached_property
     def name(self) -> str:
-        """The identity of the instance, in a fixed order: fwd, dtype, head dims, the enum
-        traits that differ from their defaults, the boolean traits that are on, pipeline, arch,
-        tile, then `pad` for sequence-length and `hpad` for head-dim padding. E.g.
-        fwd_bf16_d128_causal_alibi_col_group_lse_dropout_softcap_fa2_sm90a_m128n64_pad_hpad."""
+        """The identity of the instance, in a fixed order: the operation, dtype, head dims, the
+        enum traits that differ from their defaults and the boolean traits that are on (in the
+        order of the operation's traits class), pipeline, arch, tile, then `pad` for
+        sequence-length and `hpad` for head-dim padding. E.g.
+        fwd_bf16_d128_causal_alibi_col_group_lse_dropout_softcap_fa2_sm90a_m128n64_pad_hpad,
+        bwd_fp16_d64_elementwise_dbias_fa2_sm80_m64n128."""
         traits, point, tile = self.point.traits, self.point, self.tile
         hdim = (f"d{traits.hdim_q}" if traits.hdim_q == traits.hdim_v
                 else f"d{traits.hdim_q}x{traits.hdim_v}")
-        non_default = [value.token for axis, value in
-                       ((MASK, traits.mask), (BIAS, traits.bias), (VLAYOUT, traits.vlayout),
-                        (MODE, traits.mode))
-                       if value.token != axis.name_default]
-        flags = [axis for axis in TRAIT_BOOL_AXES if getattr(traits, axis)]
+        spelled = []
+        for axis in traits.axes():
+            if axis in ("dtype", "hdim_q", "hdim_v"):
+                continue
+            value = getattr(traits, axis)
+            if isinstance(value, bool):
+                spelled += [axis] if value else []
+            elif value.token != ENUM_AXES[axis].name_default:
+                spelled.append(value.token)
         padding = [token for token, on in (("pad", point.pad_seqlen), ("hpad", point.pad_hdim))
                    if on]
-        return "_".join(["fwd", traits.dtype.token, hdim, *non_default, *flags,
+        return "_".join([traits.kind.token, traits.dtype.token, hdim, *spelled,
                          point.pipeline.token, point.arch.token, f"m{tile.block_m}n{tile.block_n}",
                          *padding])
 
@@ -87,7 +165,7 @@ class Instance:
 class Condition:
     """Holds for a point, instance or traits whose value on `axis` is one of `values` (none of
     them, when negated); the shared atom of pruning rules (`when:`) and filter tokens
-    (`axis=value`)."""
+    (`axis=value`). It never holds for an item whose operation does not have the axis."""
 
     axis: str
     values: frozenset
@@ -96,5 +174,6 @@ class Condition:
     def admits(self, value) -> bool:
         return (value in self.values) != self.negated
 
-    def holds(self, item: MatrixPoint | Instance | FwdTraits) -> bool:
-        return self.admits(item.value(self.axis))
+    def holds(self, item: MatrixPoint | Instance | Traits) -> bool:
+        value = item.value(self.axis)
+        return value is not ABSENT and self.admits(value)

@@ -1,7 +1,9 @@
-"""Rendering a selection into the generated sources: one TU per instance, the dispatch table,
-the CMake source list and the manifest, all from the same ordered list of instances.
+"""Rendering a selection into the generated sources: one TU per instance (from its operation's
+template), the dispatch table (one array per operation), the CMake source list and the
+manifest, all from the same ordered list of instances.
 
-The templates only loop and substitute; every C++ spelling is looked up here, from the schema.
+The templates only loop and substitute; every C++ spelling is looked up here, from the schema
+and the operations.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from pathlib import Path
 import jinja2
 
 from .gaps import PipelineGap
-from .model import Condition, FwdTraits, Instance
-from .schema import ARCH, PIPELINE, REGISTRY_TOKEN_ARRAYS, TRAIT_BOOL_AXES, EnumValue
+from .model import Condition, Instance, Traits
+from .operations import OPERATIONS, Operation, operation_of
+from .schema import ARCH, PIPELINE, REGISTRY_TOKEN_ARRAYS, EnumValue
 from .selection import Selection, Shard
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -26,20 +29,13 @@ def tu_name(instance: Instance) -> str:
 
 
 def instance_record(instance: Instance) -> dict:
-    """One instance as --json and manifest.json list it: tokens, not C++ spellings."""
+    """One instance as --json and manifest.json list it: tokens, not C++ spellings. Its op,
+    then its operation's traits in their class's order."""
     traits, point, tile = instance.point.traits, instance.point, instance.tile
     return {
         "name": instance.name,
-        "dtype": traits.dtype.token,
-        "hdim_q": traits.hdim_q,
-        "hdim_v": traits.hdim_v,
-        "mask": traits.mask.token,
-        "bias": traits.bias.token,
-        "vlayout": traits.vlayout.token,
-        "mode": traits.mode.token,
-        "lse": traits.lse,
-        "dropout": traits.dropout,
-        "softcap": traits.softcap,
+        "op": instance.op.token,
+        **{axis: _token(getattr(traits, axis)) for axis in traits.axes()},
         "pipeline": point.pipeline.token,
         "arch": point.arch.token,
         "pad_seqlen": point.pad_seqlen,
@@ -50,6 +46,10 @@ def instance_record(instance: Instance) -> dict:
         "stages": tile.stages,
         "tu": tu_name(instance),
     }
+
+
+def _token(value):
+    return value.token if isinstance(value, EnumValue) else value
 
 
 def json_text(data) -> str:
@@ -67,12 +67,16 @@ def render(selection: Selection, source: str, shard: Shard | None = None) -> dic
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, autoescape=False)
     built = shard.take(selection.instances) if shard else selection.instances
-    instance_template = env.get_template("instance.cu.j2")
-    files = {tu_name(i): instance_template.render(source=source, **_instance_fields(i))
-             for i in built}
+    files = {}
+    for instance in built:
+        op = operation_of(instance)
+        files[tu_name(instance)] = env.get_template(op.template).render(
+            source=source, **_instance_fields(op, instance))
     files["dispatch_table.cpp"] = env.get_template("dispatch_table.cpp.j2").render(
         source=source,
-        rows=[_dispatch_row(i) for i in selection.instances],
+        # Every operation registry.h declares a table of, selected or not: an operation without
+        # instances gets an empty one.
+        operations=[_table(op, selection) for op in OPERATIONS.values()],
         targets=[arch.token for arch in selection.targets],
         # Every target the schema knows, best first for a device that runs several: a miss then
         # names the target that would build code for the device, compiled or not.
@@ -82,7 +86,6 @@ def render(selection: Selection, source: str, shard: Shard | None = None) -> dic
                                                  sorted(axis, key=lambda value: value.value)]}
                       for name, axis in REGISTRY_TOKEN_ARRAYS.items()],
         pipelines=PIPELINE.tokens,
-        gaps=[_gap_row(gap) for gap in selection.gaps],
     )
     built_targets = [arch for arch in selection.targets
                      if any(i.point.arch == arch for i in built)]
@@ -92,7 +95,7 @@ def render(selection: Selection, source: str, shard: Shard | None = None) -> dic
         targets=[{"token": arch.token, "gencode": arch.gencode,
                   "sources": sorted(tu_name(i) for i in built if i.point.arch == arch)}
                  for arch in built_targets],
-        cutlass_sources=sorted(tu_name(i) for i in built if i.point.pipeline.uses_cutlass),
+        cutlass_sources=sorted(tu_name(i) for i in built if _kernel(i).uses_cutlass),
     )
     files[MANIFEST] = json_text({
         "targets": [arch.token for arch in selection.targets],
@@ -142,7 +145,7 @@ def _cpp_sort_key(value):
 
 
 def _cpp_test(condition: Condition) -> str:
-    """The condition as a C++ expression on `const FwdTraits& t`."""
+    """The condition as a C++ expression on the traits `t` (`const FwdTraits& t`, ...)."""
     def equals(value) -> str:
         if condition.axis == "hdim":
             return f"(t.hdim_q == {value[0]} && t.hdim_v == {value[1]})"
@@ -161,13 +164,21 @@ def _gap_row(gap: PipelineGap) -> dict:
     }
 
 
-def _instance_fields(instance: Instance) -> dict:
+def _kernel(instance: Instance):
+    return operation_of(instance).kernel(instance.point.pipeline)
+
+
+def _instance_fields(op: Operation, instance: Instance) -> dict:
+    """What an instance TU's template substitutes: its kernel's C++ names, then the config's
+    parameters."""
     traits, point, tile = instance.point.traits, instance.point, instance.tile
+    kernel = op.kernel(point.pipeline)
     return {
         "name": instance.name,
-        "header": point.pipeline.header,
-        "config_template": point.pipeline.config_template,
-        "launcher": point.pipeline.launcher,
+        "header": kernel.header,
+        "config_template": kernel.config_template,
+        "launcher": kernel.launcher,
+        "workspace": kernel.workspace,
         "element": traits.dtype.element,
         "hdim_q": traits.hdim_q,
         "hdim_v": traits.hdim_v,
@@ -182,14 +193,32 @@ def _instance_fields(instance: Instance) -> dict:
     }
 
 
-def _dispatch_row(instance: Instance) -> dict:
+def _table(op: Operation, selection: Selection) -> dict:
+    """One operation's part of the dispatch table: its launch (and workspace) declarations,
+    its rows in dispatch order and its pipeline gaps, with registry.h's names."""
+    instances = [i for i in selection.instances if i.op == op.kind]
+    return {
+        "op": op.token,
+        "table": op.table, "count": op.count, "entry": op.entry,
+        "gaps": op.gaps, "gap_count": op.gap_count, "gap_type": op.gap_type,
+        "traits": op.traits_cpp,
+        # The arrays behind registry.h's pointers: kRows and kGapRows for fwd, kBwdRows, ...
+        "rows_array": f"k{op.registry}Rows", "gap_rows_array": f"k{op.registry}GapRows",
+        "declarations": [export.declaration(i.name) for i in instances for export in op.exports],
+        "rows": [_dispatch_row(op, i) for i in instances],
+        "gap_rows": [_gap_row(gap) for gap in selection.gaps if gap.op == op.kind],
+    }
+
+
+def _dispatch_row(op: Operation, instance: Instance) -> dict:
     traits, point, tile = instance.point.traits, instance.point, instance.tile
+    values = {"dtype": traits.dtype.cpp, "hdim_q": traits.hdim_q, "hdim_v": traits.hdim_v,
+              **_trait_fields(traits)}
     return {
         "name": instance.name,
-        "dtype": traits.dtype.cpp,
-        "hdim_q": traits.hdim_q,
-        "hdim_v": traits.hdim_v,
-        **_trait_fields(traits),
+        # The traits' initializer, laid out on the operation's row_lines.
+        "traits": ",\n      ".join(", ".join(f"/*{axis}=*/{values[axis]}" for axis in line)
+                                   for line in op.row_lines),
         "pipeline": point.pipeline.token,
         "arch": point.arch.token,
         "arch_cc": point.arch.cc,
@@ -198,15 +227,11 @@ def _dispatch_row(instance: Instance) -> dict:
         "block_n": tile.block_n,
         "pad_seqlen": _cpp_bool(point.pad_seqlen),
         "pad_hdim": _cpp_bool(point.pad_hdim),
+        "functions": ", ".join(export.pointer(instance.name) for export in op.exports),
     }
 
 
-def _trait_fields(traits: FwdTraits) -> dict:
-    """The C++ spellings of the traits after the head dims, as both templates pass them."""
-    return {
-        "mask": traits.mask.cpp,
-        "bias": traits.bias.cpp,
-        "vlayout": traits.vlayout.cpp,
-        "mode": traits.mode.cpp,
-        **{axis: _cpp_bool(getattr(traits, axis)) for axis in TRAIT_BOOL_AXES},
-    }
+def _trait_fields(traits: Traits) -> dict:
+    """The C++ spellings of the traits after the head dims, as the templates pass them."""
+    return {axis: _cpp_value(getattr(traits, axis)) for axis in traits.axes()
+            if axis not in ("dtype", "hdim_q", "hdim_v")}

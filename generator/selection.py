@@ -17,22 +17,27 @@ from .config import Config
 from .errors import GeneratorError
 from .gaps import PipelineGap
 from .model import Condition, Instance
-from .schema import (ARCH, BOOL_AXES, CONDITION_AXES, ENUM_AXES, INT_AXES, INTEGER,
-                     MATRIX_AXES, TRAIT_BOOL_AXES, Arch, AxisValue)
+from .operations import OPERATIONS
+from .schema import (ARCH, BOOL_AXES, ENUM_AXES, FILTER_AXES, INT_AXES, INTEGER, MATRIX_AXES,
+                     TRAIT_BOOL_AXES, Arch, AxisValue)
 
 
 GRAMMAR = """\
 A filter is comma-separated tokens that must all hold. A token is
+  an operation     fwd, bwd (op=bwd): the forward or the backward pass
   a value          fp16, causal, alibi, col, group, sm90a, fa2 (the axis is implied)
   a head dim       hdim128 (hdim_q = hdim_v = 128), hdim192x128 (hdim_q 192, hdim_v 128)
-  a flag           lse, dropout, softcap: the trait is on (!lse: off)
+  a flag           lse, dbias, dropout, softcap: the trait is on (!lse: off)
   padding          pad, nopad (sequence lengths); hpad, nohpad (head dims)
   axis=value       mask=none, hdim_q=192, lse=true, pad_hdim=false, hdim=128
   alternatives     fp16|bf16, causal|*_pad, mask=none|causal (causal joins the axis before)
   a negation       !causal; !fp16|bf16 (neither)
   a name glob      any term with * ? or [ matches instance names (fnmatch): *_sm90a_*
-A bare value of more than one axis (none: mask and bias) is an error asking for axis=value,
-and so is a filter that selects nothing: it names the token that emptied the selection."""
+A condition on an axis that an instance's operation does not have (vlayout and lse are fwd's,
+dbias bwd's) does not hold for it, and its negation does: lse and lse=false select fwd
+instances only, !lse also every bwd one. A bare value of more than one axis (none: mask and
+bias) is an error asking for axis=value, and so is a filter that selects nothing: it names the
+token that emptied the selection."""
 
 
 class Term(Protocol):
@@ -150,12 +155,13 @@ class Shard:
 
 def compile_cost_class(instance: Instance) -> tuple:
     """A proxy for how long nvcc takes on an instance's TU, costliest first: the larger head
-    dims (more unrolled MMA code per step), then the pipeline (CuTe-based fa3 and hand-written
-    fa2 compile differently), the traits that add code (padding, dropout, bias) and the arch."""
+    dims (more unrolled MMA code per step), then the operation (a bwd TU holds three kernels),
+    the pipeline (CuTe-based fa3 and hand-written fa2 compile differently), the traits that
+    add code (padding, dropout, bias) and the arch."""
     point, traits = instance.point, instance.point.traits
-    return (-traits.hdim_q - traits.hdim_v, -traits.hdim_q, point.pipeline.token,
-            point.pad_seqlen, point.pad_hdim, traits.dropout, traits.bias.value,
-            point.arch.token)
+    return (-traits.hdim_q - traits.hdim_v, -traits.hdim_q, instance.op.token,
+            point.pipeline.token, point.pad_seqlen, point.pad_hdim, traits.dropout,
+            traits.bias.value, point.arch.token)
 
 
 def parse_shard(text: str) -> Shard:
@@ -337,7 +343,7 @@ def _axis_term(axis: str, text: str, term: str) -> Term:
         if not dims:
             raise _BadTerm(f"{term!r}: hdim= takes N or QxV, e.g. hdim=128, hdim=192x128", term)
         return _head_dims(dims)
-    if axis not in CONDITION_AXES:
+    if axis not in FILTER_AXES:
         raise _BadTerm(f"unknown axis {axis!r} in {term!r}", term, list_tokens=True)
     return Condition(axis, frozenset({_axis_value(axis, text, term)}))
 
@@ -383,8 +389,18 @@ def _vocabulary(catalog: Catalog) -> str:
     for axis in BOOL_AXES:
         words = [word for word, (word_axis, _) in _BOOL_WORDS.items() if word_axis == axis]
         groups[axis] = [*words, f"{axis}=true|false"]
-    width = max(map(len, MATRIX_AXES))
-    lines = [f"  {axis:<{width}}  {', '.join(groups[axis])}" for axis in MATRIX_AXES]
+    axes = ("op", *MATRIX_AXES)
+    width = max(map(len, axes))
+    lines = [f"  {axis:<{width}}  {', '.join(groups[axis])}" for axis in axes]
     lines.append(f"  {'name':<{width}}  a glob with * ? or [, e.g. *_sm90a_*")
+    own = "; ".join(f"{', '.join(axes)}: {op}'s" for op, axes in _own_axes().items() if axes)
     return ("valid tokens (',' joins tokens that must all hold, '|' alternatives, "
-            "a leading '!' negates):\n" + "\n".join(lines))
+            "a leading '!' negates):\n" + "\n".join(lines)
+            + f"\nan operation's own axes ({own}) hold for no instance of another operation")
+
+
+def _own_axes() -> dict[str, list[str]]:
+    """Per operation, the matrix axes that not every operation has."""
+    ops = OPERATIONS.values()
+    return {op.token: [axis for axis in op.matrix_axes
+                       if not all(axis in other.matrix_axes for other in ops)] for op in ops}

@@ -17,15 +17,15 @@ if str(REPO_ROOT) not in sys.path:
 from generator.catalog import build_catalog  # noqa: E402
 from generator.config import load  # noqa: E402
 from generator.errors import ConfigError  # noqa: E402
-from generator.model import FwdTraits, Instance, MatrixPoint, Tile  # noqa: E402
+from generator.model import BwdTraits, FwdTraits, Instance, MatrixPoint, Tile  # noqa: E402
 from generator.schema import ARCH, BIAS, DTYPE, MASK, MODE, PIPELINE, VLAYOUT  # noqa: E402
 from generator.selection import select  # noqa: E402
 
 # A configuration independent of the repository's instances.yaml, so the tests keep their
 # meaning when the real matrix or its tiles are tuned. Its d128 tile differs from the d64 one
-# so that tile order and names can be told apart. It has every axis, most with one value (32
-# instances); tests widen an axis by replacing its line, e.g. ("lse: [false]", "lse: [false,
-# true]").
+# so that tile order and names can be told apart. It has the fwd operation only, with every
+# axis, most with one value (32 instances); tests widen an axis by replacing its line, e.g.
+# ("lse: [false]", "lse: [false, true]"). BWD_OPERATION adds the bwd operation.
 BASE_CONFIG = """\
 matrix:
   dtype: [fp16, bf16]
@@ -34,30 +34,47 @@ matrix:
     - [128, 128]
   mask: [none, causal]
   bias: [none]
-  vlayout: [row]
   mode: [batch]
-  lse: [false]
   dropout: [false]
   softcap: [false]
-  pipeline: [fa2]
   arch: [sm80, sm90a]
   pad_seqlen: [false, true]
   pad_hdim: [false]
-tiles:
-  - {pipeline: fa2, hdim_q: 64, hdim_v: 64, block_m: 128, block_n: 64, warps: 8, stages: 2, why: d64}
-  - pipeline: fa2
-    hdim_q: 128
-    hdim_v: 128
-    block_m: 64
-    block_n: 32
-    warps: 4
-    stages: 2
-    why: d128
-rules: []
+operations:
+  fwd:
+    matrix:
+      vlayout: [row]
+      lse: [false]
+      pipeline: [fa2]
+    tiles:
+      - {pipeline: fa2, hdim_q: 64, hdim_v: 64, block_m: 128, block_n: 64, warps: 8, stages: 2, why: d64}
+      - pipeline: fa2
+        hdim_q: 128
+        hdim_v: 128
+        block_m: 64
+        block_n: 32
+        warps: 4
+        stages: 2
+        why: d128
+    rules: []
 presets:
   default: {filter: "", why: everything}
   minimal: {filter: "fp16,hdim64,mask=none", why: smoke build}
 """
+
+# The bwd operation for BASE_CONFIG, as a replacement: 32 more instances (its d128 tile also
+# differs from its d64 one). With it the default preset selects 64.
+BWD_OPERATION = ("presets:\n", """\
+  bwd:
+    matrix:
+      dbias: [false]
+      pipeline: [fa2]
+    tiles:
+      - {pipeline: fa2, hdim_q: 64, hdim_v: 64, block_m: 64, block_n: 128, warps: 8, stages: 2, why: bwd d64}
+      - {pipeline: fa2, hdim_q: 128, hdim_v: 128, block_m: 64, block_n: 64, warps: 4, stages: 2, why: bwd d128}
+    rules: []
+presets:
+""")
 
 
 def _line_of(text: str, fragment: str) -> int:
@@ -72,14 +89,44 @@ def line_of():
     return _line_of
 
 
+def _replace(text: str, old: str, new: str) -> str:
+    """Replaces the first `old` with `new`. Both are written as for a flat file of one operation
+    (its matrix axes, tiles and rules at the top level, as instances.yaml was before it had
+    `operations:`): where `old` lies inside `operations:`, their lines are shifted right by the
+    4 columns of `operations:` and `fwd:` (the first line too when `old` starts with
+    indentation). So ("rules: []", "rules:\n  - when: ...") replaces the fwd operation's
+    rules, and ("    warps: 4\n", "") drops a line of its tiles."""
+    indented = old.startswith(" ")
+
+    def shifted(lines: str, by: int) -> str:
+        first, *rest = lines.split("\n")
+        pad = [" " * by + line if line else line for line in (first, *rest)]
+        return "\n".join([pad[0] if indented else first, *pad[1:]])
+
+    # Inside `operations:`: from the line after it to `presets:`.
+    begin = text.find("\noperations:\n")
+    begin, end = (-1, -1) if begin == -1 else (begin + 13, text.find("\npresets:"))
+    found = []
+    for by in (0, 4):
+        target = shifted(old, by)
+        at = text.find(target)
+        while at != -1 and (by == 4) != (begin <= at < end):
+            at = text.find(target, at + 1)
+        if at != -1:
+            found.append((at, by, target))
+    assert found, f"{old!r} is not in the config"
+    at, by, target = min(found)
+    return text[:at] + shifted(new, by) + text[at + len(target):]
+
+
 @pytest.fixture
 def make_config(tmp_path):
-    """Writes BASE_CONFIG, with (old, new) replacements applied, and returns its path."""
+    """Writes BASE_CONFIG, with (old, new) replacements applied (see _replace), and returns its
+    path."""
 
     def make(*replacements: tuple[str, str], text: str = BASE_CONFIG) -> Path:
         for old, new in replacements:
-            assert old in text, old
-            text = text.replace(old, new, 1)
+            text = _replace(text, old, new)
         path = tmp_path / "config.yaml"
         path.write_text(text)
         return path
@@ -122,6 +169,21 @@ def run_cli():
                               capture_output=True, text=True, timeout=60)
 
     return run
+
+
+@pytest.fixture
+def make_bwd_instance():
+    """make_bwd_instance(dtype=..., hdim=(q, v), mask=..., dbias=..., arch=..., ...): one bwd
+    Instance built directly, without a config; unnamed traits take their defaults."""
+
+    def make(dtype="fp16", hdim=(64, 64), mask="none", bias="none", mode="batch", dbias=False,
+             dropout=False, softcap=False, pipeline=PIPELINE.get("fa2"), arch="sm80",
+             pad_seqlen=False, pad_hdim=False, tile=Tile(64, 128, 8, 2)) -> Instance:
+        traits = BwdTraits(DTYPE.get(dtype), *hdim, MASK.get(mask), BIAS.get(bias),
+                           MODE.get(mode), dbias, dropout, softcap)
+        return Instance(MatrixPoint(traits, pipeline, ARCH.get(arch), pad_seqlen, pad_hdim), tile)
+
+    return make
 
 
 @pytest.fixture

@@ -18,9 +18,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # With the default preset (lse, no bias, no dropout, no softcap, row-major V): one batch-mode
-# kernel per pipeline, arch and padding variant: fa2 unpadded and fully padded for sm80, fa3
-# (padded) and fa2's fully padded fallback for sm90a.
+# instance per operation, pipeline, arch and padding variant: the forward's fa2 unpadded and
+# fully padded for sm80, fa3 (padded) and fa2's fully padded fallback for sm90a; the
+# backward's fa2 unpadded and fully padded for sm80 and for sm90a.
 FILTER = "fp16,hdim64,mask=none,mode=batch"
+TUS = 8
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nvcc") is None or shutil.which("cmake") is None or shutil.which("ninja") is None,
@@ -50,7 +52,7 @@ def configure_and_build(build, *options):
 def build_dir(tmp_path_factory):
     build = tmp_path_factory.mktemp("cmake")
     output = configure_and_build(build, "-DFMHA_BUILD_PYTHON=OFF")
-    assert "generator: 4 of 10104 instances selected" in output
+    assert f"generator: {TUS} of 14136 instances selected (fwd 4, bwd 4;" in output
     assert "CUTLASS 4.2" in output and "headers for the fa3 TUs" in output
     return build
 
@@ -60,7 +62,7 @@ def test_each_instance_tu_compiles_for_its_own_arch(build_dir):
     # The generated instance TUs (runtime/src has .cu files of its own).
     tus = {Path(c["file"]).name: c["command"] for c in commands
            if Path(c["file"]).parent == build_dir / "gen" and c["file"].endswith(".cu")}
-    assert len(tus) == 4
+    assert len(tus) == TUS
     for name, command in tus.items():
         if "_sm90a_" in name:
             assert "-gencode=arch=compute_90a,code=sm_90a" in command
@@ -129,7 +131,7 @@ def test_auto_targets_are_the_gpus_or_both(tmp_path):
         assert f"FMHA_ARCHS=auto: {';'.join(expected)}, for this machine's GPUs" in result.stdout
     else:
         assert "FMHA_ARCHS=auto: no GPU of compute capability 8.0 or newer here" in result.stdout
-        assert "(sm80 2, sm90a 1)" in result.stdout  # fa2 for both targets
+        assert "(sm80 4, sm90a 3)" in result.stdout  # fa2 for both targets
     assert "Compiler cache" not in result.stdout
 
 
@@ -168,7 +170,7 @@ def shard_dirs(tmp_path_factory):
         build = tmp_path_factory.mktemp(f"shard{index}")
         output = configure_and_build(build, f"-DFMHA_SHARD={index}/2")
         assert f"FMHA_SHARD={index}/2: building only" in output
-        assert f"shard {index}/2: 2 TUs" in output
+        assert f"shard {index}/2: {TUS // 2} TUs" in output
         return build
     with ThreadPoolExecutor(2) as pool:
         return list(pool.map(shard, (1, 2)))
@@ -196,7 +198,7 @@ def test_shards_split_the_selection_and_build_only_their_archive(shard_dirs, fin
     final, _ = final_dir
     selection = {i["tu"] for i in json.loads((final / "gen" / "manifest.json").read_text())
                  ["instances"]}
-    assert len(selection) == 4
+    assert len(selection) == TUS
     parts = []
     for index, build in enumerate(shard_dirs, start=1):
         tus = set(instance_tus(build))
@@ -218,7 +220,7 @@ def test_shard_tus_compile_exactly_like_the_normal_build(build_dir, shard_dirs):
     sharded = {}
     for build in shard_dirs:
         sharded.update(instance_compile_commands(build))
-    assert len(normal) == 4 and sharded == normal
+    assert len(normal) == TUS and sharded == normal
 
 
 def test_final_library_links_every_instance_from_the_archives(final_dir):
@@ -231,7 +233,7 @@ def test_final_library_links_every_instance_from_the_archives(final_dir):
     assert library.is_file() and not (final / "fmha_fwd").exists()
     table = (final / "gen" / "dispatch_table.cpp").read_text()
     launches = set(re.findall(r"&instances::(launch_\w+)", table))
-    assert len(launches) == 4
+    assert len(launches) == TUS
     symbols = subprocess.run(["nm", "-C", library], capture_output=True, text=True, check=True)
     defined = set(re.findall(r"^[0-9a-f]+ t fmha::detail::instances::(launch_\w+)\(",
                              symbols.stdout, re.M))

@@ -13,7 +13,9 @@ from generator.catalog import build_catalog
 from generator.config import DEFAULT_CONFIG, load
 from generator.gaps import fallback_notes
 from generator.model import Tile
-from generator.schema import ARCH
+from conftest import BWD_OPERATION
+from generator.operations import operation_of
+from generator.schema import ARCH, OPERATION, PIPELINE
 
 EVERY_AXIS = (("bias: [none]", "bias: [none, elementwise, alibi]"),
               ("vlayout: [row]", "vlayout: [row, col]"), ("mode: [batch]", "mode: [batch, group]"),
@@ -41,10 +43,13 @@ def test_repository_matrix():
     # padding sequence lengths only: batch mode with lse false/true, and group mode with lse.
     start = time.perf_counter()
     catalog = build_catalog(load(DEFAULT_CONFIG))
-    assert time.perf_counter() - start < 5  # about 0.6 s on an idle machine
-    assert len(catalog.instances) == 10080 - 48 + 72 and catalog.pruned == 2 * 32256 - 10104
-    assert len(set(names(catalog))) == 10104
-    for instance in catalog.instances:
+    assert time.perf_counter() - start < 5  # about 0.8 s on an idle machine
+    fwd = catalog.of(OPERATION.get("fwd"))
+    assert len(fwd) == 10080 - 48 + 72 and catalog.instances[:len(fwd)] == fwd
+    # Both operations' points less what their rules keep (BWD_POINTS: below).
+    assert catalog.pruned == 2 * 32256 - 10104 + BWD_POINTS - 4032
+    assert len(set(names(catalog))) == 10104 + 4032
+    for instance in fwd:
         point, traits = instance.point, instance.point.traits
         assert traits.mode.token == "batch" or (point.pad_seqlen and traits.lse)
         if point.pipeline.token == "fa2":
@@ -58,7 +63,7 @@ def test_repository_matrix():
 
 def test_fa2_keeps_on_sm90a_what_fa3_does_not_serve():
     catalog = build_catalog(load(DEFAULT_CONFIG))
-    fa2_sm90a = [i.point for i in catalog.instances
+    fa2_sm90a = [i.point for i in catalog.of(OPERATION.get("fwd"))
                  if i.point.pipeline.token == "fa2" and i.point.arch.token == "sm90a"]
     unpadded = [p for p in fa2_sm90a if not p.pad_hdim]
     # Every trait fa3 lacks keeps its fa2 fast path; fa3's own traits keep only fa2's
@@ -227,9 +232,9 @@ def test_tile_past_an_archs_shared_memory_is_an_error(config_error, line_of):
     error, text = config_error(*BIG_TILE)
     assert error.line == line_of(text, "  - pipeline: fa2")
     assert error.message == (
-        "tiles[1]: the tile needs 196608 bytes of shared memory (2 * (block_m * max(hdim_q, "
-        "hdim_v) + stages * block_n * (hdim_q + hdim_v))), more than the 166912 a CTA may use "
-        "on sm80")
+        "operations.fwd.tiles[1]: the tile needs 196608 bytes of shared memory (2 * (block_m * "
+        "max(hdim_q, hdim_v) + stages * block_n * (hdim_q + hdim_v))), more than the 166912 a "
+        "CTA may use on sm80")
 
 
 def test_shared_memory_is_checked_only_on_the_archs_a_tile_is_used_on(build):
@@ -241,14 +246,18 @@ def test_shared_memory_is_checked_only_on_the_archs_a_tile_is_used_on(build):
 
 def test_repository_tiles_fit_the_archs_they_are_used_on():
     # The largest: fa3's d256 128x80 takes 225 KB of H100's 227 (the rules keep fa3 off sm80);
-    # fa2's d256 128x64 on sm90a 192 KB, and its 128x32 on sm80 128 KB of A100's 163.
-    used = {(i.point.pipeline, i.point.arch, i.point.traits.hdim_q, i.point.traits.hdim_v, i.tile)
+    # fa2's d256 128x64 on sm90a 192 KB, and its 128x32 on sm80 128 KB of A100's 163. The
+    # backward's: d256 64x64 on sm90a 209 KB, (192, 192) 64x64 161 KB on both.
+    used = {(operation_of(i).kernel(i.point.pipeline), i.point.arch, i.point.traits.hdim_q,
+             i.point.traits.hdim_v, i.tile)
             for i in build_catalog(load(DEFAULT_CONFIG)).instances}
-    assert {(pipeline.token, arch.token) for pipeline, arch, *_ in used} == {
-        ("fa2", "sm80"), ("fa2", "sm90a"), ("fa3", "sm90a")}
-    for pipeline, arch, hdim_q, hdim_v, tile in used:
-        needed = pipeline.shared_memory.bytes(tile, (hdim_q, hdim_v))
-        assert needed <= arch.smem_limit, (pipeline.token, arch.token, hdim_q, hdim_v, needed)
+    assert {(kernel.header, arch.token) for kernel, arch, *_ in used} == {
+        ("fmha/kernels/fwd_fa2_sm80.cuh", "sm80"), ("fmha/kernels/fwd_fa2_sm80.cuh", "sm90a"),
+        ("fmha/kernels/fwd_fa3_sm90.cuh", "sm90a"), ("fmha/kernels/bwd_fa2_sm80.cuh", "sm80"),
+        ("fmha/kernels/bwd_fa2_sm80.cuh", "sm90a")}
+    for kernel, arch, hdim_q, hdim_v, tile in used:
+        needed = kernel.shared_memory.bytes(tile, (hdim_q, hdim_v))
+        assert needed <= arch.smem_limit, (kernel.header, arch.token, hdim_q, hdim_v, needed)
 
 
 # -- rules on head-dim pairs, negated conditions, anchors ------------------------------------
@@ -329,9 +338,9 @@ def test_fa3_shared_memory_counts_its_barriers(config_error, line_of):
                                       "block_m: 128, block_n: 256, warps: 12"))
     assert error.line == line_of(text, "why: fa3 d128")
     assert error.message == (
-        "tiles[3]: the tile needs 295936 bytes of shared memory (2 * (block_m * max(hdim_q, "
-        "hdim_v) + stages * block_n * (hdim_q + hdim_v)) + 1024 (barriers and alignment)), more "
-        "than the 232448 a CTA may use on sm90a")
+        "operations.fwd.tiles[3]: the tile needs 295936 bytes of shared memory (2 * (block_m * "
+        "max(hdim_q, hdim_v) + stages * block_n * (hdim_q + hdim_v)) + 1024 (barriers and "
+        "alignment)), more than the 232448 a CTA may use on sm90a")
 
 
 def test_gaps_are_the_rules_on_a_pipelines_traits(build):
@@ -355,3 +364,162 @@ def test_gaps_are_the_rules_on_a_pipelines_traits(build):
     assert fallback_notes(on_sm90a, traits, catalog.gaps) == [
         "fa3 (sm90a) has no instance for mask=causal, hdim=128x128: no causal d128; falling "
         "back to fa2"]
+
+
+# -- the bwd operation -----------------------------------------------------------------------
+
+# 2 dtypes x 7 head dims x 3 masks x 3 biases x 2 modes x 2 dbias x 2 dropout x 2 softcap x
+# 2 archs x 4 padding variants, with fa2 only.
+BWD_POINTS = 2 * 7 * 3 * 3 * 2 * 2 * 2 * 2 * 2 * 4
+BWD_TILES = {  # (hdim_q, hdim_v, arch) -> the tile of the brief
+    **{(d, d, arch): Tile(64, 128, 8, 2) for d in (32, 64, 96, 128) for arch in ("sm80", "sm90a")},
+    **{(192, d, arch): Tile(64, 64, 8, 2) for d in (128, 192) for arch in ("sm80", "sm90a")},
+    (256, 256, "sm80"): Tile(32, 64, 8, 2), (256, 256, "sm90a"): Tile(64, 64, 8, 2)}
+
+
+def test_repository_bwd_matrix():
+    # 2 dtypes x 7 head dims x 3 masks x 4 bias variants (none, elementwise with and without
+    # dbias, ALiBi) x 2 dropout x 2 softcap = 672 trait combinations, each with 3 instances on
+    # each arch: batch mode unpadded and fully padded, group mode fully padded. fa2 keeps every
+    # head dim on sm90a: the backward has no fa3 yet.
+    catalog = build_catalog(load(DEFAULT_CONFIG))
+    bwd = catalog.of(OPERATION.get("bwd"))
+    assert len(bwd) == 672 * 3 * 2 and catalog.instances[-len(bwd):] == bwd
+    assert all(i.name.startswith("bwd_") for i in bwd)
+    combinations = {(i.point.traits.hdim_q, i.point.traits.hdim_v, i.point.arch.token,
+                     i.point.pad_seqlen) for i in bwd}
+    assert len(combinations) == 7 * 2 * 2  # every head dim, padded or not, on either arch
+    for instance in bwd:
+        point, traits = instance.point, instance.point.traits
+        assert point.pipeline.token == "fa2" and point.pad_seqlen == point.pad_hdim
+        assert traits.mode.token == "batch" or point.pad_seqlen
+        assert not traits.dbias or traits.bias.token == "elementwise"
+        assert instance.tile == BWD_TILES[(traits.hdim_q, traits.hdim_v, point.arch.token)]
+    assert not [gap for gap in catalog.gaps if gap.op.token == "bwd"]
+
+
+@pytest.mark.parametrize("fields, name", [
+    ({}, "bwd_fp16_d64_fa2_sm80_m64n128"),
+    ({"mask": "window", "pad_seqlen": True, "pad_hdim": True},
+     "bwd_fp16_d64_window_fa2_sm80_m64n128_pad_hpad"),
+    ({"dtype": "bf16", "hdim": (192, 128), "mask": "causal", "bias": "elementwise",
+      "mode": "group", "dbias": True, "dropout": True, "softcap": True, "arch": "sm90a",
+      "pad_seqlen": True, "pad_hdim": True, "tile": Tile(64, 64, 8, 2)},
+     "bwd_bf16_d192x128_causal_elementwise_group_dbias_dropout_softcap_fa2_sm90a_m64n64_pad_hpad"),
+    ({"bias": "alibi", "softcap": True}, "bwd_fp16_d64_alibi_softcap_fa2_sm80_m64n128"),
+])
+def test_bwd_name_grammar(make_bwd_instance, fields, name):
+    assert make_bwd_instance(**fields).name == name
+
+
+def test_bwd_operation_of_the_base_config(build):
+    _, catalog = build(BWD_OPERATION)
+    fwd, bwd = catalog.of(OPERATION.get("fwd")), catalog.of(OPERATION.get("bwd"))
+    assert len(fwd) == len(bwd) == 32 and catalog.instances == fwd + bwd
+    assert {(i.point.traits.hdim_q, i.tile) for i in bwd} == {
+        (64, Tile(64, 128, 8, 2)), (128, Tile(64, 64, 4, 2))}
+    # The larger tile first: 64 x 128 at d64 before 64 x 64 at d128.
+    assert names(catalog)[32] == "bwd_bf16_d64_causal_fa2_sm90a_m64n128"
+
+
+def test_bwd_rules(build):
+    rules = ("    rules:\n      - when: {dbias: true, bias: {not: elementwise}}\n"
+             "        reason: no bias gradient")
+    bwd_with_rules = (BWD_OPERATION[0], BWD_OPERATION[1].replace("    rules: []", rules))
+    _, catalog = build(bwd_with_rules, ("bias: [none]", "bias: [none, elementwise, alibi]"),
+                       ("dbias: [false]", "dbias: [false, true]"))
+    bwd = catalog.of(OPERATION.get("bwd"))
+    # fwd: 3 biases; bwd: none, elementwise with and without dbias, alibi.
+    assert len(catalog.of(OPERATION.get("fwd"))) == 32 * 3 and len(bwd) == 32 * 4
+    assert {(i.point.traits.bias.token, i.point.traits.dbias) for i in bwd} == {
+        ("none", False), ("elementwise", False), ("elementwise", True), ("alibi", False)}
+    assert catalog.pruned == 32 * 2
+
+
+SHARED_GROUP_RULE = ("operations:\n", "rules:\n  - when: {mode: group, pad_seqlen: false}\n"
+                                      "    reason: ragged\noperations:\n")
+
+
+def test_a_shared_rule_prunes_every_operation(build):
+    _, catalog = build(BWD_OPERATION, ("mode: [batch]", "mode: [batch, group]"),
+                       SHARED_GROUP_RULE)
+    for op in ("fwd", "bwd"):
+        instances = catalog.of(OPERATION.get(op))
+        assert len(instances) == 48
+        assert all(i.point.pad_seqlen for i in instances if i.point.traits.mode.token == "group")
+
+
+def test_a_shared_rule_may_match_one_operation_only(build):
+    # fa3 is fwd's only: the shared rule on it prunes fwd points alone, and is not dead.
+    shared = ("operations:\n", "rules:\n  - when: {pipeline: fa3, arch: sm80}\n"
+                               "    reason: one\noperations:\n")
+    fwd_rules = ("rules: []", FA3_TILES + "rules:\n  - when: {pipeline: fa2, arch: sm90a}\n"
+                                          "    reason: two")
+    _, catalog = build(BWD_OPERATION, FA3[0], fwd_rules, shared)
+    assert len(catalog.of(OPERATION.get("fwd"))) == len(catalog.of(OPERATION.get("bwd"))) == 32
+    assert catalog.pruned == 32
+
+
+def test_a_shared_rule_that_matches_nothing_is_an_error(config_error, line_of):
+    error, text = config_error(BWD_OPERATION, ("operations:\n", "rules:\n  - when: {hdim_v: 256}\n"
+                                                                "    reason: dead\noperations:\n"))
+    assert error.message == ("rules[0]: this rule matches no point of the matrix of any "
+                             "operation; fix or remove it")
+    assert error.line == line_of(text, "hdim_v: 256")
+
+
+# The bwd d64 tile of BWD_OPERATION: 64 x 128 on 8 warps, 32 keys per warp (d64: hdim_q + hdim_v
+# <= 256) shared by two warps.
+KEYS = "block_n % warp_keys == 0, warps % (block_n / warp_keys) == 0 and split_d = warps / "
+DQ = "warps % (block_m / 16) == 0 and (hdim_q / (warps / (block_m / 16))) % 16 == 0"
+
+
+@pytest.mark.parametrize("old, new, reason", [
+    ("block_n: 128, warps: 8", "block_n: 112, warps: 8", KEYS),  # 112 % 32
+    ("block_n: 128, warps: 8", "block_n: 32, warps: 8", KEYS),  # 8 warps on 32 keys
+    ("block_n: 128, warps: 8", "block_n: 128, warps: 6", KEYS),  # 6 warps on 4 key slices
+    ("block_n: 128, warps: 8", "block_n: 256, warps: 8", "split_d == 2 where warp_keys == 32"),
+    ("block_m: 64, block_n: 128", "block_m: 48, block_n: 128", "block_m % (16 * split_d) == 0"),
+    ("block_m: 64, block_n: 128", "block_m: 96, block_n: 128", DQ),  # 6 row groups, 8 warps
+    ("block_m: 64, block_n: 128, warps: 8", "block_m: 32, block_n: 256, warps: 16",
+     DQ),  # dQ: 64 columns over 8 column groups
+    ("hdim_v: 64, block_m: 64", "hdim_v: 80, block_m: 64",
+     "(hdim_q / split_d) % 16 == 0 and (hdim_v / split_d) % 16 == 0"),
+    ("hdim_q: 64, hdim_v: 64, block_m: 64", "hdim_q: 224, hdim_v: 48, block_m: 64",
+     "hdim_q, hdim_v and block_m multiples of 32"),  # 16 keys a warp past 256, split_d 1
+    ("warps: 8, stages: 2, why: bwd d64", "warps: 8, stages: 3, why: bwd d64", "stages == 2"),
+])
+def test_bwd_tile_violating_a_constraint_is_an_error(config_error, line_of, old, new, reason):
+    error, text = config_error(BWD_OPERATION, (old, new))
+    assert error.line == line_of(text, "why: bwd d64")
+    assert error.message.startswith(f"operations.bwd.tiles[0]: pipeline fa2 needs {reason}")
+
+
+def test_bwd_shared_memory_is_checked_per_arch(config_error, line_of, build):
+    # d128 with 32 x 256 on 16 warps: 2 * 256 * 256 + 2 * (2 * 32 * 256 + 8 * 32)
+    # + 2 * 256 * 32 * 2 = 197120 bytes, past sm80's 166912 and within sm90a's 232448.
+    big = ("block_m: 64, block_n: 64, warps: 4", "block_m: 32, block_n: 256, warps: 16")
+    error, text = config_error(BWD_OPERATION, big)
+    assert error.line == line_of(text, "why: bwd d128")
+    assert error.message == (
+        "operations.bwd.tiles[1]: the tile needs 197120 bytes of shared memory (2 * block_n * "
+        "(hdim_q + hdim_v) + stages * (2 * block_m * (hdim_q + hdim_v) + 8 * block_m) + 2 * "
+        "block_n * block_m * (2 if split_d > 1 else 1)), more than the 166912 a CTA may use on "
+        "sm80")
+    _, catalog = build(BWD_OPERATION, big, ("arch: [sm80, sm90a]", "arch: [sm90a]"))
+    assert {i.tile.block_n for i in catalog.of(OPERATION.get("bwd"))
+            if i.point.traits.hdim_q == 128} == {256}
+
+
+def test_bwd_shared_memory_matches_the_kernels_formula():
+    # BwdConfig::kSmemBytes of bwd_fa2_sm80.cuh, for the repository's tiles: K and V, two
+    # stages of Q, dO and 8 bytes per row, dS^T (and P^T when two warps share a warp's keys:
+    # 32 keys per warp at d128 make 8 warps on 128 keys share them, 16 at d192 on 64).
+    kernel = operation_of(build_catalog(load(DEFAULT_CONFIG)).of(OPERATION.get("bwd"))[0]).kernel(
+        PIPELINE.get("fa2"))
+    assert kernel.shared_memory.bytes(Tile(64, 128, 8, 2), (128, 128)) == 164864
+    # One warp on its 16 keys (split_d 1): dS^T alone.
+    assert kernel.shared_memory.bytes(Tile(64, 128, 8, 2), (192, 128)) == 181248
+    assert kernel.shared_memory.bytes(Tile(64, 64, 8, 2), (192, 192)) == 164864
+    assert kernel.shared_memory.bytes(Tile(32, 64, 8, 2), (256, 256)) == 139776
+    assert kernel.shared_memory.bytes(Tile(64, 64, 8, 2), (256, 256)) == 214016

@@ -7,10 +7,13 @@ import time
 
 import pytest
 
-SUMMARY_FIELDS = ("name", "dtype", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode", "lse",
-                  "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim", "block_m",
-                  "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = "56 of 10104 instances selected (54408 pruned)"
+SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "vlayout", "mode",
+                  "lse", "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim",
+                  "block_m", "block_n", "warps", "stages", "tu")
+BWD_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "mode", "dbias",
+                      "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim",
+                      "block_m", "block_n", "warps", "stages", "tu")
+DEFAULT_SELECTED = "104 of 14136 instances selected (fwd 56, bwd 48; 66504 pruned)"
 
 
 def test_default_render(run_cli, tmp_path):
@@ -19,9 +22,9 @@ def test_default_render(run_cli, tmp_path):
     result = run_cli("--out", out)
     assert time.perf_counter() - start < 5
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 56 TUs (sm80 24, sm90a 32), "
-                             f"59 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
-    assert len(list(out.glob("*.cu"))) == 56
+    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 104 TUs (sm80 48, sm90a 56), "
+                             f"107 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
+    assert len(list(out.glob("fwd_*.cu"))) == 56 and len(list(out.glob("bwd_*.cu"))) == 48
     assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {
         p.name for p in out.iterdir()}
 
@@ -31,7 +34,7 @@ def test_second_run_writes_nothing(run_cli, tmp_path):
     run_cli("--out", out)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     result = run_cli("--out", out)
-    assert "0 files written, 59 unchanged, 0 removed" in result.stdout
+    assert "0 files written, 107 unchanged, 0 removed" in result.stdout
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
 
 
@@ -40,33 +43,46 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     run_cli("--out", out)
     result = run_cli("--out", out, "--preset", "minimal", "--targets", "90a")
     assert result.returncode == 0, result.stderr
-    # minimal's instances leave out the log-sum-exp, default's write it: none are shared.
-    assert "2 of 10104 instances selected" in result.stdout and "56 removed" in result.stdout
+    # minimal's fwd instances leave out the log-sum-exp, default's write it: none are shared;
+    # its two sm90a bwd ones are default's.
+    assert "4 of 14136 instances selected (fwd 2, bwd 2;" in result.stdout
+    assert "2 unchanged, 102 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
+        "bwd_fp16_d64_fa2_sm90a_m64n128.cu", "bwd_fp16_d64_fa2_sm90a_m64n128_pad_hpad.cu",
         "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu"]
 
 
 def test_list(run_cli):
     result = run_cli("--list", "--filter", "bf16,hdim128,causal,mode=batch", "--targets", "sm90a")
     assert result.returncode == 0, result.stderr
+    # Each operation's instances in its dispatch order, fwd's first.
     assert result.stdout.split() == ["fwd_bf16_d128_causal_lse_fa3_sm90a_m128n128_pad",
-                                     "fwd_bf16_d128_causal_lse_fa2_sm90a_m128n64_pad_hpad"]
+                                     "fwd_bf16_d128_causal_lse_fa2_sm90a_m128n64_pad_hpad",
+                                     "bwd_bf16_d128_causal_fa2_sm90a_m64n128",
+                                     "bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad"]
+    bwd = run_cli("--list", "--filter", "bwd,bf16,hdim128,causal,mode=batch", "--targets", "sm90a")
+    assert bwd.stdout.split() == result.stdout.split()[2:]
+    assert run_cli("--list", "--filter", "op=bwd,bf16,hdim128,causal,mode=batch",
+                   "--targets", "sm90a").stdout == bwd.stdout
 
 
 def test_json(run_cli):
     result = run_cli("--json", "--preset", "minimal")
     assert result.returncode == 0, result.stderr
     records = json.loads(result.stdout)
-    assert len(records) == 4
+    assert [r["op"] for r in records] == ["fwd"] * 4 + ["bwd"] * 4
     for record in records:
-        assert tuple(record) == SUMMARY_FIELDS
+        assert tuple(record) == (SUMMARY_FIELDS if record["op"] == "fwd" else BWD_SUMMARY_FIELDS)
+        assert record["name"].startswith(f"{record['op']}_")
         assert record["tu"] == f"{record['name']}.cu"
-        assert (record["dtype"], record["hdim_q"], record["mask"], record["lse"]) == (
-            "fp16", 64, "none", False)
+        assert (record["dtype"], record["hdim_q"], record["mask"], record.get("lse", False),
+                record.get("dbias", False)) == ("fp16", 64, "none", False, False)
         # fa2 has the unpadded fast path and the fully padded fallback; fa3 pads seqlens only.
         assert (record["pad_seqlen"], record["pad_hdim"]) in (
             ((False, False), (True, True)) if record["pipeline"] == "fa2" else ((True, False),))
-    assert sorted(r["pipeline"] for r in records) == ["fa2", "fa2", "fa2", "fa3"]
+    assert sorted(r["pipeline"] for r in records[:4]) == ["fa2", "fa2", "fa2", "fa3"]
+    assert {(r["arch"], r["block_m"], r["block_n"]) for r in records[4:]} == {
+        ("sm80", 64, 128), ("sm90a", 64, 128)}
 
 
 def test_json_and_summary_leave_out_pruned_instances(run_cli, make_config, tmp_path):
@@ -76,8 +92,8 @@ def test_json_and_summary_leave_out_pruned_instances(run_cli, make_config, tmp_p
     assert len(records) == 24
     assert not any(r["dtype"] == "bf16" and r["mask"] == "causal" for r in records)
     result = run_cli("--config", path, "--out", tmp_path / "gen")
-    assert result.stdout.startswith("generator: 24 of 24 instances selected (8 pruned), 24 TUs "
-                                    "(sm80 12, sm90a 12), 27 files")
+    assert result.stdout.startswith("generator: 24 of 24 instances selected (fwd 24; 8 pruned), "
+                                    "24 TUs (sm80 12, sm90a 12), 27 files")
 
 
 def test_quiet(run_cli, tmp_path):
@@ -124,7 +140,8 @@ def test_help_documents_the_filter_grammar_and_the_options(run_cli):
     words = " ".join(result.stdout.split())
     for text in ("--filter", "--preset", "--targets", "--list", "--json", "--out", "--config",
                  "--presets", "--shard", "--explain", "axis=value", "hdim128", "mask=none",
-                 "glob", "hpad", "lse", "seqlen_q", "dispatch_table.cpp and manifest.json still"):
+                 "glob", "hpad", "lse", "seqlen_q", "dispatch_table.cpp and manifest.json still",
+                 "fwd, bwd (op=bwd)", "dbias", "op=bwd,dtype=bf16"):
         assert text in words, text
 
 
@@ -134,15 +151,16 @@ def test_presets_table(run_cli):
     result = run_cli("--presets")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["preset", "instances", "TUs", "sm80", "sm90a", "why"]
-    rows = {line.split()[0]: line.split()[1:5] for line in lines[1:] if not line.startswith(" ")}
-    assert rows == {"default": ["56", "56", "24", "32"], "extended": ["276", "276", "126", "150"],
-                    "minimal": ["4", "4", "2", "2"],
-                    "flash_attn": ["2040", "2040", "1008", "1032"],
-                    "pytorch": ["448", "448", "224", "224"],
-                    "coverage": ["592", "592", "284", "308"],
-                    "all": ["10104", "10104", "5040", "5064"]}
-    assert "CI smoke build (4 TUs)" in result.stdout
+    assert lines[0].split() == ["preset", "fwd", "bwd", "TUs", "sm80", "sm90a", "why"]
+    rows = {line.split()[0]: [int(n) for n in line.split()[1:6]]
+            for line in lines[1:] if not line.startswith(" ")}
+    assert rows == {"default": [56, 48, 104, 48, 56], "extended": [276, 252, 528, 252, 276],
+                    "minimal": [4, 4, 8, 4, 4],
+                    "flash_attn": [2040, 2016, 4056, 2016, 2040],
+                    "pytorch": [448, 672, 1120, 560, 560],
+                    "coverage": [592, 372, 964, 470, 494],
+                    "all": [10104, 4032, 14136, 7056, 7080]}
+    assert "CI smoke build (8 TUs)" in result.stdout
     assert max(map(len, lines)) <= 100
 
 
@@ -155,19 +173,20 @@ def test_presets_json_with_targets_and_filter(run_cli):
     default = rows[0]
     assert default == {
         "preset": "default",
-        "filters": ["hdim64|hdim128,mask=none|causal,bias=none,vlayout=row,lse=true,dropout=false,"
-                    "softcap=false"],
-        "instances": 16, "tus": 16, "tus_per_target": {"sm80": 0, "sm90a": 16},
-        "why": default["why"]}
+        "filters": ["fwd,hdim64|hdim128,mask=none|causal,bias=none,vlayout=row,lse,!dropout,"
+                    "!softcap", "bwd,hdim64|hdim128,mask=none|causal,bias=none,!dropout,!softcap"],
+        "instances": 28, "instances_per_op": {"fwd": 16, "bwd": 12}, "tus": 28,
+        "tus_per_target": {"sm80": 0, "sm90a": 28}, "why": default["why"]}
     assert default["why"].startswith("What `pip install .` builds")
-    assert rows[1]["instances"] == 75 and rows[2]["instances"] == 2
+    assert rows[1]["instances_per_op"] == {"fwd": 75, "bwd": 63}
+    assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2}
 
 
 def test_presets_count_an_emptied_preset_as_zero(run_cli):
     rows = json.loads(run_cli("--presets", "--json", "--filter", "dropout").stdout)
-    assert {row["preset"]: row["instances"] for row in rows} == {
-        "default": 0, "extended": 0, "minimal": 0, "flash_attn": 1008, "pytorch": 224, "coverage": 60,
-        "all": 5040}
+    assert {row["preset"]: tuple(row["instances_per_op"].values()) for row in rows} == {
+        "default": (0, 0), "extended": (0, 0), "minimal": (0, 0), "flash_attn": (1008, 1008),
+        "pytorch": (224, 336), "coverage": (60, 60), "all": (5040, 2016)}
 
 
 # -- --shard -----------------------------------------------------------------------------------
@@ -178,7 +197,7 @@ def test_shards_split_the_selection(run_cli, tmp_path):
              for index in range(1, 5)]
     assert sorted(sum(parts, [])) == sorted(whole)
     assert all(part == [name for name in whole if name in part] for part in parts)
-    assert [len(part) for part in parts] == [69, 69, 69, 69]
+    assert [len(part) for part in parts] == [132, 132, 132, 132]
     assert parts[1] == run_cli("--list", "--preset", "extended",
                                "--shard", "2/4").stdout.split()  # deterministic
 
@@ -187,17 +206,19 @@ def test_shard_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out, "--preset", "extended", "--shard", "2/4")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("generator: 276 of 10104 instances selected (54408 pruned); "
-                                    "shard 2/4: 69 TUs (sm80 ")
-    assert "72 files written" in result.stdout
+    assert result.stdout.startswith("generator: 528 of 14136 instances selected (fwd 276, bwd 252; "
+                                    "66504 pruned); shard 2/4: 132 TUs (sm80 ")
+    assert "135 files written" in result.stdout
     tus = sorted(p.name for p in out.glob("*.cu"))
     listed = run_cli("--list", "--preset", "extended", "--shard", "2/4").stdout.split()
     assert tus == sorted(f"{name}.cu" for name in listed)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["instances"]) == 276
+    assert len(manifest["instances"]) == 528
     assert (manifest["shard"]["index"], manifest["shard"]["count"]) == (2, 4)
     assert sorted(manifest["shard"]["tus"]) == tus
-    assert (out / "dispatch_table.cpp").read_text().count("&instances::launch_") == 276
+    table = (out / "dispatch_table.cpp").read_text()
+    assert table.count("&instances::launch_") == 528
+    assert table.count("&instances::workspace_bwd_") == 252
 
 
 def test_bad_shard_message(run_cli):
@@ -218,7 +239,7 @@ def test_explain_hit_names_the_rule_and_the_runner_up(run_cli):
                         "seqlen_k=1024,seqused=false,arch=86")
     assert lines[1] == "chosen:  fwd_bf16_d128_causal_lse_fa2_sm80_m128n64_pad_hpad"
     assert lines[2] == (
-        "why:     4 of the 276 selected instances serve it; it goes ahead of the runner-up "
+        "why:     4 of the 276 selected fwd instances serve it; it goes ahead of the runner-up "
         "fwd_bf16_d192x128_causal_lse_fa2_sm80_m128n64_pad_hpad by rule 6 of the dispatch order, "
         "the tightest padded head dims first: head dims 128x128 against head dims 192x128")
     assert lines[3] == "serving, in dispatch order:"
@@ -265,7 +286,7 @@ def test_explain_only_one_serving(run_cli):
                      "--filter", "nopad")
     assert result.stdout.splitlines()[1:] == [
         "chosen:  fwd_fp16_d64_fa2_sm80_m128n64",
-        "why:     the only one of the 1 selected instances that serves it"]
+        "why:     the only one of the 1 selected fwd instances that serves it"]
 
 
 def test_explain_miss_lists_the_nearest_and_a_filter_that_fits(run_cli):
@@ -273,7 +294,7 @@ def test_explain_miss_lists_the_nearest_and_a_filter_that_fits(run_cli):
                      "--preset", "extended")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[1] == "no instance of the 276 selected serves it; the nearest:"
+    assert lines[1] == "none of the 276 selected fwd instances serves it; the nearest:"
     assert lines[2] == ("  fwd_bf16_d128_lse_fa2_sm80_m128n64: bias=none (the call: alibi); "
                         "vlayout=row (the call: col)")
     assert lines[5] == "the matrix has one that fits: fwd_bf16_d128_alibi_col_fa2_sm80_m128n64"
@@ -298,7 +319,7 @@ def test_explain_miss_keeps_this_runs_preset_and_adds_the_target(run_cli):
 def test_explain_miss_outside_the_matrix(run_cli):
     result = run_cli("--explain", "dtype=fp16,hdim=512,arch=90")
     lines = result.stdout.splitlines()
-    assert "no instance of the whole matrix serves it either; the nearest there:" in lines
+    assert "no fwd instance of the whole matrix serves it either; the nearest there:" in lines
     assert lines[-1] == "extend the matrix (instances.yaml) to build one"
     assert all(line.endswith("(the call: 512x512)") for line in lines[2:-1] if line[:2] == "  ")
 
@@ -319,6 +340,114 @@ def test_explain_miss_outside_the_matrix(run_cli):
     ("dtype=fp16,dtype=bf16,hdim=64", "dtype is given twice"),
 ])
 def test_explain_problem_errors(run_cli, problem, message):
+    result = run_cli("--explain", problem)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"--explain: {message}")
+
+
+# -- the bwd operation -------------------------------------------------------------------------
+
+def test_filter_names_an_operation(run_cli):
+    bwd = run_cli("--list", "--filter", "bwd").stdout.split()
+    assert len(bwd) == 48 and all(name.startswith("bwd_") for name in bwd)
+    assert run_cli("--list", "--filter", "op=bwd").stdout.split() == bwd
+    fwd = run_cli("--list", "--filter", "fwd").stdout.split()
+    assert len(fwd) == 56 and all(name.startswith("fwd_") for name in fwd)
+    assert run_cli("--list").stdout.split() == fwd + bwd
+    # An axis of the other operation selects nothing of it: lse and vlayout are fwd's.
+    result = run_cli("--list", "--filter", "bwd,lse")
+    assert result.returncode == 2
+    assert result.stderr.startswith("--filter: 'lse' matches none of the 48 instances left by")
+    # Its negation holds for them: default's fwd instances all have lse.
+    assert run_cli("--list", "--filter", "!lse,hdim64,causal,mode=batch,nopad,sm80").stdout.split(
+        ) == ["bwd_bf16_d64_causal_fa2_sm80_m64n128", "bwd_fp16_d64_causal_fa2_sm80_m64n128"]
+
+
+def test_unknown_token_lists_the_operations(run_cli):
+    result = run_cli("--list", "--filter", "bwd,bwdd")
+    lines = result.stderr.splitlines()
+    assert lines[0] == "--filter: unknown token 'bwdd'"
+    assert any(line.split() == ["op", "fwd,", "bwd"] for line in lines)
+    assert any(line.split() == ["dbias", "dbias,", "dbias=true|false"] for line in lines)
+    assert lines[-1] == ("an operation's own axes (vlayout, lse: fwd's; dbias: bwd's) hold for no "
+                         "instance of another operation")
+
+
+def test_json_of_bwd_instances(run_cli):
+    records = json.loads(run_cli("--json", "--preset", "all", "--filter",
+                                 "bwd,bf16,hdim192x128,window,alibi,group,dropout").stdout)
+    assert [r["name"] for r in records] == [
+        "bwd_bf16_d192x128_window_alibi_group_dropout_fa2_sm90a_m64n64_pad_hpad",
+        "bwd_bf16_d192x128_window_alibi_group_dropout_softcap_fa2_sm90a_m64n64_pad_hpad",
+        "bwd_bf16_d192x128_window_alibi_group_dropout_fa2_sm80_m64n64_pad_hpad",
+        "bwd_bf16_d192x128_window_alibi_group_dropout_softcap_fa2_sm80_m64n64_pad_hpad"]
+    assert all(tuple(r) == BWD_SUMMARY_FIELDS and r["op"] == "bwd" for r in records)
+
+
+def test_shards_split_both_operations(run_cli):
+    parts = [run_cli("--list", "--preset", "minimal", "--shard", f"{index}/2").stdout.split()
+             for index in (1, 2)]
+    # Each shard gets its share of the backward's TUs, which cost more to compile.
+    assert [sum(name.startswith("bwd_") for name in part) for part in parts] == [2, 2]
+
+
+def test_explain_bwd_hit(run_cli):
+    result = run_cli("--explain", "op=bwd,dtype=bf16,hdim=128,mask=causal,arch=90")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "problem: op=bwd,dtype=bf16,hdim=128x128,mask=causal,bias=none,mode=batch,dbias=false,"
+        "dropout=false,softcap=false,seqlen_q=1024,seqlen_k=1024,seqused=false,arch=90",
+        "chosen:  bwd_bf16_d128_causal_fa2_sm90a_m64n128",
+        "why:     4 of the 48 selected bwd instances serve it; it goes ahead of the runner-up "
+        "bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad by rule 4 of the dispatch order, "
+        "unpadded seqlens first: pad_seqlen=false against pad_seqlen=true",
+        "serving, in dispatch order:",
+        "  bwd_bf16_d128_causal_fa2_sm90a_m64n128",
+        "  bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad",
+        "  bwd_bf16_d128_causal_fa2_sm80_m64n128",
+        "  bwd_bf16_d128_causal_fa2_sm80_m64n128_pad_hpad"]
+    # The same problem with --filter bwd,hdim128 and a ragged seqlen_q: the padded one.
+    ragged = run_cli("--explain", "op=bwd,dtype=bf16,hdim=128,mask=causal,seqlen_q=1000,arch=90",
+                     "--filter", "bwd,hdim128")
+    assert ragged.stdout.splitlines()[1:3] == [
+        "chosen:  bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad",
+        "why:     2 of the 24 selected bwd instances serve it; it goes ahead of the runner-up "
+        "bwd_bf16_d128_causal_fa2_sm80_m64n128_pad_hpad by rule 1 of the dispatch order, higher "
+        "compute capability first: sm90a (cc 90) against sm80 (cc 80)"]
+
+
+def test_explain_bwd_miss_suggests_a_filter_that_fits(run_cli):
+    problem = "op=bwd,dtype=fp16,hdim=64,bias=elementwise,dbias=true,seqlen_q=1000,arch=80"
+    lines = run_cli("--explain", problem).stdout.splitlines()
+    assert lines[1] == "none of the 48 selected bwd instances serves it; the nearest:"
+    assert lines[2] == ("  bwd_fp16_d64_fa2_sm80_m64n128_pad_hpad: bias=none (the call: "
+                        "elementwise); dbias=false (the call: true)")
+    assert lines[5] == ("the matrix has one that fits: "
+                        "bwd_fp16_d64_elementwise_dbias_fa2_sm80_m64n128_pad_hpad")
+    assert lines[6] == ("build it with: python -m generator --preset coverage --filter 'fp16,"
+                        "hdim64,mask=none,bias=elementwise,mode=batch,dbias=true,dropout=false,"
+                        "softcap=false,sm80,hpad'")
+    suggested = lines[6].split("--filter ")[1].strip("'")
+    explained = run_cli("--explain", problem, "--preset", "coverage", "--filter", suggested)
+    assert explained.stdout.splitlines()[1] == (
+        "chosen:  bwd_fp16_d64_elementwise_dbias_fa2_sm80_m64n128_pad_hpad")
+    # A forward problem never gets a backward instance, nor the other way round.
+    fwd = run_cli("--explain", "dtype=fp16,hdim=64,arch=80", "--filter", "bwd")
+    assert fwd.stdout.splitlines()[1] == ("none of the 0 selected fwd instances serves it; the "
+                                          "nearest:")
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("op=bwd,dtype=fp16,hdim=64,vlayout=row",
+     "vlayout is a key of op=fwd, not of op=bwd; valid: dtype, hdim, hdim_q, hdim_v, mask, bias, "
+     "mode, dbias, dropout, softcap, seqlen_q, seqlen_k, seqused, arch, op"),
+    ("op=bwd,dtype=fp16,hdim=64,lse=true", "lse is a key of op=fwd, not of op=bwd"),
+    ("dtype=fp16,hdim=64,dbias=true", "dbias is a key of op=bwd, not of op=fwd"),
+    ("op=decode,dtype=fp16,hdim=64", "unknown op 'decode'; valid: fwd, bwd"),
+    ("op=bwd,dtype=fp16,hdim=64,dbias=1", "dbias takes true or false, not '1'"),
+    ("op=bwd,hdim=64", "needs dtype= (fp16, bf16)"),
+])
+def test_explain_bwd_problem_errors(run_cli, problem, message):
     result = run_cli("--explain", problem)
     assert result.returncode == 2
     assert result.stderr.startswith(f"--explain: {message}")

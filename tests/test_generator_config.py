@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from conftest import BASE_CONFIG, BWD_OPERATION
+
 from generator.config import DEFAULT_CONFIG, load
 from generator.errors import ConfigError
 from generator.schema import ENUM_AXES, MATRIX_AXES, REGISTRY_TOKEN_ARRAYS
@@ -15,8 +17,20 @@ from generator.schema import ENUM_AXES, MATRIX_AXES, REGISTRY_TOKEN_ARRAYS
 # (old, new): a mistake to put into the base config; marker: a fragment of the line the error
 # must name; message: what the error must say.
 MISTAKES = {
-    "unknown top-level key": (("rules: []", "rules: []\nrulez: []"), "rulez:",
-                              "unknown key 'rulez'; valid: matrix, tiles, rules, presets"),
+    "unknown top-level key": (("presets:\n", "rulez: []\npresets:\n"), "rulez:",
+                              "unknown key 'rulez'; valid: matrix, rules, operations, presets"),
+    "unknown operation key": (("rules: []", "rules: []\nrulez: []"), "rulez:",
+                              "operations.fwd: unknown key 'rulez'; valid: matrix, tiles, rules"),
+    "unknown operation": (("presets:\n", "  dcode: {tiles: []}\npresets:\n"), "dcode:",
+                          "operations: unknown key 'dcode'; valid: fwd, bwd"),
+    "axis of an operation in the top matrix too": (
+        ("  mode: [batch]", "  mode: [batch]\n  lse: [false]"), "      lse: [false]",
+        "operations.fwd.matrix: lse is given in the top matrix too"),
+    "axis given twice": (("vlayout: [row]", "vlayout: [row]\n  dtype: [fp16]"), "  dtype: [fp16]",
+                         "operations.fwd.matrix: dtype is given in the top matrix too (line 2); "
+                         "give each axis once"),
+    "unknown pipeline": (("pipeline: [fa2]", "pipeline: [fa2, fa4]"), "fa4",
+                         "operations.fwd.matrix.pipeline: unknown value 'fa4'; valid: fa3, fa2"),
     "unknown matrix axis": (("  mode: [batch]", "  mode: [batch]\n  layout: [row]"), "  layout:",
                             "matrix: unknown key 'layout'; valid: dtype, hdim, mask"),
     "unknown enum value": (("mask: [none, causal]", "mask: [none, casual]"), "casual",
@@ -41,9 +55,11 @@ MISTAKES = {
                           "matrix.lse: expected true or false, got a string 'true'"),
     "pad_hdim listed twice": (("pad_hdim: [false]", "pad_hdim: [false, false]"), "pad_hdim:",
                               "matrix.pad_hdim: false is listed twice"),
-    "missing new axis": (("  softcap: [false]\n", ""), "matrix:",
-                         "matrix: missing field 'softcap'"),
-    "missing matrix axis": (("  vlayout: [row]\n", ""), "matrix:", "matrix: missing field 'vlayout'"),
+    "missing new axis": (("  softcap: [false]\n", ""), "    matrix:",
+                         "operations.fwd.matrix: missing field 'softcap' (an axis of fwd that "
+                         "the top matrix does not give)"),
+    "missing matrix axis": (("  vlayout: [row]\n", ""), "    matrix:",
+                            "operations.fwd.matrix: missing field 'vlayout'"),
     "missing tile field": (("    warps: 4\n", ""), "  - pipeline: fa2", "tiles[1]: missing field 'warps'"),
     "tile size as string": (("    block_m: 64", "    block_m: '64'"), "block_m: '64'",
                             "tiles[1].block_m: expected a positive integer, got a string '64'"),
@@ -171,7 +187,11 @@ def test_repository_config_loads():
     config = load(DEFAULT_CONFIG)
     assert {"default", "minimal"} <= set(config.presets)
     assert all(preset.why for preset in config.presets.values())
-    assert all(entry.why for entry in config.tiles)
+    assert list(config.operations) == ["fwd", "bwd"]
+    assert all(entry.why for op in config.operations.values() for entry in op.tiles)
+    # The shared rules are every operation's.
+    assert [len(op.rules) for op in config.operations.values()] == [3 + 10, 3 + 1]
+    assert all(op.rules[:3] == config.shared_rules for op in config.operations.values())
 
 
 def test_registry_token_arrays_are_indexed_by_enum_value():
@@ -190,11 +210,82 @@ def test_schema_tokens_are_identifier_parts():
 
 
 def test_matrix_axes_are_in_the_order_of_instances_yaml():
-    # The schema's order is the one of the repository's matrix (and of the instance names).
+    # The schema's order is the one of the repository's matrices (and of the instance names):
+    # each operation's axes are a subsequence of it, and so are the keys of the top matrix and
+    # of each operation's own, as instances.yaml lists them.
     config = load(DEFAULT_CONFIG)
-    assert list(config.matrix.__dataclass_fields__) == list(MATRIX_AXES)
+    for op in config.operations.values():
+        assert list(op.matrix.axes) == list(op.op.matrix_axes)
+        assert list(op.op.matrix_axes) == [a for a in MATRIX_AXES if a in op.op.matrix_axes]
     text = DEFAULT_CONFIG.read_text()
-    matrix = text[text.index("\nmatrix:"):text.index("\ntiles:")]
-    keys = [line.split(":")[0].strip() for line in matrix.splitlines()
-            if re.match(r"  [a-z]", line)]
-    assert keys == list(MATRIX_AXES)
+
+    def block(start: str, end: str) -> str:
+        begin = text.index(start)
+        return text[begin:text.index(end, begin)]
+
+    blocks = [("  ", block("\nmatrix:", "\nrules:")),
+              *(("      ", block(f"\n  {op}:\n    matrix:", "\n    tiles:"))
+                for op in config.operations)]
+    for indent, lines in blocks:
+        keys = [line.split(":")[0].strip() for line in lines.splitlines()
+                if re.match(rf"{indent}[a-z]", line)]
+        assert keys and keys == [axis for axis in MATRIX_AXES if axis in keys], keys
+
+
+def bwd(old: str = "", new: str = "") -> tuple[str, str]:
+    """The replacement that adds the bwd operation, with `old` replaced by `new` in its text
+    (which is written with its own indentation)."""
+    assert old in BWD_OPERATION[1], old
+    return BWD_OPERATION[0], BWD_OPERATION[1].replace(old, new, 1)
+
+
+# Mistakes of a config with both operations: (replacements, marker, message).
+BWD_MISTAKES = {
+    "fwd axis in the top matrix": (
+        (bwd(), ("  mode: [batch]", "  mode: [batch]\n  vlayout: [row, col]")),
+        "vlayout: [row, col]",
+        "matrix: vlayout is an axis of fwd only; give it under operations.fwd.matrix"),
+    "bwd axis in a fwd matrix": (
+        (bwd(), ("vlayout: [row]", "vlayout: [row]\n  dbias: [true]")), "dbias: [true]",
+        "operations.fwd.matrix: unknown key 'dbias'; valid: dtype, hdim, mask, bias, vlayout, "
+        "mode, lse, dropout, softcap, pipeline, arch, pad_seqlen, pad_hdim"),
+    "pipeline the operation lacks": (
+        (bwd("pipeline: [fa2]", "pipeline: [fa2, fa3]"),), "pipeline: [fa2, fa3]",
+        "operations.bwd.matrix.pipeline: bwd has no pipeline 'fa3'; its pipelines: fa2"),
+    "tile of a pipeline the operation lacks": (
+        (bwd("{pipeline: fa2, hdim_q: 64", "{pipeline: fa3, hdim_q: 64"),), "why: bwd d64",
+        "operations.bwd.tiles[0].pipeline: bwd has no pipeline 'fa3'; its pipelines: fa2"),
+    "rule on an axis the operation lacks": (
+        (bwd("    rules: []", "    rules:\n      - {when: {lse: true}, reason: r}"),),
+        "when: {lse",
+        "operations.bwd.rules[0].when: unknown key 'lse'; valid: dtype, hdim, hdim_q, hdim_v, "
+        "mask, bias, mode, dbias, dropout, softcap, pipeline, arch, pad_seqlen, pad_hdim"),
+    "shared rule on an axis of one operation": (
+        (bwd(), ("operations:\n", "rules:\n  - {when: {vlayout: col}, reason: r}\noperations:\n")),
+        "vlayout: col", "rules[0].when: vlayout is an axis of fwd only; give this rule under "
+                        "operations.fwd.rules"),
+    "missing bwd axis": (
+        (bwd("    matrix:\n      dbias: [false]\n      pipeline: [fa2]\n", ""),), "  bwd:",
+        "operations.bwd.matrix: missing field 'dbias' (an axis of bwd that the top matrix does "
+        "not give)"),
+    "bwd without tiles": (
+        (bwd("    tiles:", "    tilez:"),), "tilez:",
+        "operations.bwd: unknown key 'tilez'; valid: matrix, tiles, rules"),
+}
+
+
+@pytest.mark.parametrize("name", BWD_MISTAKES)
+def test_mistake_with_two_operations_is_reported_at_its_line(name, config_error, line_of):
+    replacements, marker, message = BWD_MISTAKES[name]
+    error, text = config_error(*replacements)
+    assert error.line == line_of(text, marker), str(error)
+    assert message in error.message, str(error)
+
+
+def test_operations_need_at_least_one(make_config, line_of):
+    text = BASE_CONFIG[:BASE_CONFIG.index("operations:")] + "operations: {}\n" + \
+        BASE_CONFIG[BASE_CONFIG.index("presets:"):]
+    with pytest.raises(ConfigError) as caught:
+        load(make_config(text=text))
+    assert caught.value.message == "operations: needs at least one operation; valid: fwd, bwd"
+    assert caught.value.line == line_of(text, "operations:")

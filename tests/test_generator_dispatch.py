@@ -6,15 +6,17 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import BWD_OPERATION
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from generator.catalog import build_catalog
 from generator.config import DEFAULT_CONFIG, load
 from generator.dispatch import (PREFERENCE, REQUIREMENTS, Problem, check_dispatchable,
-                                deciding_criterion, dispatch_order, first_serving, serves)
+                                deciding_criterion, dispatch_order, first_serving, requirements,
+                                serves, unmet)
 from generator.errors import ConfigError, GeneratorError
-from generator.model import FwdTraits, Tile
+from generator.model import BwdTraits, FwdTraits, Tile
 from generator.schema import BIAS, DTYPE, MASK, MODE, PIPELINE, VLAYOUT
 
 
@@ -247,8 +249,8 @@ def test_instance_that_serves_nothing_is_an_error(build, make_config, line_of):
         build(("mode: [batch]", "mode: [batch, group]"))
     assert caught.value.line == line_of(make_config().read_text(), "rules:")
     assert caught.value.message == (
-        "rules: fwd_bf16_d64_causal_group_fa2_sm90a_m128n64 serves no problem, so the dispatcher "
-        "can never run it (seqlen: needs batch mode, no seqused, and seqlen_q and seqlen_k "
+        "operations.fwd.rules: fwd_bf16_d64_causal_group_fa2_sm90a_m128n64 serves no problem, so "
+        "the dispatcher can never run it (seqlen: needs batch mode, no seqused, and seqlen_q and seqlen_k "
         "multiples of block_m and block_n when pad_seqlen=false); prune it with a rule")
 
 
@@ -283,3 +285,115 @@ def test_repository_proof_is_fast():
     start = time.perf_counter()
     check_dispatchable(DEFAULT_CATALOG.instances)
     assert time.perf_counter() - start < 3  # about 0.3 s on an idle machine
+
+
+# -- the bwd operation -------------------------------------------------------------------------
+
+def bwd_problem(dtype="fp16", hdim=(64, 64), mask="none", bias="none", mode="batch",
+                dbias=False, dropout=False, softcap=False, seqlen=(1024, 1024), seqused=False,
+                cc=80) -> Problem:
+    traits = BwdTraits(DTYPE.get(dtype), *hdim, MASK.get(mask), BIAS.get(bias), MODE.get(mode),
+                       dbias, dropout, softcap)
+    return Problem(traits, *seqlen, seqused=seqused, cc=cc)
+
+
+@pytest.mark.parametrize("trait, value", [
+    ("dtype", "bf16"), ("mask", "window"), ("bias", "elementwise"), ("mode", "group"),
+    ("dbias", True), ("dropout", True), ("softcap", True),
+])
+def test_bwd_traits_must_be_equal(make_bwd_instance, trait, value):
+    instance = make_bwd_instance(pad_seqlen=True)
+    assert serves(instance, bwd_problem())
+    assert not serves(instance, bwd_problem(**{trait: value}))
+    assert serves(make_bwd_instance(pad_seqlen=True, **{trait: value}),
+                  bwd_problem(**{trait: value}))
+
+
+def test_a_dbias_instance_does_not_serve_calls_without_it(make_bwd_instance):
+    # Unlike the forward's lse, dbias is a trait a call asks for or not: no relaxation.
+    with_dbias = make_bwd_instance(bias="elementwise", dbias=True)
+    assert not serves(with_dbias, bwd_problem(bias="elementwise"))
+    assert serves(with_dbias, bwd_problem(bias="elementwise", dbias=True))
+
+
+def test_an_operation_never_serves_anothers_problem(make_instance, make_bwd_instance):
+    fwd, bwd = make_instance(pad_seqlen=True), make_bwd_instance(pad_seqlen=True)
+    assert serves(fwd, problem()) and serves(bwd, bwd_problem())
+    assert not serves(fwd, bwd_problem()) and not serves(bwd, problem())
+    assert [r.name for r in unmet(bwd, problem())] == ["op"]
+    # The backward's requirements have no lse and no vlayout; dbias instead.
+    names = [r.name for r in requirements(bwd)]
+    assert "lse" not in names and "vlayout" not in names and "dbias" in names
+    assert "dbias" not in [r.name for r in requirements(fwd)]
+
+
+@pytest.mark.parametrize("changes, served", [
+    ({}, True),
+    ({"seqlen": (64 * 3, 128 * 5)}, True),
+    ({"seqlen": (1000, 1024)}, False),
+    ({"seqlen": (1024, 1000)}, False),
+    ({"seqlen": (1024 + 64, 1024 + 64)}, False),  # seqlen_k % 128
+    ({"seqused": True}, False),
+])
+def test_bwd_unpadded_seqlens(make_bwd_instance, changes, served):
+    # The tile is 64x128: seqlen_q % 64 == 0 and seqlen_k % 128 == 0.
+    assert serves(make_bwd_instance(), bwd_problem(**changes)) == served
+    assert serves(make_bwd_instance(pad_seqlen=True), bwd_problem(**changes))
+
+
+def test_bwd_head_dim_padding(make_bwd_instance):
+    padded = make_bwd_instance(hdim=(128, 128), pad_seqlen=True, pad_hdim=True)
+    assert serves(padded, bwd_problem(hdim=(120, 96)))
+    assert not serves(padded, bwd_problem(hdim=(100, 128)))
+    assert not serves(make_bwd_instance(hdim=(128, 128), pad_seqlen=True),
+                      bwd_problem(hdim=(120, 120)))
+
+
+def test_dispatch_order_keeps_each_operation_apart(make_instance, make_bwd_instance):
+    instances = [make_bwd_instance(arch="sm90a"), make_instance(arch="sm80"),
+                 make_bwd_instance(arch="sm80", pad_seqlen=True, pad_hdim=True),
+                 make_instance(arch="sm90a")]
+    assert [i.name for i in dispatch_order(instances)] == [
+        "fwd_fp16_d64_fa2_sm90a_m128n64", "fwd_fp16_d64_fa2_sm80_m128n64",
+        "bwd_fp16_d64_fa2_sm90a_m64n128", "bwd_fp16_d64_fa2_sm80_m64n128_pad_hpad"]
+    check_dispatchable(dispatch_order(instances))
+
+
+def test_bwd_shadowed_instance_is_an_error(make_bwd_instance):
+    big = make_bwd_instance(pad_seqlen=True, pad_hdim=True)
+    small = make_bwd_instance(pad_seqlen=True, pad_hdim=True, tile=Tile(64, 64, 8, 2))
+    with pytest.raises(GeneratorError, match=f"{small.name} is shadowed by {big.name}: .*"
+                                             f"e.g. op=bwd,dtype=fp16,hdim=64x64,"):
+        check_dispatchable(dispatch_order([big, small]))
+
+
+def test_bwd_instance_that_serves_nothing_is_an_error(build):
+    with pytest.raises(ConfigError) as caught:
+        build(BWD_OPERATION, ("mode: [batch]", "mode: [batch, group]"),
+              ("rules: []", "rules:\n  - when: {mode: group, pad_seqlen: false}\n    reason: fwd"))
+    assert caught.value.message.startswith(
+        "operations.bwd.rules: bwd_bf16_d64_causal_group_fa2_sm90a_m64n128 serves no problem")
+
+
+@settings(max_examples=100, deadline=None)
+@given(dtype=st.sampled_from(DTYPE.tokens), mask=st.sampled_from(MASK.tokens),
+       bias=st.sampled_from(BIAS.tokens), mode=st.sampled_from(MODE.tokens),
+       flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+       hdim=st.tuples(st.integers(1, 40), st.integers(1, 40)).map(lambda d: (d[0] * 8, d[1] * 8)),
+       seqlen=st.tuples(st.integers(1, 4096), st.integers(1, 4096)), seqused=st.booleans(),
+       cc=st.sampled_from([75, 80, 86, 89, 90, 100]))
+def test_repository_bwd_matrix_serves_every_call_on_its_newest_arch(dtype, mask, bias, mode,
+                                                                     flags, hdim, seqlen,
+                                                                     seqused, cc):
+    dbias = flags[0] and bias == "elementwise"  # a bias gradient exists for a bias tensor only
+    call = bwd_problem(dtype, hdim, mask, bias, mode, dbias, *flags[1:], seqlen=seqlen,
+                       seqused=seqused, cc=cc)
+    chosen = first_serving(DEFAULT_CATALOG.instances, call)
+    if cc < 80 or max(hdim) > 256:
+        assert chosen is None
+        return
+    # fa2 serves every backward call: natively built on H100/H200, through sm80's code elsewhere.
+    assert chosen is not None and chosen.op.token == "bwd"
+    assert (chosen.point.pipeline.token, chosen.point.arch.cc) == ("fa2", 90 if cc == 90 else 80)
+    position = DEFAULT_CATALOG.instances.index(chosen)
+    assert not any(serves(i, call) for i in DEFAULT_CATALOG.instances[:position])

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import BASE_CONFIG
+from conftest import BASE_CONFIG, BWD_OPERATION
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,12 +29,16 @@ from generator.config import DEFAULT_CONFIG
 from generator.schema import ENUM_AXES, MATRIX_AXES
 
 CONFIG = "config.yaml"
+# The base config with both operations, and a rule shared by them.
+BOTH_CONFIG = BASE_CONFIG.replace(BWD_OPERATION[0], BWD_OPERATION[1]).replace(
+    "operations:\n", "rules:\n  - when: {arch: sm80, pad_seqlen: true, dtype: bf16}\n"
+                     "    reason: shared\noperations:\n")
 OUT = "gen"
 
 # Keys of every level of the file, so that a replaced key is often a valid one in a wrong place.
-KEYS = ["matrix", "tiles", "rules", "presets", *MATRIX_AXES, "hdim_q", "hdim_v", "block_m",
-        "block_n", "warps", "stages", "why", "arch", "when", "not", "reason", "filter",
-        "default", "minimal", "<<"]
+KEYS = ["matrix", "operations", "fwd", "bwd", "tiles", "rules", "presets", *MATRIX_AXES,
+        "hdim_q", "hdim_v", "block_m", "block_n", "warps", "stages", "why", "arch", "when", "not",
+        "reason", "filter", "default", "minimal", "<<"]
 
 # Scalars that PyYAML turns into something other than a str, an int or a list, or fails to.
 YAML_TYPES = [
@@ -53,7 +57,8 @@ STRUCTURE = [
 FILTERS = [
     "hdim²", "hdim" + "9" * 5000, "hdim_q=²", "hdim_q=" + "9" * 5000, "hdim_q=0", "hdim0",
     "*[z-a]*", "fp16|", "!", "mask=", "=", ",", "fp16,,bf16", "!lse|*", "hdim=6x",
-    "sm90a,sm80", "lse=yes", "pad_hdim=true,nopad",
+    "sm90a,sm80", "lse=yes", "pad_hdim=true,nopad", "bwd,lse", "op=", "op=decode", "fwd|bwd",
+    "!fwd,!bwd", "dbias,vlayout=col",
 ]
 TOKENS = sorted({token for axis in ENUM_AXES.values() for token in axis.tokens}
                 | {"32", "64", "128", "256", "1", "2", "4", "8", "16"})
@@ -217,6 +222,11 @@ def base_render(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def both_render(tmp_path_factory) -> Path:
+    return good_render(tmp_path_factory, BOTH_CONFIG)
+
+
+@pytest.fixture(scope="module")
 def repository_render(tmp_path_factory) -> Path:
     return good_render(tmp_path_factory, DEFAULT_CONFIG.read_text())
 
@@ -227,7 +237,13 @@ def test_broken_base_config(base_render, data):
     check_run(base_render, data)
 
 
-# The repository's matrix takes about a second a run (10080 instances): a few examples.
+@settings(max_examples=100, derandomize=True, deadline=None, database=None)
+@given(data=broken(BOTH_CONFIG))
+def test_broken_config_with_both_operations(both_render, data):
+    check_run(both_render, data)
+
+
+# The repository's matrix takes about a second a run (14136 instances): a few examples.
 @settings(max_examples=10, derandomize=True, deadline=None, database=None)
 @given(data=broken(DEFAULT_CONFIG.read_text()))
 def test_broken_repository_config(repository_render, data):

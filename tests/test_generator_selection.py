@@ -211,19 +211,39 @@ def test_bool_words_are_not_values_of_an_enum_axis():
 
 def test_repository_presets_parse_and_select():
     config = load(DEFAULT_CONFIG)
-    counts = {name: len(select(config, DEFAULT_CATALOG, name).instances)
+    counts = {name: tuple(sum(i.op.token == op for i in select(config, DEFAULT_CATALOG,
+                                                                name).instances)
+                          for op in ("fwd", "bwd"))
               for name in config.presets}
-    assert counts == {"default": 56, "extended": 276, "minimal": 4, "flash_attn": 2040,
-                      "pytorch": 448, "coverage": 592, "all": 10104}
+    assert counts == {"default": (56, 48), "extended": (276, 252), "minimal": (4, 4),
+                      "flash_attn": (2040, 2016), "pytorch": (448, 672),
+                      "coverage": (592, 372), "all": (10104, 4032)}
 
 
 def test_minimal_preset_builds_each_pipeline_and_padding_path():
-    # CI's smoke build compiles one TU of each: fa2 unpadded and padded for sm80, and for
-    # sm90a fa3 (padded, its only variant) and fa2's head-dim-padded fallback.
+    # CI's smoke build compiles one TU of each: the forward's fa2 unpadded and padded for
+    # sm80, and for sm90a fa3 (padded, its only variant) and fa2's head-dim-padded fallback;
+    # the backward's fa2 unpadded and padded for either arch.
     instances = select(load(DEFAULT_CONFIG), DEFAULT_CATALOG, "minimal").instances
-    assert [(i.point.pipeline.token, i.point.arch.token, i.point.pad_seqlen, i.point.pad_hdim)
-            for i in instances] == [("fa3", "sm90a", True, False), ("fa2", "sm90a", True, True),
-                                    ("fa2", "sm80", False, False), ("fa2", "sm80", True, True)]
+    assert [(i.op.token, i.point.pipeline.token, i.point.arch.token, i.point.pad_seqlen,
+             i.point.pad_hdim) for i in instances] == [
+        ("fwd", "fa3", "sm90a", True, False), ("fwd", "fa2", "sm90a", True, True),
+        ("fwd", "fa2", "sm80", False, False), ("fwd", "fa2", "sm80", True, True),
+        ("bwd", "fa2", "sm90a", False, False), ("bwd", "fa2", "sm90a", True, True),
+        ("bwd", "fa2", "sm80", False, False), ("bwd", "fa2", "sm80", True, True)]
+
+
+def test_coverage_preset_has_every_value_of_every_axis_of_each_operation():
+    config = load(DEFAULT_CONFIG)
+    instances = select(config, DEFAULT_CATALOG, "coverage").instances
+    for token, op_config in config.operations.items():
+        mine = [i for i in instances if i.op.token == token]
+        for axis in op_config.op.matrix_axes:
+            assert {i.value(axis) for i in mine} == set(op_config.matrix[axis]), (token, axis)
+        # The backward's traits together: bias gradients in group mode, dropout with windows.
+        if token == "bwd":
+            assert {(i.point.traits.dbias, i.point.traits.mode.token) for i in mine} == {
+                (False, "batch"), (True, "batch"), (False, "group"), (True, "group")}
 
 
 def test_union_preset_selects_what_any_of_its_filters_selects(build):
@@ -370,4 +390,4 @@ def test_shards_are_a_balanced_partition_in_dispatch_order(count):
 
 def test_more_shards_than_instances_leaves_some_empty():
     instances = select(load(DEFAULT_CONFIG), DEFAULT_CATALOG, "minimal").instances
-    assert [len(Shard(index, 6).take(instances)) for index in range(1, 7)] == [1, 1, 1, 1, 0, 0]
+    assert [len(Shard(index, 10).take(instances)) for index in range(1, 11)] == [1] * 8 + [0, 0]

@@ -30,8 +30,9 @@ struct InstanceEntry {
 };
 
 // Sorted by the generator in the order of preference: the dispatcher runs the first entry
-// whose traits match and whose constraints hold.
-extern const InstanceEntry kInstances[];
+// whose traits match and whose constraints hold. kNumInstances rows (a pointer, as a selection
+// may have none, e.g. --filter bwd).
+extern const InstanceEntry* const kInstances;
 extern const int kNumInstances;
 
 // Targets this build compiled machine code for (generator tokens, e.g. "sm80").
@@ -83,7 +84,8 @@ struct BwdInstanceEntry {
   BwdWorkspaceFn workspace;
 };
 
-extern const BwdInstanceEntry kBwdInstances[];
+// kNumBwdInstances rows (a pointer, as a selection may have none).
+extern const BwdInstanceEntry* const kBwdInstances;
 extern const int kNumBwdInstances;
 
 // A rule of instances.yaml that leaves `pipeline` without instances on `arch` for the traits

@@ -1,0 +1,335 @@
+"""The operations: what each one computes and how its instances are built, after CUTLASS's
+generator (one description class per OperationKind over the shared vocabulary of schema.py),
+rather than CK-Tile's copy of the codegen per operation.
+
+An Operation says everything that differs between operations, in one place:
+  traits      its traits class (model.py), mirroring fmha.h's: the fields are its functional
+              axes, so they give its matrix axes, instance names, dispatch rows and manifest
+              records
+  kernels     which pipelines implement it and how: the kernel header an instance TU includes,
+              the config class template and the launcher it instantiates, the workspace
+              function if the operation has one, the tile constraints the kernel
+              static_asserts and the shared memory a tile takes
+  template    its instance TU's template in templates/
+  args        the C++ argument struct its launchers take
+  registry    the prefix of its names in registry.h (k{R}Instances, {R}InstanceEntry, ...)
+  exports     the functions each of its TUs defines, which its dispatch rows point to
+  row_lines   its dispatch rows' traits, line by line (the rendered table's layout)
+Its matrix, tiles and rules are in instances.yaml under `operations: <token>:`.
+
+Adding an operation (e.g. KV-cache decode): a traits class in model.py and its struct in
+fmha.h, its OperationKind in schema.OPERATION, an Operation here (with its kernels), its TU
+template in templates/, its table in registry.h, and its entry under `operations:` in
+instances.yaml. Everything else (the filter grammar, presets, dispatch order and shadow proof,
+--explain, the manifest, the CMake list) works for it as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Callable
+
+from .model import BwdTraits, FwdTraits, Traits
+from .schema import BUILD_AXES, OPERATION, PIPELINE, EnumAxis, OperationKind, Pipeline
+
+
+@dataclass(frozen=True)
+class TileConstraint:
+    """A condition a kernel places on its tile; `reason` is shown when it fails. Constraints
+    are checked in order, so one may assume those before it hold."""
+
+    reason: str
+    holds: Callable[[Any, tuple[int, int]], bool]  # (model.Tile, (hdim_q, hdim_v)) -> ok
+
+
+@dataclass(frozen=True)
+class SharedMemory:
+    """How much shared memory a kernel's CTA takes for a tile, checked against each arch's
+    limit so that an oversized tile is reported at its line instead of failing at launch."""
+
+    formula: str  # the same in words, for the error message
+    bytes: Callable[[Any, tuple[int, int]], int]  # (model.Tile, (hdim_q, hdim_v)) -> bytes
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """How one pipeline implements one operation."""
+
+    pipeline: Pipeline
+    header: str  # the kernel header an instance TU includes
+    config_template: str  # class template taking the instance's compile-time parameters
+    launcher: str  # function template launching the instance's kernels for one config
+    tile_constraints: tuple[TileConstraint, ...]
+    shared_memory: SharedMemory
+    # The header includes CuTe/CUTLASS (<cute/...>, <cutlass/...>): the build adds their include
+    # directory to these TUs only, and needs it only when it compiles one.
+    uses_cutlass: bool
+    # Function template sizing the scratch the instance's kernels share; None: they need none.
+    workspace: str | None = None
+
+
+@dataclass(frozen=True)
+class Export:
+    """A function every instance TU of an operation defines, `<prefix>_<instance name>`, which
+    the dispatch table declares and its row points to."""
+
+    prefix: str
+    returns: str
+    params: str  # the parameter types, as the table declares them
+
+    def declaration(self, name: str) -> str:
+        return f"{self.returns} {self.prefix}_{name}({self.params});"
+
+    def pointer(self, name: str) -> str:
+        return f"&instances::{self.prefix}_{name}"
+
+
+@dataclass(frozen=True)
+class Operation:
+    kind: OperationKind
+    traits: type[Traits]
+    kernels: tuple[Kernel, ...]
+    template: str
+    args: str
+    registry: str
+    exports: tuple[Export, ...]
+    row_lines: tuple[tuple[str, ...], ...]
+
+    def __post_init__(self) -> None:
+        assert sorted(sum(self.row_lines, ())) == sorted(self.traits.axes()), self.kind
+        assert all(k.pipeline in PIPELINE.values for k in self.kernels), self.kind
+
+    @property
+    def token(self) -> str:
+        return self.kind.token
+
+    @cached_property
+    def matrix_axes(self) -> tuple[str, ...]:
+        """The axes of its matrix, in instance-name order: its traits' fields (hdim for the
+        two head dims), then how and for which GPU an instance is built."""
+        own = [axis for axis in self.traits.axes() if axis not in ("hdim_q", "hdim_v")]
+        return (own[0], "hdim", *own[1:], *BUILD_AXES)
+
+    @cached_property
+    def condition_axes(self) -> tuple[str, ...]:
+        """The axes its rules can name: the matrix axes, and each head dim alone."""
+        axes = self.matrix_axes
+        return (axes[0], "hdim", "hdim_q", "hdim_v", *axes[2:])
+
+    @cached_property
+    def pipelines(self) -> EnumAxis:
+        """Its pipelines, newest first as in schema.PIPELINE."""
+        return EnumAxis("pipeline", tuple(p for p in PIPELINE
+                                          if any(k.pipeline == p for k in self.kernels)))
+
+    def kernel(self, pipeline: Pipeline) -> Kernel:
+        return next(k for k in self.kernels if k.pipeline == pipeline)
+
+    # registry.h's names of its table, e.g. kBwdInstances, kNumBwdInstances, BwdInstanceEntry.
+    @property
+    def traits_cpp(self) -> str:
+        return self.traits.__name__  # FwdTraits, as fmha.h names it
+
+    @property
+    def table(self) -> str:
+        return f"k{self.registry}Instances"
+
+    @property
+    def count(self) -> str:
+        return f"kNum{self.registry}Instances"
+
+    @property
+    def entry(self) -> str:
+        return f"{self.registry}InstanceEntry"
+
+    @property
+    def gap_type(self) -> str:
+        return f"{self.registry}PipelineGap"
+
+    @property
+    def gaps(self) -> str:
+        return f"k{self.registry}PipelineGaps"
+
+    @property
+    def gap_count(self) -> str:
+        return f"kNum{self.registry}PipelineGaps"
+
+
+# ---- fwd -------------------------------------------------------------------------------------
+
+# What fmha/kernels/fwd_fa2_sm80.cuh static_asserts, checked here too so that a bad tile is
+# reported at its line in instances.yaml instead of deep inside an nvcc run.
+_FWD_FA2_CONSTRAINTS = (
+    TileConstraint("block_m == 16 * warps or 32 * warps (each warp owns 16 or 32 query rows)",
+                   lambda tile, hdim: tile.block_m in (16 * tile.warps, 32 * tile.warps)),
+    TileConstraint("block_n % 16 == 0 (keys are consumed in 16-wide MMA k-steps)",
+                   lambda tile, hdim: tile.block_n % 16 == 0),
+    TileConstraint("stages == 2 (K and V are double-buffered)",
+                   lambda tile, hdim: tile.stages == 2),
+    # 32 rather than the MMA's 16: shared-memory rows are XOR-swizzled in atoms of 32 or 64
+    # columns (4 or 8 chunks of 16 bytes).
+    TileConstraint("hdim_q and hdim_v multiples of 32 (the shared-memory swizzle's atoms)",
+                   lambda tile, hdim: all(d % 32 == 0 for d in hdim)),
+)
+
+_Q_AND_KV_RING = "2 * (block_m * max(hdim_q, hdim_v) + stages * block_n * (hdim_q + hdim_v))"
+
+
+def _q_and_kv_ring_bytes(tile, hdim: tuple[int, int]) -> int:
+    """The Q region (it also stages O in the epilogue, so it fits the wider head dim) and one K
+    and one V tile per stage, of 2-byte elements."""
+    return 2 * (tile.block_m * max(hdim) + tile.stages * tile.block_n * (hdim[0] + hdim[1]))
+
+
+# What fmha/kernels/fwd_fa3_sm90.cuh static_asserts: one producer warpgroup (4 warps) feeds
+# block_m / 64 consumer warpgroups through TMA, and each consumer issues wgmma on its 64 rows.
+_FWD_FA3_CONSTRAINTS = (
+    TileConstraint("block_m 128 or 192 (two or three consumer warpgroups of 64 query rows: the "
+                   "register split between producer and consumers is set for those)",
+                   lambda tile, hdim: tile.block_m in (128, 192)),
+    TileConstraint("warps == 4 * (block_m // 64 + 1) (one producer warpgroup plus one consumer "
+                   "warpgroup per 64 query rows)",
+                   lambda tile, hdim: tile.warps == 4 * (tile.block_m // 64 + 1)),
+    TileConstraint("block_n % 16 == 0 and 16 <= block_n <= 256 (wgmma's N for S = QK^T, and "
+                   "16-key k-steps for O += PV)",
+                   lambda tile, hdim: tile.block_n % 16 == 0 and 16 <= tile.block_n <= 256),
+    TileConstraint("stages >= 2 (the K/V ring loads one tile while the consumers read another)",
+                   lambda tile, hdim: tile.stages >= 2),
+    # 64 two-byte elements are one 128-byte swizzle atom of TMA and wgmma's shared-memory layout.
+    TileConstraint("hdim_q and hdim_v multiples of 64 (128-byte swizzle atoms)",
+                   lambda tile, hdim: all(d % 64 == 0 for d in hdim)),
+    TileConstraint("hdim_v <= hdim_q (O is staged over Q where it has no region of its own)",
+                   lambda tile, hdim: hdim[1] <= hdim[0]),
+)
+
+# FwdConfig::kSmemBytes of fwd_fa3_sm90.cuh: fa2's regions, plus the K/V ring's mbarriers and
+# the 1024-byte alignment that 128-byte-swizzled TMA tiles need.
+_FA3_BARRIERS_AND_ALIGNMENT = 1024
+
+FWD = Operation(
+    kind=OPERATION.get("fwd"),
+    traits=FwdTraits,
+    kernels=(
+        Kernel(PIPELINE.get("fa3"), header="fmha/kernels/fwd_fa3_sm90.cuh",
+               config_template="fmha::fa3::FwdConfig", launcher="fmha::fa3::launch_fwd",
+               tile_constraints=_FWD_FA3_CONSTRAINTS,
+               shared_memory=SharedMemory(
+                   f"{_Q_AND_KV_RING} + {_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
+                   lambda tile, hdim: (_q_and_kv_ring_bytes(tile, hdim)
+                                       + _FA3_BARRIERS_AND_ALIGNMENT)),
+               uses_cutlass=True),
+        # FwdConfig::kSmemBytes of fwd_fa2_sm80.cuh.
+        Kernel(PIPELINE.get("fa2"), header="fmha/kernels/fwd_fa2_sm80.cuh",
+               config_template="fmha::fa2::FwdConfig", launcher="fmha::fa2::launch_fwd",
+               tile_constraints=_FWD_FA2_CONSTRAINTS,
+               shared_memory=SharedMemory(_Q_AND_KV_RING, _q_and_kv_ring_bytes),
+               uses_cutlass=False),
+    ),
+    template="fwd_instance.cu.j2",
+    args="FwdArgs",
+    registry="",
+    exports=(Export("launch", "cudaError_t", "const FwdArgs&, cudaStream_t"),),
+    row_lines=(("dtype", "hdim_q", "hdim_v"), ("mask", "bias"), ("vlayout", "mode"),
+               ("lse", "dropout", "softcap")),
+)
+
+
+# ---- bwd -------------------------------------------------------------------------------------
+
+def _warp_keys(hdim: tuple[int, int]) -> int:
+    """Keys per warp (BwdConfig::kWarpKeys): 32 where dK and dV of 32 keys over half the head
+    dims fit the registers (hdim_q + hdim_v <= 256, two warps sharing the keys), else 16."""
+    return 32 if hdim[0] + hdim[1] <= 256 else 16
+
+
+def _split_d(tile, hdim: tuple[int, int]) -> int:
+    """Warps sharing a warp's keys (kSplitD): warps / (block_n / warp_keys), 1 or 2; each of
+    two takes half the queries for S^T and half the head dims for dK and dV."""
+    return tile.warps // (tile.block_n // _warp_keys(hdim))
+
+
+def _dq_col_groups(tile) -> int:
+    """dQ's tile (block_m x hdim_q) is split over the warps as block_m / 16 row groups times
+    this many column groups along hdim_q."""
+    return tile.warps // (tile.block_m // 16)
+
+
+# What fmha/kernels/bwd_fa2_sm80.cuh static_asserts (BwdConfig, and SmemTile for its shared-memory
+# tiles), in its order: a warp owns warp_keys keys (block_n / warp_keys key slices), alone or
+# with a second warp (split_d = 2).
+_WARP_KEYS = "warp_keys = 32 if hdim_q + hdim_v <= 256 else 16"
+_BWD_FA2_CONSTRAINTS = (
+    TileConstraint(f"block_n % warp_keys == 0, warps % (block_n / warp_keys) == 0 and split_d = "
+                   f"warps / (block_n / warp_keys) in {{1, 2}}, where {_WARP_KEYS} (16 or 32 "
+                   f"keys per warp, shared by one or two warps)",
+                   lambda tile, hdim: (tile.block_n % _warp_keys(hdim) == 0
+                                       and tile.warps % (tile.block_n // _warp_keys(hdim)) == 0
+                                       and _split_d(tile, hdim) in (1, 2))),
+    TileConstraint(f"split_d == 2 where warp_keys == 32, {_WARP_KEYS} (32 keys per warp need "
+                   f"two warps to share them: registers)",
+                   lambda tile, hdim: _warp_keys(hdim) == 16 or _split_d(tile, hdim) == 2),
+    TileConstraint("block_m % (16 * split_d) == 0 (a warp's queries come in m16 tiles)",
+                   lambda tile, hdim: tile.block_m % (16 * _split_d(tile, hdim)) == 0),
+    TileConstraint("warps % (block_m / 16) == 0 and (hdim_q / (warps / (block_m / 16))) % 16 == 0 "
+                   "(dQ's tile is split over the warps as block_m / 16 row groups times the rest "
+                   "along hdim_q, in 16-column warp tiles)",
+                   lambda tile, hdim: (tile.warps % (tile.block_m // 16) == 0
+                                       and hdim[0] % _dq_col_groups(tile) == 0
+                                       and hdim[0] // _dq_col_groups(tile) % 16 == 0)),
+    TileConstraint("(hdim_q / split_d) % 16 == 0 and (hdim_v / split_d) % 16 == 0 (a warp's "
+                   "share of dK and dV comes in pairs of n8 tiles)",
+                   lambda tile, hdim: all(d % _split_d(tile, hdim) == 0
+                                          and d // _split_d(tile, hdim) % 16 == 0 for d in hdim)),
+    TileConstraint("hdim_q, hdim_v and block_m multiples of 32 (shared-memory tiles are made of "
+                   "swizzle atoms of 32 or 64 columns: rows of K, V, Q, dO, and of dS^T, which "
+                   "has block_m columns)",
+                   lambda tile, hdim: all(d % 32 == 0 for d in (*hdim, tile.block_m))),
+    TileConstraint("stages == 2 (Q and dO are double-buffered)",
+                   lambda tile, hdim: tile.stages == 2),
+)
+
+
+def _bwd_fa2_smem_bytes(tile, hdim: tuple[int, int]) -> int:
+    """BwdConfig::kSmemBytes: K and V of the CTA; per stage Q, dO and the LSE and D of each
+    row; dS^T and, when split_d > 1, P^T."""
+    both = hdim[0] + hdim[1]
+    return (2 * tile.block_n * both
+            + tile.stages * (2 * tile.block_m * both + 8 * tile.block_m)
+            + 2 * tile.block_n * tile.block_m * (2 if _split_d(tile, hdim) > 1 else 1))
+
+
+BWD = Operation(
+    kind=OPERATION.get("bwd"),
+    traits=BwdTraits,
+    kernels=(
+        # Three kernels per instance, launched in order by launch_bwd: D = rowsum(dO * O), the
+        # dQ/dK/dV kernel, the fp32 dQ conversion; mma.sync, for sm80 and newer.
+        Kernel(PIPELINE.get("fa2"), header="fmha/kernels/bwd_fa2_sm80.cuh",
+               config_template="fmha::fa2::BwdConfig", launcher="fmha::fa2::launch_bwd",
+               tile_constraints=_BWD_FA2_CONSTRAINTS,
+               shared_memory=SharedMemory(
+                   "2 * block_n * (hdim_q + hdim_v) + stages * (2 * block_m * (hdim_q + hdim_v) "
+                   "+ 8 * block_m) + 2 * block_n * block_m * (2 if split_d > 1 else 1)",
+                   _bwd_fa2_smem_bytes),
+               uses_cutlass=False, workspace="fmha::fa2::bwd_workspace_bytes"),
+    ),
+    template="bwd_instance.cu.j2",
+    args="BwdArgs",
+    registry="Bwd",
+    exports=(Export("launch", "cudaError_t", "const BwdArgs&, cudaStream_t"),
+             Export("workspace", "size_t", "const BwdArgs&")),
+    row_lines=(("dtype", "hdim_q", "hdim_v"), ("mask", "bias", "mode"),
+               ("dbias", "dropout", "softcap")),
+)
+
+
+# Every operation, in schema.OPERATION's order: the order of the catalog, of --list and of the
+# dispatch table's arrays.
+OPERATIONS: dict[str, Operation] = {op.token: op for op in (FWD, BWD)}
+assert tuple(OPERATIONS) == OPERATION.tokens
+
+
+def operation_of(item) -> Operation:
+    """The operation of an instance, point or problem (their `op`), or of traits."""
+    return OPERATIONS[(item.kind if isinstance(item, Traits) else item.op).token]
