@@ -17,11 +17,17 @@ An Operation says everything that differs between operations, in one place:
   row_lines   its dispatch rows' traits, line by line (the rendered table's layout)
 Its matrix, tiles and rules are in instances.yaml under `operations: <token>:`.
 
-Adding an operation (e.g. KV-cache decode): a traits class in model.py and its struct in
-fmha.h, its OperationKind in schema.OPERATION, an Operation here (with its kernels), its TU
-template in templates/, its table in registry.h, and its entry under `operations:` in
-instances.yaml. Everything else (the filter grammar, presets, dispatch order and shadow proof,
---explain, the manifest, the CMake list) works for it as it is.
+Adding an operation (e.g. KV-cache decode):
+  1. its traits struct in fmha.h and its table in registry.h (k<R>Instances, <R>InstanceEntry,
+     <R>PipelineGap, ..., with the entry's function pointers);
+  2. its traits class in model.py (the fields in instance-name order) and its OperationKind in
+     schema.OPERATION;
+  3. an Operation here, with its kernels, and its TU template in templates/;
+  4. an axis of its own that no operation has yet: its name in schema.MATRIX_AXES (and
+     TRAIT_BOOL_AXES or ENUM_AXES), and in dispatch.EQUAL_TRAITS when a call must match it;
+  5. its entry under `operations:` in instances.yaml, and its part of the presets.
+Everything else (the filter grammar, presets, dispatch order and shadow proof, --explain, the
+manifest, the CMake list) works for it as it is.
 """
 
 from __future__ import annotations
