@@ -430,7 +430,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
     // dQ of a step is added into the accumulator during the next step's S^T: a step's atomics
     // issued at once queue up in the load/store unit while the tensor cores idle (d128, H100,
     // bf16, S 2k-8k: 258/272/279 -> 273/290/299 TFLOP/s).
-    float dq_pending[Cfg::kDQCols / 8][4];
+    float dq_pending[Cfg::kDQCols / 8][4] = {};
     int pending_head = -1, pending_row0 = 0;
     auto add_pending_dq = [&](int item) {  // item: h * (kDQCols / 8) + dt
       const int h = item / (Cfg::kDQCols / 8), dt = item % (Cfg::kDQCols / 8);
