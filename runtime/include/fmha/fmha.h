@@ -255,7 +255,10 @@ FMHA_API Status dropout_mask(uint64_t seed, uint32_t offset, float dropout_p, in
 
 // The backward pass on `stream`: dq, dk, dv (and dbias) of the forward call args.fwd describes.
 // Checks the arguments (the workspace's size included) and picks an instance first; on any
-// error nothing is launched. dq, dk and dv are overwritten, never accumulated into.
+// error nothing is launched. dq, dk and dv are overwritten, never accumulated into: every row of
+// dq, and every key a sequence owns in dk and dv (zeros where no query sees it, past seqused_k
+// too); in group mode, rows past cu_seqlens_k[batch] belong to no sequence and are left alone.
+// dbias is written where the mask lets a query see a key; the rest is left alone.
 FMHA_API Status bwd(const BwdArgs& args, Stream stream, std::string* chosen = nullptr);
 
 // As bwd(), with the compiled backward instance called `instance`.

@@ -292,8 +292,9 @@ class BwdPlan:
                  device: int):
         self.args: Optional["_C.BwdArgs"] = None  # the first call's; the op sets it
         self.varlen = varlen  # token counts and longest lengths are the call's (is_varlen)
-        # Gradients of rows no sequence uses (seqused, group mode's rows outside every
-        # sequence, an empty problem's) are 0: the kernels write only the rows they visit.
+        # The kernels write every row of dq, and every key a sequence owns in dk and dv (zeros
+        # where no query sees it, past seqused_k too); only group mode's keys past
+        # cu_seqlens_k[-1] belong to no sequence, so there dk and dv start zeroed.
         self.zero_grads = zero_grads
         self.dbias_shape = dbias_shape  # None: no dbias; else the bias operand's (b, h, sq, sk)
         # None until the first launch asks; in varlen asked on every call (its sizes vary).
@@ -304,10 +305,11 @@ class BwdPlan:
         """(dq, dk, dv, dbias or None): contiguous, of q's, k's and v's shapes (their strides,
         which the plan's BwdArgs hold, follow from the shapes); dbias zeroed, as the kernels
         write only the tiles the mask lets them visit."""
+        dq = q.new_empty(q.shape)
         if self.zero_grads:
-            dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+            dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
         else:
-            dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+            dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
         dbias = None if self.dbias_shape is None else q.new_zeros(self.dbias_shape)
         return dq, dk, dv, dbias
 
@@ -432,10 +434,8 @@ def bwd_call_key(dout, q, k, v, out, lse, causal, softmax_scale, window_size, ma
 def make_bwd(ops, return_dbias: bool) -> BwdPlan:
     """The plan of a backward call of the forward `ops` (fmha._api._Operands), its BwdArgs still
     to come: they take the first call's gradients, which the plan allocates."""
-    q, k = ops.q, ops.k
+    q = ops.q
     group = ops.cu_seqlens_q is not None
-    empty = q.numel() == 0 or k.numel() == 0
-    zero_grads = group or empty or ops.seqused_q is not None or ops.seqused_k is not None
     dbias_shape = tuple(ops.bias.shape) if return_dbias and ops.bias is not None else None
-    return BwdPlan(is_varlen(ops.cu_seqlens_q, ops.bias), zero_grads, dbias_shape,
+    return BwdPlan(is_varlen(ops.cu_seqlens_q, ops.bias), group, dbias_shape,
                    q.get_device())

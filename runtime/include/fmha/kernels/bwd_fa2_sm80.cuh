@@ -413,15 +413,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
       }
     };
 
-    // Prologue: K and V with the first step's Q and dO.
-    const int keys_valid = seq.seqlen_k - key0;
-    load_rows<Cfg, KTile, kBlockN>(s_k, k, f.k_seq_stride, keys_valid, f.hdim_q / 8);
-    load_rows<Cfg, VTile, kBlockN>(s_v, v, f.v_seq_stride, keys_valid, f.hdim_v / 8);
+    // Prologue: K and V with the first step's Q and dO. A key tile that no query sees only
+    // writes its zeros.
     if (steps > 0) {
+      const int keys_valid = seq.seqlen_k - key0;
+      load_rows<Cfg, KTile, kBlockN>(s_k, k, f.k_seq_stride, keys_valid, f.hdim_q / 8);
+      load_rows<Cfg, VTile, kBlockN>(s_v, v, f.v_seq_stride, keys_valid, f.hdim_v / 8);
       load_q_do(0, 0);
       store_stats(fetch_stats(0), 0);
-    } else {
-      sm80::cp_async_commit();
     }
 
     float dk_acc[kKeyFrags][Cfg::kDKCols / 8][4] = {};
