@@ -48,7 +48,7 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     assert "4 of 14136 instances selected (fwd 2, bwd 2;" in result.stdout
     assert "2 unchanged, 102 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
-        "bwd_fp16_d64_fa2_sm90a_m64n128.cu", "bwd_fp16_d64_fa2_sm90a_m64n128_pad_hpad.cu",
+        "bwd_fp16_d64_fa2_sm90a_m128n128.cu", "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu",
         "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu"]
 
 
@@ -82,7 +82,7 @@ def test_json(run_cli):
             ((False, False), (True, True)) if record["pipeline"] == "fa2" else ((True, False),))
     assert sorted(r["pipeline"] for r in records[:4]) == ["fa2", "fa2", "fa2", "fa3"]
     assert {(r["arch"], r["block_m"], r["block_n"]) for r in records[4:]} == {
-        ("sm80", 64, 128), ("sm90a", 64, 128)}
+        ("sm80", 128, 128), ("sm90a", 128, 128)}
 
 
 def test_json_and_summary_leave_out_pruned_instances(run_cli, make_config, tmp_path):
@@ -360,7 +360,7 @@ def test_filter_names_an_operation(run_cli):
     assert result.stderr.startswith("--filter: 'lse' matches none of the 48 instances left by")
     # Its negation holds for them: default's fwd instances all have lse.
     assert run_cli("--list", "--filter", "!lse,hdim64,causal,mode=batch,nopad,sm80").stdout.split(
-        ) == ["bwd_bf16_d64_causal_fa2_sm80_m64n128", "bwd_fp16_d64_causal_fa2_sm80_m64n128"]
+        ) == ["bwd_bf16_d64_causal_fa2_sm80_m128n128", "bwd_fp16_d64_causal_fa2_sm80_m128n128"]
 
 
 def test_unknown_token_lists_the_operations(run_cli):
@@ -420,17 +420,17 @@ def test_explain_bwd_miss_suggests_a_filter_that_fits(run_cli):
     problem = "op=bwd,dtype=fp16,hdim=64,bias=elementwise,dbias=true,seqlen_q=1000,arch=80"
     lines = run_cli("--explain", problem).stdout.splitlines()
     assert lines[1] == "none of the 48 selected bwd instances serves it; the nearest:"
-    assert lines[2] == ("  bwd_fp16_d64_fa2_sm80_m64n128_pad_hpad: bias=none (the call: "
+    assert lines[2] == ("  bwd_fp16_d64_fa2_sm80_m128n128_pad_hpad: bias=none (the call: "
                         "elementwise); dbias=false (the call: true)")
     assert lines[5] == ("the matrix has one that fits: "
-                        "bwd_fp16_d64_elementwise_dbias_fa2_sm80_m64n128_pad_hpad")
+                        "bwd_fp16_d64_elementwise_dbias_fa2_sm80_m128n128_pad_hpad")
     assert lines[6] == ("build it with: python -m generator --preset coverage --filter 'fp16,"
                         "hdim64,mask=none,bias=elementwise,mode=batch,dbias=true,dropout=false,"
                         "softcap=false,sm80,hpad'")
     suggested = lines[6].split("--filter ")[1].strip("'")
     explained = run_cli("--explain", problem, "--preset", "coverage", "--filter", suggested)
     assert explained.stdout.splitlines()[1] == (
-        "chosen:  bwd_fp16_d64_elementwise_dbias_fa2_sm80_m64n128_pad_hpad")
+        "chosen:  bwd_fp16_d64_elementwise_dbias_fa2_sm80_m128n128_pad_hpad")
     # A forward problem never gets a backward instance, nor the other way round.
     fwd = run_cli("--explain", "dtype=fp16,hdim=64,arch=80", "--filter", "bwd")
     assert fwd.stdout.splitlines()[1] == ("none of the 0 selected fwd instances serves it; the "
