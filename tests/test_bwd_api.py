@@ -539,9 +539,11 @@ class FakeBwdArgs:
 
     def __init__(self, workspace_bytes=1000):
         self.sizes_asked, self.runs, self.workspace_bytes = [], [], workspace_bytes
+        self.instances_asked = []
 
-    def workspace_size(self, *sizes):
-        self.sizes_asked.append(sizes)
+    def workspace_size(self, *sizes_and_instance):
+        self.sizes_asked.append(sizes_and_instance[:-1])
+        self.instances_asked.append(sizes_and_instance[-1])
         return _C.STATUS_OK, "", self.workspace_bytes
 
     def run(self, *args):
@@ -556,11 +558,11 @@ def cpu_plans(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
 
 
-def run_plan(plan, t, group, seed=5, offset=2):
+def run_plan(plan, t, group, seed=5, offset=2, instance=None):
     return plan.run(t["dout"], t["q"], t["k"], t["v"], t["out"], t["lse"], None, None,
                     group.get("cu_seqlens_q"), group.get("cu_seqlens_k"), None, None,
                     group.get("max_seqlen_q", 0), group.get("max_seqlen_k", 0), seed, offset,
-                    None)
+                    instance)
 
 
 def test_a_batch_plan_asks_for_its_workspace_once(no_device_check, cpu_plans):
@@ -572,12 +574,26 @@ def test_a_batch_plan_asks_for_its_workspace_once(no_device_check, cpu_plans):
         assert failed is None and dbias is None
         assert (dq.shape, dk.shape, dv.shape) == (t["q"].shape, t["k"].shape, t["v"].shape)
     assert fake.sizes_asked == [(-1, -1, -1, -1)] and plan.workspace_bytes == 1000
+    assert fake.instances_asked == [None]  # the dispatcher's choice sizes it
     run = fake.runs[-1]
     assert run[:6] == tuple(t[n].data_ptr() for n in ("dout", "q", "k", "v", "out", "lse"))
     assert run[12:14] == (5, 2)  # the call's dropout seed and offset
     assert run[14:17] == (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
     assert run[18] != 0 and run[19] == 1000  # a workspace of the size asked for
     assert run[20:] == (-1, -1, -1, -1, -1, 0, None)  # the plan's sizes; stream 0
+
+
+def test_a_plan_of_a_named_instance_asks_for_that_instance_s_workspace(no_device_check,
+                                                                       cpu_plans):
+    # A named instance of larger head dims than the dispatcher's choice needs a larger dQ
+    # accumulator (its own head dim), so the size asked for must be that instance's.
+    t = inputs()
+    _, plan, _ = build(t)
+    plan.args = fake = FakeBwdArgs()
+    *_, failed = run_plan(plan, t, {}, instance="bwd_fp16_d128_fa2_sm90a_m64n128_pad_hpad")
+    assert failed is None
+    assert fake.instances_asked == ["bwd_fp16_d128_fa2_sm90a_m64n128_pad_hpad"]
+    assert fake.runs[-1][-1] == "bwd_fp16_d128_fa2_sm90a_m64n128_pad_hpad"
 
 
 def test_a_varlen_plan_asks_for_its_workspace_per_call(no_device_check, cpu_plans):

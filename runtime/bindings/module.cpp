@@ -229,10 +229,13 @@ std::tuple<int, std::string, std::string> bwd(const fmha::BwdArgs& args, uintptr
   return {code(st), st.message, chosen};
 }
 
-// (status code, message, bytes): the workspace bwd() needs for args on the current device.
-std::tuple<int, std::string, size_t> bwd_workspace_size(const fmha::BwdArgs& args) {
+// (status code, message, bytes): the workspace bwd() needs for args on the current device, with
+// the dispatcher's backward instance or the one named.
+std::tuple<int, std::string, size_t> bwd_workspace_size(const fmha::BwdArgs& args,
+                                                        std::optional<std::string> instance) {
   size_t bytes = 0;
-  const fmha::Status st = fmha::bwd_workspace_size(args, &bytes);
+  const fmha::Status st = instance ? fmha::bwd_workspace_size(*instance, args, &bytes)
+                                   : fmha::bwd_workspace_size(args, &bytes);
   return {code(st), st.message, bytes};
 }
 
@@ -289,10 +292,11 @@ py::object run_bwd_planned(const fmha::BwdArgs& plan, uintptr_t dout, uintptr_t 
 // one value a varlen call must ask for before it allocates: (status code, message, bytes).
 std::tuple<int, std::string, size_t> planned_workspace_size(const fmha::BwdArgs& plan,
                                                             int seqlen_q, int seqlen_k,
-                                                            int64_t total_q, int64_t total_k) {
+                                                            int64_t total_q, int64_t total_k,
+                                                            std::optional<std::string> instance) {
   fmha::BwdArgs args = plan;
   set_sizes(args.fwd, seqlen_q, seqlen_k, total_q, total_k);
-  return bwd_workspace_size(args);
+  return bwd_workspace_size(args, std::move(instance));
 }
 
 std::tuple<int, std::string, py::object> select_bwd(const fmha::BwdArgs& args) {
@@ -357,9 +361,10 @@ void bind_bwd_args(py::module_& m) {
           "the named backward instance; returns None, or (status code, message) when nothing "
           "was launched.");
   cls.def("workspace_size", &planned_workspace_size, py::arg("seqlen_q"), py::arg("seqlen_k"),
-          py::arg("total_q"), py::arg("total_k"),
+          py::arg("total_q"), py::arg("total_k"), py::arg("instance") = py::none(),
           "bwd_workspace_size of these args with the sizes given (negative: these args') on "
-          "the current device; returns (code, message, bytes).");
+          "the current device, for the dispatcher's backward instance or the one named; "
+          "returns (code, message, bytes).");
 }
 
 void bind_args(py::module_& m) {
@@ -488,8 +493,9 @@ PYBIND11_MODULE(_C, m) {
         "Run the backward pass on the stream (a cudaStream_t as an int), with the dispatcher's "
         "backward instance or the one named; returns (status code, message, instance name).");
   m.def("bwd_workspace_size", &bwd_workspace_size, py::arg("args"),
-        "The workspace bwd needs for args on the current device (pointers are not read); "
-        "returns (code, message, bytes).");
+        py::arg("instance") = py::none(),
+        "The workspace bwd needs for args on the current device (pointers are not read), with "
+        "the dispatcher's backward instance or the one named; returns (code, message, bytes).");
   m.def("select_bwd", &select_bwd, py::arg("args"),
         "The backward instance bwd would run on the current device; returns (code, message, "
         "info dict or None).");

@@ -494,16 +494,31 @@ Status bwd_instance(const std::string& instance, const BwdArgs& args, Stream str
   return run_bwd(args, stream, &instance, nullptr);
 }
 
-Status bwd_workspace_size(const BwdArgs& args, size_t* bytes) {
+namespace {
+
+// bwd_workspace_size() of the dispatcher's choice, or of `instance` where one is named.
+Status workspace_size(const BwdArgs& args, const std::string* instance, size_t* bytes) {
   if (Status st = check_bwd_args(args, /*check_memory=*/false); !st.ok()) return st;
   int cc = 0;
   if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
   const detail::BwdInstanceEntry* entry = nullptr;
-  if (Status st = detail::select_instance(args, cc, &entry); !st.ok()) return st;
+  const Status found = instance != nullptr ? detail::find_instance(*instance, args, cc, &entry)
+                                           : detail::select_instance(args, cc, &entry);
+  if (!found.ok()) return found;
   if (bytes != nullptr) {
     *bytes = args.fwd.batch == 0 || args.fwd.nhead_q == 0 ? 0 : entry->workspace(args);
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Status bwd_workspace_size(const BwdArgs& args, size_t* bytes) {
+  return workspace_size(args, nullptr, bytes);
+}
+
+Status bwd_workspace_size(const std::string& instance, const BwdArgs& args, size_t* bytes) {
+  return workspace_size(args, &instance, bytes);
 }
 
 Status select(const BwdArgs& args, BwdInstanceInfo* chosen) {

@@ -267,6 +267,11 @@ FMHA_API Status bwd_instance(const std::string& instance, const BwdArgs& args, S
 // The workspace bwd() needs for `args` on the current device (pointers are not read).
 FMHA_API Status bwd_workspace_size(const BwdArgs& args, size_t* bytes);
 
+// The workspace bwd_instance() needs: an instance of larger head dims than the dispatcher's
+// choice sizes its dQ accumulator by its own.
+FMHA_API Status bwd_workspace_size(const std::string& instance, const BwdArgs& args,
+                                   size_t* bytes);
+
 // select() and explain() of the backward.
 FMHA_API Status select(const BwdArgs& args, BwdInstanceInfo* chosen);
 FMHA_API Status explain(const BwdArgs& args, std::string* explanation);

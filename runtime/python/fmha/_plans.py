@@ -340,7 +340,8 @@ class BwdPlan:
                      lse.stride(-2))
         workspace_bytes = self.workspace_bytes
         if workspace_bytes is None:
-            code, message, workspace_bytes = self.args.workspace_size(*sizes[:4])
+            # A named instance may be larger than the dispatcher's choice: it sizes its own.
+            code, message, workspace_bytes = self.args.workspace_size(*sizes[:4], instance)
             if code != _C.STATUS_OK:
                 return code, message
             if not self.varlen:
