@@ -255,10 +255,18 @@ def _split_d(tile, hdim: tuple[int, int]) -> int:
     return tile.warps // (tile.block_n // _warp_keys(hdim))
 
 
-def _dq_col_groups(tile) -> int:
-    """dQ's tile (block_m x hdim_q) is split over the warps as block_m / 16 row groups times
-    this many column groups along hdim_q."""
-    return tile.warps // (tile.block_m // 16)
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _dq_rows_fit(tile, hdim_q: int, rows: int) -> bool:
+    """BwdConfig's bwd_dq_rows_fit: dQ's tile (block_m x hdim_q) splits over the warps into
+    row groups of `rows` and column groups of a multiple of 16 head-dim columns (the kernel
+    takes 32 rows where they fit, else 16)."""
+    if tile.block_m % rows or tile.warps % (tile.block_m // rows):
+        return False
+    col_groups = tile.warps // (tile.block_m // rows)
+    return hdim_q % col_groups == 0 and hdim_q // col_groups % 16 == 0
 
 
 # What fmha/kernels/bwd_fa2_sm80.cuh static_asserts (BwdConfig, and SmemTile for its shared-memory
@@ -277,12 +285,13 @@ _BWD_FA2_CONSTRAINTS = (
                    lambda tile, hdim: _warp_keys(hdim) == 16 or _split_d(tile, hdim) == 2),
     TileConstraint("block_m % (16 * split_d) == 0 (a warp's queries come in m16 tiles)",
                    lambda tile, hdim: tile.block_m % (16 * _split_d(tile, hdim)) == 0),
-    TileConstraint("warps % (block_m / 16) == 0 and (hdim_q / (warps / (block_m / 16))) % 16 == 0 "
-                   "(dQ's tile is split over the warps as block_m / 16 row groups times the rest "
-                   "along hdim_q, in 16-column warp tiles)",
-                   lambda tile, hdim: (tile.warps % (tile.block_m // 16) == 0
-                                       and hdim[0] % _dq_col_groups(tile) == 0
-                                       and hdim[0] // _dq_col_groups(tile) % 16 == 0)),
+    TileConstraint("warps % (block_m / r) == 0 and (hdim_q / (warps / (block_m / r))) % 16 == 0 "
+                   "for r = 32 or r = 16 (dQ's tile is split over the warps as block_m / r row "
+                   "groups times the rest along hdim_q, in warp tiles of 16-column multiples)",
+                   lambda tile, hdim: any(_dq_rows_fit(tile, hdim[0], rows) for rows in (32, 16))),
+    TileConstraint("block_m / split_d / 8 a power of two (a warp's n8 tiles of queries, which "
+                   "stmatrix stores in pairs at XOR-stepped addresses)",
+                   lambda tile, hdim: _is_power_of_two(tile.block_m // _split_d(tile, hdim) // 8)),
     TileConstraint("(hdim_q / split_d) % 16 == 0 and (hdim_v / split_d) % 16 == 0 (a warp's "
                    "share of dK and dV comes in pairs of n8 tiles)",
                    lambda tile, hdim: all(d % _split_d(tile, hdim) == 0

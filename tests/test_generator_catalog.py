@@ -472,7 +472,7 @@ def test_a_shared_rule_that_matches_nothing_is_an_error(config_error, line_of):
 # The bwd d64 tile of BWD_OPERATION: 64 x 128 on 8 warps, 32 keys per warp (d64: hdim_q + hdim_v
 # <= 256) shared by two warps.
 KEYS = "block_n % warp_keys == 0, warps % (block_n / warp_keys) == 0 and split_d = warps / "
-DQ = "warps % (block_m / 16) == 0 and (hdim_q / (warps / (block_m / 16))) % 16 == 0"
+DQ = "warps % (block_m / r) == 0 and (hdim_q / (warps / (block_m / r))) % 16 == 0 for r = 32"
 
 
 @pytest.mark.parametrize("old, new, reason", [
@@ -481,7 +481,7 @@ DQ = "warps % (block_m / 16) == 0 and (hdim_q / (warps / (block_m / 16))) % 16 =
     ("block_n: 128, warps: 8", "block_n: 128, warps: 6", KEYS),  # 6 warps on 4 key slices
     ("block_n: 128, warps: 8", "block_n: 256, warps: 8", "split_d == 2 where warp_keys == 32"),
     ("block_m: 64, block_n: 128", "block_m: 48, block_n: 128", "block_m % (16 * split_d) == 0"),
-    ("block_m: 64, block_n: 128", "block_m: 96, block_n: 128", DQ),  # 6 row groups, 8 warps
+    ("block_m: 64, block_n: 128", "block_m: 96, block_n: 128", DQ),  # 3 or 6 row groups, 8 warps
     ("block_m: 64, block_n: 128, warps: 8", "block_m: 32, block_n: 256, warps: 16",
      DQ),  # dQ: 64 columns over 8 column groups
     ("hdim_v: 64, block_m: 64", "hdim_v: 80, block_m: 64",

@@ -8,7 +8,8 @@
 //   2. bwd_kernel: one CTA per (key tile, K/V head, sequence). K_j and V_j stay in shared
 //      memory and dK_j, dV_j in registers while the query tiles i that see key tile j stream
 //      through a two-stage cp.async ring (Q_i, dO_i, LSE_i, D_i), for every query head sharing
-//      the K/V head (MQA/GQA sum there, without a second pass). Per query tile:
+//      the K/V head (MQA/GQA sum there, without a second pass), each CTA starting its walk at
+//      a tile of its own. Per query tile:
 //        S^T = K_j Q_i^T          -> logits (soft-cap, bias, ALiBi), mask on edge tiles
 //        P^T = exp2(S^T - LSE)    -> dropout with the forward's Philox pattern
 //        dP^T = V_j dO_i^T        -> dS^T = P^T * (dP^T - D)   (times tanh' under soft-cap)
@@ -31,6 +32,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "fmha/fmha.h"
 #include "fmha/kernels/device_facts.cuh"
@@ -42,6 +44,14 @@
 #include "fmha/kernels/smem_tile.cuh"
 
 namespace fmha::fa2 {
+
+// Whether dQ's tile (block_m x hdim_q) splits over the warps into row groups of `rows` and
+// column groups of a multiple of 16 head-dim columns.
+constexpr bool bwd_dq_rows_fit(int block_m, int warps, int hdim_q, int rows) {
+  return block_m % rows == 0 && warps % (block_m / rows) == 0 &&
+         hdim_q % (warps / (block_m / rows)) == 0 &&
+         (hdim_q / (warps / (block_m / rows))) % 16 == 0;
+}
 
 template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
           int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, Mode kMode_,
@@ -80,8 +90,14 @@ struct BwdConfig {
   static constexpr int kQueriesPerWarp = kBlockM / kSplitD;  // columns of a warp's S^T
   static constexpr int kDKCols = kHeadDimQK / kSplitD;       // a warp's share of dK's head dim
   static constexpr int kDVCols = kHeadDimV / kSplitD;
-  // dQ's tile (kBlockM x kHeadDimQK) over the warps: 16-row groups, then the head dim.
-  static constexpr int kDQRowGroups = kBlockM / 16;
+  // dQ's tile (kBlockM x kHeadDimQK) over the warps: row groups of kDQRows, then the head
+  // dim. A warp's dS A fragments (one per 16 rows) and K^T B fragments (one per 16 columns)
+  // are read from shared memory for every 16 keys, so 32 x 32 warp tiles read 4 ldmatrix per
+  // 8 mma where 16 x 64 read 5 (FlashAttention-2's dQ tiling); 16 rows where 32 would leave
+  // a warp fewer than 16 columns (d32).
+  static constexpr int kDQRows = bwd_dq_rows_fit(kBlockM, kNumWarps, kHeadDimQK, 32) ? 32 : 16;
+  static constexpr int kDQRowFrags = kDQRows / 16;
+  static constexpr int kDQRowGroups = kBlockM / kDQRows;
   static constexpr int kDQColGroups = kNumWarps / kDQRowGroups;
   static constexpr int kDQCols = kHeadDimQK / kDQColGroups;
 
@@ -92,8 +108,8 @@ struct BwdConfig {
   static_assert(kKeyFrags == 1 || kSplitD == 2,
                 "fa2 bwd: 32 keys per warp need two warps to share them (registers)");
   static_assert(kBlockM % (16 * kSplitD) == 0, "fa2 bwd: a warp's queries come in m16 tiles");
-  static_assert(kNumWarps % kDQRowGroups == 0 && kDQCols % 16 == 0,
-                "fa2 bwd: dQ's tile must split into 16-row, 16-column warp tiles");
+  static_assert(bwd_dq_rows_fit(kBlockM, kNumWarps, kHeadDimQK, kDQRows),
+                "fa2 bwd: dQ's tile must split into 16- or 32-row, 16-column warp tiles");
   static_assert(kDKCols % 16 == 0 && kDVCols % 16 == 0,
                 "fa2 bwd: dK/dV columns come in pairs of n8 tiles");
   static_assert(kStages == 2, "fa2 bwd double-buffers Q and dO");
@@ -253,23 +269,15 @@ __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_consta
   }
 }
 
-// Adds a warp's dQ fragment (rows r and r + 8, columns c and c + 1 of each n8 tile) into the
-// fp32 accumulator: atomically where CTAs of other key tiles add into the same rows, with plain
-// loads and stores where this CTA owns its accumulator (deterministic mode).
-__device__ __forceinline__ void add_dq_pair(float* dst, float x, float y, bool atomic) {
-  if (atomic) {
+// Adds a pair of a warp's dQ fragment (row r, columns c and c + 1 of an n8 tile) into the fp32
+// accumulator that CTAs of other key tiles add into too.
+__device__ __forceinline__ void red_dq_pair(float* dst, float x, float y) {
 #if __CUDA_ARCH__ >= 900
-    atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
 #else
-    atomicAdd(dst, x);
-    atomicAdd(dst + 1, y);
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
 #endif
-  } else {
-    float2 v = *reinterpret_cast<float2*>(dst);
-    v.x += x;
-    v.y += y;
-    *reinterpret_cast<float2*>(dst) = v;
-  }
 }
 
 template <class Cfg>
@@ -286,6 +294,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
   constexpr int kDimQK = Cfg::kHeadDimQK;
   constexpr int kDimV = Cfg::kHeadDimV;
   constexpr int kQTiles = Cfg::kQueriesPerWarp / 8;  // n8 tiles of a warp's S^T and dP^T
+  static_assert((kQTiles & (kQTiles - 1)) == 0, "fa2 bwd: a warp's queries, a power of two");
   constexpr bool kGroup = Cfg::kMode == Mode::kGroup;
   constexpr bool kSplit = Cfg::kSplitD > 1;
   const FwdParams& f = p.fwd;
@@ -295,7 +304,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
   const int warp = threadIdx.x / 32;
   const int key_slice = warp % Cfg::kKeySlices;  // this warp's kWarpKeys keys
   const int d_half = warp / Cfg::kKeySlices;     // its half of the queries and of dK/dV's dims
-  const int dq_rows = warp % Cfg::kDQRowGroups;  // its 16-row, kDQCols-column tile of dQ
+  const int dq_rows = warp % Cfg::kDQRowGroups;  // its kDQRows x kDQCols tile of dQ
   const int dq_cols = warp / Cfg::kDQRowGroups;
 
   const int kv_head = blockIdx.y;
@@ -325,14 +334,25 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
   const uint32_t k_a = KTile::offset(warp_key0 + lane % 16, lane / 16);
   const uint32_t v_a = VTile::offset(warp_key0 + lane % 16, lane / 16);
   const uint32_t p_a = KQTile::offset(warp_key0 + lane % 16, lane / 16);
+  // stmatrix rows of dS^T and P^T: matrix i = (keys +0/+8) x (this warp's queries, n8 tile
+  // lo/hi). KQTile::step adds the (m16, n16) offsets: the warp's first query chunk is a
+  // multiple of kQTiles, a power of two, so those steps only set chunk bits it leaves clear.
+  const uint32_t kq_st =
+      KQTile::offset(warp_key0 + ((lane / 8) % 2) * 8 + lane % 8, warp_query0 / 8 + lane / 16);
   const uint32_t q_b = QTile::offset(warp_query0 + (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
   const uint32_t do_b = DoTile::offset(warp_query0 + (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
   const uint32_t q_bt = QTile::offset(lane % 16, lane / 16);
   const uint32_t do_bt = DoTile::offset(lane % 16, lane / 16);
   const uint32_t k_bt = KTile::offset(lane % 16, lane / 16);
-  // dS as dQ's A operand, read transposed out of dS^T: matrix i = (keys +0/+8) x (rows lo/hi).
-  const uint32_t ds_at =
-      KQTile::offset((lane / 16) * 8 + lane % 8, dq_rows * 2 + (lane / 8) % 2);
+  // dS as dQ's A operand, read transposed out of dS^T: matrix i = (keys +0/+8) x (rows lo/hi),
+  // one base per 16 of the warp's dQ rows.
+  constexpr int kDQRowFrags = Cfg::kDQRowFrags;
+  uint32_t ds_at[kDQRowFrags];
+#pragma unroll
+  for (int rf = 0; rf < kDQRowFrags; ++rf) {
+    ds_at[rf] = KQTile::offset((lane / 16) * 8 + lane % 8,
+                               (dq_rows * kDQRowFrags + rf) * 2 + (lane / 8) % 2);
+  }
 
   const Element* bias_base = nullptr;
   Element* dbias_base = nullptr;
@@ -359,6 +379,15 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
                                           : 0;
     const int m_count = max(m_end - m_begin, 0);
     const int steps = m_count * f.kv_group;  // (query head, query tile) pairs, head-major
+    // Each head's query tiles are walked from tile m_first on, wrapping around: CTAs of
+    // neighbouring key tiles, which run at the same time, then add their dQ into different rows
+    // rather than all into the same ones at once (d128 bf16 on an H100, S 8k/16k: 289/292 ->
+    // 294/297 TFLOP/s; other points within 1%).
+    const int m_first = m_count > 0 ? n_block % m_count : 0;
+    auto query_tile = [&](int m_step) {  // the m_step-th tile of a head's walk
+      const int m = m_first + m_step;
+      return m_begin + (m >= m_count ? m - m_count : m);
+    };
 
     const Element* k = static_cast<const Element*>(f.k) + kv_head * f.k_head_stride +
                        (kGroup ? seq.k_start * f.k_seq_stride : batch * f.k_batch_stride) +
@@ -367,42 +396,37 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
                        (kGroup ? seq.k_start * f.v_seq_stride : batch * f.v_batch_stride) +
                        static_cast<int64_t>(key0) * f.v_seq_stride;
 
-    // The Q, dO, LSE and D of step `it` into stage `stage`: Q and dO by cp.async, LSE and D
-    // through registers (they may sit anywhere in memory, so they go 4 bytes per thread).
+    // The Q, dO, LSE and D of a step into stage `stage`: Q and dO by cp.async, LSE and D
+    // through registers (they may sit anywhere in memory, so they go 4 bytes per thread). A
+    // step is (query head, query tile): `m_step` counts the steps of a head (query_tile).
     struct RowStats {
       float lse2, dot;
     };
-    auto step_coords = [&](int it, int* head, int* row0) {
-      *head = kv_head * f.kv_group + it / m_count;
-      *row0 = (m_begin + it % m_count) * kBlockM;
-    };
-    auto load_q_do = [&](int it, int stage) {
-      int head, row0;
-      step_coords(it, &head, &row0);
-      const int64_t q_off = head * f.q_head_stride + static_cast<int64_t>(row0) * f.q_seq_stride +
-                            (kGroup ? seq.q_start * f.q_seq_stride : batch * f.q_batch_stride);
-      const int64_t do_off = head * p.do_head_stride +
-                             static_cast<int64_t>(row0) * p.do_seq_stride +
-                             (kGroup ? seq.q_start * p.do_seq_stride : batch * p.do_batch_stride);
-      load_rows<Cfg, QTile, kBlockM>(s_q(stage), static_cast<const Element*>(f.q) + q_off,
-                                     f.q_seq_stride, seq.seqlen_q - row0, f.hdim_q / 8);
-      load_rows<Cfg, DoTile, kBlockM>(s_do(stage), static_cast<const Element*>(p.dout) + do_off,
-                                      p.do_seq_stride, seq.seqlen_q - row0, f.hdim_v / 8);
+    const Element* q_seq = static_cast<const Element*>(f.q) +
+                           (kGroup ? seq.q_start * f.q_seq_stride : batch * f.q_batch_stride);
+    const Element* do_seq = static_cast<const Element*>(p.dout) +
+                            (kGroup ? seq.q_start * p.do_seq_stride : batch * p.do_batch_stride);
+    const float* lse_seq = f.lse + (kGroup ? seq.q_start : batch * f.lse_batch_stride);
+    const float* dot_seq = p.row_dot + row_base;
+    auto load_q_do = [&](int head, int m_step, int stage) {
+      const int row0 = query_tile(m_step) * kBlockM;
+      load_rows<Cfg, QTile, kBlockM>(
+          s_q(stage), q_seq + head * f.q_head_stride + static_cast<int64_t>(row0) * f.q_seq_stride,
+          f.q_seq_stride, seq.seqlen_q - row0, f.hdim_q / 8);
+      load_rows<Cfg, DoTile, kBlockM>(
+          s_do(stage),
+          do_seq + head * p.do_head_stride + static_cast<int64_t>(row0) * p.do_seq_stride,
+          p.do_seq_stride, seq.seqlen_q - row0, f.hdim_v / 8);
       sm80::cp_async_commit();
     };
     // Rows past the sequence, and rows that see no key (LSE -inf), get LSE +inf: their P is 0.
-    auto fetch_stats = [&](int it) {
+    auto fetch_stats = [&](int head, int m_step) {
       RowStats r{INFINITY, 0.f};
-      if (threadIdx.x < kBlockM) {
-        int head, row0;
-        step_coords(it, &head, &row0);
-        const int row = row0 + threadIdx.x;
-        if (row < seq.seqlen_q) {
-          const float lse = f.lse[head * f.lse_head_stride +
-                                  (kGroup ? seq.q_start : batch * f.lse_batch_stride) + row];
-          r.lse2 = lse == -INFINITY ? INFINITY : lse * static_cast<float>(M_LOG2E);
-          r.dot = p.row_dot[head * p.rows + row_base + row];
-        }
+      const int row = query_tile(m_step) * kBlockM + threadIdx.x;
+      if (threadIdx.x < kBlockM && row < seq.seqlen_q) {
+        const float lse = lse_seq[head * f.lse_head_stride + row];
+        r.lse2 = lse == -INFINITY ? INFINITY : lse * static_cast<float>(M_LOG2E);
+        r.dot = dot_seq[head * p.rows + row];
       }
       return r;
     };
@@ -419,8 +443,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
       const int keys_valid = seq.seqlen_k - key0;
       load_rows<Cfg, KTile, kBlockN>(s_k, k, f.k_seq_stride, keys_valid, f.hdim_q / 8);
       load_rows<Cfg, VTile, kBlockN>(s_v, v, f.v_seq_stride, keys_valid, f.hdim_v / 8);
-      load_q_do(0, 0);
-      store_stats(fetch_stats(0), 0);
+      load_q_do(kv_head * f.kv_group, 0, 0);
+      store_stats(fetch_stats(kv_head * f.kv_group, 0), 0);
     }
 
     float dk_acc[kKeyFrags][Cfg::kDKCols / 8][4] = {};
@@ -428,55 +452,94 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
 
     // dQ of a step is added into the accumulator during the next step's S^T: a step's atomics
     // issued at once queue up in the load/store unit while the tensor cores idle (d128, H100,
-    // bf16, S 2k-8k: 258/272/279 -> 273/290/299 TFLOP/s).
-    float dq_pending[Cfg::kDQCols / 8][4] = {};
-    int pending_head = -1, pending_row0 = 0;
-    auto add_pending_dq = [&](int item) {  // item: h * (kDQCols / 8) + dt
-      const int h = item / (Cfg::kDQCols / 8), dt = item % (Cfg::kDQCols / 8);
-      const int row = pending_row0 + dq_rows * 16 + lane / 4 + h * 8;
-      if (pending_head < 0 || (Cfg::kPadSeqlen && row >= seq.seqlen_q)) return;
-      float* dst = dq_accum + ((row_base + row) * f.nhead_q + pending_head) * kDimQK +
-                   dq_cols * Cfg::kDQCols + (lane % 4) * 2 + dt * 8;
-      add_dq_pair(dst, dq_pending[dt][2 * h], dq_pending[dt][2 * h + 1], !p.deterministic);
+    // bf16, S 2k-8k: 258/272/279 -> 273/290/299 TFLOP/s). Deterministic mode adds at once,
+    // with plain loads and stores into this CTA's own accumulator, and leaves nothing pending.
+    float dq_pending[kDQRowFrags][Cfg::kDQCols / 8][4] = {};
+    bool dq_is_pending = false;
+    // The pending fragment's first pair (row lane / 4 of the warp's tile, column 2 * (lane % 4)),
+    // and the distance of 8 rows: item (rf * 2 + h) * (kDQCols / 8) + dt is 16 rf + 8 h rows
+    // and 8 dt columns from it. Padded tiles keep the same column in the sequence's last row.
+    float* dq_dst = dq_accum;
+    float* dq_last_row = dq_accum;
+    int pending_row = 0;  // the first pair's row within the sequence
+    const int64_t dq_row8 = 8 * static_cast<int64_t>(f.nhead_q) * kDimQK;
+    auto pending_item = [&](int item, int* rf, int* h, int* dt) {
+      const int rh = item / (Cfg::kDQCols / 8);
+      *rf = rh / 2, *h = rh % 2, *dt = item % (Cfg::kDQCols / 8);
     };
-    constexpr int kPendingItems = 2 * (Cfg::kDQCols / 8);
+    // Unconditional: a row past the sequence adds zeros into its last row instead, so that no
+    // branch splits the GEMM these are issued in.
+    auto red_pending_dq = [&](int item) {
+      int rf, h, dt;
+      pending_item(item, &rf, &h, &dt);
+      float x = dq_pending[rf][dt][2 * h], y = dq_pending[rf][dt][2 * h + 1];
+      float* dst = dq_dst + (2 * rf + h) * dq_row8;
+      if constexpr (Cfg::kPadSeqlen) {
+        const bool in_seq = pending_row + rf * 16 + h * 8 < seq.seqlen_q;
+        x = in_seq ? x : 0.f;
+        y = in_seq ? y : 0.f;
+        dst = in_seq ? dst : dq_last_row;
+      }
+      red_dq_pair(dst + dt * 8, x, y);
+    };
+    constexpr int kPendingItems = kDQRowFrags * 2 * (Cfg::kDQCols / 8);
 
+    int head = kv_head * f.kv_group, m_step = 0;  // this step's
     for (int it = 0; it < steps; ++it) {
       const int stage = it % 2;
-      int head, row0;
-      step_coords(it, &head, &row0);
+      const int row0 = query_tile(m_step) * kBlockM;
+      const bool last_of_head = m_step + 1 == m_count;
+      const int next_head = last_of_head ? head + 1 : head;
+      const int next_m_step = last_of_head ? 0 : m_step + 1;
       sm80::cp_async_wait<0>();
       __syncthreads();  // this step's tiles are in for every thread; the other stage is free
-      RowStats next_stats{};
-      if (it + 1 < steps) {
-        load_q_do(it + 1, stage ^ 1);
-        next_stats = fetch_stats(it + 1);
-      }
 
       // S^T = K Q^T: this warp's keys x kQueriesPerWarp queries; each Q fragment read from
-      // shared memory feeds kKeyFrags mma.
+      // shared memory feeds kKeyFrags mma. The previous step's dQ, when pending, is added
+      // between its mma: the GEMM has a copy with the adds and one without rather than a branch
+      // per add, which split it into basic blocks that the compiler scheduled apart (with the
+      // 32-row dQ tiles and stmatrix below, d128 bf16 on an H100 at S 2k-16k: +1-2%, d64 +1-4%;
+      // the loop went from 1427 to 1181 instructions).
       float s[kKeyFrags][kQTiles][4] = {};
+      auto s_gemm = [&](auto with_pending_dq) {
 #pragma unroll
-      for (int kt = 0; kt < kDimQK / 16; ++kt) {
-        uint32_t a[kKeyFrags][4];
-#pragma unroll
-        for (int mf = 0; mf < kKeyFrags; ++mf) {
-          sm80::ldmatrix_x4(a[mf], s_k + KTile::step(k_a, mf, kt));
-        }
-#pragma unroll
-        for (int item = 0; item < kPendingItems; ++item) {
-          if (item % (kDimQK / 16) == kt) add_pending_dq(item);
-        }
-#pragma unroll
-        for (int np = 0; np < kQTiles / 2; ++np) {
-          uint32_t b[4];
-          sm80::ldmatrix_x4(b, s_q(stage) + QTile::step(q_b, np, kt));
+        for (int kt = 0; kt < kDimQK / 16; ++kt) {
+          uint32_t a[kKeyFrags][4];
 #pragma unroll
           for (int mf = 0; mf < kKeyFrags; ++mf) {
-            sm80::mma_16816<Element>(s[mf][2 * np], a[mf], b[0], b[1]);
-            sm80::mma_16816<Element>(s[mf][2 * np + 1], a[mf], b[2], b[3]);
+            sm80::ldmatrix_x4(a[mf], s_k + KTile::step(k_a, mf, kt));
+          }
+          if constexpr (decltype(with_pending_dq)::value) {
+#pragma unroll
+            for (int item = 0; item < kPendingItems; ++item) {
+              if (item % (kDimQK / 16) == kt) red_pending_dq(item);
+            }
+          }
+#pragma unroll
+          for (int np = 0; np < kQTiles / 2; ++np) {
+            uint32_t b[4];
+            sm80::ldmatrix_x4(b, s_q(stage) + QTile::step(q_b, np, kt));
+#pragma unroll
+            for (int mf = 0; mf < kKeyFrags; ++mf) {
+              sm80::mma_16816<Element>(s[mf][2 * np], a[mf], b[0], b[1]);
+              sm80::mma_16816<Element>(s[mf][2 * np + 1], a[mf], b[2], b[3]);
+            }
           }
         }
+      };
+      if (dq_is_pending) {
+        s_gemm(std::true_type{});
+      } else {
+        s_gemm(std::false_type{});
+      }
+      // The next step's tiles into the other stage, issued behind the S^T GEMM rather than
+      // ahead of it, where every warp computed their addresses right after the barrier while the
+      // tensor cores waited (with load_rows' one address per thread: 210 -> 105 instructions a
+      // step; d64 +1-3%, d128 within 2%).
+      RowStats next_stats{};
+      if (it + 1 < steps) {
+        load_q_do(next_head, next_m_step, stage ^ 1);
+        next_stats = fetch_stats(next_head, next_m_step);
       }
       // dP^T = V dO^T, the same shape.
       float dp[kKeyFrags][kQTiles][4] = {};
@@ -584,7 +647,29 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
         }
       }
 
-      // dS^T (and P^T when two warps share the keys) to shared memory, Element pairs.
+      // dS^T (and P^T when two warps share the keys) to shared memory: on sm90 one stmatrix
+      // per two n8 tiles (4 matrices: keys +0/+8 of each), elsewhere Element pairs.
+#if __CUDA_ARCH__ >= 900
+#pragma unroll
+      for (int mf = 0; mf < kKeyFrags; ++mf) {
+#pragma unroll
+        for (int np = 0; np < kQTiles / 2; ++np) {
+          const auto& d0 = dp[mf][2 * np];
+          const auto& d1 = dp[mf][2 * np + 1];
+          sm80::stmatrix_x4(s_ds + KQTile::step(kq_st, mf, np),
+                            sm80::pack2<Element>(d0[0], d0[1]), sm80::pack2<Element>(d0[2], d0[3]),
+                            sm80::pack2<Element>(d1[0], d1[1]), sm80::pack2<Element>(d1[2], d1[3]));
+          if constexpr (kSplit) {
+            const auto& p0 = s[mf][2 * np];
+            const auto& p1 = s[mf][2 * np + 1];
+            sm80::stmatrix_x4(
+                s_p + KQTile::step(kq_st, mf, np), sm80::pack2<Element>(p0[0], p0[1]),
+                sm80::pack2<Element>(p0[2], p0[3]), sm80::pack2<Element>(p1[0], p1[1]),
+                sm80::pack2<Element>(p1[2], p1[3]));
+          }
+        }
+      }
+#else
 #pragma unroll
       for (int mf = 0; mf < kKeyFrags; ++mf) {
 #pragma unroll
@@ -603,6 +688,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
           }
         }
       }
+#endif
       if constexpr (kSplit) __syncthreads();  // the other warp's queries of P^T and dS^T
 
       // dV += P^T dO and dK += dS^T Q over the step's queries, 16 at a time. A operands come
@@ -660,35 +746,63 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
       // fp32 accumulator of (row, head).
       auto& dq = dq_pending;
 #pragma unroll
-      for (int dt = 0; dt < Cfg::kDQCols / 8; ++dt) {
+      for (int rf = 0; rf < kDQRowFrags; ++rf) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
+        for (int dt = 0; dt < Cfg::kDQCols / 8; ++dt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dq[rf][dt][e] = 0.f;
+        }
       }
 #pragma unroll
       for (int kt = 0; kt < kBlockN / 16; ++kt) {
-        uint32_t a[4];
-        sm80::ldmatrix_x4_trans(a, s_ds + KQTile::step(ds_at, kt, 0));
+        uint32_t a[kDQRowFrags][4];
+#pragma unroll
+        for (int rf = 0; rf < kDQRowFrags; ++rf) {
+          sm80::ldmatrix_x4_trans(a[rf], s_ds + KQTile::step(ds_at[rf], kt, 0));
+        }
 #pragma unroll
         for (int dpair = 0; dpair < Cfg::kDQCols / 16; ++dpair) {
           uint32_t b[4];
           sm80::ldmatrix_x4_trans(
               b, s_k + KTile::step(k_bt, kt, dq_cols * (Cfg::kDQCols / 16) + dpair));
-          sm80::mma_16816<Element>(dq[2 * dpair], a, b[0], b[1]);
-          sm80::mma_16816<Element>(dq[2 * dpair + 1], a, b[2], b[3]);
+#pragma unroll
+          for (int rf = 0; rf < kDQRowFrags; ++rf) {
+            sm80::mma_16816<Element>(dq[rf][2 * dpair], a[rf], b[0], b[1]);
+            sm80::mma_16816<Element>(dq[rf][2 * dpair + 1], a[rf], b[2], b[3]);
+          }
         }
       }
-      pending_head = head;
-      pending_row0 = row0;
+      pending_row = row0 + dq_rows * Cfg::kDQRows + lane / 4;
+      const int64_t dq_col = dq_cols * Cfg::kDQCols + (lane % 4) * 2;
+      dq_dst = dq_accum + ((row_base + pending_row) * f.nhead_q + head) * kDimQK + dq_col;
+      if constexpr (Cfg::kPadSeqlen) {
+        dq_last_row = dq_accum + ((row_base + seq.seqlen_q - 1) * f.nhead_q + head) * kDimQK +
+                      dq_col;
+      }
       if (p.deterministic) {
         // Read-add-write: its loads would stall the next step's GEMM, so it happens here.
 #pragma unroll
-        for (int item = 0; item < kPendingItems; ++item) add_pending_dq(item);
-        pending_head = -1;
+        for (int item = 0; item < kPendingItems; ++item) {
+          int rf, h, dt;
+          pending_item(item, &rf, &h, &dt);
+          if (Cfg::kPadSeqlen && pending_row + rf * 16 + h * 8 >= seq.seqlen_q) continue;
+          auto* dst = reinterpret_cast<float2*>(dq_dst + (2 * rf + h) * dq_row8 + dt * 8);
+          float2 sum = *dst;
+          sum.x += dq_pending[rf][dt][2 * h];
+          sum.y += dq_pending[rf][dt][2 * h + 1];
+          *dst = sum;
+        }
+      } else {
+        dq_is_pending = true;
       }
       if (it + 1 < steps) store_stats(next_stats, stage ^ 1);
+      head = next_head;
+      m_step = next_m_step;
     }
+    if (dq_is_pending) {
 #pragma unroll
-    for (int item = 0; item < kPendingItems; ++item) add_pending_dq(item);
+      for (int item = 0; item < kPendingItems; ++item) red_pending_dq(item);
+    }
 
     // Epilogue: dK = softmax_scale * sum dS^T Q (the scale of the logits, left out of dS), dV;
     // 4-byte stores of element pairs, every key the sequence owns (zeros where no query sees

@@ -44,6 +44,17 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The inverse of ldmatrix_x4 (sm90 and newer): lanes 8i..8i+7 give the row addresses of
+// matrix i, and r[i] holds this lane's pair of it (row lane / 4, columns 2 * (lane % 4)), the
+// layout of an mma accumulator's rows rounded to 16 bits.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3));
+}
+#endif
+
 // D = A * B + D for a 16x8x16 tile: A row-major 16x16, B column-major 16x8, fp32 accumulators.
 template <typename Element>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
