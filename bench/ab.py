@@ -6,7 +6,8 @@ Each round runs `python -m bench` once per build, in the order given (a fresh pr
 PYTHON_DIR, the build's python/ folder, first on PYTHONPATH), so that clock and thermal drift
 fall on every build alike. Two runs of one build on an H200 differ by up to about 5% at a point,
 which is more than many changes gain: the table gives each build's median over the rounds and
-its spread (max / min - 1), and cuDNN's median over all runs, as the common yardstick.
+its spread (max / min - 1), and SDPA's flash and cuDNN medians over all runs, as the common
+yardsticks. With --bwd among the bench arguments it compares the backward's rows.
 """
 
 import argparse
@@ -20,6 +21,8 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# SDPA's backends, the yardsticks (their medians over every run of every build).
+PEERS = ("sdpa_flash", "cudnn")
 
 
 def parse_args(argv):
@@ -49,28 +52,33 @@ def run_bench(python_dir, bench_args):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([python_dir, str(REPO)]))
         subprocess.run([sys.executable, "-m", "bench", "--json", str(out), *bench_args],
                        env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return json.loads(out.read_text())["rows"]
+        result = json.loads(out.read_text())
+        return result["bwd_rows"] if "--bwd" in bench_args else result["rows"]
 
 
 def main(argv=None):
     builds, rounds, bench_args = parse_args(sys.argv[1:] if argv is None else argv)
     fmha_runs = defaultdict(lambda: defaultdict(list))  # case -> build -> TFLOP/s per round
-    cudnn_runs = defaultdict(list)
+    peer_runs = defaultdict(lambda: defaultdict(list))  # case -> SDPA backend -> TFLOP/s
     for _ in range(rounds):
         for name, path in builds.items():
             for row in run_bench(path, bench_args):
                 case = (row["dtype"], row["hdim"], row["causal"], row["seqlen"])
                 fmha_runs[case][name].append(row["fmha"])
-                if row.get("cudnn") is not None:
-                    cudnn_runs[case].append(row["cudnn"])
-    header = ["dtype", "hdim", "causal", "seqlen", "cudnn"]
+                for peer in PEERS:
+                    if row.get(peer) is not None:
+                        peer_runs[case][peer].append(row[peer])
+    header = ["dtype", "hdim", "causal", "seqlen", *PEERS]
     for name in builds:
         header += [name, "spread"]
-    print(f"TFLOP/s, medians of {rounds} interleaved runs per build")
+    print(f"TFLOP/s{' (backward)' if '--bwd' in bench_args else ''}, medians of {rounds} "
+          "interleaved runs per build; SDPA's backends over every run")
     print(" ".join(f"{h:>9}" for h in header))
     for case, by_build in fmha_runs.items():
         cells = [str(c) for c in case]
-        cells.append(f"{statistics.median(cudnn_runs[case]):.1f}" if cudnn_runs[case] else "-")
+        for peer in PEERS:
+            runs = peer_runs[case][peer]
+            cells.append(f"{statistics.median(runs):.1f}" if runs else "-")
         for name in builds:
             runs = by_build[name]
             cells += [f"{statistics.median(runs):.1f}", f"{max(runs) / min(runs) - 1:.1%}"]
