@@ -339,9 +339,12 @@ def test_forced_bwd_instance_that_does_not_fit_fails_before_launch():
 def test_empty_batch_returns_empty_gradients():
     inst = _plain_instance()
     dtype = R.DTYPES[inst["dtype"]]
-    q = torch.randn(0, 16, 2, inst["hdim_q"], device="cuda", dtype=dtype)
-    v = torch.randn(0, 16, 2, inst["hdim_v"], device="cuda", dtype=dtype)
-    lse = torch.empty(0, 2, 16, device="cuda", dtype=torch.float32)
+    # A length the instance takes: any for a padded one, a multiple of its tiles (powers of two)
+    # for an unpadded one.
+    s = 16 if R.trait(inst, "pad_seqlen") else max(inst["block_m"], inst["block_n"])
+    q = torch.randn(0, s, 2, inst["hdim_q"], device="cuda", dtype=dtype)
+    v = torch.randn(0, s, 2, inst["hdim_v"], device="cuda", dtype=dtype)
+    lse = torch.empty(0, 2, s, device="cuda", dtype=torch.float32)
     causal = R.trait(inst, "mask") == "causal"
     dq, dk, dv = fmha.bwd(v, q, q, v, v, lse, causal=causal)
     assert dq.shape == q.shape and dk.shape == q.shape and dv.shape == v.shape
