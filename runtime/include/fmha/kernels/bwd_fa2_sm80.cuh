@@ -13,7 +13,8 @@
 //        S^T = K_j Q_i^T          -> logits (soft-cap, bias, ALiBi), mask on edge tiles
 //        P^T = exp2(S^T - LSE)    -> dropout with the forward's Philox pattern
 //        dP^T = V_j dO_i^T        -> dS^T = P^T * (dP^T - D)   (times tanh' under soft-cap)
-//        dV_j += P^T dO_i,  dK_j += dS^T Q_i,  dQ_i += dS K_j (fp32 reductions in global memory)
+//        dQ_i += dS K_j (fp32 reductions in global memory, issued during the next two GEMMs),
+//        dV_j += P^T dO_i,  dK_j += dS^T Q_i
 //      Warps own keys (S^T and dP^T come out of mma.sync with keys as rows), 32 of them up to
 //      head dim 128 and 16 past it. Two warps share their keys (kSplitD = 2), each taking half
 //      of the queries for S^T and dP^T and half of the head dims for dK and dV, with P^T and
@@ -149,7 +150,7 @@ struct BwdParams {
   int batch;
   int64_t rows;         // query rows of the problem: batch * seqlen_q, or total_q
   float* row_dot;       // D, (nhead_q, rows)
-  float* dq_accum;      // (splits, rows, nhead_q, kHeadDimQK) fp32
+  float* dq_accum;      // (splits, rows, nhead_q, kHeadDimQK) fp32, columns dq_accum_column
   int64_t split_stride; // elements between two splits' accumulators
   int n_blocks;         // key tiles of the longest sequence
   int splits;           // deterministic: CTAs along the keys (each walks n_blocks / splits)
@@ -185,6 +186,17 @@ size_t bwd_workspace_bytes(const BwdArgs& a) {
   const size_t splits = static_cast<size_t>(bwd_splits(a, Cfg::kBlockN));
   return align_workspace(row_heads * sizeof(float)) +
          align_workspace(splits * row_heads * Cfg::kHeadDimQK * sizeof(float));
+}
+
+// The dQ accumulator keeps a row's columns in 16-column groups whose order matches an mma
+// fragment: a lane's columns 2q, 2q + 1 of two neighbouring n8 tiles (2q + 8, 2q + 9) are
+// positions 4q..4q + 3, so each lane adds 16 contiguous bytes at once (one red.v4 on sm90,
+// half the reductions of column pairs). Together with dQ's GEMM ahead of dV's and dK's, bf16
+// on an H100, S 2k-16k, against column pairs added during the next step's S^T: d64
+// 242/262/274/279 -> 260/280/292/296 TFLOP/s, d128 266/284/293/295 -> 279/292/307/312, causal
+// +4-9% (python -m bench.ab, 3 rounds). Column c of a group sits at position:
+__host__ __device__ constexpr int dq_accum_position(int c) {
+  return (c % 8) / 2 * 4 + (c / 8) * 2 + c % 2;
 }
 
 // Kernel 1: D[head][row] = sum_d dO * O (one warp per row and head, 16 bytes per lane), then
@@ -231,27 +243,29 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const __grid_constant
   }
 }
 
-// Kernel 3: dQ = softmax_scale * sum over splits (in split order), one thread per 8 columns.
+// Kernel 3: dQ = softmax_scale * sum over splits (in split order), one thread per 16-column
+// group of the accumulator.
 template <class Cfg>
 __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
   using Element = typename Cfg::Element;
-  constexpr int kChunks = Cfg::kHeadDimQK / 8;
-  const int64_t total = p.rows * p.fwd.nhead_q * kChunks;
+  constexpr int kGroups = Cfg::kHeadDimQK / 16;
+  const int64_t total = p.rows * p.fwd.nhead_q * kGroups;
   const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total;
        t += threads) {
-    const int chunk = static_cast<int>(t % kChunks);
-    const int64_t row_head = t / kChunks;
-    if (Cfg::kPadHdim && chunk * 8 >= p.fwd.hdim_q) continue;
+    const int group = static_cast<int>(t % kGroups);
+    const int64_t row_head = t / kGroups;
+    if (Cfg::kPadHdim && group * 16 >= p.fwd.hdim_q) continue;
     const int64_t row = row_head / p.fwd.nhead_q;
     const int head = static_cast<int>(row_head % p.fwd.nhead_q);
-    float sum[8] = {};
-    const float* acc = p.dq_accum + row_head * Cfg::kHeadDimQK + chunk * 8;
+    float sum[16] = {};
+    const float* acc = p.dq_accum + row_head * Cfg::kHeadDimQK + group * 16;
     for (int s = 0; s < p.splits; ++s) {
-      const float4 lo = *reinterpret_cast<const float4*>(acc + s * p.split_stride);
-      const float4 hi = *reinterpret_cast<const float4*>(acc + s * p.split_stride + 4);
-      sum[0] += lo.x, sum[1] += lo.y, sum[2] += lo.z, sum[3] += lo.w;
-      sum[4] += hi.x, sum[5] += hi.y, sum[6] += hi.z, sum[7] += hi.w;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const float4 x = *reinterpret_cast<const float4*>(acc + s * p.split_stride + 4 * v);
+        sum[4 * v] += x.x, sum[4 * v + 1] += x.y, sum[4 * v + 2] += x.z, sum[4 * v + 3] += x.w;
+      }
     }
     int64_t off;
     if constexpr (Cfg::kMode == Mode::kGroup) {
@@ -259,24 +273,34 @@ __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_consta
     } else {
       off = (row / p.fwd.seqlen_q) * p.dq_batch_stride + (row % p.fwd.seqlen_q) * p.dq_seq_stride;
     }
-    off += head * p.dq_head_stride + chunk * 8;
-    uint4 out;
-    out.x = sm80::pack2<Element>(sum[0] * p.fwd.scale, sum[1] * p.fwd.scale);
-    out.y = sm80::pack2<Element>(sum[2] * p.fwd.scale, sum[3] * p.fwd.scale);
-    out.z = sm80::pack2<Element>(sum[4] * p.fwd.scale, sum[5] * p.fwd.scale);
-    out.w = sm80::pack2<Element>(sum[6] * p.fwd.scale, sum[7] * p.fwd.scale);
-    *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq) + off) = out;
+    off += head * p.dq_head_stride + group * 16;
+    // Two 8-column halves; a head-dim-padded instance writes only those within hdim_q.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (Cfg::kPadHdim && group * 16 + half * 8 >= p.fwd.hdim_q) continue;
+      uint32_t out[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = half * 8 + 2 * e;
+        out[e] = sm80::pack2<Element>(sum[dq_accum_position(c)] * p.fwd.scale,
+                                      sum[dq_accum_position(c + 1)] * p.fwd.scale);
+      }
+      *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq) + off + half * 8) =
+          make_uint4(out[0], out[1], out[2], out[3]);
+    }
   }
 }
 
-// Adds a pair of a warp's dQ fragment (row r, columns c and c + 1 of an n8 tile) into the fp32
-// accumulator that CTAs of other key tiles add into too.
-__device__ __forceinline__ void red_dq_pair(float* dst, float x, float y) {
+// Adds four of a warp's dQ fragment (row r; columns c, c + 1 of two neighbouring n8 tiles, at
+// dq_accum_position) into the fp32 accumulator that CTAs of other key tiles add into too.
+__device__ __forceinline__ void red_dq_quad(float* dst, float4 x) {
 #if __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+  atomicAdd(reinterpret_cast<float4*>(dst), x);
 #else
-  atomicAdd(dst, x);
-  atomicAdd(dst + 1, y);
+  atomicAdd(dst, x.x);
+  atomicAdd(dst + 1, x.y);
+  atomicAdd(dst + 2, x.z);
+  atomicAdd(dst + 3, x.w);
 #endif
 }
 
@@ -450,39 +474,16 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
     float dk_acc[kKeyFrags][Cfg::kDKCols / 8][4] = {};
     float dv_acc[kKeyFrags][Cfg::kDVCols / 8][4] = {};
 
-    // dQ of a step is added into the accumulator during the next step's S^T: a step's atomics
-    // issued at once queue up in the load/store unit while the tensor cores idle (d128, H100,
-    // bf16, S 2k-8k: 258/272/279 -> 273/290/299 TFLOP/s). Deterministic mode adds at once,
-    // with plain loads and stores into this CTA's own accumulator, and leaves nothing pending.
-    float dq_pending[kDQRowFrags][Cfg::kDQCols / 8][4] = {};
-    bool dq_is_pending = false;
-    // The pending fragment's first pair (row lane / 4 of the warp's tile, column 2 * (lane % 4)),
-    // and the distance of 8 rows: item (rf * 2 + h) * (kDQCols / 8) + dt is 16 rf + 8 h rows
-    // and 8 dt columns from it. Padded tiles keep the same column in the sequence's last row.
-    float* dq_dst = dq_accum;
-    float* dq_last_row = dq_accum;
-    int pending_row = 0;  // the first pair's row within the sequence
+    // A warp's dQ fragment of a step goes into the accumulator in items of four: item
+    // (rf * 2 + h) * (kDQCols / 16) + g is row lane / 4 + 16 rf + 8 h of the warp's tile and
+    // the lane's columns of n8 tiles 2g and 2g + 1. Padded tiles keep the same column in the
+    // sequence's last row.
     const int64_t dq_row8 = 8 * static_cast<int64_t>(f.nhead_q) * kDimQK;
-    auto pending_item = [&](int item, int* rf, int* h, int* dt) {
-      const int rh = item / (Cfg::kDQCols / 8);
-      *rf = rh / 2, *h = rh % 2, *dt = item % (Cfg::kDQCols / 8);
+    constexpr int kDQItems = kDQRowFrags * 2 * (Cfg::kDQCols / 16);
+    auto dq_item = [&](int item, int* rf, int* h, int* g) {
+      const int rh = item / (Cfg::kDQCols / 16);
+      *rf = rh / 2, *h = rh % 2, *g = item % (Cfg::kDQCols / 16);
     };
-    // Unconditional: a row past the sequence adds zeros into its last row instead, so that no
-    // branch splits the GEMM these are issued in.
-    auto red_pending_dq = [&](int item) {
-      int rf, h, dt;
-      pending_item(item, &rf, &h, &dt);
-      float x = dq_pending[rf][dt][2 * h], y = dq_pending[rf][dt][2 * h + 1];
-      float* dst = dq_dst + (2 * rf + h) * dq_row8;
-      if constexpr (Cfg::kPadSeqlen) {
-        const bool in_seq = pending_row + rf * 16 + h * 8 < seq.seqlen_q;
-        x = in_seq ? x : 0.f;
-        y = in_seq ? y : 0.f;
-        dst = in_seq ? dst : dq_last_row;
-      }
-      red_dq_pair(dst + dt * 8, x, y);
-    };
-    constexpr int kPendingItems = kDQRowFrags * 2 * (Cfg::kDQCols / 8);
 
     int head = kv_head * f.kv_group, m_step = 0;  // this step's
     for (int it = 0; it < steps; ++it) {
@@ -495,42 +496,25 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
       __syncthreads();  // this step's tiles are in for every thread; the other stage is free
 
       // S^T = K Q^T: this warp's keys x kQueriesPerWarp queries; each Q fragment read from
-      // shared memory feeds kKeyFrags mma. The previous step's dQ, when pending, is added
-      // between its mma: the GEMM has a copy with the adds and one without rather than a branch
-      // per add, which split it into basic blocks that the compiler scheduled apart (with the
-      // 32-row dQ tiles and stmatrix below, d128 bf16 on an H100 at S 2k-16k: +1-2%, d64 +1-4%;
-      // the loop went from 1427 to 1181 instructions).
+      // shared memory feeds kKeyFrags mma.
       float s[kKeyFrags][kQTiles][4] = {};
-      auto s_gemm = [&](auto with_pending_dq) {
 #pragma unroll
-        for (int kt = 0; kt < kDimQK / 16; ++kt) {
-          uint32_t a[kKeyFrags][4];
+      for (int kt = 0; kt < kDimQK / 16; ++kt) {
+        uint32_t a[kKeyFrags][4];
+#pragma unroll
+        for (int mf = 0; mf < kKeyFrags; ++mf) {
+          sm80::ldmatrix_x4(a[mf], s_k + KTile::step(k_a, mf, kt));
+        }
+#pragma unroll
+        for (int np = 0; np < kQTiles / 2; ++np) {
+          uint32_t b[4];
+          sm80::ldmatrix_x4(b, s_q(stage) + QTile::step(q_b, np, kt));
 #pragma unroll
           for (int mf = 0; mf < kKeyFrags; ++mf) {
-            sm80::ldmatrix_x4(a[mf], s_k + KTile::step(k_a, mf, kt));
-          }
-          if constexpr (decltype(with_pending_dq)::value) {
-#pragma unroll
-            for (int item = 0; item < kPendingItems; ++item) {
-              if (item % (kDimQK / 16) == kt) red_pending_dq(item);
-            }
-          }
-#pragma unroll
-          for (int np = 0; np < kQTiles / 2; ++np) {
-            uint32_t b[4];
-            sm80::ldmatrix_x4(b, s_q(stage) + QTile::step(q_b, np, kt));
-#pragma unroll
-            for (int mf = 0; mf < kKeyFrags; ++mf) {
-              sm80::mma_16816<Element>(s[mf][2 * np], a[mf], b[0], b[1]);
-              sm80::mma_16816<Element>(s[mf][2 * np + 1], a[mf], b[2], b[3]);
-            }
+            sm80::mma_16816<Element>(s[mf][2 * np], a[mf], b[0], b[1]);
+            sm80::mma_16816<Element>(s[mf][2 * np + 1], a[mf], b[2], b[3]);
           }
         }
-      };
-      if (dq_is_pending) {
-        s_gemm(std::true_type{});
-      } else {
-        s_gemm(std::false_type{});
       }
       // The next step's tiles into the other stage, issued behind the S^T GEMM rather than
       // ahead of it, where every warp computed their addresses right after the barrier while the
@@ -689,70 +673,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
         }
       }
 #endif
-      if constexpr (kSplit) __syncthreads();  // the other warp's queries of P^T and dS^T
+      __syncthreads();  // dS^T (and P^T) of every warp's keys and queries are in
 
-      // dV += P^T dO and dK += dS^T Q over the step's queries, 16 at a time. A operands come
-      // from this warp's registers (the accumulators of n8 tiles 2t and 2t+1 are the A
-      // fragment of k-step t), or from shared memory when the queries are split over two warps.
-#pragma unroll
-      for (int t = 0; t < kBlockM / 16; ++t) {
-        uint32_t pa[kKeyFrags][4], dsa[kKeyFrags][4];
-#pragma unroll
-        for (int mf = 0; mf < kKeyFrags; ++mf) {
-          if constexpr (kSplit) {
-            sm80::ldmatrix_x4(pa[mf], s_p + KQTile::step(p_a, mf, t));
-            sm80::ldmatrix_x4(dsa[mf], s_ds + KQTile::step(p_a, mf, t));
-          } else {
-            const auto& lo = s[mf][2 * t];
-            const auto& hi = s[mf][2 * t + 1];
-            pa[mf][0] = sm80::pack2<Element>(lo[0], lo[1]);
-            pa[mf][1] = sm80::pack2<Element>(lo[2], lo[3]);
-            pa[mf][2] = sm80::pack2<Element>(hi[0], hi[1]);
-            pa[mf][3] = sm80::pack2<Element>(hi[2], hi[3]);
-            const auto& dlo = dp[mf][2 * t];
-            const auto& dhi = dp[mf][2 * t + 1];
-            dsa[mf][0] = sm80::pack2<Element>(dlo[0], dlo[1]);
-            dsa[mf][1] = sm80::pack2<Element>(dlo[2], dlo[3]);
-            dsa[mf][2] = sm80::pack2<Element>(dhi[0], dhi[1]);
-            dsa[mf][3] = sm80::pack2<Element>(dhi[2], dhi[3]);
-          }
-        }
-#pragma unroll
-        for (int dpair = 0; dpair < Cfg::kDVCols / 16; ++dpair) {
-          uint32_t b[4];
-          sm80::ldmatrix_x4_trans(
-              b, s_do(stage) + DoTile::step(do_bt, t, d_half * (Cfg::kDVCols / 16) + dpair));
-#pragma unroll
-          for (int mf = 0; mf < kKeyFrags; ++mf) {
-            sm80::mma_16816<Element>(dv_acc[mf][2 * dpair], pa[mf], b[0], b[1]);
-            sm80::mma_16816<Element>(dv_acc[mf][2 * dpair + 1], pa[mf], b[2], b[3]);
-          }
-        }
-#pragma unroll
-        for (int dpair = 0; dpair < Cfg::kDKCols / 16; ++dpair) {
-          uint32_t b[4];
-          sm80::ldmatrix_x4_trans(
-              b, s_q(stage) + QTile::step(q_bt, t, d_half * (Cfg::kDKCols / 16) + dpair));
-#pragma unroll
-          for (int mf = 0; mf < kKeyFrags; ++mf) {
-            sm80::mma_16816<Element>(dk_acc[mf][2 * dpair], dsa[mf], b[0], b[1]);
-            sm80::mma_16816<Element>(dk_acc[mf][2 * dpair + 1], dsa[mf], b[2], b[3]);
-          }
-        }
-      }
-      if constexpr (!kSplit) __syncthreads();  // dS^T is complete
-
-      // dQ (kBlockM x kDimQK) += dS K: this warp's 16 rows x kDQCols columns, added into the
-      // fp32 accumulator of (row, head).
-      auto& dq = dq_pending;
-#pragma unroll
-      for (int rf = 0; rf < kDQRowFrags; ++rf) {
-#pragma unroll
-        for (int dt = 0; dt < Cfg::kDQCols / 8; ++dt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dq[rf][dt][e] = 0.f;
-        }
-      }
+      // dQ (kBlockM x kDimQK) = dS K: this warp's kDQRows rows x kDQCols columns, computed
+      // before dV and dK so that its additions into the fp32 accumulator of (row, head) are
+      // issued during their GEMMs and its registers are free again before the next step's S^T
+      // and dP^T, where dK, dV, S^T and dP^T fill the register file.
+      float dq[kDQRowFrags][Cfg::kDQCols / 8][4] = {};
 #pragma unroll
       for (int kt = 0; kt < kBlockN / 16; ++kt) {
         uint32_t a[kDQRowFrags][4];
@@ -772,36 +699,110 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
           }
         }
       }
-      pending_row = row0 + dq_rows * Cfg::kDQRows + lane / 4;
-      const int64_t dq_col = dq_cols * Cfg::kDQCols + (lane % 4) * 2;
-      dq_dst = dq_accum + ((row_base + pending_row) * f.nhead_q + head) * kDimQK + dq_col;
-      if constexpr (Cfg::kPadSeqlen) {
-        dq_last_row = dq_accum + ((row_base + seq.seqlen_q - 1) * f.nhead_q + head) * kDimQK +
-                      dq_col;
-      }
-      if (p.deterministic) {
-        // Read-add-write: its loads would stall the next step's GEMM, so it happens here.
+      const int dq_row = row0 + dq_rows * Cfg::kDQRows + lane / 4;  // the first pair's
+      const int64_t dq_col = dq_cols * Cfg::kDQCols + (lane % 4) * 4;  // in the group order
+      float* const dq_dst =
+          dq_accum + ((row_base + dq_row) * f.nhead_q + head) * kDimQK + dq_col;
+      // Unconditional: a row past the sequence adds zeros into its last row instead, so that no
+      // branch splits the GEMM these are issued in.
+      auto dq_quad = [&](int rf, int h, int g) {
+        return make_float4(dq[rf][2 * g][2 * h], dq[rf][2 * g][2 * h + 1],
+                           dq[rf][2 * g + 1][2 * h], dq[rf][2 * g + 1][2 * h + 1]);
+      };
+      auto red_dq = [&](int item) {
+        int rf, h, g;
+        dq_item(item, &rf, &h, &g);
+        float4 x = dq_quad(rf, h, g);
+        float* dst = dq_dst + (2 * rf + h) * dq_row8;
+        if constexpr (Cfg::kPadSeqlen) {
+          const bool in_seq = dq_row + rf * 16 + h * 8 < seq.seqlen_q;
+          float* const last_row =
+              dq_accum + ((row_base + seq.seqlen_q - 1) * f.nhead_q + head) * kDimQK + dq_col;
+          x = in_seq ? x : make_float4(0.f, 0.f, 0.f, 0.f);
+          dst = in_seq ? dst : last_row;
+        }
+        red_dq_quad(dst + g * 16, x);
+      };
+
+      // dV += P^T dO and dK += dS^T Q over the step's queries, 16 at a time, with dQ's
+      // reductions spread over its k-steps. A operands come from this warp's registers (the
+      // accumulators of n8 tiles 2t and 2t+1 are the A fragment of k-step t), or from shared
+      // memory when the queries are split over two warps.
+      auto dv_dk_gemm = [&](auto with_dq_reductions) {
 #pragma unroll
-        for (int item = 0; item < kPendingItems; ++item) {
-          int rf, h, dt;
-          pending_item(item, &rf, &h, &dt);
-          if (Cfg::kPadSeqlen && pending_row + rf * 16 + h * 8 >= seq.seqlen_q) continue;
-          auto* dst = reinterpret_cast<float2*>(dq_dst + (2 * rf + h) * dq_row8 + dt * 8);
-          float2 sum = *dst;
-          sum.x += dq_pending[rf][dt][2 * h];
-          sum.y += dq_pending[rf][dt][2 * h + 1];
+        for (int t = 0; t < kBlockM / 16; ++t) {
+          uint32_t pa[kKeyFrags][4], dsa[kKeyFrags][4];
+#pragma unroll
+          for (int mf = 0; mf < kKeyFrags; ++mf) {
+            if constexpr (kSplit) {
+              sm80::ldmatrix_x4(pa[mf], s_p + KQTile::step(p_a, mf, t));
+              sm80::ldmatrix_x4(dsa[mf], s_ds + KQTile::step(p_a, mf, t));
+            } else {
+              const auto& lo = s[mf][2 * t];
+              const auto& hi = s[mf][2 * t + 1];
+              pa[mf][0] = sm80::pack2<Element>(lo[0], lo[1]);
+              pa[mf][1] = sm80::pack2<Element>(lo[2], lo[3]);
+              pa[mf][2] = sm80::pack2<Element>(hi[0], hi[1]);
+              pa[mf][3] = sm80::pack2<Element>(hi[2], hi[3]);
+              const auto& dlo = dp[mf][2 * t];
+              const auto& dhi = dp[mf][2 * t + 1];
+              dsa[mf][0] = sm80::pack2<Element>(dlo[0], dlo[1]);
+              dsa[mf][1] = sm80::pack2<Element>(dlo[2], dlo[3]);
+              dsa[mf][2] = sm80::pack2<Element>(dhi[0], dhi[1]);
+              dsa[mf][3] = sm80::pack2<Element>(dhi[2], dhi[3]);
+            }
+          }
+          if constexpr (decltype(with_dq_reductions)::value) {
+#pragma unroll
+            for (int item = 0; item < kDQItems; ++item) {
+              if (item % (kBlockM / 16) == t) red_dq(item);
+            }
+          }
+#pragma unroll
+          for (int dpair = 0; dpair < Cfg::kDVCols / 16; ++dpair) {
+            uint32_t b[4];
+            sm80::ldmatrix_x4_trans(
+                b, s_do(stage) + DoTile::step(do_bt, t, d_half * (Cfg::kDVCols / 16) + dpair));
+#pragma unroll
+            for (int mf = 0; mf < kKeyFrags; ++mf) {
+              sm80::mma_16816<Element>(dv_acc[mf][2 * dpair], pa[mf], b[0], b[1]);
+              sm80::mma_16816<Element>(dv_acc[mf][2 * dpair + 1], pa[mf], b[2], b[3]);
+            }
+          }
+#pragma unroll
+          for (int dpair = 0; dpair < Cfg::kDKCols / 16; ++dpair) {
+            uint32_t b[4];
+            sm80::ldmatrix_x4_trans(
+                b, s_q(stage) + QTile::step(q_bt, t, d_half * (Cfg::kDKCols / 16) + dpair));
+#pragma unroll
+            for (int mf = 0; mf < kKeyFrags; ++mf) {
+              sm80::mma_16816<Element>(dk_acc[mf][2 * dpair], dsa[mf], b[0], b[1]);
+              sm80::mma_16816<Element>(dk_acc[mf][2 * dpair + 1], dsa[mf], b[2], b[3]);
+            }
+          }
+        }
+      };
+      if (p.deterministic) {
+        // This CTA's own accumulator: read-add-write after the GEMMs, whose issue its loads
+        // would stall.
+        dv_dk_gemm(std::false_type{});
+#pragma unroll
+        for (int item = 0; item < kDQItems; ++item) {
+          int rf, h, g;
+          dq_item(item, &rf, &h, &g);
+          if (Cfg::kPadSeqlen && dq_row + rf * 16 + h * 8 >= seq.seqlen_q) continue;
+          auto* dst = reinterpret_cast<float4*>(dq_dst + (2 * rf + h) * dq_row8 + g * 16);
+          const float4 add = dq_quad(rf, h, g);
+          float4 sum = *dst;
+          sum.x += add.x, sum.y += add.y, sum.z += add.z, sum.w += add.w;
           *dst = sum;
         }
       } else {
-        dq_is_pending = true;
+        dv_dk_gemm(std::true_type{});
       }
       if (it + 1 < steps) store_stats(next_stats, stage ^ 1);
       head = next_head;
       m_step = next_m_step;
-    }
-    if (dq_is_pending) {
-#pragma unroll
-      for (int item = 0; item < kPendingItems; ++item) red_pending_dq(item);
     }
 
     // Epilogue: dK = softmax_scale * sum dS^T Q (the scale of the logits, left out of dS), dV;
