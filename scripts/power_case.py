@@ -1,6 +1,10 @@
-"""Sustained clock, power and energy per FLOP of one shape, fmha against SDPA's cuDNN backend.
+"""Sustained clock, power and energy per FLOP of one shape, fmha against SDPA's backends.
 
-    python3 scripts/power_case.py HDIM SEQLEN CAUSAL(0|1) [SECONDS]
+    python3 scripts/power_case.py HDIM SEQLEN CAUSAL(0|1) [SECONDS] [--bwd]
+
+The forward is compared with SDPA's cuDNN backend; with --bwd, the backward (fmha.bwd on the
+forward's out and log-sum-exp; SDPA's through autograd, FLOPs at 2.5x the forward's) with
+SDPA's flash (FlashAttention-2) and cuDNN backends.
 
 Each backend runs back to back for SECONDS (default 4) after one second of warm-up while
 nvidia-smi samples the SM clock and the board power every 100 ms. Under a sustained load an
@@ -10,6 +14,7 @@ spends per FLOP: GFLOP/J is the column that says so. Shapes are the benchmark's:
 hidden 2048, bf16.
 """
 
+import argparse
 import statistics
 import subprocess
 import sys
@@ -52,21 +57,51 @@ def measure(fn, flops, seconds):
     return tflops, mhz, watts, tflops * 1e3 / watts, reasons
 
 
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("hdim", type=int)
+    p.add_argument("seqlen", type=int)
+    p.add_argument("causal", choices=["0", "1"])
+    p.add_argument("seconds", type=float, nargs="?", default=4.0)
+    p.add_argument("--bwd", action="store_true", help="time the backward pass")
+    return p.parse_args()
+
+
+def sdpa_backward(backend, qt, kt, vt, causal):
+    """A call that runs SDPA's backward of `backend` (autograd of one forward, kept)."""
+    leaves = [x.detach().contiguous().requires_grad_() for x in (qt, kt, vt)]
+    with sdpa_kernel(backend):
+        out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+    dout = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+
 def main():
-    hdim, seqlen, causal = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
-    seconds = float(sys.argv[4]) if len(sys.argv) > 4 else 4.0
+    args = parse_args()
+    hdim, seqlen, causal, seconds = args.hdim, args.seqlen, args.causal == "1", args.seconds
     batch, heads = 16384 // seqlen, 2048 // hdim
     q, k, v = (torch.randn(batch, seqlen, heads, hdim, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     flops = 4 * batch * heads * seqlen * seqlen * hdim / (2 if causal else 1)
 
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    if args.bwd:
+        flops *= 2.5
+        out, lse = fmha.fwd(q, k, v, causal=causal, return_lse=True)
+        dout = torch.randn_like(out)
+        backends = {
+            "fmha": lambda: fmha.bwd(dout, q, k, v, out, lse, causal=causal),
+            "flash": sdpa_backward(SDPBackend.FLASH_ATTENTION, qt, kt, vt, causal),
+            "cudnn": sdpa_backward(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, causal),
+        }
+    else:
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
-    backends = {"fmha": lambda: fmha.fwd(q, k, v, causal=causal), "cudnn": cudnn}
-    print(f"bf16 d{hdim} S={seqlen} causal={causal}, {seconds:g} s each")
+        backends = {"fmha": lambda: fmha.fwd(q, k, v, causal=causal), "cudnn": cudnn}
+    print(f"bf16 d{hdim} S={seqlen} causal={causal} {'backward' if args.bwd else 'forward'}, "
+          f"{seconds:g} s each")
     print(f"{'backend':8} {'TFLOP/s':>8} {'SM MHz':>7} {'W':>6} {'GFLOP/J':>8}  event reasons")
     for name, fn in backends.items():
         tflops, mhz, watts, per_joule, reasons = measure(fn, flops, seconds)
