@@ -150,7 +150,7 @@ struct BwdParams {
   int batch;
   int64_t rows;         // query rows of the problem: batch * seqlen_q, or total_q
   float* row_dot;       // D, (nhead_q, rows)
-  float* dq_accum;      // (splits, rows, nhead_q, kHeadDimQK) fp32, columns dq_accum_column
+  float* dq_accum;      // (splits, rows, nhead_q, kHeadDimQK) fp32, columns at dq_accum_position
   int64_t split_stride; // elements between two splits' accumulators
   int n_blocks;         // key tiles of the longest sequence
   int splits;           // deterministic: CTAs along the keys (each walks n_blocks / splits)
@@ -699,7 +699,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
           }
         }
       }
-      const int dq_row = row0 + dq_rows * Cfg::kDQRows + lane / 4;  // the first pair's
+      const int dq_row = row0 + dq_rows * Cfg::kDQRows + lane / 4;  // item 0's row
       const int64_t dq_col = dq_cols * Cfg::kDQCols + (lane % 4) * 4;  // in the group order
       float* const dq_dst =
           dq_accum + ((row_base + dq_row) * f.nhead_q + head) * kDimQK + dq_col;
