@@ -703,12 +703,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
       const int64_t dq_col = dq_cols * Cfg::kDQCols + (lane % 4) * 4;  // in the group order
       float* const dq_dst =
           dq_accum + ((row_base + dq_row) * f.nhead_q + head) * kDimQK + dq_col;
-      // Unconditional: a row past the sequence adds zeros into its last row instead, so that no
-      // branch splits the GEMM these are issued in.
       auto dq_quad = [&](int rf, int h, int g) {
         return make_float4(dq[rf][2 * g][2 * h], dq[rf][2 * g][2 * h + 1],
                            dq[rf][2 * g + 1][2 * h], dq[rf][2 * g + 1][2 * h + 1]);
       };
+      // Unconditional: a row past the sequence adds zeros into its last row instead, so that no
+      // branch splits the GEMM these are issued in.
       auto red_dq = [&](int item) {
         int rf, h, g;
         dq_item(item, &rf, &h, &g);
@@ -725,7 +725,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) bwd_kernel(const __grid_constan
       };
 
       // dV += P^T dO and dK += dS^T Q over the step's queries, 16 at a time, with dQ's
-      // reductions spread over its k-steps. A operands come from this warp's registers (the
+      // reductions issued among its k-steps (ptxas gathers them near the GEMM's start). A operands come from this warp's registers (the
       // accumulators of n8 tiles 2t and 2t+1 are the A fragment of k-step t), or from shared
       // memory when the queries are split over two warps.
       auto dv_dk_gemm = [&](auto with_dq_reductions) {
