@@ -4,7 +4,8 @@ Shapes follow the FlashAttention papers: a fixed number of tokens (batch * seqle
 fixed hidden size (nheads * headdim = 2048), so every row does the same work at every seqlen.
 FLOPs are 4 * b * h * s^2 * d (two GEMMs), halved for causal. Each backend gets its native
 layout: fmha (b, s, h, d), SDPA (b, h, s, d). Times are medians of CUDA-event-timed calls
-run back to back after warm-up: GPU time, with the host's own cost per call kept out
+run back to back after warm-up, in --rounds rounds that take a case's backends in turn: GPU
+time, with the host's own cost per call kept out, and the same clock and heat for every backend
 (fmha.timing). That host cost is measured apart, on a small and a mid-size problem, for fmha
 and for SDPA's default choice and each of its two fast backends, and printed under the table;
 --graph adds fmha's time replayed from a CUDA graph, which shows where host time still bounds
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
-from fmha.timing import graph_median_ms, host_us, median_ms
+from fmha.timing import graph_median_ms, host_us, interleaved_medians
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -57,6 +58,9 @@ def parse_args(argv):
                    help="untimed calls per case and backend, in milliseconds of GPU time")
     p.add_argument("--repeat-ms", type=float, default=200.0,
                    help="timed calls per case and backend, in milliseconds of GPU time")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timed rounds per case, each taking the backends in turn so that "
+                        "clock and heat drift fall on all of them alike")
     p.add_argument("--features", action="store_true",
                    help="also time one row per trait (bias, ALiBi, window, soft-cap, dropout, "
                         "varlen, V^T, head-dim padding)")
@@ -79,26 +83,38 @@ def parse_args(argv):
     return args
 
 
-def time_sdpa(row, flops, backends, args, qt, kt, vt, **kwargs):
-    """Adds each SDPA backend's TFLOP/s on (b, h, s, d) inputs to the row (None where the
-    backend refuses the problem, with its reason)."""
+def sdpa_calls(row, backends, qt, kt, vt, **kwargs):
+    """Each SDPA backend's forward on (b, h, s, d) inputs as a call to time; a backend that
+    refuses the problem gets None in the row, with its reason."""
+    calls = {}
     for name in backends:
+        def call(backend=SDPA_BACKENDS[name]):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, **kwargs)
         try:
-            with sdpa_kernel(SDPA_BACKENDS[name]):
-                call = lambda: F.scaled_dot_product_attention(qt, kt, vt, **kwargs)  # noqa: E731
-                ms = median_ms(call, args.warmup_ms, args.repeat_ms)
-            row[name] = flops / ms * 1e-9
+            call()
+            calls[name] = call
         except RuntimeError as err:  # backend unavailable for this shape/GPU
             row[name] = None
             row[f"{name}_error"] = str(err).splitlines()[0]
+    return calls
 
 
-def time_fmha(row, flops, args, q, k, v, **kwargs):
-    row["instance"] = fmha.select(q, k, v, **kwargs)["name"]
-    call = lambda: fmha.fwd(q, k, v, **kwargs)  # noqa: E731
-    row["fmha"] = flops / median_ms(call, args.warmup_ms, args.repeat_ms) * 1e-9
-    if args.graph:
-        row["fmha_graph"] = flops / graph_median_ms(call, 20, args.warmup_ms,
+def time_forward(row, flops, args, fmha_inputs, fmha_kwargs, sdpa):
+    """Adds the TFLOP/s of fmha.fwd(*fmha_inputs, **fmha_kwargs) and of the SDPA calls to the
+    row, timed in turns (interleaved_medians); with --graph also fmha's replayed from a CUDA
+    graph. A problem fmha's build has no instance for leaves fmha_error."""
+    calls = dict(sdpa)
+    try:
+        row["instance"] = fmha.select(*fmha_inputs, **fmha_kwargs)["name"]
+        calls = {"fmha": lambda: fmha.fwd(*fmha_inputs, **fmha_kwargs), **sdpa}
+    except ValueError as err:  # not in this build: say so in the row
+        row["fmha"] = None
+        row["fmha_error"] = str(err).splitlines()[0]
+    medians = interleaved_medians(calls, args.warmup_ms, args.repeat_ms, args.rounds)
+    row.update({name: flops / ms * 1e-9 for name, ms in medians.items()})
+    if args.graph and "fmha" in calls:
+        row["fmha_graph"] = flops / graph_median_ms(calls["fmha"], 20, args.warmup_ms,
                                                     args.repeat_ms) * 1e-9
 
 
@@ -108,39 +124,36 @@ def run_case(dtype, d, s, causal, args):
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
     row = {"dtype": str(dtype).removeprefix("torch."), "hdim": d, "causal": causal,
            "batch": b, "nheads": h, "seqlen": s}
-    time_fmha(row, flops, args, q, k, v, causal=causal)
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    time_sdpa(row, flops, GRID_BACKENDS, args, qt, kt, vt, is_causal=causal)
+    time_forward(row, flops, args, (q, k, v), {"causal": causal},
+                 sdpa_calls(row, GRID_BACKENDS, qt, kt, vt, is_causal=causal))
     return row
 
 
-def time_fmha_backward(bwd, both, flops, args, q, k, v, dout, causal):
-    """Adds fmha's backward and forward+backward TFLOP/s to the two rows: torch.autograd.grad
-    through fmha.fwd, and with --deterministic fmha.bwd(deterministic=True) on the forward's
+def fmha_backward_calls(bwd, both, q, k, v, dout, causal, deterministic):
+    """fmha's backward and forward+backward as calls to time, keyed by column: torch.autograd.grad
+    through fmha.fwd, and with `deterministic` fmha.bwd(deterministic=True) on the forward's
     out and lse (fmha_det). A problem the build has no instance for leaves fmha_error."""
     try:
         bwd["instance"] = both["instance"] = fmha.select_bwd(q, k, v, causal=causal)["name"]
         out = fmha.fwd(q, k, v, causal=causal)
-        grads = lambda: torch.autograd.grad(out, (q, k, v), dout,  # noqa: E731
-                                            retain_graph=True)
-        bwd["fmha"] = 2.5 * flops / median_ms(grads, args.warmup_ms, args.repeat_ms) * 1e-9
-        step = lambda: torch.autograd.grad(fmha.fwd(q, k, v, causal=causal),  # noqa: E731
-                                           (q, k, v), dout)
-        both["fmha"] = 3.5 * flops / median_ms(step, args.warmup_ms, args.repeat_ms) * 1e-9
-        if args.deterministic:
-            q, k, v = q.detach(), k.detach(), v.detach()
-            out, lse = fmha.fwd(q, k, v, causal=causal, return_lse=True)
-            grads = lambda: fmha.bwd(dout, q, k, v, out, lse, causal=causal,  # noqa: E731
-                                     deterministic=True)
-            bwd["fmha_det"] = 2.5 * flops / median_ms(grads, args.warmup_ms,
-                                                      args.repeat_ms) * 1e-9
-            step = lambda: deterministic_step(q, k, v, dout, causal)  # noqa: E731
-            both["fmha_det"] = 3.5 * flops / median_ms(step, args.warmup_ms,
-                                                       args.repeat_ms) * 1e-9
+        grads = {"fmha": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)}
+        steps = {"fmha": lambda: torch.autograd.grad(fmha.fwd(q, k, v, causal=causal),
+                                                     (q, k, v), dout)}
+        if deterministic:
+            qd, kd, vd = q.detach(), k.detach(), v.detach()
+            out_d, lse = fmha.fwd(qd, kd, vd, causal=causal, return_lse=True)
+            grads["fmha_det"] = lambda: fmha.bwd(dout, qd, kd, vd, out_d, lse, causal=causal,
+                                                 deterministic=True)
+            steps["fmha_det"] = lambda: deterministic_step(qd, kd, vd, dout, causal)
+        for call in (*grads.values(), *steps.values()):
+            call()  # raises here, not while timing, for a problem it cannot run
+        return grads, steps
     except (ValueError, RuntimeError) as err:  # not in this build, or unavailable here
         for row in (bwd, both):
-            row.setdefault("fmha", None)
+            row["fmha"] = None
             row["fmha_error"] = str(err).splitlines()[0]
+        return {}, {}
 
 
 def deterministic_step(q, k, v, dout, causal):
@@ -149,11 +162,38 @@ def deterministic_step(q, k, v, dout, causal):
     return fmha.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=True)
 
 
+def sdpa_backward_calls(bwd, both, qt, kt, vt, causal):
+    """Each SDPA backend's backward (the one its forward's autograd node runs) and
+    forward+backward as calls to time; a backend that refuses the problem gets None and its
+    reason in both rows."""
+    grads, steps = {}, {}
+    for name in GRID_BACKENDS:
+        backend = SDPA_BACKENDS[name]
+
+        def forward(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        try:
+            out = forward()
+            dout = torch.randn_like(out)
+            grads[name] = lambda out=out, dout=dout: torch.autograd.grad(
+                out, (qt, kt, vt), dout, retain_graph=True)
+            steps[name] = lambda forward=forward, dout=dout: torch.autograd.grad(
+                forward(), (qt, kt, vt), dout)
+            grads[name]()
+            steps[name]()
+        except RuntimeError as err:  # backend unavailable for this shape/GPU
+            grads.pop(name, None)
+            steps.pop(name, None)
+            bwd[name] = both[name] = None
+            bwd[f"{name}_error"] = both[f"{name}_error"] = str(err).splitlines()[0]
+    return grads, steps
+
+
 def run_backward_case(dtype, d, s, causal, args):
     """The backward pass and forward+backward of one grid case: two rows, TFLOP/s at
-    FlashAttention's convention of 2.5x (3.5x) the forward's FLOPs. Each SDPA backend's
-    backward is the one its forward's autograd node runs; fmha's is fmha.fwd's autograd
-    formula (time_fmha_backward)."""
+    FlashAttention's convention of 2.5x (3.5x) the forward's FLOPs, every backend timed in
+    turns with the others (interleaved_medians)."""
     b, h = max(1, args.tokens // s), args.hidden // d
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
     key = {"dtype": str(dtype).removeprefix("torch."), "hdim": d, "causal": causal, "batch": b,
@@ -161,22 +201,14 @@ def run_backward_case(dtype, d, s, causal, args):
     bwd, both = dict(key), dict(key)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True)
                for _ in range(3))
-    time_fmha_backward(bwd, both, flops, args, q, k, v, torch.randn_like(q), causal)
+    grads, steps = fmha_backward_calls(bwd, both, q, k, v, torch.randn_like(q), causal,
+                                       args.deterministic)
     qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
-    forward = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)  # noqa: E731
-    for name in GRID_BACKENDS:
-        try:
-            with sdpa_kernel(SDPA_BACKENDS[name]):
-                out = forward()
-                dout = torch.randn_like(out)
-                grads = lambda: torch.autograd.grad(out, (qt, kt, vt), dout,  # noqa: E731
-                                                    retain_graph=True)
-                bwd[name] = 2.5 * flops / median_ms(grads, args.warmup_ms, args.repeat_ms) * 1e-9
-                step = lambda: torch.autograd.grad(forward(), (qt, kt, vt), dout)  # noqa: E731
-                both[name] = 3.5 * flops / median_ms(step, args.warmup_ms, args.repeat_ms) * 1e-9
-        except RuntimeError as err:  # backend unavailable for this shape/GPU
-            bwd[name] = both[name] = None
-            bwd[f"{name}_error"] = both[f"{name}_error"] = str(err).splitlines()[0]
+    sdpa_grads, sdpa_steps = sdpa_backward_calls(bwd, both, qt, kt, vt, causal)
+    for row, calls, factor in ((bwd, {**grads, **sdpa_grads}, 2.5),
+                               (both, {**steps, **sdpa_steps}, 3.5)):
+        medians = interleaved_medians(calls, args.warmup_ms, args.repeat_ms, args.rounds)
+        row.update({name: factor * flops / ms * 1e-9 for name, ms in medians.items()})
     return bwd, both
 
 
@@ -246,12 +278,8 @@ def run_features(dtype, d, args):
     def row(feature, flops=full, sdpa=(), sdpa_kwargs=None, inputs=(q, k, v), **kwargs):
         r = {"dtype": str(dtype).removeprefix("torch."), "hdim": d, "feature": feature,
              "batch": b, "nheads": h, "seqlen": s}
-        try:
-            time_fmha(r, flops, args, *inputs, **kwargs)
-        except ValueError as err:  # not in this build: say so in the row
-            r["fmha"] = None
-            r["fmha_error"] = str(err).splitlines()[0]
-        time_sdpa(r, flops, sdpa, args, qt, kt, vt, **(sdpa_kwargs or {}))
+        time_forward(r, flops, args, inputs, kwargs,
+                     sdpa_calls(r, sdpa, qt, kt, vt, **(sdpa_kwargs or {})))
         rows.append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
 

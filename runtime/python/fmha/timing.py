@@ -25,24 +25,51 @@ def median_ms(fn, warmup_ms: float = 100.0, repeat_ms: float = 200.0,
     """Median milliseconds of `fn()`'s GPU work on the current stream: calls back to back (see
     the module's docstring) for about `repeat_ms`, at least `min_calls`, after about
     `warmup_ms` of untimed calls."""
+    return interleaved_medians({"fn": fn}, warmup_ms, repeat_ms, 1, min_calls)["fn"]
+
+
+def interleaved_medians(fns: dict, warmup_ms: float = 100.0, repeat_ms: float = 200.0,
+                        rounds: int = 3, min_calls: int = 10) -> dict:
+    """Median milliseconds of each `fns[name]()`'s GPU work, timed as median_ms does but in
+    `rounds` rounds that take the functions in turn: in each round a function runs untimed
+    for `warmup_ms`, then timed for `repeat_ms / rounds`. Each round samples the GPU's power
+    state at another moment, so one clamp of the clock falls on one round of one function, not
+    on its whole number. The warm-up before every timed stretch is what lets the clock settle
+    after the previous function: on an H100 at its 700 W cap, the first bf16 d128 backward
+    call (11 ms) after cuDNN's backward ran 23% slow, and the clock took 50-90 ms to recover."""
+    estimates = {name: _estimate_ms(fn) for name, fn in fns.items()}
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(int(warmup_ms / estimates[name])):
+                fn()
+            calls = max(-(-min_calls // rounds), int(repeat_ms / rounds / estimates[name]))
+            times[name] += event_times_ms(fn, calls)
+    return {name: statistics.median(ms) for name, ms in times.items()}
+
+
+def _estimate_ms(fn) -> float:
+    """Wall milliseconds of one synchronized `fn()` call after a first one (which may compile
+    or allocate): the unit in which warm-up and repeat stretches are counted."""
     fn()
     torch.cuda.synchronize()
     begin = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    estimate_ms = max((time.perf_counter() - begin) * 1e3, 1e-3)
-    for _ in range(int(warmup_ms / estimate_ms)):
-        fn()
-    repeat = max(min_calls, int(repeat_ms / estimate_ms))
+    return max((time.perf_counter() - begin) * 1e3, 1e-3)
+
+
+def event_times_ms(fn, calls: int) -> list:
+    """GPU milliseconds of `calls` back-to-back `fn()` calls, each between two CUDA events."""
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(repeat)]
+              for _ in range(calls)]
     torch.cuda.synchronize()
     for start, stop in events:
         start.record()
         fn()
         stop.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(stop) for start, stop in events)
+    return [start.elapsed_time(stop) for start, stop in events]
 
 
 def graph_median_ms(fn, calls: int = 20, warmup_ms: float = 100.0,
