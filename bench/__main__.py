@@ -107,6 +107,7 @@ def time_forward(row, flops, args, fmha_inputs, fmha_kwargs, sdpa):
     calls = dict(sdpa)
     try:
         row["instance"] = fmha.select(*fmha_inputs, **fmha_kwargs)["name"]
+        fmha.fwd(*fmha_inputs, **fmha_kwargs)  # raises here, not while timing
         calls = {"fmha": lambda: fmha.fwd(*fmha_inputs, **fmha_kwargs), **sdpa}
     except ValueError as err:  # not in this build: say so in the row
         row["fmha"] = None
