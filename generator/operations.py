@@ -314,12 +314,51 @@ def _bwd_fa2_smem_bytes(tile, hdim: tuple[int, int]) -> int:
             + 2 * tile.block_n * tile.block_m * (2 if _split_d(tile, hdim) > 1 else 1))
 
 
+# What fmha/kernels/bwd_fa3_sm90.cuh static_asserts: one producer warpgroup feeds two consumer
+# warpgroups of 64 keys each through TMA; a step takes 64 query rows.
+_BWD_FA3_CONSTRAINTS = (
+    TileConstraint("block_n == 128 (two consumer warpgroups of 64 keys: wgmma's M)",
+                   lambda tile, hdim: tile.block_n == 128),
+    TileConstraint("block_m == 64 (S^T and dP^T of 64 x 64 per warpgroup beside dK and dV in "
+                   "registers; one 128-byte swizzle atom across dS^T's rows)",
+                   lambda tile, hdim: tile.block_m == 64),
+    TileConstraint("warps == 4 * (block_n // 64 + 1) (one producer warpgroup plus one consumer "
+                   "warpgroup per 64 keys)",
+                   lambda tile, hdim: tile.warps == 4 * (tile.block_n // 64 + 1)),
+    TileConstraint("stages == 2 (Q and dO are double-buffered)",
+                   lambda tile, hdim: tile.stages == 2),
+    TileConstraint("hdim_q and hdim_v multiples of 64 and at most 128 (128-byte swizzle atoms; "
+                   "dK and dV of 64 keys fit a consumer's registers)",
+                   lambda tile, hdim: all(d % 64 == 0 and d <= 128 for d in hdim)),
+)
+
+
+def _bwd_fa3_smem_bytes(tile, hdim: tuple[int, int]) -> int:
+    """BwdConfig::kSmemBytes of bwd_fa3_sm90.cuh: K and V; per stage Q, dO and the LSE and D
+    of each row; two dS^T buffers; the barriers and the 1024-byte alignment of TMA's tiles."""
+    both = hdim[0] + hdim[1]
+    return (2 * tile.block_n * both
+            + tile.stages * (2 * tile.block_m * both + 8 * tile.block_m)
+            + 2 * 2 * tile.block_n * tile.block_m + _FA3_BARRIERS_AND_ALIGNMENT)
+
+
 BWD = Operation(
     kind=OPERATION.get("bwd"),
     traits=BwdTraits,
     kernels=(
-        # Three kernels per instance, launched in order by launch_bwd: D = rowsum(dO * O), the
-        # dQ/dK/dV kernel, the fp32 dQ conversion; mma.sync, for sm80 and newer.
+        # Three kernels per instance, launched in order by launch_bwd: the row sums
+        # D = rowsum(dO * O), the dQ/dK/dV kernel, the fp32 dQ conversion. fa3: TMA, wgmma and
+        # warp specialization, sm90a only.
+        Kernel(PIPELINE.get("fa3"), header="fmha/kernels/bwd_fa3_sm90.cuh",
+               config_template="fmha::fa3::BwdConfig", launcher="fmha::fa3::launch_bwd",
+               tile_constraints=_BWD_FA3_CONSTRAINTS,
+               shared_memory=SharedMemory(
+                   "2 * block_n * (hdim_q + hdim_v) + stages * (2 * block_m * (hdim_q + hdim_v) "
+                   f"+ 8 * block_m) + 4 * block_n * block_m + {_FA3_BARRIERS_AND_ALIGNMENT} "
+                   "(barriers and alignment)",
+                   _bwd_fa3_smem_bytes),
+               uses_cutlass=True, workspace="fmha::fa3::bwd_workspace_bytes"),
+        # mma.sync, for sm80 and newer.
         Kernel(PIPELINE.get("fa2"), header="fmha/kernels/bwd_fa2_sm80.cuh",
                config_template="fmha::fa2::BwdConfig", launcher="fmha::fa2::launch_bwd",
                tile_constraints=_BWD_FA2_CONSTRAINTS,

@@ -13,7 +13,7 @@ SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "vl
 BWD_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "mode", "dbias",
                       "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim",
                       "block_m", "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = "104 of 14136 instances selected (fwd 56, bwd 48; 66504 pruned)"
+DEFAULT_SELECTED = "104 of 14136 instances selected (fwd 56, bwd 48; 82632 pruned)"
 
 
 def test_default_render(run_cli, tmp_path):
@@ -48,7 +48,7 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     assert "4 of 14136 instances selected (fwd 2, bwd 2;" in result.stdout
     assert "2 unchanged, 102 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
-        "bwd_fp16_d64_fa2_sm90a_m128n128.cu", "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu",
+        "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m64n128_pad.cu",
         "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu"]
 
 
@@ -58,7 +58,7 @@ def test_list(run_cli):
     # Each operation's instances in its dispatch order, fwd's first.
     assert result.stdout.split() == ["fwd_bf16_d128_causal_lse_fa3_sm90a_m128n128_pad",
                                      "fwd_bf16_d128_causal_lse_fa2_sm90a_m128n64_pad_hpad",
-                                     "bwd_bf16_d128_causal_fa2_sm90a_m64n128",
+                                     "bwd_bf16_d128_causal_fa3_sm90a_m64n128_pad",
                                      "bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad"]
     bwd = run_cli("--list", "--filter", "bwd,bf16,hdim128,causal,mode=batch", "--targets", "sm90a")
     assert bwd.stdout.split() == result.stdout.split()[2:]
@@ -81,8 +81,8 @@ def test_json(run_cli):
         assert (record["pad_seqlen"], record["pad_hdim"]) in (
             ((False, False), (True, True)) if record["pipeline"] == "fa2" else ((True, False),))
     assert sorted(r["pipeline"] for r in records[:4]) == ["fa2", "fa2", "fa2", "fa3"]
-    assert {(r["arch"], r["block_m"], r["block_n"]) for r in records[4:]} == {
-        ("sm80", 128, 128), ("sm90a", 128, 128)}
+    assert {(r["arch"], r["pipeline"], r["block_m"], r["block_n"]) for r in records[4:]} == {
+        ("sm80", "fa2", 128, 128), ("sm90a", "fa2", 128, 128), ("sm90a", "fa3", 64, 128)}
 
 
 def test_json_and_summary_leave_out_pruned_instances(run_cli, make_config, tmp_path):
@@ -207,7 +207,7 @@ def test_shard_render(run_cli, tmp_path):
     result = run_cli("--out", out, "--preset", "extended", "--shard", "2/4")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("generator: 528 of 14136 instances selected (fwd 276, bwd 252; "
-                                    "66504 pruned); shard 2/4: 132 TUs (sm80 ")
+                                    "82632 pruned); shard 2/4: 132 TUs (sm80 ")
     assert "135 files written" in result.stdout
     tus = sorted(p.name for p in out.glob("*.cu"))
     listed = run_cli("--list", "--preset", "extended", "--shard", "2/4").stdout.split()
@@ -397,23 +397,24 @@ def test_explain_bwd_hit(run_cli):
     assert result.stdout.splitlines() == [
         "problem: op=bwd,dtype=bf16,hdim=128x128,mask=causal,bias=none,mode=batch,dbias=false,"
         "dropout=false,softcap=false,seqlen_q=1024,seqlen_k=1024,seqused=false,arch=90",
-        "chosen:  bwd_bf16_d128_causal_fa2_sm90a_m64n128",
+        "chosen:  bwd_bf16_d128_causal_fa3_sm90a_m64n128_pad",
         "why:     4 of the 48 selected bwd instances serve it; it goes ahead of the runner-up "
-        "bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad by rule 4 of the dispatch order, "
-        "unpadded seqlens first: pad_seqlen=false against pad_seqlen=true",
+        "bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad by rule 3 of the dispatch order, "
+        "newer pipeline first: pipeline fa3 against pipeline fa2",
         "serving, in dispatch order:",
-        "  bwd_bf16_d128_causal_fa2_sm90a_m64n128",
+        "  bwd_bf16_d128_causal_fa3_sm90a_m64n128_pad",
         "  bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad",
         "  bwd_bf16_d128_causal_fa2_sm80_m64n128",
         "  bwd_bf16_d128_causal_fa2_sm80_m64n128_pad_hpad"]
-    # The same problem with --filter bwd,hdim128 and a ragged seqlen_q: the padded one.
+    # The same problem with --filter bwd,hdim128 and a ragged seqlen_q: fa3, which pads, against
+    # fa2's padded instance for sm90a.
     ragged = run_cli("--explain", "op=bwd,dtype=bf16,hdim=128,mask=causal,seqlen_q=1000,arch=90",
                      "--filter", "bwd,hdim128")
     assert ragged.stdout.splitlines()[1:3] == [
-        "chosen:  bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad",
-        "why:     2 of the 24 selected bwd instances serve it; it goes ahead of the runner-up "
-        "bwd_bf16_d128_causal_fa2_sm80_m64n128_pad_hpad by rule 1 of the dispatch order, higher "
-        "compute capability first: sm90a (cc 90) against sm80 (cc 80)"]
+        "chosen:  bwd_bf16_d128_causal_fa3_sm90a_m64n128_pad",
+        "why:     3 of the 24 selected bwd instances serve it; it goes ahead of the runner-up "
+        "bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad by rule 3 of the dispatch order, newer "
+        "pipeline first: pipeline fa3 against pipeline fa2"]
 
 
 def test_explain_bwd_miss_suggests_a_filter_that_fits(run_cli):

@@ -40,12 +40,9 @@
 #include <cstdlib>
 #include <type_traits>
 
-// wgmma has every N that is a multiple of 8 (or 16) up to 256; CuTe's op selectors consider
-// the non-power-of-two ones (the 80- and 112-key tiles of d256 and d192) only with this set,
-// and fall back to 64x16 otherwise (5-7x the instructions).
-#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-#endif
+// First: it sets how CuTe is configured before any CuTe header.
+#include "fmha/kernels/sm90_primitives.cuh"
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -60,17 +57,6 @@
 #include "fmha/kernels/tile_order.cuh"
 
 namespace fmha::fa3 {
-
-template <typename T>
-struct CuteElement;
-template <>
-struct CuteElement<__half> {
-  using type = cutlass::half_t;
-};
-template <>
-struct CuteElement<__nv_bfloat16> {
-  using type = cutlass::bfloat16_t;
-};
 
 template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
           int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, VLayout kVLayout_,
@@ -221,13 +207,6 @@ enum Barrier : uint32_t {
   kWarpgroupFirst = 7,   // + w: the 128 threads of consumer warpgroup w
 };
 
-__device__ __forceinline__ void barrier_sync(uint32_t id, uint32_t threads) {
-  asm volatile("bar.sync %0, %1;" : : "r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void barrier_arrive(uint32_t id, uint32_t threads) {
-  asm volatile("bar.arrive %0, %1;" : : "r"(id), "r"(threads) : "memory");
-}
-
 // Persistent CTAs take work units round-robin: unit u goes to CTA u % gridDim.x. Without a
 // causal mask a unit is one tile, and units are query tiles of one head next to each other, so
 // the CTAs running at once share that head's K/V in L2. Under a causal mask tile m costs m + 1
@@ -295,30 +274,6 @@ struct WorkTile {
   __device__ bool in_sequence() const { return q_row0 < seq.seqlen_q; }
 };
 
-// One wgmma batch over the k-blocks of its operands, committed as one group; kWait >= 0 waits
-// until at most kWait groups are in flight. The operand fences keep the compiler from moving
-// register reads and writes of the accumulators (and of A, when it is in registers) across the
-// asynchronous GEMM.
-template <bool kZeroInit, int kWait, class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& a, TB const& b, TC& c) {
-  using namespace cute;
-  constexpr bool kARegisters =
-      !cute::is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
-  if constexpr (kARegisters) warpgroup_fence_operand(const_cast<TA&>(a));
-  warpgroup_fence_operand(c);
-  warpgroup_arrive();
-  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTLASS_PRAGMA_UNROLL
-  for (int kb = 0; kb < size<2>(a); ++kb) {
-    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
-  warpgroup_fence_operand(c);
-  if constexpr (kARegisters) warpgroup_fence_operand(const_cast<TA&>(a));
-}
-
 // The softmax state of the two rows a thread holds in a wgmma accumulator: value v of the
 // fragment ((2, 2, N / 8), 1, 1) is row half (v / 2) % 2 (rows r and r + 8), column
 // 8 * (v / 4) + 2 * (lane % 4) + v % 2.
@@ -377,24 +332,6 @@ __device__ __forceinline__ void scale_rows(TensorO& o, const float (&factor)[2])
   constexpr int kValues = decltype(cute::size(o))::value;
 #pragma unroll
   for (int v = 0; v < kValues; ++v) o(v) *= factor[(v / 2) % 2];
-}
-
-// P in 16 bits as the A operand of O += P V: ((2, 2, 2), 1, N / 16) holds S's values in S's
-// own order (value 4k..4k+3 of n8 block 2t and 2t+1 make k16 step t), so it is a plain copy.
-template <class Element, class TensorS, class TensorP>
-__device__ __forceinline__ void convert_p(const TensorS& s, TensorP& p) {
-  constexpr int kValues = decltype(cute::size(s))::value;
-  auto p32 = cute::recast<uint32_t>(p);
-#pragma unroll
-  for (int v = 0; v < kValues / 2; ++v) {
-    if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
-      const __nv_bfloat162 pair = __floats2bfloat162_rn(s(2 * v), s(2 * v + 1));
-      p32(v) = reinterpret_cast<const uint32_t&>(pair);
-    } else {
-      const __half2 pair = __floats2half2_rn(s(2 * v), s(2 * v + 1));
-      p32(v) = reinterpret_cast<const uint32_t&>(pair);
-    }
-  }
 }
 
 template <class Cfg>
@@ -850,10 +787,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Shared memory must outlive the last store's reads of it.
   if (wg_leader) tma_store_wait<0>();
 }
-
-// TMA needs every global stride to be a positive multiple of 16 bytes. The API passes 0 for
-// the stride of a size-1 dimension (it is never stepped over), so any valid one stands in.
-inline int64_t tma_stride(int64_t stride) { return stride > 0 ? stride : 8; }
 
 // The kernel's parameters for `args`: sizes, the tile order's facts and the four TMA
 // descriptors; host work only, apart from the launch so that it can be timed alone

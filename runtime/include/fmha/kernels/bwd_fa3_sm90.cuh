@@ -1,0 +1,835 @@
+// FlashAttention-3 style backward pipeline for Hopper (sm90a): TMA, wgmma and warp
+// specialization. dQ, dK, dV of the forward, recomputing P from Q, K and the forward's
+// log-sum-exp (FlashAttention-2's algorithm, FlashAttention-3's kernel design:
+// docs/fa3-bwd-plan.md).
+//
+// One instance is three kernels, launched in order on one stream by launch_bwd:
+//   1. bwd_preprocess_kernel: D = rowsum(dO * O) and the log-sum-exp in log2 units, per
+//      (head, sequence) padded to whole query tiles (rows past a sequence's used length get
+//      D = 0 and LSE = +inf, so their P is 0), which lets the main kernel fetch a tile's 64
+//      values with one bulk copy; and zeroes the fp32 dQ accumulator;
+//   2. bwd_kernel: one CTA per (key tile, K/V head, sequence), 384 threads:
+//        producer warpgroup (setmaxnreg down to 24 registers): its first warp issues the TMA
+//          loads, K and V once per key tile, then per step (query head, query tile) Q with its
+//          LSE and dO with its D, into two-stage rings guarded by mbarriers
+//          (cutlass::PipelineTmaAsync); its second warp adds each step's dQ tile into the fp32
+//          accumulator with one bulk reduce-add per consumer warpgroup
+//          (cp.reduce.async.bulk .add.f32, FlashAttention-3's dQ writer), so the consumers never
+//          wait on global memory;
+//        two consumer warpgroups (240 registers), each owning 64 of the tile's keys: their dK
+//          and dV accumulate in registers over the steps. Per step, with the keys as wgmma's M
+//          (FlashAttention-3's SdP_swapAB), so P^T and dS^T come out of the first two GEMMs
+//          already as the register A operands of the next two:
+//            S^T  = K Q^T        (shared/shared)      P^T  = exp2(S^T * scale log2 e - LSE)
+//            dP^T = V dO^T       (shared/shared)      dS^T = P^T (dP^T - D)
+//            dV  += P^T dO       (A from registers, dO read transposed in shared memory)
+//            dS^T -> shared memory (stmatrix), both warpgroups meet at a named barrier
+//            dQ   = dS K         (dS and K read transposed; each warpgroup half the head dim)
+//            dK  += dS^T Q       (A from registers, Q read transposed)
+//          and dQ goes to the writer warp through shared memory, in the accumulator's own
+//          register order (float4s, conflict-free), which is also the global accumulator's;
+//   3. bwd_convert_dq_kernel: dQ = softmax_scale * the accumulator, out of that order, rounded.
+// MQA/GQA: a CTA walks every query head sharing its K/V head, so dK and dV are summed in
+// registers. Deterministic mode: `splits` CTAs per (K/V head, sequence) walk fixed key tiles in
+// order, each adding into a dQ accumulator of its own (a query tile's chunk gets one reduce per
+// key tile, and the writer lets each key tile's reduces complete before the next key tile's);
+// kernel 3 sums the accumulators in order, as fa2's backward does.
+//
+// Traits on this pipeline: fp16/bf16; head dims 64 and 128; no mask and causal (both
+// alignments); MQA/GQA; batch mode with seqused; the deterministic mode. Every sequence length
+// is served (pad_seqlen): TMA zero-fills rows past the tensors' ends, and rows past a
+// sequence's used length are zeroed in shared memory before a GEMM reads them. The rest runs
+// on fa2 (instances.yaml's rules say so).
+#pragma once
+
+// First: it sets how CuTe is configured before any CuTe header.
+#include "fmha/kernels/sm90_primitives.cuh"
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "fmha/fmha.h"
+#include "fmha/kernels/bwd_common.cuh"
+#include "fmha/kernels/device_facts.cuh"
+#include "fmha/kernels/fwd_params.cuh"
+#include "fmha/kernels/mask.cuh"
+#include "fmha/kernels/sm80_primitives.cuh"
+
+namespace fmha::fa3 {
+
+template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
+          int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, Mode kMode_,
+          bool kDbias_, bool kDropout_, bool kSoftcap_, bool kPadSeqlen_, bool kPadHdim_,
+          int kSmemLimit_>
+struct BwdConfig {
+  using Element = Element_;  // __half or __nv_bfloat16, as bwd_common.cuh's kernels take it
+  using MmaElement = typename CuteElement<Element_>::type;
+  static constexpr int kHeadDimQK = kHeadDimQK_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kBlockM = kBlockM_;  // query rows per step
+  static constexpr int kBlockN = kBlockN_;  // keys per CTA
+  static constexpr int kStages = kStages_;  // of the Q and dO rings
+  static constexpr MaskType kMask = kMask_;
+  static constexpr Mode kMode = kMode_;
+  static constexpr bool kPadHdim = kPadHdim_;
+
+  static_assert(kBias_ == BiasType::kNone && !kDbias_ && !kDropout_ && !kSoftcap_,
+                "the fa3 backward has no bias, dropout or soft-cap yet: those instances are fa2");
+  static_assert(kMask != MaskType::kWindow, "the fa3 backward has no sliding window yet");
+  static_assert(kMode == Mode::kBatch, "the fa3 backward has no group mode yet");
+  static_assert(kPadSeqlen_ && !kPadHdim,
+                "fa3 serves every sequence length (pad_seqlen) and exact head dims only");
+  static_assert(kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0 && kHeadDimQK <= 128 &&
+                    kHeadDimV <= 128,
+                "head dims are whole 128-byte swizzle atoms, and dK and dV of 64 keys over at "
+                "most 128 columns each fit a consumer's registers");
+  static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys (wgmma's M)");
+  static_assert(kBlockM == 64,
+                "64 query rows per step: S^T and dP^T of 64 x 64 per warpgroup beside dK and dV "
+                "in registers, and one 128-byte swizzle atom across dS^T's rows");
+  static_assert(kStages == 2, "Q and dO are double-buffered");
+
+  static constexpr int kConsumerWarpgroups = kBlockN / 64;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static_assert(kNumWarps_ * 32 == kThreads, "warps = 4 * (block_n / 64 + 1)");
+  // As the forward's two-consumer split (fwd_fa3_sm90.cuh): 168 at launch, the producer gives
+  // 144 x 128 registers up and the consumers take 72 x 256.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+
+  using BlockM = cute::Int<kBlockM>;
+  using BlockN = cute::Int<kBlockN>;
+  using DimQK = cute::Int<kHeadDimQK>;
+  using DimV = cute::Int<kHeadDimV>;
+  using Stages = cute::Int<kStages>;
+  // Warpgroup w owns keys [64 w, 64 w + 64): the GEMMs with keys as M tile two atoms along M;
+  // dQ's (queries as M) tiles them along its head dim.
+  using KeysAcrossWarpgroups = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
+  using DimAcrossWarpgroups = cute::Layout<cute::Shape<cute::_1, cute::Int<kConsumerWarpgroups>, cute::_1>>;
+  // S^T = K Q^T and dP^T = V dO^T: (keys, queries), both operands K-major in shared memory
+  // (the two differ only in K, which the partitions take from the operands).
+  using TiledMmaSdP = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<MmaElement, MmaElement, float, cute::Shape<cute::_64, BlockM, DimQK>>(),
+      KeysAcrossWarpgroups{}));
+  // dV += P^T dO and dK += dS^T Q: (keys, head dim), A from registers, B (dO, Q) read
+  // transposed: its head dim is contiguous (MN-major).
+  using TiledMmaDV = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<MmaElement, MmaElement, float, cute::Shape<cute::_64, DimV, BlockM>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      KeysAcrossWarpgroups{}));
+  using TiledMmaDK = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<MmaElement, MmaElement, float, cute::Shape<cute::_64, DimQK, BlockM>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      KeysAcrossWarpgroups{}));
+  // dQ = dS K: (queries, head dim), dS read transposed out of dS^T (queries contiguous) and K
+  // read transposed (head dim contiguous), both MN-major.
+  using TiledMmaDQ = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<MmaElement, MmaElement, float,
+                                 cute::Shape<BlockM, cute::Int<kHeadDimQK / kConsumerWarpgroups>, BlockN>,
+                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
+      DimAcrossWarpgroups{}));
+
+  // Rows of 64 elements (128 bytes) in 8-row swizzle atoms: what TMA writes and wgmma reads.
+  using SwizzleAtom = cute::GMMA::Layout_K_SW128_Atom<MmaElement>;
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockM, DimQK, Stages>{}));
+  using SmemLayoutDo = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockM, DimV, Stages>{}));
+  using SmemLayoutK = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockN, DimQK>{}));
+  using SmemLayoutV = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockN, DimV>{}));
+  // dS^T, (keys, queries), two buffers: a warpgroup writes step i + 1's while the other may
+  // still read step i's in its dQ GEMM.
+  using SmemLayoutDsT = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockN, BlockM, cute::_2>{}));
+  // The same bytes viewed transposed, as the MN-major operands.
+  using SmemLayoutQt = decltype(cute::composition(
+      SmemLayoutQ{}, cute::make_ordered_layout(cute::Shape<DimQK, BlockM, Stages>{},
+                                               cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemLayoutDot = decltype(cute::composition(
+      SmemLayoutDo{}, cute::make_ordered_layout(cute::Shape<DimV, BlockM, Stages>{},
+                                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemLayoutKt = decltype(cute::composition(
+      SmemLayoutK{}, cute::make_ordered_layout(cute::Shape<DimQK, BlockN>{}, cute::Step<cute::_2, cute::_1>{})));
+  using SmemLayoutDs = decltype(cute::composition(
+      SmemLayoutDsT{}, cute::make_ordered_layout(cute::Shape<BlockM, BlockN, cute::_2>{},
+                                                 cute::Step<cute::_2, cute::_1, cute::_3>{})));
+
+  // dQ's tile (kBlockM x kHeadDimQK) is kConsumerWarpgroups slices of head-dim columns.
+  static constexpr int kDQSliceFloats = kBlockM * kHeadDimQK / kConsumerWarpgroups;
+
+  using RingPipeline = cutlass::PipelineTmaAsync<kStages>;  // Q (+ LSE), dO (+ D)
+  using KVPipeline = cutlass::PipelineTmaAsync<1>;          // K and V of the CTA's key tile
+
+  struct SharedStorage {
+    cute::array_aligned<MmaElement, cute::cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<MmaElement, cute::cosize_v<SmemLayoutV>, 1024> v;
+    cute::array_aligned<MmaElement, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<MmaElement, cute::cosize_v<SmemLayoutDo>, 1024> dout;
+    cute::array_aligned<MmaElement, cute::cosize_v<SmemLayoutDsT>, 1024> ds;
+    // dQ of one step, a slice per consumer warpgroup in its accumulator's register order.
+    alignas(128) float dq[kConsumerWarpgroups][kDQSliceFloats];
+    alignas(16) float lse[kStages][kBlockM];  // log2 units
+    alignas(16) float dpsum[kStages][kBlockM];
+    typename RingPipeline::SharedStorage q_pipe;
+    typename RingPipeline::SharedStorage do_pipe;
+    typename KVPipeline::SharedStorage kv_pipe;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= kSmemLimit_, "the tile does not fit the target's shared memory");
+
+  static constexpr uint32_t kRowStatBytes = kBlockM * sizeof(float);
+  static constexpr uint32_t kQStepBytes = kBlockM * kHeadDimQK * sizeof(MmaElement) + kRowStatBytes;
+  static constexpr uint32_t kDoStepBytes = kBlockM * kHeadDimV * sizeof(MmaElement) + kRowStatBytes;
+  static constexpr uint32_t kKVBytes = kBlockN * (kHeadDimQK + kHeadDimV) * sizeof(MmaElement);
+
+  // Global tensors as TMA sees them: (rows, head dim, head, batch).
+  using GmemShape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
+  using GmemLayout = cute::Layout<GmemShape, GmemStride>;
+  template <class SmemTile, class Box>
+  using TmaLoad = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<MmaElement const*>(nullptr)), GmemLayout{}),
+      SmemTile{}, Box{}, cute::_1{}));
+  using TmaLoadQ = TmaLoad<decltype(cute::take<0, 2>(SmemLayoutQ{})), cute::Shape<BlockM, DimQK>>;
+  using TmaLoadDo = TmaLoad<decltype(cute::take<0, 2>(SmemLayoutDo{})), cute::Shape<BlockM, DimV>>;
+  using TmaLoadK = TmaLoad<SmemLayoutK, cute::Shape<BlockN, DimQK>>;
+  using TmaLoadV = TmaLoad<SmemLayoutV, cute::Shape<BlockN, DimV>>;
+
+  struct KernelParams {
+    BwdParams p;
+    TmaLoadQ tma_q;
+    TmaLoadDo tma_do;
+    TmaLoadK tma_k;
+    TmaLoadV tma_v;
+    GmemShape q_shape, do_shape, k_shape, v_shape;
+    // kernel 1's row statistics, (nhead_q, batch, seqlen_q_rounded); p.dq_accum holds per split
+    // (batch, nhead_q, seqlen_q_rounded / kBlockM) tiles of kBlockM x kHeadDimQK floats, each
+    // as the kernel's shared dQ tile holds it (dq_tile_offset).
+    const float* lse_log2;
+    const float* dpsum;
+    int seqlen_q_rounded;  // seqlen_q up to whole query tiles
+  };
+};
+
+// Named barriers of the consumer warpgroups (0 is __syncthreads).
+enum BwdBarrier : uint32_t {
+  kDsWritten = 1,   // both warpgroups' dS^T rows are in shared memory: dQ may read them
+  kTailZeroed = 2,  // rows past the sequence are zeroed in shared memory: GEMMs may read them
+  kDqEmptyFirst = 3,  // + w: the writer has read warpgroup w's dQ slice; it may write the next
+  kDqFullFirst = 5,   // + w: warpgroup w's dQ slice is in shared memory; the writer may add it
+};
+
+// Threads meeting at kDqEmpty/kDqFull: a consumer warpgroup and the writer warp.
+constexpr uint32_t kDqBarrierThreads = 128 + 32;
+
+// Where dQ(row, col) of a query tile sits in the tile's accumulator (and in the shared dQ
+// tile): warpgroup w holds columns [w d / W, (w + 1) d / W) and writes its wgmma accumulator as
+// float4 j of thread t at float 4 (128 j + t); float4 j holds n8 block j's (row r, col c),
+// (r, c + 1), (r + 8, c), (r + 8, c + 1) for thread t's r = 16 (t / 32) + (t % 32) / 4 and
+// c = 8 j + 2 (t % 4) (PTX's m64nNk16 accumulator layout, CuTe's value order).
+template <int kBlockM, int kHeadDim, int kWarpgroups>
+__host__ __device__ constexpr int dq_tile_offset(int row, int col) {
+  constexpr int kSliceCols = kHeadDim / kWarpgroups;
+  const int w = col / kSliceCols;
+  const int c = col % kSliceCols;
+  const int t = 32 * (row / 16) + 4 * (row % 8) + (c % 8) / 2;
+  return w * kBlockM * kSliceCols + 4 * (128 * (c / 8) + t) + 2 * ((row % 16) / 8) + c % 2;
+}
+
+// One key tile's work as the producer and the consumers both derive it: the query tiles
+// [m_begin, m_end) of each query head that see some of its keys.
+template <class Cfg>
+struct KeyTileWork {
+  using Mask = TileMask<Cfg::kMask, /*kPadSeqlen=*/true, Cfg::kBlockM, Cfg::kBlockN>;
+  SequenceExtent seq;
+  Mask mask;
+  int key0;
+  int m_begin;
+  int m_end;
+
+  __device__ KeyTileWork(const FwdParams& f, int batch, int n_block)
+      : seq(sequence_extent<Cfg::kMode>(f, batch)),
+        mask(seq.seqlen_q, seq.seqlen_k, f.bottom_right, f.window_left, f.window_right),
+        key0(n_block * Cfg::kBlockN) {
+    const bool has_keys = key0 < seq.seqlen_k;
+    const int last_key = min(key0 + Cfg::kBlockN, seq.seqlen_k) - 1;
+    const int m_tiles = (seq.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+    m_begin = has_keys ? mask.m_block_begin(key0) : 0;
+    m_end = has_keys ? min(mask.m_block_end(last_key, seq.seqlen_q), m_tiles) : 0;
+  }
+
+  __device__ bool has_steps() const { return m_end > m_begin; }
+};
+
+// Kernel 1: per (head, sequence, row) of the padded layout, D = rowsum(dO * O) and the
+// log-sum-exp in log2 units (+inf for rows that see no key, whose forward LSE is -inf, so that
+// their P is 0 rather than NaN); rows past the sequence's used length get D = 0 and +inf. Then
+// zeroes the dQ accumulators.
+template <class Cfg>
+__global__ void __launch_bounds__(256)
+    bwd_preprocess_kernel(const __grid_constant__ typename Cfg::KernelParams kp) {
+  const BwdParams& p = kp.p;
+  const FwdParams& f = p.fwd;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t rows = static_cast<int64_t>(f.nhead_q) * p.batch * kp.seqlen_q_rounded;
+  auto* lse_log2 = const_cast<float*>(kp.lse_log2);
+  auto* dpsum = const_cast<float*>(kp.dpsum);
+  for (int64_t w = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; w < rows; w += warps) {
+    const int i = static_cast<int>(w % kp.seqlen_q_rounded);
+    const int64_t head_batch = w / kp.seqlen_q_rounded;
+    const int batch = static_cast<int>(head_batch % p.batch);
+    const int head = static_cast<int>(head_batch / p.batch);
+    const int used = f.seqused_q != nullptr ? f.seqused_q[batch] : f.seqlen_q;
+    float dot = 0.f;
+    float lse2 = INFINITY;
+    if (i < used) {
+      dot = warp_dot_do_o<typename Cfg::Element, Cfg::kMode>(
+          p, static_cast<int64_t>(batch) * f.seqlen_q + i, head);
+      const float lse = f.lse[head * f.lse_head_stride + batch * f.lse_batch_stride + i];
+      lse2 = lse == -INFINITY ? INFINITY : lse * static_cast<float>(M_LOG2E);
+    }
+    if (lane == 0) {
+      dpsum[w] = dot;
+      lse_log2[w] = lse2;
+    }
+  }
+  const int64_t quads = p.splits * p.split_stride / 4;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < quads;
+       i += threads) {
+    reinterpret_cast<float4*>(p.dq_accum)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// Adds `bytes` (a multiple of 16) of fp32 from shared memory into global memory, both 16-byte
+// aligned, as one asynchronous bulk operation of the issuing thread's current bulk group
+// (commit it with cute::tma_store_arrive; cute::tma_store_wait waits until it has been read).
+__device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
+  const auto smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :
+               : "l"(gmem), "r"(smem_addr), "r"(bytes)
+               : "memory");
+}
+
+// Waits until every committed bulk group of this thread has completed, its writes to global
+// memory included (tma_store_wait waits only until shared memory has been read).
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" : : : "memory");
+}
+
+// Zeroes rows [first_row, rows) of a (rows, d) shared-memory tile, 16 bytes at a time (a
+// swizzle permutes 16-byte chunks, so 8 neighbouring elements of a row stay together).
+template <class Tensor2D>
+__device__ __forceinline__ void zero_rows(Tensor2D tile, int first_row, int thread, int threads) {
+  constexpr int kRows = decltype(cute::size<0>(tile))::value;
+  constexpr int kChunks = decltype(cute::size<1>(tile))::value / 8;
+  for (int idx = thread; idx < (kRows - first_row) * kChunks; idx += threads) {
+    const int row = first_row + idx / kChunks;
+    *reinterpret_cast<uint4*>(cute::raw_pointer_cast(&tile(row, (idx % kChunks) * 8))) =
+        make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    bwd_kernel(const __grid_constant__ typename Cfg::KernelParams kp) {
+  using namespace cute;
+  using Element = typename Cfg::MmaElement;
+  using RingPipeline = typename Cfg::RingPipeline;
+  using KVPipeline = typename Cfg::KVPipeline;
+  using BlockM = typename Cfg::BlockM;
+  using BlockN = typename Cfg::BlockN;
+  using DimQK = typename Cfg::DimQK;
+  using DimV = typename Cfg::DimV;
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kConsumerThreads = Cfg::kConsumerThreads;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& shared = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  const BwdParams& p = kp.p;
+  const FwdParams& f = p.fwd;
+  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);
+  const int lane = threadIdx.x % 32;
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+
+  Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQt{});
+  Tensor sDo = make_tensor(make_smem_ptr(shared.dout.data()), typename Cfg::SmemLayoutDo{});
+  Tensor sDot = make_tensor(make_smem_ptr(shared.dout.data()), typename Cfg::SmemLayoutDot{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutKt{});
+  Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutV{});
+  Tensor sDsT = make_tensor(make_smem_ptr(shared.ds.data()), typename Cfg::SmemLayoutDsT{});
+  Tensor sDs = make_tensor(make_smem_ptr(shared.ds.data()), typename Cfg::SmemLayoutDs{});
+
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(kp.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kp.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
+  }
+  const auto role = warpgroup == 0 ? RingPipeline::ThreadCategory::Producer
+                                   : RingPipeline::ThreadCategory::Consumer;
+  typename RingPipeline::Params q_params;
+  q_params.transaction_bytes = Cfg::kQStepBytes;
+  q_params.role = role;
+  q_params.is_leader = threadIdx.x == 0;
+  q_params.num_consumers = kConsumerThreads;
+  typename RingPipeline::Params do_params = q_params;
+  do_params.transaction_bytes = Cfg::kDoStepBytes;
+  typename KVPipeline::Params kv_params;
+  kv_params.transaction_bytes = Cfg::kKVBytes;
+  kv_params.role = warpgroup == 0 ? KVPipeline::ThreadCategory::Producer
+                                  : KVPipeline::ThreadCategory::Consumer;
+  kv_params.is_leader = threadIdx.x == 0;
+  kv_params.num_consumers = kConsumerThreads;
+  RingPipeline q_pipe(shared.q_pipe, q_params, Shape<_1, _1, _1>{});
+  RingPipeline do_pipe(shared.do_pipe, do_params, Shape<_1, _1, _1>{});
+  KVPipeline kv_pipe(shared.kv_pipe, kv_params, Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  // The row statistics of (head, query tile m) in kernel 1's padded layout.
+  auto row_stats = [&](const float* base, int head, int m_block) {
+    return base + (static_cast<int64_t>(head) * p.batch + batch) * kp.seqlen_q_rounded +
+           m_block * kBlockM;
+  };
+
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegisters>();
+    if (threadIdx.x >= 64) return;
+    if (threadIdx.x >= 32) {
+      // ------------------------------------------------------------ dQ writer
+      float* const dq_accum = p.dq_accum + (p.deterministic ? blockIdx.x * p.split_stride : 0);
+      for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
+        barrier_arrive(BwdBarrier::kDqEmptyFirst + w, kDqBarrierThreads);
+      }
+      for (int n_block = blockIdx.x; n_block < p.n_blocks; n_block += gridDim.x) {
+        const KeyTileWork<Cfg> work(f, batch, n_block);
+        if (!work.has_steps()) continue;
+        for (int g = 0; g < f.kv_group; ++g) {
+          const int head = kv_head * f.kv_group + g;
+          for (int m_block = work.m_begin; m_block < work.m_end; ++m_block) {
+            float* tile = dq_accum + ((static_cast<int64_t>(batch) * f.nhead_q + head) *
+                                          kp.seqlen_q_rounded + m_block * kBlockM) *
+                                         Cfg::kHeadDimQK;
+#pragma unroll
+            for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
+              barrier_sync(BwdBarrier::kDqFullFirst + w, kDqBarrierThreads);
+              if (lane == 0) {
+                bulk_reduce_add(tile + w * Cfg::kDQSliceFloats, shared.dq[w],
+                                Cfg::kDQSliceFloats * sizeof(float));
+                tma_store_arrive();
+              }
+            }
+            // The slices are free once read; warpgroup 0's was issued first.
+#pragma unroll
+            for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
+              if (lane == 0) {
+                if (w == 0) {
+                  tma_store_wait<Cfg::kConsumerWarpgroups - 1>();
+                } else {
+                  tma_store_wait<0>();
+                }
+              }
+              __syncwarp();
+              barrier_arrive(BwdBarrier::kDqEmptyFirst + w, kDqBarrierThreads);
+            }
+          }
+        }
+        // Deterministic: a query tile's chunk gets one add per key tile; the next key tile's
+        // adds start after this one's have landed, so each chunk sums in key-tile order.
+        if (p.deterministic && lane == 0) bulk_wait_all();
+      }
+      if (lane == 0) tma_store_wait<0>();  // shared memory outlives the last reads of it
+      return;
+    }
+    // ------------------------------------------------------------ loads (lane 0 issues)
+    auto write_q = cutlass::make_producer_start_state<RingPipeline>();
+    auto write_do = cutlass::make_producer_start_state<RingPipeline>();
+    auto write_kv = cutlass::make_producer_start_state<KVPipeline>();
+    Tensor mK = kp.tma_k.get_tma_tensor(kp.k_shape)(_, _, kv_head, batch);
+    Tensor mV = kp.tma_v.get_tma_tensor(kp.v_shape)(_, _, kv_head, batch);
+    for (int n_block = blockIdx.x; n_block < p.n_blocks; n_block += gridDim.x) {
+      const KeyTileWork<Cfg> work(f, batch, n_block);
+      if (!work.has_steps()) continue;
+      kv_pipe.producer_acquire(write_kv);
+      if (lane == 0) {
+        auto* bar = kv_pipe.producer_get_barrier(write_kv);
+        auto k_part = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(local_tile(mK, Shape<BlockN, DimQK>{},
+                                                                 make_coord(n_block, _0{}))));
+        auto v_part = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(local_tile(mV, Shape<BlockN, DimV>{},
+                                                                 make_coord(n_block, _0{}))));
+        copy(kp.tma_k.with(*bar, 0), get<0>(k_part), get<1>(k_part));
+        copy(kp.tma_v.with(*bar, 0), get<0>(v_part), get<1>(v_part));
+      }
+      ++write_kv;
+      for (int g = 0; g < f.kv_group; ++g) {
+        const int head = kv_head * f.kv_group + g;
+        Tensor mQ = kp.tma_q.get_tma_tensor(kp.q_shape)(_, _, head, batch);
+        Tensor mDo = kp.tma_do.get_tma_tensor(kp.do_shape)(_, _, head, batch);
+        Tensor gQ = local_tile(mQ, Shape<BlockM, DimQK>{}, make_coord(_, _0{}));
+        Tensor gDo = local_tile(mDo, Shape<BlockM, DimV>{}, make_coord(_, _0{}));
+        // (TMA, query tile) and (TMA, stage)
+        auto q_part = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                    group_modes<0, 2>(gQ));
+        auto do_part = tma_partition(kp.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sDo),
+                                     group_modes<0, 2>(gDo));
+        for (int m_block = work.m_begin; m_block < work.m_end; ++m_block) {
+          q_pipe.producer_acquire(write_q);
+          if (lane == 0) {
+            auto* bar = q_pipe.producer_get_barrier(write_q);
+            copy(kp.tma_q.with(*bar, 0), get<0>(q_part)(_, m_block), get<1>(q_part)(_, write_q.index()));
+            SM90_BULK_COPY_G2S::copy(row_stats(kp.lse_log2, head, m_block), bar,
+                                     shared.lse[write_q.index()], Cfg::kRowStatBytes);
+          }
+          ++write_q;
+          do_pipe.producer_acquire(write_do);
+          if (lane == 0) {
+            auto* bar = do_pipe.producer_get_barrier(write_do);
+            copy(kp.tma_do.with(*bar, 0), get<0>(do_part)(_, m_block),
+                 get<1>(do_part)(_, write_do.index()));
+            SM90_BULK_COPY_G2S::copy(row_stats(kp.dpsum, head, m_block), bar,
+                                     shared.dpsum[write_do.index()], Cfg::kRowStatBytes);
+          }
+          ++write_do;
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegisters>();
+  const int consumer = threadIdx.x - 128;  // 0 .. kConsumerThreads - 1
+  const int consumer_wg = warpgroup - 1;    // which 64 keys, and which dQ slice
+  const int wg_thread = threadIdx.x % 128;
+  typename Cfg::TiledMmaSdP mma_sdp;
+  typename Cfg::TiledMmaDV mma_dv;
+  typename Cfg::TiledMmaDK mma_dk;
+  typename Cfg::TiledMmaDQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(consumer);
+  auto thr_dv = mma_dv.get_thread_slice(consumer);
+  auto thr_dk = mma_dk.get_thread_slice(consumer);
+  auto thr_dq = mma_dq.get_thread_slice(consumer);
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
+  Tensor tDPrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tDPrDo = thr_sdp.partition_fragment_B(sDo);
+  Tensor tdVrDot = thr_dv.partition_fragment_B(sDot);
+  Tensor tdKrQt = thr_dk.partition_fragment_B(sQt);
+  Tensor tdQrDs = thr_dq.partition_fragment_A(sDs);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+  auto thr_copy_ds = smem_copy_ds.get_thread_slice(consumer);
+  Tensor tDSsDsT = thr_copy_ds.partition_D(sDsT);
+
+  // Each accumulator value's (key, query) or (key, column) in the tile.
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<BlockN, BlockM>{}));
+  Tensor tdVcdV = thr_dv.partition_C(make_identity_tensor(Shape<BlockN, DimV>{}));
+  Tensor tdKcdK = thr_dk.partition_C(make_identity_tensor(Shape<BlockN, DimQK>{}));
+  constexpr int kSValues = decltype(size(tScS))::value;
+
+  auto consumers_sync = [&](uint32_t barrier) { barrier_sync(barrier, kConsumerThreads); };
+  const int keys_owned = f.seqlen_k;  // batch mode: every key of the sequence gets dK and dV
+
+  cutlass::PipelineState<Cfg::kStages> read_q;
+  cutlass::PipelineState<Cfg::kStages> read_do;
+  cutlass::PipelineState<1> read_kv;
+  int ds_stage = 0;
+
+  for (int n_block = blockIdx.x; n_block < p.n_blocks; n_block += gridDim.x) {
+    const KeyTileWork<Cfg> work(f, batch, n_block);
+    const SequenceExtent& seq = work.seq;
+    const int key0 = work.key0;
+    if (key0 >= keys_owned) break;
+    Tensor tdVrdV = partition_fragment_C(mma_dv, Shape<BlockN, DimV>{});
+    Tensor tdKrdK = partition_fragment_C(mma_dk, Shape<BlockN, DimQK>{});
+    clear(tdVrdV);
+    clear(tdKrdK);
+
+    if (work.has_steps()) {
+      kv_pipe.consumer_wait(read_kv);
+      if (key0 + kBlockN > seq.seqlen_k) {
+        // Keys past the sequence: TMA zero-filled those past the tensor, but seqused_k leaves
+        // real (maybe NaN) rows, which dQ's GEMM would multiply by dS = 0.
+        zero_rows(sK, seq.seqlen_k - key0, consumer, kConsumerThreads);
+        zero_rows(sV, seq.seqlen_k - key0, consumer, kConsumerThreads);
+        cutlass::arch::fence_view_async_shared();
+        consumers_sync(BwdBarrier::kTailZeroed);
+      }
+
+      for (int g = 0; g < f.kv_group; ++g) {  // the query heads sharing the K/V head
+        for (int m_block = work.m_begin; m_block < work.m_end; ++m_block) {
+          const int row0 = m_block * kBlockM;
+          q_pipe.consumer_wait(read_q);
+          const int q_stage = read_q.index();
+          const int do_stage = read_do.index();
+          const bool ragged_rows = row0 + kBlockM > seq.seqlen_q;
+          if (ragged_rows) {
+            // As for the keys: Q and dO rows past the used rows feed dK's and dV's GEMMs.
+            do_pipe.consumer_wait(read_do);
+            zero_rows(sQ(_, _, q_stage), seq.seqlen_q - row0, consumer, kConsumerThreads);
+            zero_rows(sDo(_, _, do_stage), seq.seqlen_q - row0, consumer, kConsumerThreads);
+            cutlass::arch::fence_view_async_shared();
+            consumers_sync(BwdBarrier::kTailZeroed);
+          }
+          Tensor tSrS = partition_fragment_C(mma_sdp, Shape<BlockN, BlockM>{});
+          warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, q_stage), tSrS);
+          if (!ragged_rows) do_pipe.consumer_wait(read_do);
+          Tensor tSrDp = partition_fragment_C(mma_sdp, Shape<BlockN, BlockM>{});
+          warpgroup_gemm<true, -1>(mma_sdp, tDPrV, tDPrDo(_, _, _, do_stage), tSrDp);
+
+          // P^T = exp2(S^T * scale log2 e - LSE), masked on edge tiles.
+          warpgroup_wait<1>();
+          warpgroup_fence_operand(tSrS);
+          const float* lse = shared.lse[q_stage];
+          if (work.mask.is_edge_tile(row0, row0 + kBlockM - 1, n_block)) {
+#pragma unroll
+            for (int v = 0; v < kSValues; ++v) {
+              const int key = key0 + get<0>(tScS(v));
+              const int row = row0 + get<1>(tScS(v));
+              if (!work.mask.is_visible(row, key)) tSrS(v) = -INFINITY;
+            }
+          }
+#pragma unroll
+          for (int v = 0; v < kSValues; ++v) {
+            tSrS(v) = sm80::fast_exp2(tSrS(v) * f.softmax_mul - lse[get<1>(tScS(v))]);
+          }
+          // dS^T = P^T (dP^T - D).
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tSrDp);
+          const float* dpsum = shared.dpsum[do_stage];
+#pragma unroll
+          for (int v = 0; v < kSValues; ++v) {
+            tSrDp(v) = tSrS(v) * (tSrDp(v) - dpsum[get<1>(tScS(v))]);
+          }
+          Tensor tdVrP = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>>{});
+          Tensor tdKrDs = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>>{});
+          convert_p<Element>(tSrS, tdVrP);
+          convert_p<Element>(tSrDp, tdKrDs);
+
+          // dS^T to shared memory for dQ (the same registers viewed in the accumulator's layout).
+          Tensor tDSrDs = make_tensor(tdKrDs.data(), tSrS.layout());
+          copy(smem_copy_ds, thr_copy_ds.retile_S(tDSrDs), tDSsDsT(_, _, _, ds_stage));
+          cutlass::arch::fence_view_async_shared();
+
+          warpgroup_gemm<false, -1>(mma_dv, tdVrP, tdVrDot(_, _, _, do_stage), tdVrdV);
+          consumers_sync(BwdBarrier::kDsWritten);
+          Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BlockM, DimQK>{});
+          warpgroup_gemm<true, -1>(mma_dq, tdQrDs(_, _, _, ds_stage), tdQrKt, tdQrdQ);
+          warpgroup_gemm<false, -1>(mma_dk, tdKrDs, tdKrQt(_, _, _, q_stage), tdKrdK);
+
+          // dV's and dQ's GEMMs are done: dO's stage is free, and dQ goes to the writer while
+          // dK's runs.
+          warpgroup_wait<1>();
+          warpgroup_fence_operand(tdQrdQ);
+          do_pipe.consumer_release(read_do);
+          ++read_do;
+          barrier_sync(BwdBarrier::kDqEmptyFirst + consumer_wg, kDqBarrierThreads);
+          float4* dq_slice = reinterpret_cast<float4*>(shared.dq[consumer_wg]);
+#pragma unroll
+          for (int j = 0; j < decltype(size(tdQrdQ))::value / 4; ++j) {
+            dq_slice[128 * j + wg_thread] = make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1),
+                                                        tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
+          }
+          cutlass::arch::fence_view_async_shared();  // the bulk reduce reads what was written
+          barrier_arrive(BwdBarrier::kDqFullFirst + consumer_wg, kDqBarrierThreads);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tdKrdK);
+          q_pipe.consumer_release(read_q);
+          ++read_q;
+          ds_stage ^= 1;
+        }
+      }
+      kv_pipe.consumer_release(read_kv);
+      ++read_kv;
+    }
+
+    // dK (times softmax_scale: the GEMMs used unscaled dS) and dV of the keys this sequence
+    // owns, zero for those that no row sees.
+    auto* dk = static_cast<typename Cfg::Element*>(p.dk) + batch * p.dk_batch_stride +
+               kv_head * p.dk_head_stride;
+    auto* dv = static_cast<typename Cfg::Element*>(p.dv) + batch * p.dv_batch_stride +
+               kv_head * p.dv_head_stride;
+#pragma unroll
+    for (int v = 0; v < decltype(size(tdKrdK))::value; v += 2) {
+      const int key = key0 + get<0>(tdKcdK(v));
+      if (key >= keys_owned) continue;
+      *reinterpret_cast<uint32_t*>(dk + key * p.dk_seq_stride + get<1>(tdKcdK(v))) =
+          sm80::pack2<typename Cfg::Element>(tdKrdK(v) * f.scale, tdKrdK(v + 1) * f.scale);
+    }
+#pragma unroll
+    for (int v = 0; v < decltype(size(tdVrdV))::value; v += 2) {
+      const int key = key0 + get<0>(tdVcdV(v));
+      if (key >= keys_owned) continue;
+      *reinterpret_cast<uint32_t*>(dv + key * p.dv_seq_stride + get<1>(tdVcdV(v))) =
+          sm80::pack2<typename Cfg::Element>(tdVrdV(v), tdVrdV(v + 1));
+    }
+  }
+}
+
+// Kernel 3: dQ = softmax_scale * the sum of the accumulators over the splits (in split order),
+// one thread per 8 columns of two rows r and r + 8 (which share float4s of the tile layout).
+template <class Cfg>
+__global__ void __launch_bounds__(256)
+    bwd_convert_dq_kernel(const __grid_constant__ typename Cfg::KernelParams kp) {
+  using Element = typename Cfg::Element;
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kDim = Cfg::kHeadDimQK;
+  constexpr int kGroups = kDim / 8;
+  const BwdParams& p = kp.p;
+  const FwdParams& f = p.fwd;
+  // Row pairs (r, r + 8) of a query tile: r in [16 i, 16 i + 8).
+  const int64_t pairs = static_cast<int64_t>(p.batch) * f.nhead_q * (kp.seqlen_q_rounded / 2);
+  const int64_t total = pairs * kGroups;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total;
+       t += threads) {
+    const int group = static_cast<int>(t % kGroups);
+    const int64_t pair = t / kGroups;
+    const int pair_in_seq = static_cast<int>(pair % (kp.seqlen_q_rounded / 2));
+    const int64_t batch_head = pair / (kp.seqlen_q_rounded / 2);
+    const int head = static_cast<int>(batch_head % f.nhead_q);
+    const int batch = static_cast<int>(batch_head / f.nhead_q);
+    const int row = 16 * (pair_in_seq / 8) + pair_in_seq % 8;  // and row + 8
+    if (row >= f.seqlen_q) continue;
+    const int m_block = row / kBlockM;
+    const float* tile = p.dq_accum + (batch_head * kp.seqlen_q_rounded + m_block * kBlockM) * kDim;
+    // Columns 8 g + 2 q, + 1 of rows r and r + 8 are float4 q of 4 neighbouring ones.
+    const int first = dq_tile_offset<kBlockM, kDim, Cfg::kConsumerWarpgroups>(row % kBlockM,
+                                                                              8 * group);
+    float sum[2][8] = {};
+    for (int s = 0; s < p.splits; ++s) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float4 x = *reinterpret_cast<const float4*>(tile + s * p.split_stride + first + 4 * q);
+        sum[0][2 * q] += x.x, sum[0][2 * q + 1] += x.y;
+        sum[1][2 * q] += x.z, sum[1][2 * q + 1] += x.w;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row + 8 * h;
+      if (r >= f.seqlen_q) continue;
+      uint32_t out[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        out[q] = sm80::pack2<Element>(sum[h][2 * q] * f.scale, sum[h][2 * q + 1] * f.scale);
+      }
+      *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq) + batch * p.dq_batch_stride +
+                                r * p.dq_seq_stride + head * p.dq_head_stride + 8 * group) =
+          make_uint4(out[0], out[1], out[2], out[3]);
+    }
+  }
+}
+
+// seqlen_q up to whole query tiles: the rows of kernel 1's statistics per (head, sequence).
+template <class Cfg>
+inline int bwd_seqlen_q_rounded(const BwdArgs& a) {
+  return (a.fwd.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM * Cfg::kBlockM;
+}
+
+// The workspace: kernel 1's row statistics (LSE and D, padded to whole query tiles), then the
+// fp32 dQ accumulators. No O(S^2) term.
+template <class Cfg>
+size_t bwd_workspace_bytes(const BwdArgs& a) {
+  const size_t rows = static_cast<size_t>(a.fwd.nhead_q) * a.fwd.batch * bwd_seqlen_q_rounded<Cfg>(a);
+  const size_t splits = static_cast<size_t>(bwd_splits(a, Cfg::kBlockN));
+  return 2 * align_workspace(rows * sizeof(float)) +
+         align_workspace(splits * rows * Cfg::kHeadDimQK * sizeof(float));
+}
+
+template <class Cfg>
+cudaError_t launch_bwd(const BwdArgs& args, cudaStream_t stream) {
+  using namespace cute;
+  using Element = typename Cfg::MmaElement;
+  typename Cfg::KernelParams kp{};
+  BwdParams& p = kp.p;
+  p = make_bwd_params(args, /*logits_in_scores=*/false);
+  p.n_blocks = static_cast<int>((static_cast<int64_t>(args.fwd.seqlen_k) + Cfg::kBlockN - 1) /
+                                Cfg::kBlockN);
+  p.splits = bwd_splits(args, Cfg::kBlockN);
+  kp.seqlen_q_rounded = bwd_seqlen_q_rounded<Cfg>(args);
+  const size_t padded_rows =
+      static_cast<size_t>(args.fwd.nhead_q) * args.fwd.batch * kp.seqlen_q_rounded;
+  p.split_stride = static_cast<int64_t>(padded_rows) * Cfg::kHeadDimQK;
+  const size_t stats_bytes = align_workspace(padded_rows * sizeof(float));
+  auto* workspace = static_cast<unsigned char*>(args.workspace);
+  kp.lse_log2 = reinterpret_cast<const float*>(workspace);
+  kp.dpsum = reinterpret_cast<const float*>(workspace + stats_bytes);
+  p.dq_accum = reinterpret_cast<float*>(workspace + 2 * stats_bytes);
+
+  // TMA coordinates are int32.
+  if (args.fwd.seqlen_q > INT32_MAX - Cfg::kBlockM || args.fwd.seqlen_k > INT32_MAX - Cfg::kBlockN) {
+    return cudaErrorInvalidConfiguration;
+  }
+  auto shape = [&](int rows, int dim, int heads) {
+    return typename Cfg::GmemShape(rows, dim, heads, args.fwd.batch);
+  };
+  auto gmem = [&](const void* ptr, auto shape, int64_t seq, int64_t head, int64_t batch_stride) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                       make_layout(shape, typename Cfg::GmemStride(tma_stride(seq), _1{},
+                                                                   tma_stride(head),
+                                                                   tma_stride(batch_stride))));
+  };
+  const FwdArgs& f = args.fwd;
+  kp.q_shape = shape(f.seqlen_q, f.hdim_q, f.nhead_q);
+  kp.do_shape = shape(f.seqlen_q, f.hdim_v, f.nhead_q);
+  kp.k_shape = shape(f.seqlen_k, f.hdim_q, f.nhead_k);
+  kp.v_shape = shape(f.seqlen_k, f.hdim_v, f.nhead_k);
+  kp.tma_q = make_tma_copy(SM90_TMA_LOAD{},
+                           gmem(f.q, kp.q_shape, f.q_seq_stride, f.q_head_stride, f.q_batch_stride),
+                           take<0, 2>(typename Cfg::SmemLayoutQ{}),
+                           Shape<typename Cfg::BlockM, typename Cfg::DimQK>{}, _1{});
+  kp.tma_do = make_tma_copy(SM90_TMA_LOAD{},
+                            gmem(args.dout, kp.do_shape, args.dout_seq_stride,
+                                 args.dout_head_stride, args.dout_batch_stride),
+                            take<0, 2>(typename Cfg::SmemLayoutDo{}),
+                            Shape<typename Cfg::BlockM, typename Cfg::DimV>{}, _1{});
+  kp.tma_k = make_tma_copy(SM90_TMA_LOAD{},
+                           gmem(f.k, kp.k_shape, f.k_seq_stride, f.k_head_stride, f.k_batch_stride),
+                           typename Cfg::SmemLayoutK{},
+                           Shape<typename Cfg::BlockN, typename Cfg::DimQK>{}, _1{});
+  kp.tma_v = make_tma_copy(SM90_TMA_LOAD{},
+                           gmem(f.v, kp.v_shape, f.v_seq_stride, f.v_head_stride, f.v_batch_stride),
+                           typename Cfg::SmemLayoutV{},
+                           Shape<typename Cfg::BlockN, typename Cfg::DimV>{}, _1{});
+
+  // Kernels 1 and 3 are memory-bound grid-stride loops: a few waves of 256 threads per SM.
+  const int sms = multiprocessor_count();
+  const int stream_blocks = sms > 0 ? 4 * sms : 512;
+  bwd_preprocess_kernel<Cfg><<<stream_blocks, 256, 0, stream>>>(kp);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+
+  if (p.n_blocks > 0) {
+    auto* kernel = bwd_kernel<Cfg>;
+    static std::atomic<uint64_t> smem_raised{0};
+    const cudaError_t err =
+        allow_dynamic_smem(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes, smem_raised);
+    if (err != cudaSuccess) return err;
+    const dim3 grid(static_cast<unsigned>(p.deterministic ? p.splits : p.n_blocks),
+                    static_cast<unsigned>(f.nhead_k), static_cast<unsigned>(f.batch));
+    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  }
+
+  bwd_convert_dq_kernel<Cfg><<<stream_blocks, 256, 0, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+}  // namespace fmha::fa3
