@@ -319,9 +319,11 @@ def _bwd_fa2_smem_bytes(tile, hdim: tuple[int, int]) -> int:
 _BWD_FA3_CONSTRAINTS = (
     TileConstraint("block_n == 128 (two consumer warpgroups of 64 keys: wgmma's M)",
                    lambda tile, hdim: tile.block_n == 128),
-    TileConstraint("block_m == 64 (S^T and dP^T of 64 x 64 per warpgroup beside dK and dV in "
-                   "registers; one 128-byte swizzle atom across dS^T's rows)",
-                   lambda tile, hdim: tile.block_m == 64),
+    TileConstraint("block_m 64 or 128, and block_m * (hdim_q + hdim_v) <= 16384 (whole 128-byte "
+                   "swizzle atoms across dS^T's rows; S^T and dP^T of 64 x block_m per warpgroup "
+                   "beside dK and dV in registers)",
+                   lambda tile, hdim: tile.block_m in (64, 128)
+                   and tile.block_m * (hdim[0] + hdim[1]) <= 16384),
     TileConstraint("warps == 4 * (block_n // 64 + 1) (one producer warpgroup plus one consumer "
                    "warpgroup per 64 keys)",
                    lambda tile, hdim: tile.warps == 4 * (tile.block_n // 64 + 1)),

@@ -92,9 +92,10 @@ struct BwdConfig {
                 "head dims are whole 128-byte swizzle atoms, and dK and dV of 64 keys over at "
                 "most 128 columns each fit a consumer's registers");
   static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys (wgmma's M)");
-  static_assert(kBlockM == 64,
-                "64 query rows per step: S^T and dP^T of 64 x 64 per warpgroup beside dK and dV "
-                "in registers, and one 128-byte swizzle atom across dS^T's rows");
+  static_assert((kBlockM == 64 || kBlockM == 128) && kBlockM * (kHeadDimQK + kHeadDimV) <= 16384,
+                "64 or 128 query rows per step (whole 128-byte swizzle atoms across dS^T's rows, "
+                "m64 blocks of dQ): S^T and dP^T of 64 x kBlockM per warpgroup beside dK and dV "
+                "in registers, so 128 rows only where dK and dV are 64 columns");
   static_assert(kStages == 2, "Q and dO are double-buffered");
 
   static constexpr int kConsumerWarpgroups = kBlockN / 64;
@@ -111,32 +112,29 @@ struct BwdConfig {
   using DimQK = cute::Int<kHeadDimQK>;
   using DimV = cute::Int<kHeadDimV>;
   using Stages = cute::Int<kStages>;
-  // Warpgroup w owns keys [64 w, 64 w + 64): the GEMMs with keys as M tile two atoms along M;
-  // dQ's (queries as M) tiles them along its head dim.
-  using KeysAcrossWarpgroups = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
-  using DimAcrossWarpgroups = cute::Layout<cute::Shape<cute::_1, cute::Int<kConsumerWarpgroups>, cute::_1>>;
+  // One consumer warpgroup's GEMMs. Warpgroup w owns keys [64 w, 64 w + 64) and dQ's head-dim
+  // columns [w d / W, (w + 1) d / W); it partitions its own slices of K, V and K^T, whose
+  // addresses are warp-uniform, so the wgmma descriptors live in uniform registers (partitioned
+  // per thread across both warpgroups, they took ~50 registers and spilled).
+  static constexpr int kDQSliceCols = kHeadDimQK / kConsumerWarpgroups;
   // S^T = K Q^T and dP^T = V dO^T: (keys, queries), both operands K-major in shared memory
   // (the two differ only in K, which the partitions take from the operands).
   using TiledMmaSdP = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<MmaElement, MmaElement, float, cute::Shape<cute::_64, BlockM, DimQK>>(),
-      KeysAcrossWarpgroups{}));
+      cute::GMMA::ss_op_selector<MmaElement, MmaElement, float, cute::Shape<cute::_64, BlockM, DimQK>>()));
   // dV += P^T dO and dK += dS^T Q: (keys, head dim), A from registers, B (dO, Q) read
   // transposed: its head dim is contiguous (MN-major).
   using TiledMmaDV = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<MmaElement, MmaElement, float, cute::Shape<cute::_64, DimV, BlockM>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
-      KeysAcrossWarpgroups{}));
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
   using TiledMmaDK = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<MmaElement, MmaElement, float, cute::Shape<cute::_64, DimQK, BlockM>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
-      KeysAcrossWarpgroups{}));
-  // dQ = dS K: (queries, head dim), dS read transposed out of dS^T (queries contiguous) and K
-  // read transposed (head dim contiguous), both MN-major.
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+  // dQ = dS K: (queries, the warpgroup's head-dim columns) in m64 blocks, dS read transposed
+  // out of dS^T (queries contiguous) and K read transposed (head dim contiguous), both MN-major.
   using TiledMmaDQ = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<MmaElement, MmaElement, float,
-                                 cute::Shape<BlockM, cute::Int<kHeadDimQK / kConsumerWarpgroups>, BlockN>,
-                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
-      DimAcrossWarpgroups{}));
+                                 cute::Shape<cute::_64, cute::Int<kDQSliceCols>, BlockN>,
+                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>()));
 
   // Rows of 64 elements (128 bytes) in 8-row swizzle atoms: what TMA writes and wgmma reads.
   using SwizzleAtom = cute::GMMA::Layout_K_SW128_Atom<MmaElement>;
@@ -161,7 +159,7 @@ struct BwdConfig {
                                                  cute::Step<cute::_2, cute::_1, cute::_3>{})));
 
   // dQ's tile (kBlockM x kHeadDimQK) is kConsumerWarpgroups slices of head-dim columns.
-  static constexpr int kDQSliceFloats = kBlockM * kHeadDimQK / kConsumerWarpgroups;
+  static constexpr int kDQSliceFloats = kBlockM * kDQSliceCols;
 
   using RingPipeline = cutlass::PipelineTmaAsync<kStages>;  // Q (+ LSE), dO (+ D)
   using KVPipeline = cutlass::PipelineTmaAsync<1>;          // K and V of the CTA's key tile
@@ -231,16 +229,19 @@ constexpr uint32_t kDqBarrierThreads = 128 + 32;
 
 // Where dQ(row, col) of a query tile sits in the tile's accumulator (and in the shared dQ
 // tile): warpgroup w holds columns [w d / W, (w + 1) d / W) and writes its wgmma accumulator as
-// float4 j of thread t at float 4 (128 j + t); float4 j holds n8 block j's (row r, col c),
-// (r, c + 1), (r + 8, c), (r + 8, c + 1) for thread t's r = 16 (t / 32) + (t % 32) / 4 and
-// c = 8 j + 2 (t % 4) (PTX's m64nNk16 accumulator layout, CuTe's value order).
+// float4 j of thread t at float 4 (128 j + t). Float4 j = n + (N / 8) m holds n8 block n of m64
+// block m: (row r, col c), (r, c + 1), (r + 8, c), (r + 8, c + 1) for thread t's
+// r = 64 m + 16 (t / 32) + (t % 32) / 4 and c = 8 n + 2 (t % 4) (PTX's m64nNk16 accumulator
+// layout, CuTe's value order).
 template <int kBlockM, int kHeadDim, int kWarpgroups>
 __host__ __device__ constexpr int dq_tile_offset(int row, int col) {
   constexpr int kSliceCols = kHeadDim / kWarpgroups;
   const int w = col / kSliceCols;
   const int c = col % kSliceCols;
-  const int t = 32 * (row / 16) + 4 * (row % 8) + (c % 8) / 2;
-  return w * kBlockM * kSliceCols + 4 * (128 * (c / 8) + t) + 2 * ((row % 16) / 8) + c % 2;
+  const int r = row % 64;
+  const int t = 32 * (r / 16) + 4 * (r % 8) + (c % 8) / 2;
+  const int j = c / 8 + kSliceCols / 8 * (row / 64);
+  return w * kBlockM * kSliceCols + 4 * (128 * j + t) + 2 * ((r % 16) / 8) + c % 2;
 }
 
 // One key tile's work as the producer and the consumers both derive it: the query tiles
@@ -324,6 +325,14 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, 
 // memory included (tma_store_wait waits only until shared memory has been read).
 __device__ __forceinline__ void bulk_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;" : : : "memory");
+}
+
+// `x`, as a value the compiler knows nothing about: computations from it stay where they are
+// written rather than being hoisted out of a loop.
+__device__ __forceinline__ int opaque(int x) {
+  int y;
+  asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
 }
 
 // Zeroes rows [first_row, rows) of a (rows, d) shared-memory tile, 16 bytes at a time (a
@@ -522,26 +531,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   typename Cfg::TiledMmaDV mma_dv;
   typename Cfg::TiledMmaDK mma_dk;
   typename Cfg::TiledMmaDQ mma_dq;
-  auto thr_sdp = mma_sdp.get_thread_slice(consumer);
-  auto thr_dv = mma_dv.get_thread_slice(consumer);
-  auto thr_dk = mma_dk.get_thread_slice(consumer);
-  auto thr_dq = mma_dq.get_thread_slice(consumer);
-  Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+  auto thr_sdp = mma_sdp.get_thread_slice(wg_thread);
+  auto thr_dv = mma_dv.get_thread_slice(wg_thread);
+  auto thr_dk = mma_dk.get_thread_slice(wg_thread);
+  auto thr_dq = mma_dq.get_thread_slice(wg_thread);
+  // The warpgroup's dS^T rows. Its keys of K and V and its dQ columns of K^T are partitioned in
+  // the loop (step_operands).
+  Tensor sDsT_wg = local_tile(sDsT, Shape<_64, BlockM, _2>{}, make_coord(consumer_wg, _0{}, _0{}));
   Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
-  Tensor tDPrV = thr_sdp.partition_fragment_A(sV);
   Tensor tDPrDo = thr_sdp.partition_fragment_B(sDo);
   Tensor tdVrDot = thr_dv.partition_fragment_B(sDot);
   Tensor tdKrQt = thr_dk.partition_fragment_B(sQt);
   Tensor tdQrDs = thr_dq.partition_fragment_A(sDs);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
   auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
-  auto thr_copy_ds = smem_copy_ds.get_thread_slice(consumer);
-  Tensor tDSsDsT = thr_copy_ds.partition_D(sDsT);
+  auto thr_copy_ds = smem_copy_ds.get_thread_slice(wg_thread);
+  Tensor tDSsDsT = thr_copy_ds.partition_D(sDsT_wg);
 
-  // Each accumulator value's (key, query) or (key, column) in the tile.
-  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<BlockN, BlockM>{}));
-  Tensor tdVcdV = thr_dv.partition_C(make_identity_tensor(Shape<BlockN, DimV>{}));
-  Tensor tdKcdK = thr_dk.partition_C(make_identity_tensor(Shape<BlockN, DimQK>{}));
+  // Each accumulator value's (key, query) or (key, column) within the warpgroup's 64 keys.
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<_64, BlockM>{}));
+  Tensor tdVcdV = thr_dv.partition_C(make_identity_tensor(Shape<_64, DimV>{}));
+  Tensor tdKcdK = thr_dk.partition_C(make_identity_tensor(Shape<_64, DimQK>{}));
   constexpr int kSValues = decltype(size(tScS))::value;
 
   auto consumers_sync = [&](uint32_t barrier) { barrier_sync(barrier, kConsumerThreads); };
@@ -550,15 +559,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   cutlass::PipelineState<Cfg::kStages> read_q;
   cutlass::PipelineState<Cfg::kStages> read_do;
   cutlass::PipelineState<1> read_kv;
-  int ds_stage = 0;
+  int step = 0;  // of the CTA's walk: which dS^T buffer it writes
 
   for (int n_block = blockIdx.x; n_block < p.n_blocks; n_block += gridDim.x) {
     const KeyTileWork<Cfg> work(f, batch, n_block);
     const SequenceExtent& seq = work.seq;
     const int key0 = work.key0;
     if (key0 >= keys_owned) break;
-    Tensor tdVrdV = partition_fragment_C(mma_dv, Shape<BlockN, DimV>{});
-    Tensor tdKrdK = partition_fragment_C(mma_dk, Shape<BlockN, DimQK>{});
+    const int wg_key0 = key0 + 64 * consumer_wg;
+    Tensor tdVrdV = partition_fragment_C(mma_dv, Shape<_64, DimV>{});
+    Tensor tdKrdK = partition_fragment_C(mma_dk, Shape<_64, DimQK>{});
     clear(tdVrdV);
     clear(tdKrdK);
 
@@ -577,8 +587,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int m_block = work.m_begin; m_block < work.m_end; ++m_block) {
           const int row0 = m_block * kBlockM;
           q_pipe.consumer_wait(read_q);
-          const int q_stage = read_q.index();
-          const int do_stage = read_do.index();
+          // Stages through a shuffle: the compiler then knows them warp-uniform, and keeps the
+          // wgmma descriptors they address in uniform registers.
+          const int q_stage = __shfl_sync(0xffffffff, read_q.index(), 0);
+          const int do_stage = __shfl_sync(0xffffffff, read_do.index(), 0);
+          const int ds_stage = __shfl_sync(0xffffffff, step % 2, 0);
           const bool ragged_rows = row0 + kBlockM > seq.seqlen_q;
           if (ragged_rows) {
             // As for the keys: Q and dO rows past the used rows feed dK's and dV's GEMMs.
@@ -588,10 +601,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             cutlass::arch::fence_view_async_shared();
             consumers_sync(BwdBarrier::kTailZeroed);
           }
-          Tensor tSrS = partition_fragment_C(mma_sdp, Shape<BlockN, BlockM>{});
+          // K's, V's and K^T's operands of this warpgroup, derived anew each step from a value
+          // the compiler cannot hoist: hoisted out of the loop, their 24 wgmma descriptors stay
+          // live across it and spill (172 bytes at d128, 48 M local-memory requests at S = 8k,
+          // which compete with the GEMMs' shared-memory reads in L1).
+          const int wg = opaque(consumer_wg);
+          Tensor tSrK = thr_sdp.partition_fragment_A(
+              local_tile(sK, Shape<_64, DimQK>{}, make_coord(wg, _0{})));
+          Tensor tDPrV = thr_sdp.partition_fragment_A(
+              local_tile(sV, Shape<_64, DimV>{}, make_coord(wg, _0{})));
+          Tensor tdQrKt = thr_dq.partition_fragment_B(
+              local_tile(sKt, Shape<Int<Cfg::kDQSliceCols>, BlockN>{}, make_coord(wg, _0{})));
+          Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, BlockM>{});
           warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, q_stage), tSrS);
           if (!ragged_rows) do_pipe.consumer_wait(read_do);
-          Tensor tSrDp = partition_fragment_C(mma_sdp, Shape<BlockN, BlockM>{});
+          Tensor tSrDp = partition_fragment_C(mma_sdp, Shape<_64, BlockM>{});
           warpgroup_gemm<true, -1>(mma_sdp, tDPrV, tDPrDo(_, _, _, do_stage), tSrDp);
 
           // P^T = exp2(S^T * scale log2 e - LSE), masked on edge tiles.
@@ -601,7 +625,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           if (work.mask.is_edge_tile(row0, row0 + kBlockM - 1, n_block)) {
 #pragma unroll
             for (int v = 0; v < kSValues; ++v) {
-              const int key = key0 + get<0>(tScS(v));
+              const int key = wg_key0 + get<0>(tScS(v));
               const int row = row0 + get<1>(tScS(v));
               if (!work.mask.is_visible(row, key)) tSrS(v) = -INFINITY;
             }
@@ -630,7 +654,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
           warpgroup_gemm<false, -1>(mma_dv, tdVrP, tdVrDot(_, _, _, do_stage), tdVrdV);
           consumers_sync(BwdBarrier::kDsWritten);
-          Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BlockM, DimQK>{});
+          Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BlockM, Int<Cfg::kDQSliceCols>>{});
           warpgroup_gemm<true, -1>(mma_dq, tdQrDs(_, _, _, ds_stage), tdQrKt, tdQrdQ);
           warpgroup_gemm<false, -1>(mma_dk, tdKrDs, tdKrQt(_, _, _, q_stage), tdKrdK);
 
@@ -653,7 +677,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           warpgroup_fence_operand(tdKrdK);
           q_pipe.consumer_release(read_q);
           ++read_q;
-          ds_stage ^= 1;
+          ++step;
         }
       }
       kv_pipe.consumer_release(read_kv);
@@ -668,14 +692,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                kv_head * p.dv_head_stride;
 #pragma unroll
     for (int v = 0; v < decltype(size(tdKrdK))::value; v += 2) {
-      const int key = key0 + get<0>(tdKcdK(v));
+      const int key = wg_key0 + get<0>(tdKcdK(v));
       if (key >= keys_owned) continue;
       *reinterpret_cast<uint32_t*>(dk + key * p.dk_seq_stride + get<1>(tdKcdK(v))) =
           sm80::pack2<typename Cfg::Element>(tdKrdK(v) * f.scale, tdKrdK(v + 1) * f.scale);
     }
 #pragma unroll
     for (int v = 0; v < decltype(size(tdVrdV))::value; v += 2) {
-      const int key = key0 + get<0>(tdVcdV(v));
+      const int key = wg_key0 + get<0>(tdVcdV(v));
       if (key >= keys_owned) continue;
       *reinterpret_cast<uint32_t*>(dv + key * p.dv_seq_stride + get<1>(tdVcdV(v))) =
           sm80::pack2<typename Cfg::Element>(tdVrdV(v), tdVrdV(v + 1));
