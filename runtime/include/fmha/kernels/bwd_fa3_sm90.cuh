@@ -62,6 +62,7 @@
 #include "fmha/kernels/fwd_params.cuh"
 #include "fmha/kernels/mask.cuh"
 #include "fmha/kernels/sm80_primitives.cuh"
+#include "fmha/kernels/tile_order.cuh"
 
 namespace fmha::fa3 {
 
@@ -213,6 +214,7 @@ struct BwdConfig {
     const float* lse_log2;
     const float* dpsum;
     int seqlen_q_rounded;  // seqlen_q up to whole query tiles
+    int group_heads;       // causal order: (K/V head, sequence) pairs per L2 group
   };
 };
 
@@ -220,6 +222,7 @@ struct BwdConfig {
 enum BwdBarrier : uint32_t {
   kDsWritten = 1,   // both warpgroups' dS^T rows are in shared memory: dQ may read them
   kTailZeroed = 2,  // rows past the sequence are zeroed in shared memory: GEMMs may read them
+  kWarpgroupFirst = 7,  // + w: the 128 threads of consumer warpgroup w
   kDqEmptyFirst = 3,  // + w: the writer has read warpgroup w's dQ slice; it may write the next
   kDqFullFirst = 5,   // + w: warpgroup w's dQ slice is in shared memory; the writer may add it
 };
@@ -242,6 +245,31 @@ __host__ __device__ constexpr int dq_tile_offset(int row, int col) {
   const int t = 32 * (r / 16) + 4 * (r % 8) + (c % 8) / 2;
   const int j = c / 8 + kSliceCols / 8 * (row / 64);
   return w * kBlockM * kSliceCols + 4 * (128 * j + t) + 2 * ((r % 16) / 8) + c % 2;
+}
+
+// The CTA's first key tile, K/V head and sequence; it walks key tiles n_block, n_block +
+// n_stride, ... (one, but in deterministic mode, where CTA `split` walks every splits-th). Without
+// a causal mask the grid is (key tile, K/V head, sequence): a head's key tiles run at once and
+// share its Q and dO in L2. Under a causal mask key tile n sees the query tiles from about n on,
+// so tile 0 costs the most: the grid is 1-D, heads in groups whose Q and dO fit L2, each group's
+// longest key tiles first (tile_order.cuh), so the last wave holds only short tiles.
+struct KeyTileWalk {
+  int n_block;
+  int n_stride;
+  int kv_head;
+  int batch;
+};
+
+template <class Cfg>
+__device__ __forceinline__ KeyTileWalk cta_key_tiles(const typename Cfg::KernelParams& kp) {
+  const BwdParams& p = kp.p;
+  if (Cfg::kMask == MaskType::kCausal && !p.deterministic) {
+    const TileCoord t = longest_first_in_head_groups(blockIdx.x, p.n_blocks, p.nhead_k,
+                                                     p.nhead_k * p.batch, kp.group_heads);
+    return {p.n_blocks - 1 - t.m_block, p.n_blocks, t.head, t.batch};
+  }
+  return {static_cast<int>(blockIdx.x), p.deterministic ? static_cast<int>(gridDim.x) : p.n_blocks,
+          static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
 }
 
 // One key tile's work as the producer and the consumers both derive it: the query tiles
@@ -369,8 +397,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const FwdParams& f = p.fwd;
   const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);
   const int lane = threadIdx.x % 32;
-  const int kv_head = blockIdx.y;
-  const int batch = blockIdx.z;
+  const KeyTileWalk walk = cta_key_tiles<Cfg>(kp);
+  const int kv_head = walk.kv_head;
+  const int batch = walk.batch;
 
   Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Cfg::SmemLayoutQt{});
@@ -425,7 +454,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
         barrier_arrive(BwdBarrier::kDqEmptyFirst + w, kDqBarrierThreads);
       }
-      for (int n_block = blockIdx.x; n_block < p.n_blocks; n_block += gridDim.x) {
+      for (int n_block = walk.n_block; n_block < p.n_blocks; n_block += walk.n_stride) {
         const KeyTileWork<Cfg> work(f, batch, n_block);
         if (!work.has_steps()) continue;
         for (int g = 0; g < f.kv_group; ++g) {
@@ -471,7 +500,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     auto write_kv = cutlass::make_producer_start_state<KVPipeline>();
     Tensor mK = kp.tma_k.get_tma_tensor(kp.k_shape)(_, _, kv_head, batch);
     Tensor mV = kp.tma_v.get_tma_tensor(kp.v_shape)(_, _, kv_head, batch);
-    for (int n_block = blockIdx.x; n_block < p.n_blocks; n_block += gridDim.x) {
+    for (int n_block = walk.n_block; n_block < p.n_blocks; n_block += walk.n_stride) {
       const KeyTileWork<Cfg> work(f, batch, n_block);
       if (!work.has_steps()) continue;
       kv_pipe.producer_acquire(write_kv);
@@ -547,10 +576,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto thr_copy_ds = smem_copy_ds.get_thread_slice(wg_thread);
   Tensor tDSsDsT = thr_copy_ds.partition_D(sDsT_wg);
 
-  // Each accumulator value's (key, query) or (key, column) within the warpgroup's 64 keys.
+  // Each S^T value's (key, query) within the warpgroup's 64 keys and the step's queries.
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<_64, BlockM>{}));
-  Tensor tdVcdV = thr_dv.partition_C(make_identity_tensor(Shape<_64, DimV>{}));
-  Tensor tdKcdK = thr_dk.partition_C(make_identity_tensor(Shape<_64, DimQK>{}));
   constexpr int kSValues = decltype(size(tScS))::value;
 
   auto consumers_sync = [&](uint32_t barrier) { barrier_sync(barrier, kConsumerThreads); };
@@ -561,7 +588,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   cutlass::PipelineState<1> read_kv;
   int step = 0;  // of the CTA's walk: which dS^T buffer it writes
 
-  for (int n_block = blockIdx.x; n_block < p.n_blocks; n_block += gridDim.x) {
+  for (int n_block = walk.n_block; n_block < p.n_blocks; n_block += walk.n_stride) {
     const KeyTileWork<Cfg> work(f, batch, n_block);
     const SequenceExtent& seq = work.seq;
     const int key0 = work.key0;
@@ -685,25 +712,42 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
 
     // dK (times softmax_scale: the GEMMs used unscaled dS) and dV of the keys this sequence
-    // owns, zero for those that no row sees.
-    auto* dk = static_cast<typename Cfg::Element*>(p.dk) + batch * p.dk_batch_stride +
-               kv_head * p.dk_head_stride;
-    auto* dv = static_cast<typename Cfg::Element*>(p.dv) + batch * p.dv_batch_stride +
-               kv_head * p.dv_head_stride;
+    // owns, zero for those that no row sees. Each warpgroup stages its 64 rows in 16 bits in
+    // the dS^T buffers' bytes of its own rows (stmatrix), so they leave in whole 16-byte row
+    // chunks rather than as 4-byte pieces of 8 rows per warp; the other warpgroup's last dQ
+    // GEMM must have read those bytes first.
+    consumers_sync(BwdBarrier::kDsWritten);
+    auto store_keys = [&](const auto& acc, const auto& mma, auto dim, float scale,
+                          Element* out, int64_t seq_stride) {
+      using Dim = decltype(dim);
+      Tensor staged = make_tensor(
+          make_smem_ptr(shared.ds.data()),
+          tile_to_shape(typename Cfg::SwizzleAtom{}, Shape<BlockN, Dim>{}));
+      static_assert(cosize_v<decltype(staged.layout())> <= cosize_v<typename Cfg::SmemLayoutDsT>);
+      Tensor staged_wg = local_tile(staged, Shape<_64, Dim>{}, make_coord(consumer_wg, _0{}));
+      auto copy_op = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma);
+      auto thr_copy = copy_op.get_thread_slice(wg_thread);
+      Tensor rows = make_tensor_like<Element>(acc);
 #pragma unroll
-    for (int v = 0; v < decltype(size(tdKrdK))::value; v += 2) {
-      const int key = wg_key0 + get<0>(tdKcdK(v));
-      if (key >= keys_owned) continue;
-      *reinterpret_cast<uint32_t*>(dk + key * p.dk_seq_stride + get<1>(tdKcdK(v))) =
-          sm80::pack2<typename Cfg::Element>(tdKrdK(v) * f.scale, tdKrdK(v + 1) * f.scale);
-    }
-#pragma unroll
-    for (int v = 0; v < decltype(size(tdVrdV))::value; v += 2) {
-      const int key = wg_key0 + get<0>(tdVcdV(v));
-      if (key >= keys_owned) continue;
-      *reinterpret_cast<uint32_t*>(dv + key * p.dv_seq_stride + get<1>(tdVcdV(v))) =
-          sm80::pack2<typename Cfg::Element>(tdVrdV(v), tdVrdV(v + 1));
-    }
+      for (int v = 0; v < size(acc); ++v) rows(v) = static_cast<Element>(acc(v) * scale);
+      copy(copy_op, thr_copy.retile_S(rows), thr_copy.partition_D(staged_wg));
+      barrier_sync(BwdBarrier::kWarpgroupFirst + consumer_wg, 128);
+      constexpr int kChunks = Dim::value / 8;
+      for (int idx = wg_thread; idx < 64 * kChunks; idx += 128) {
+        const int row = idx / kChunks;
+        const int col = (idx % kChunks) * 8;
+        if (wg_key0 + row >= keys_owned) continue;
+        *reinterpret_cast<uint4*>(out + (wg_key0 + row) * seq_stride + col) =
+            *reinterpret_cast<const uint4*>(raw_pointer_cast(&staged_wg(row, col)));
+      }
+      barrier_sync(BwdBarrier::kWarpgroupFirst + consumer_wg, 128);  // read before rewritten
+    };
+    store_keys(tdVrdV, mma_dv, DimV{}, 1.f,
+               static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride,
+               p.dv_seq_stride);
+    store_keys(tdKrdK, mma_dk, DimQK{}, f.scale,
+               static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride,
+               p.dk_seq_stride);
   }
 }
 
@@ -789,6 +833,10 @@ cudaError_t launch_bwd(const BwdArgs& args, cudaStream_t stream) {
                                 Cfg::kBlockN);
   p.splits = bwd_splits(args, Cfg::kBlockN);
   kp.seqlen_q_rounded = bwd_seqlen_q_rounded<Cfg>(args);
+  // A K/V head's CTAs stream the Q and dO of its query heads.
+  kp.group_heads = heads_per_group(static_cast<int64_t>(args.fwd.seqlen_q) *
+                                       (Cfg::kHeadDimQK + Cfg::kHeadDimV) * 2 * p.fwd.kv_group,
+                                   static_cast<int64_t>(args.fwd.nhead_k) * args.fwd.batch);
   const size_t padded_rows =
       static_cast<size_t>(args.fwd.nhead_q) * args.fwd.batch * kp.seqlen_q_rounded;
   p.split_stride = static_cast<int64_t>(padded_rows) * Cfg::kHeadDimQK;
@@ -846,8 +894,13 @@ cudaError_t launch_bwd(const BwdArgs& args, cudaStream_t stream) {
     const cudaError_t err =
         allow_dynamic_smem(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes, smem_raised);
     if (err != cudaSuccess) return err;
-    const dim3 grid(static_cast<unsigned>(p.deterministic ? p.splits : p.n_blocks),
-                    static_cast<unsigned>(f.nhead_k), static_cast<unsigned>(f.batch));
+    const int64_t kv_heads = static_cast<int64_t>(f.nhead_k) * f.batch;
+    const bool causal_order = Cfg::kMask == MaskType::kCausal && !p.deterministic;
+    if (causal_order && p.n_blocks * kv_heads > INT32_MAX) return cudaErrorInvalidConfiguration;
+    const dim3 grid = causal_order
+                          ? dim3(static_cast<unsigned>(p.n_blocks * kv_heads))
+                          : dim3(static_cast<unsigned>(p.deterministic ? p.splits : p.n_blocks),
+                                 static_cast<unsigned>(f.nhead_k), static_cast<unsigned>(f.batch));
     kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
