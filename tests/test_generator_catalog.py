@@ -386,22 +386,22 @@ def test_repository_bwd_matrix():
     # fa2: 2 dtypes x 7 head dims x 3 masks x 4 bias variants (none, elementwise with and
     # without dbias, ALiBi) x 2 dropout x 2 softcap = 672 trait combinations, each with 3
     # instances on each arch: batch mode unpadded and fully padded, group mode fully padded;
-    # less the 8 unpadded ones on sm90a that fa3 serves (2 dtypes x 2 head dims x 2 masks, batch
-    # mode, no bias, dropout or soft-cap). fa3: those 8, padding sequence lengths only.
+    # less the 12 unpadded ones on sm90a that fa3 serves (2 dtypes x 2 head dims x 3 masks,
+    # batch mode, no bias, dropout or soft-cap). fa3: those 12, padding sequence lengths only.
     catalog = build_catalog(load(DEFAULT_CONFIG))
     bwd = catalog.of(OPERATION.get("bwd"))
-    assert len(bwd) == 672 * 3 * 2 - 8 + 8 and catalog.instances[-len(bwd):] == bwd
+    assert len(bwd) == 672 * 3 * 2 - 12 + 12 and catalog.instances[-len(bwd):] == bwd
     assert all(i.name.startswith("bwd_") for i in bwd)
     fa3 = [i for i in bwd if i.point.pipeline.token == "fa3"]
     assert {(i.point.traits.hdim_q, i.point.traits.mask.token, i.point.traits.dtype.token)
-            for i in fa3} == {(d, m, t) for d in (64, 128) for m in ("none", "causal")
-                              for t in ("fp16", "bf16")} and len(fa3) == 8
+            for i in fa3} == {(d, m, t) for d in (64, 128) for m in ("none", "causal", "window")
+                              for t in ("fp16", "bf16")} and len(fa3) == 12
     for instance in fa3:
         point, traits = instance.point, instance.point.traits
         assert point.arch.token == "sm90a" and point.pad_seqlen and not point.pad_hdim
         assert (traits.bias.token, traits.mode.token, traits.dropout, traits.softcap) == (
             "none", "batch", False, False)
-        assert instance.tile == Tile(64, 128, 12, 2)
+        assert instance.tile == Tile(128 if traits.hdim_q == 64 else 64, 128, 12, 2)
     fa2 = [i for i in bwd if i.point.pipeline.token == "fa2"]
     combinations = {(i.point.traits.hdim_q, i.point.traits.hdim_v, i.point.arch.token,
                      i.point.pad_seqlen) for i in fa2}
@@ -412,7 +412,7 @@ def test_repository_bwd_matrix():
         # fa2's fast path on sm90a is only for what fa3 does not serve.
         assert (point.arch.token == "sm80" or point.pad_hdim
                 or (traits.hdim_q, traits.hdim_v) not in FA3_BWD_HDIMS
-                or traits.mask.token == "window" or traits.mode.token == "group"
+                or traits.mode.token == "group"
                 or traits.bias.token != "none" or traits.dropout or traits.softcap)
         assert traits.mode.token == "batch" or point.pad_seqlen
         assert not traits.dbias or traits.bias.token == "elementwise"
@@ -420,8 +420,7 @@ def test_repository_bwd_matrix():
     # fa3 has no backward for these traits (instances.yaml's rules); explain quotes the reasons.
     assert {(gap.pipeline.token, gap.arch.token, tuple(c.axis for c in gap.conditions))
             for gap in catalog.gaps if gap.op.token == "bwd"} == {
-        ("fa3", "sm90a", (axis,)) for axis in ("hdim", "mask", "mode", "bias", "dropout",
-                                                "softcap")}
+        ("fa3", "sm90a", (axis,)) for axis in ("hdim", "mode", "bias", "dropout", "softcap")}
 
 
 @pytest.mark.parametrize("fields, name", [

@@ -35,11 +35,11 @@
 // key tile, and the writer lets each key tile's reduces complete before the next key tile's);
 // kernel 3 sums the accumulators in order, as fa2's backward does.
 //
-// Traits on this pipeline: fp16/bf16; head dims 64 and 128; no mask and causal (both
-// alignments); MQA/GQA; batch mode with seqused; the deterministic mode. Every sequence length
-// is served (pad_seqlen): TMA zero-fills rows past the tensors' ends, and rows past a
-// sequence's used length are zeroed in shared memory before a GEMM reads them. The rest runs
-// on fa2 (instances.yaml's rules say so).
+// Traits on this pipeline: fp16/bf16; head dims 64 and 128; no mask, causal and sliding
+// windows (both alignments); MQA/GQA; batch mode with seqused; the deterministic mode. Every
+// sequence length is served (pad_seqlen): TMA zero-fills rows past the tensors' ends, and rows
+// past a sequence's used length are zeroed in shared memory before a GEMM reads them. The rest
+// runs on fa2 (instances.yaml's rules say so).
 #pragma once
 
 // First: it sets how CuTe is configured before any CuTe header.
@@ -84,7 +84,6 @@ struct BwdConfig {
 
   static_assert(kBias_ == BiasType::kNone && !kDbias_ && !kDropout_ && !kSoftcap_,
                 "the fa3 backward has no bias, dropout or soft-cap yet: those instances are fa2");
-  static_assert(kMask != MaskType::kWindow, "the fa3 backward has no sliding window yet");
   static_assert(kMode == Mode::kBatch, "the fa3 backward has no group mode yet");
   static_assert(kPadSeqlen_ && !kPadHdim,
                 "fa3 serves every sequence length (pad_seqlen) and exact head dims only");
@@ -114,22 +113,23 @@ struct BwdConfig {
   using DimV = cute::Int<kHeadDimV>;
   using Stages = cute::Int<kStages>;
   // One consumer warpgroup's GEMMs. Warpgroup w owns keys [64 w, 64 w + 64) and dQ's head-dim
-  // columns [w d / W, (w + 1) d / W); it partitions its own slices of K, V and K^T, whose
-  // addresses are warp-uniform, so the wgmma descriptors live in uniform registers (partitioned
-  // per thread across both warpgroups, they took ~50 registers and spilled).
+  // columns [w d / W, (w + 1) d / W), and partitions its own slices of K, V and K^T.
   static constexpr int kDQSliceCols = kHeadDimQK / kConsumerWarpgroups;
   // S^T = K Q^T and dP^T = V dO^T: (keys, queries), both operands K-major in shared memory
   // (the two differ only in K, which the partitions take from the operands).
   using TiledMmaSdP = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<MmaElement, MmaElement, float, cute::Shape<cute::_64, BlockM, DimQK>>()));
+      cute::GMMA::ss_op_selector<MmaElement, MmaElement, float,
+                                 cute::Shape<cute::_64, BlockM, DimQK>>()));
   // dV += P^T dO and dK += dS^T Q: (keys, head dim), A from registers, B (dO, Q) read
   // transposed: its head dim is contiguous (MN-major).
   using TiledMmaDV = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<MmaElement, MmaElement, float, cute::Shape<cute::_64, DimV, BlockM>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+      cute::GMMA::rs_op_selector<MmaElement, MmaElement, float,
+                                 cute::Shape<cute::_64, DimV, BlockM>, cute::GMMA::Major::K,
+                                 cute::GMMA::Major::MN>()));
   using TiledMmaDK = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<MmaElement, MmaElement, float, cute::Shape<cute::_64, DimQK, BlockM>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+      cute::GMMA::rs_op_selector<MmaElement, MmaElement, float,
+                                 cute::Shape<cute::_64, DimQK, BlockM>, cute::GMMA::Major::K,
+                                 cute::GMMA::Major::MN>()));
   // dQ = dS K: (queries, the warpgroup's head-dim columns) in m64 blocks, dS read transposed
   // out of dS^T (queries contiguous) and K read transposed (head dim contiguous), both MN-major.
   using TiledMmaDQ = decltype(cute::make_tiled_mma(
@@ -139,13 +139,16 @@ struct BwdConfig {
 
   // Rows of 64 elements (128 bytes) in 8-row swizzle atoms: what TMA writes and wgmma reads.
   using SwizzleAtom = cute::GMMA::Layout_K_SW128_Atom<MmaElement>;
-  using SmemLayoutQ = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockM, DimQK, Stages>{}));
-  using SmemLayoutDo = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockM, DimV, Stages>{}));
+  using SmemLayoutQ =
+      decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockM, DimQK, Stages>{}));
+  using SmemLayoutDo =
+      decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockM, DimV, Stages>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockN, DimQK>{}));
   using SmemLayoutV = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockN, DimV>{}));
   // dS^T, (keys, queries), two buffers: a warpgroup writes step i + 1's while the other may
   // still read step i's in its dQ GEMM.
-  using SmemLayoutDsT = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockN, BlockM, cute::_2>{}));
+  using SmemLayoutDsT =
+      decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockN, BlockM, cute::_2>{}));
   // The same bytes viewed transposed, as the MN-major operands.
   using SmemLayoutQt = decltype(cute::composition(
       SmemLayoutQ{}, cute::make_ordered_layout(cute::Shape<DimQK, BlockM, Stages>{},
@@ -154,7 +157,8 @@ struct BwdConfig {
       SmemLayoutDo{}, cute::make_ordered_layout(cute::Shape<DimV, BlockM, Stages>{},
                                                 cute::Step<cute::_2, cute::_1, cute::_3>{})));
   using SmemLayoutKt = decltype(cute::composition(
-      SmemLayoutK{}, cute::make_ordered_layout(cute::Shape<DimQK, BlockN>{}, cute::Step<cute::_2, cute::_1>{})));
+      SmemLayoutK{},
+      cute::make_ordered_layout(cute::Shape<DimQK, BlockN>{}, cute::Step<cute::_2, cute::_1>{})));
   using SmemLayoutDs = decltype(cute::composition(
       SmemLayoutDsT{}, cute::make_ordered_layout(cute::Shape<BlockM, BlockN, cute::_2>{},
                                                  cute::Step<cute::_2, cute::_1, cute::_3>{})));
@@ -211,8 +215,8 @@ struct BwdConfig {
     // kernel 1's row statistics, (nhead_q, batch, seqlen_q_rounded); p.dq_accum holds per split
     // (batch, nhead_q, seqlen_q_rounded / kBlockM) tiles of kBlockM x kHeadDimQK floats, each
     // as the kernel's shared dQ tile holds it (dq_tile_offset).
-    const float* lse_log2;
-    const float* dpsum;
+    float* lse_log2;
+    float* dpsum;
     int seqlen_q_rounded;  // seqlen_q up to whole query tiles
     int group_heads;       // causal order: (K/V head, sequence) pairs per L2 group
   };
@@ -220,11 +224,11 @@ struct BwdConfig {
 
 // Named barriers of the consumer warpgroups (0 is __syncthreads).
 enum BwdBarrier : uint32_t {
-  kDsWritten = 1,   // both warpgroups' dS^T rows are in shared memory: dQ may read them
-  kTailZeroed = 2,  // rows past the sequence are zeroed in shared memory: GEMMs may read them
+  kDsWritten = 1,       // both warpgroups' dS^T rows are in shared memory: dQ may read them
+  kTailZeroed = 2,      // rows past the sequence are zeroed in shared memory: GEMMs may read them
+  kDqEmptyFirst = 3,    // + w: the writer has read warpgroup w's dQ slice; w may write the next
+  kDqFullFirst = 5,     // + w: warpgroup w's dQ slice is in shared memory; the writer may add it
   kWarpgroupFirst = 7,  // + w: the 128 threads of consumer warpgroup w
-  kDqEmptyFirst = 3,  // + w: the writer has read warpgroup w's dQ slice; it may write the next
-  kDqFullFirst = 5,   // + w: warpgroup w's dQ slice is in shared memory; the writer may add it
 };
 
 // Threads meeting at kDqEmpty/kDqFull: a consumer warpgroup and the writer warp.
@@ -309,8 +313,6 @@ __global__ void __launch_bounds__(256)
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   const int64_t rows = static_cast<int64_t>(f.nhead_q) * p.batch * kp.seqlen_q_rounded;
-  auto* lse_log2 = const_cast<float*>(kp.lse_log2);
-  auto* dpsum = const_cast<float*>(kp.dpsum);
   for (int64_t w = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; w < rows; w += warps) {
     const int i = static_cast<int>(w % kp.seqlen_q_rounded);
     const int64_t head_batch = w / kp.seqlen_q_rounded;
@@ -326,8 +328,8 @@ __global__ void __launch_bounds__(256)
       lse2 = lse == -INFINITY ? INFINITY : lse * static_cast<float>(M_LOG2E);
     }
     if (lane == 0) {
-      dpsum[w] = dot;
-      lse_log2[w] = lse2;
+      kp.dpsum[w] = dot;
+      kp.lse_log2[w] = lse2;
     }
   }
   const int64_t quads = p.splits * p.split_stride / 4;
@@ -531,7 +533,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           q_pipe.producer_acquire(write_q);
           if (lane == 0) {
             auto* bar = q_pipe.producer_get_barrier(write_q);
-            copy(kp.tma_q.with(*bar, 0), get<0>(q_part)(_, m_block), get<1>(q_part)(_, write_q.index()));
+            copy(kp.tma_q.with(*bar, 0), get<0>(q_part)(_, m_block),
+                 get<1>(q_part)(_, write_q.index()));
             SM90_BULK_COPY_G2S::copy(row_stats(kp.lse_log2, head, m_block), bar,
                                      shared.lse[write_q.index()], Cfg::kRowStatBytes);
           }
@@ -565,7 +568,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto thr_dk = mma_dk.get_thread_slice(wg_thread);
   auto thr_dq = mma_dq.get_thread_slice(wg_thread);
   // The warpgroup's dS^T rows. Its keys of K and V and its dQ columns of K^T are partitioned in
-  // the loop (step_operands).
+  // the step loop.
   Tensor sDsT_wg = local_tile(sDsT, Shape<_64, BlockM, _2>{}, make_coord(consumer_wg, _0{}, _0{}));
   Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
   Tensor tDPrDo = thr_sdp.partition_fragment_B(sDo);
@@ -669,8 +672,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           for (int v = 0; v < kSValues; ++v) {
             tSrDp(v) = tSrS(v) * (tSrDp(v) - dpsum[get<1>(tScS(v))]);
           }
-          Tensor tdVrP = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>>{});
-          Tensor tdKrDs = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>>{});
+          using OperandA = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>>;
+          Tensor tdVrP = make_tensor<Element>(OperandA{});
+          Tensor tdKrDs = make_tensor<Element>(OperandA{});
           convert_p<Element>(tSrS, tdVrP);
           convert_p<Element>(tSrDp, tdKrDs);
 
@@ -785,7 +789,8 @@ __global__ void __launch_bounds__(256)
     for (int s = 0; s < p.splits; ++s) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const float4 x = *reinterpret_cast<const float4*>(tile + s * p.split_stride + first + 4 * q);
+        const float4 x =
+            *reinterpret_cast<const float4*>(tile + s * p.split_stride + first + 4 * q);
         sum[0][2 * q] += x.x, sum[0][2 * q + 1] += x.y;
         sum[1][2 * q] += x.z, sum[1][2 * q + 1] += x.w;
       }
@@ -816,7 +821,8 @@ inline int bwd_seqlen_q_rounded(const BwdArgs& a) {
 // fp32 dQ accumulators. No O(S^2) term.
 template <class Cfg>
 size_t bwd_workspace_bytes(const BwdArgs& a) {
-  const size_t rows = static_cast<size_t>(a.fwd.nhead_q) * a.fwd.batch * bwd_seqlen_q_rounded<Cfg>(a);
+  const size_t rows =
+      static_cast<size_t>(a.fwd.nhead_q) * a.fwd.batch * bwd_seqlen_q_rounded<Cfg>(a);
   const size_t splits = static_cast<size_t>(bwd_splits(a, Cfg::kBlockN));
   return 2 * align_workspace(rows * sizeof(float)) +
          align_workspace(splits * rows * Cfg::kHeadDimQK * sizeof(float));
@@ -842,12 +848,13 @@ cudaError_t launch_bwd(const BwdArgs& args, cudaStream_t stream) {
   p.split_stride = static_cast<int64_t>(padded_rows) * Cfg::kHeadDimQK;
   const size_t stats_bytes = align_workspace(padded_rows * sizeof(float));
   auto* workspace = static_cast<unsigned char*>(args.workspace);
-  kp.lse_log2 = reinterpret_cast<const float*>(workspace);
-  kp.dpsum = reinterpret_cast<const float*>(workspace + stats_bytes);
+  kp.lse_log2 = reinterpret_cast<float*>(workspace);
+  kp.dpsum = reinterpret_cast<float*>(workspace + stats_bytes);
   p.dq_accum = reinterpret_cast<float*>(workspace + 2 * stats_bytes);
 
   // TMA coordinates are int32.
-  if (args.fwd.seqlen_q > INT32_MAX - Cfg::kBlockM || args.fwd.seqlen_k > INT32_MAX - Cfg::kBlockN) {
+  if (args.fwd.seqlen_q > INT32_MAX - Cfg::kBlockM ||
+      args.fwd.seqlen_k > INT32_MAX - Cfg::kBlockN) {
     return cudaErrorInvalidConfiguration;
   }
   auto shape = [&](int rows, int dim, int heads) {
