@@ -47,8 +47,8 @@ def test_repository_matrix():
     fwd = catalog.of(OPERATION.get("fwd"))
     assert len(fwd) == 10080 - 48 + 72 and catalog.instances[:len(fwd)] == fwd
     # Both operations' points less what their rules keep (BWD_POINTS: below).
-    assert catalog.pruned == 2 * 32256 - 10104 + BWD_POINTS - 4032
-    assert len(set(names(catalog))) == 10104 + 4032
+    assert catalog.pruned == 2 * 32256 - 10104 + BWD_POINTS - 4044
+    assert len(set(names(catalog))) == 10104 + 4044
     for instance in fwd:
         point, traits = instance.point, instance.point.traits
         assert traits.mode.token == "batch" or (point.pad_seqlen and traits.lse)
@@ -387,20 +387,21 @@ def test_repository_bwd_matrix():
     # without dbias, ALiBi) x 2 dropout x 2 softcap = 672 trait combinations, each with 3
     # instances on each arch: batch mode unpadded and fully padded, group mode fully padded;
     # less the 12 unpadded ones on sm90a that fa3 serves (2 dtypes x 2 head dims x 3 masks,
-    # batch mode, no bias, dropout or soft-cap). fa3: those 12, padding sequence lengths only.
+    # batch mode, no bias, dropout or soft-cap). fa3: those 12 and their 12 in group mode,
+    # padding sequence lengths only.
     catalog = build_catalog(load(DEFAULT_CONFIG))
     bwd = catalog.of(OPERATION.get("bwd"))
-    assert len(bwd) == 672 * 3 * 2 - 12 + 12 and catalog.instances[-len(bwd):] == bwd
+    assert len(bwd) == 672 * 3 * 2 - 12 + 24 and catalog.instances[-len(bwd):] == bwd
     assert all(i.name.startswith("bwd_") for i in bwd)
     fa3 = [i for i in bwd if i.point.pipeline.token == "fa3"]
-    assert {(i.point.traits.hdim_q, i.point.traits.mask.token, i.point.traits.dtype.token)
-            for i in fa3} == {(d, m, t) for d in (64, 128) for m in ("none", "causal", "window")
-                              for t in ("fp16", "bf16")} and len(fa3) == 12
+    assert {(i.point.traits.hdim_q, i.point.traits.mask.token, i.point.traits.dtype.token,
+             i.point.traits.mode.token) for i in fa3} == {
+        (d, m, t, mode) for d in (64, 128) for m in ("none", "causal", "window")
+        for t in ("fp16", "bf16") for mode in ("batch", "group")} and len(fa3) == 24
     for instance in fa3:
         point, traits = instance.point, instance.point.traits
         assert point.arch.token == "sm90a" and point.pad_seqlen and not point.pad_hdim
-        assert (traits.bias.token, traits.mode.token, traits.dropout, traits.softcap) == (
-            "none", "batch", False, False)
+        assert (traits.bias.token, traits.dropout, traits.softcap) == ("none", False, False)
         assert instance.tile == Tile(128 if traits.hdim_q == 64 else 64, 128, 12, 2)
     fa2 = [i for i in bwd if i.point.pipeline.token == "fa2"]
     combinations = {(i.point.traits.hdim_q, i.point.traits.hdim_v, i.point.arch.token,
@@ -412,7 +413,7 @@ def test_repository_bwd_matrix():
         # fa2's fast path on sm90a is only for what fa3 does not serve.
         assert (point.arch.token == "sm80" or point.pad_hdim
                 or (traits.hdim_q, traits.hdim_v) not in FA3_BWD_HDIMS
-                or traits.mode.token == "group"
+                or traits.mode.token == "group"  # fa2 pads seqlens in group mode only
                 or traits.bias.token != "none" or traits.dropout or traits.softcap)
         assert traits.mode.token == "batch" or point.pad_seqlen
         assert not traits.dbias or traits.bias.token == "elementwise"
@@ -420,7 +421,7 @@ def test_repository_bwd_matrix():
     # fa3 has no backward for these traits (instances.yaml's rules); explain quotes the reasons.
     assert {(gap.pipeline.token, gap.arch.token, tuple(c.axis for c in gap.conditions))
             for gap in catalog.gaps if gap.op.token == "bwd"} == {
-        ("fa3", "sm90a", (axis,)) for axis in ("hdim", "mode", "bias", "dropout", "softcap")}
+        ("fa3", "sm90a", (axis,)) for axis in ("hdim", "bias", "dropout", "softcap")}
 
 
 @pytest.mark.parametrize("fields, name", [

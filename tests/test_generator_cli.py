@@ -13,7 +13,7 @@ SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "vl
 BWD_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "mode", "dbias",
                       "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim",
                       "block_m", "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = "104 of 14136 instances selected (fwd 56, bwd 48; 82632 pruned)"
+DEFAULT_SELECTED = "112 of 14148 instances selected (fwd 56, bwd 56; 82620 pruned)"
 
 
 def test_default_render(run_cli, tmp_path):
@@ -22,9 +22,9 @@ def test_default_render(run_cli, tmp_path):
     result = run_cli("--out", out)
     assert time.perf_counter() - start < 5
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 104 TUs (sm80 48, sm90a 56), "
-                             f"107 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
-    assert len(list(out.glob("fwd_*.cu"))) == 56 and len(list(out.glob("bwd_*.cu"))) == 48
+    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 112 TUs (sm80 48, sm90a 64), "
+                             f"115 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
+    assert len(list(out.glob("fwd_*.cu"))) == 56 and len(list(out.glob("bwd_*.cu"))) == 56
     assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {
         p.name for p in out.iterdir()}
 
@@ -34,7 +34,7 @@ def test_second_run_writes_nothing(run_cli, tmp_path):
     run_cli("--out", out)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     result = run_cli("--out", out)
-    assert "0 files written, 107 unchanged, 0 removed" in result.stdout
+    assert "0 files written, 115 unchanged, 0 removed" in result.stdout
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
 
 
@@ -45,10 +45,10 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     assert result.returncode == 0, result.stderr
     # minimal's fwd instances leave out the log-sum-exp, default's write it: none are shared;
     # its two sm90a bwd ones are default's.
-    assert "4 of 14136 instances selected (fwd 2, bwd 2;" in result.stdout
-    assert "2 unchanged, 102 removed" in result.stdout
+    assert "4 of 14148 instances selected (fwd 2, bwd 2;" in result.stdout
+    assert "2 unchanged, 110 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
-        "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m64n128_pad.cu",
+        "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu",
         "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu"]
 
 
@@ -82,7 +82,7 @@ def test_json(run_cli):
             ((False, False), (True, True)) if record["pipeline"] == "fa2" else ((True, False),))
     assert sorted(r["pipeline"] for r in records[:4]) == ["fa2", "fa2", "fa2", "fa3"]
     assert {(r["arch"], r["pipeline"], r["block_m"], r["block_n"]) for r in records[4:]} == {
-        ("sm80", "fa2", 128, 128), ("sm90a", "fa2", 128, 128), ("sm90a", "fa3", 64, 128)}
+        ("sm80", "fa2", 128, 128), ("sm90a", "fa2", 128, 128), ("sm90a", "fa3", 128, 128)}
 
 
 def test_json_and_summary_leave_out_pruned_instances(run_cli, make_config, tmp_path):
@@ -154,12 +154,12 @@ def test_presets_table(run_cli):
     assert lines[0].split() == ["preset", "fwd", "bwd", "TUs", "sm80", "sm90a", "why"]
     rows = {line.split()[0]: [int(n) for n in line.split()[1:6]]
             for line in lines[1:] if not line.startswith(" ")}
-    assert rows == {"default": [56, 48, 104, 48, 56], "extended": [276, 252, 528, 252, 276],
+    assert rows == {"default": [56, 56, 112, 48, 64], "extended": [276, 264, 540, 252, 288],
                     "minimal": [4, 4, 8, 4, 4],
-                    "flash_attn": [2040, 2016, 4056, 2016, 2040],
+                    "flash_attn": [2040, 2028, 4068, 2016, 2052],
                     "pytorch": [448, 672, 1120, 560, 560],
-                    "coverage": [592, 372, 964, 470, 494],
-                    "all": [10104, 4032, 14136, 7056, 7080]}
+                    "coverage": [592, 384, 976, 470, 506],
+                    "all": [10104, 4044, 14148, 7056, 7092]}
     assert "CI smoke build (8 TUs)" in result.stdout
     assert max(map(len, lines)) <= 100
 
@@ -175,10 +175,10 @@ def test_presets_json_with_targets_and_filter(run_cli):
         "preset": "default",
         "filters": ["fwd,hdim64|hdim128,mask=none|causal,bias=none,vlayout=row,lse,!dropout,"
                     "!softcap", "bwd,hdim64|hdim128,mask=none|causal,bias=none,!dropout,!softcap"],
-        "instances": 28, "instances_per_op": {"fwd": 16, "bwd": 12}, "tus": 28,
-        "tus_per_target": {"sm80": 0, "sm90a": 28}, "why": default["why"]}
+        "instances": 32, "instances_per_op": {"fwd": 16, "bwd": 16}, "tus": 32,
+        "tus_per_target": {"sm80": 0, "sm90a": 32}, "why": default["why"]}
     assert default["why"].startswith("What `pip install .` builds")
-    assert rows[1]["instances_per_op"] == {"fwd": 75, "bwd": 63}
+    assert rows[1]["instances_per_op"] == {"fwd": 75, "bwd": 69}
     assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2}
 
 
@@ -197,7 +197,7 @@ def test_shards_split_the_selection(run_cli, tmp_path):
              for index in range(1, 5)]
     assert sorted(sum(parts, [])) == sorted(whole)
     assert all(part == [name for name in whole if name in part] for part in parts)
-    assert [len(part) for part in parts] == [132, 132, 132, 132]
+    assert [len(part) for part in parts] == [135, 135, 135, 135]
     assert parts[1] == run_cli("--list", "--preset", "extended",
                                "--shard", "2/4").stdout.split()  # deterministic
 
@@ -206,19 +206,19 @@ def test_shard_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out, "--preset", "extended", "--shard", "2/4")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("generator: 528 of 14136 instances selected (fwd 276, bwd 252; "
-                                    "82632 pruned); shard 2/4: 132 TUs (sm80 ")
-    assert "135 files written" in result.stdout
+    assert result.stdout.startswith("generator: 540 of 14148 instances selected (fwd 276, bwd 264; "
+                                    "82620 pruned); shard 2/4: 135 TUs (sm80 ")
+    assert "138 files written" in result.stdout
     tus = sorted(p.name for p in out.glob("*.cu"))
     listed = run_cli("--list", "--preset", "extended", "--shard", "2/4").stdout.split()
     assert tus == sorted(f"{name}.cu" for name in listed)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["instances"]) == 528
+    assert len(manifest["instances"]) == 540
     assert (manifest["shard"]["index"], manifest["shard"]["count"]) == (2, 4)
     assert sorted(manifest["shard"]["tus"]) == tus
     table = (out / "dispatch_table.cpp").read_text()
-    assert table.count("&instances::launch_") == 528
-    assert table.count("&instances::workspace_bwd_") == 252
+    assert table.count("&instances::launch_") == 540
+    assert table.count("&instances::workspace_bwd_") == 264
 
 
 def test_bad_shard_message(run_cli):
@@ -349,7 +349,7 @@ def test_explain_problem_errors(run_cli, problem, message):
 
 def test_filter_names_an_operation(run_cli):
     bwd = run_cli("--list", "--filter", "bwd").stdout.split()
-    assert len(bwd) == 48 and all(name.startswith("bwd_") for name in bwd)
+    assert len(bwd) == 56 and all(name.startswith("bwd_") for name in bwd)
     assert run_cli("--list", "--filter", "op=bwd").stdout.split() == bwd
     fwd = run_cli("--list", "--filter", "fwd").stdout.split()
     assert len(fwd) == 56 and all(name.startswith("fwd_") for name in fwd)
@@ -357,7 +357,7 @@ def test_filter_names_an_operation(run_cli):
     # An axis of the other operation selects nothing of it: lse and vlayout are fwd's.
     result = run_cli("--list", "--filter", "bwd,lse")
     assert result.returncode == 2
-    assert result.stderr.startswith("--filter: 'lse' matches none of the 48 instances left by")
+    assert result.stderr.startswith("--filter: 'lse' matches none of the 56 instances left by")
     # Its negation holds for them: default's fwd instances all have lse.
     assert run_cli("--list", "--filter", "!lse,hdim64,causal,mode=batch,nopad,sm80").stdout.split(
         ) == ["bwd_bf16_d64_causal_fa2_sm80_m128n128", "bwd_fp16_d64_causal_fa2_sm80_m128n128"]
@@ -398,7 +398,7 @@ def test_explain_bwd_hit(run_cli):
         "problem: op=bwd,dtype=bf16,hdim=128x128,mask=causal,bias=none,mode=batch,dbias=false,"
         "dropout=false,softcap=false,seqlen_q=1024,seqlen_k=1024,seqused=false,arch=90",
         "chosen:  bwd_bf16_d128_causal_fa3_sm90a_m64n128_pad",
-        "why:     4 of the 48 selected bwd instances serve it; it goes ahead of the runner-up "
+        "why:     4 of the 56 selected bwd instances serve it; it goes ahead of the runner-up "
         "bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad by rule 3 of the dispatch order, "
         "newer pipeline first: pipeline fa3 against pipeline fa2",
         "serving, in dispatch order:",
@@ -412,7 +412,7 @@ def test_explain_bwd_hit(run_cli):
                      "--filter", "bwd,hdim128")
     assert ragged.stdout.splitlines()[1:3] == [
         "chosen:  bwd_bf16_d128_causal_fa3_sm90a_m64n128_pad",
-        "why:     3 of the 24 selected bwd instances serve it; it goes ahead of the runner-up "
+        "why:     3 of the 28 selected bwd instances serve it; it goes ahead of the runner-up "
         "bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad by rule 3 of the dispatch order, newer "
         "pipeline first: pipeline fa3 against pipeline fa2"]
 
@@ -420,7 +420,7 @@ def test_explain_bwd_hit(run_cli):
 def test_explain_bwd_miss_suggests_a_filter_that_fits(run_cli):
     problem = "op=bwd,dtype=fp16,hdim=64,bias=elementwise,dbias=true,seqlen_q=1000,arch=80"
     lines = run_cli("--explain", problem).stdout.splitlines()
-    assert lines[1] == "none of the 48 selected bwd instances serves it; the nearest:"
+    assert lines[1] == "none of the 56 selected bwd instances serves it; the nearest:"
     assert lines[2] == ("  bwd_fp16_d64_fa2_sm80_m128n128_pad_hpad: bias=none (the call: "
                         "elementwise); dbias=false (the call: true)")
     assert lines[5] == ("the matrix has one that fits: "

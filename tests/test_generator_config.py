@@ -193,7 +193,7 @@ def test_repository_config_loads():
     assert list(config.operations) == ["fwd", "bwd"]
     assert all(entry.why for op in config.operations.values() for entry in op.tiles)
     # The shared rules are every operation's.
-    assert [len(op.rules) for op in config.operations.values()] == [3 + 10, 3 + 1 + 9]
+    assert [len(op.rules) for op in config.operations.values()] == [3 + 10, 3 + 1 + 8]
     assert all(op.rules[:3] == config.shared_rules for op in config.operations.values())
 
 

@@ -165,12 +165,12 @@ def test_pipeline_gaps_in_the_table():
     text = render(select(config, build_catalog(config), "minimal"),
                   source="instances.yaml")["dispatch_table.cpp"]
     # One row per rule on fa3's traits (not on its arch or padding), for sm90a where it exists:
-    # the forward's five, and the backward's five in a table of its own.
-    assert text.count('    {"fa3", "sm90a", ') == 5 + 5
+    # the forward's five, and the backward's four in a table of its own.
+    assert text.count('    {"fa3", "sm90a", ') == 5 + 4
     assert """\
-    {"fa3", "sm90a", "mode",
-     "the fa3 backward has no group (varlen) mode yet; varlen calls on H100/H200 run fa2",
-     [](const BwdTraits& t) { return (t.mode == fmha::Mode::kGroup); }},
+    {"fa3", "sm90a", "dropout",
+     "the fa3 backward has no dropout yet; dropout calls on H100/H200 run fa2",
+     [](const BwdTraits& t) { return (t.dropout == true); }},
 """ in text
     assert """\
     {"fa3", "sm90a", "bias",
@@ -217,7 +217,7 @@ def test_instances_cmake_lists_the_tus_that_need_cutlass():
     text = render(selection, source="instances.yaml")["instances.cmake"]
     assert text.endswith("""\
 set(FMHA_GENERATED_CUTLASS_SOURCES
-  "${CMAKE_CURRENT_LIST_DIR}/bwd_fp16_d64_fa3_sm90a_m64n128_pad.cu"
+  "${CMAKE_CURRENT_LIST_DIR}/bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu"
   "${CMAKE_CURRENT_LIST_DIR}/fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu"
 )
 """)

@@ -36,10 +36,11 @@
 // kernel 3 sums the accumulators in order, as fa2's backward does.
 //
 // Traits on this pipeline: fp16/bf16; head dims 64 and 128; no mask, causal and sliding
-// windows (both alignments); MQA/GQA; batch mode with seqused; the deterministic mode. Every
-// sequence length is served (pad_seqlen): TMA zero-fills rows past the tensors' ends, and rows
-// past a sequence's used length are zeroed in shared memory before a GEMM reads them. The rest
-// runs on fa2 (instances.yaml's rules say so).
+// windows (both alignments); MQA/GQA; batch and group (varlen) mode with seqused; the
+// deterministic mode. Every sequence length is served (pad_seqlen): TMA zero-fills rows past
+// the tensors' ends, and rows past a sequence's used length (the next sequence's, in group mode)
+// are zeroed in shared memory before a GEMM reads them. The rest runs on fa2 (instances.yaml's
+// rules say so).
 #pragma once
 
 // First: it sets how CuTe is configured before any CuTe header.
@@ -84,7 +85,6 @@ struct BwdConfig {
 
   static_assert(kBias_ == BiasType::kNone && !kDbias_ && !kDropout_ && !kSoftcap_,
                 "the fa3 backward has no bias, dropout or soft-cap yet: those instances are fa2");
-  static_assert(kMode == Mode::kBatch, "the fa3 backward has no group mode yet");
   static_assert(kPadSeqlen_ && !kPadHdim,
                 "fa3 serves every sequence length (pad_seqlen) and exact head dims only");
   static_assert(kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0 && kHeadDimQK <= 128 &&
@@ -212,12 +212,14 @@ struct BwdConfig {
     TmaLoadK tma_k;
     TmaLoadV tma_v;
     GmemShape q_shape, do_shape, k_shape, v_shape;
-    // kernel 1's row statistics, (nhead_q, batch, seqlen_q_rounded); p.dq_accum holds per split
-    // (batch, nhead_q, seqlen_q_rounded / kBlockM) tiles of kBlockM x kHeadDimQK floats, each
-    // as the kernel's shared dQ tile holds it (dq_tile_offset).
+    // Kernel 1's row statistics, (nhead_q, padded_rows) in the padded layout (padded_row0);
+    // p.dq_accum holds per split (nhead_q, padded_rows / kBlockM) tiles of kBlockM x kHeadDimQK
+    // floats, each as the kernel's shared dQ tile holds it (dq_tile_offset).
     float* lse_log2;
     float* dpsum;
-    int seqlen_q_rounded;  // seqlen_q up to whole query tiles
+    int64_t padded_rows;
+    int seqlen_q_rounded;  // the longest sequence's seqlen_q, up to whole query tiles
+    int64_t total_q;       // group mode: the packed rows of Q, dO and dQ
     int group_heads;       // causal order: (K/V head, sequence) pairs per L2 group
   };
 };
@@ -249,6 +251,28 @@ __host__ __device__ constexpr int dq_tile_offset(int row, int col) {
   const int t = 32 * (r / 16) + 4 * (r % 8) + (c % 8) / 2;
   const int j = c / 8 + kSliceCols / 8 * (row / 64);
   return w * kBlockM * kSliceCols + 4 * (128 * j + t) + 2 * ((r % 16) / 8) + c % 2;
+}
+
+// The first row of sequence `batch` in the padded layout of kernel 1's statistics and of the dQ
+// accumulator (per head): each sequence starts at a multiple of kBlockM, so a query tile's rows
+// are one aligned chunk for the bulk copies. Batch mode: batch * seqlen_q_rounded; group mode
+// (FlashAttention-3's): cu_seqlens_q[batch] + batch * kBlockM, rounded down to kBlockM, which
+// leaves every sequence its rows rounded up to whole tiles.
+template <class Cfg>
+__host__ __device__ __forceinline__ int64_t padded_row0(const typename Cfg::KernelParams& kp,
+                                                        int batch) {
+  if constexpr (Cfg::kMode == Mode::kGroup) {
+    const int64_t row = kp.p.fwd.cu_seqlens_q[batch] + static_cast<int64_t>(batch) * Cfg::kBlockM;
+    return row / Cfg::kBlockM * Cfg::kBlockM;
+  } else {
+    return static_cast<int64_t>(batch) * kp.seqlen_q_rounded;
+  }
+}
+
+// The rows a sequence owns in Q, dO and dQ (seqused_q may use fewer), and in K, V, dK and dV.
+template <Mode kMode>
+__device__ __forceinline__ int rows_owned(const int32_t* cu_seqlens, int batch, int seqlen) {
+  return kMode == Mode::kGroup ? cu_seqlens[batch + 1] - cu_seqlens[batch] : seqlen;
 }
 
 // The CTA's first key tile, K/V head and sequence; it walks key tiles n_block, n_block +
@@ -303,8 +327,8 @@ struct KeyTileWork {
 
 // Kernel 1: per (head, sequence, row) of the padded layout, D = rowsum(dO * O) and the
 // log-sum-exp in log2 units (+inf for rows that see no key, whose forward LSE is -inf, so that
-// their P is 0 rather than NaN); rows past the sequence's used length get D = 0 and +inf. Then
-// zeroes the dQ accumulators.
+// their P is 0 rather than NaN); rows past the sequence's used length, up to its last query
+// tile's end, get D = 0 and +inf. Then zeroes the dQ accumulators.
 template <class Cfg>
 __global__ void __launch_bounds__(256)
     bwd_preprocess_kernel(const __grid_constant__ typename Cfg::KernelParams kp) {
@@ -318,18 +342,23 @@ __global__ void __launch_bounds__(256)
     const int64_t head_batch = w / kp.seqlen_q_rounded;
     const int batch = static_cast<int>(head_batch % p.batch);
     const int head = static_cast<int>(head_batch / p.batch);
-    const int used = f.seqused_q != nullptr ? f.seqused_q[batch] : f.seqlen_q;
+    const int owned = rows_owned<Cfg::kMode>(f.cu_seqlens_q, batch, f.seqlen_q);
+    if (i >= (owned + Cfg::kBlockM - 1) / Cfg::kBlockM * Cfg::kBlockM) continue;
+    const SequenceExtent seq = sequence_extent<Cfg::kMode>(f, batch);
     float dot = 0.f;
     float lse2 = INFINITY;
-    if (i < used) {
+    if (i < seq.seqlen_q) {
+      const bool group = Cfg::kMode == Mode::kGroup;
       dot = warp_dot_do_o<typename Cfg::Element, Cfg::kMode>(
-          p, static_cast<int64_t>(batch) * f.seqlen_q + i, head);
-      const float lse = f.lse[head * f.lse_head_stride + batch * f.lse_batch_stride + i];
+          p, (group ? seq.q_start : static_cast<int64_t>(batch) * f.seqlen_q) + i, head);
+      const float lse = f.lse[head * f.lse_head_stride +
+                              (group ? seq.q_start : batch * f.lse_batch_stride) + i];
       lse2 = lse == -INFINITY ? INFINITY : lse * static_cast<float>(M_LOG2E);
     }
     if (lane == 0) {
-      kp.dpsum[w] = dot;
-      kp.lse_log2[w] = lse2;
+      const int64_t at = head * kp.padded_rows + padded_row0<Cfg>(kp, batch) + i;
+      kp.dpsum[at] = dot;
+      kp.lse_log2[at] = lse2;
     }
   }
   const int64_t quads = p.splits * p.split_stride / 4;
@@ -392,6 +421,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kBlockM = Cfg::kBlockM;
   constexpr int kBlockN = Cfg::kBlockN;
   constexpr int kConsumerThreads = Cfg::kConsumerThreads;
+  constexpr bool kGroup = Cfg::kMode == Mode::kGroup;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& shared = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
@@ -442,8 +472,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   // The row statistics of (head, query tile m) in kernel 1's padded layout.
   auto row_stats = [&](const float* base, int head, int m_block) {
-    return base + (static_cast<int64_t>(head) * p.batch + batch) * kp.seqlen_q_rounded +
-           m_block * kBlockM;
+    return base + head * kp.padded_rows + padded_row0<Cfg>(kp, batch) + m_block * kBlockM;
   };
 
   if (warpgroup == 0) {
@@ -462,9 +491,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int g = 0; g < f.kv_group; ++g) {
           const int head = kv_head * f.kv_group + g;
           for (int m_block = work.m_begin; m_block < work.m_end; ++m_block) {
-            float* tile = dq_accum + ((static_cast<int64_t>(batch) * f.nhead_q + head) *
-                                          kp.seqlen_q_rounded + m_block * kBlockM) *
-                                         Cfg::kHeadDimQK;
+            float* tile = dq_accum + (head * kp.padded_rows + padded_row0<Cfg>(kp, batch) +
+                                      m_block * kBlockM) * Cfg::kHeadDimQK;
 #pragma unroll
             for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
               barrier_sync(BwdBarrier::kDqFullFirst + w, kDqBarrierThreads);
@@ -500,11 +528,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     auto write_q = cutlass::make_producer_start_state<RingPipeline>();
     auto write_do = cutlass::make_producer_start_state<RingPipeline>();
     auto write_kv = cutlass::make_producer_start_state<KVPipeline>();
-    Tensor mK = kp.tma_k.get_tma_tensor(kp.k_shape)(_, _, kv_head, batch);
-    Tensor mV = kp.tma_v.get_tma_tensor(kp.v_shape)(_, _, kv_head, batch);
+    // Group mode packs the sequences along the rows of one batch: a sequence's tiles start at
+    // its first row (rows past its end are the next sequence's, zeroed by the consumers).
+    const int batch_coord = kGroup ? 0 : batch;
     for (int n_block = walk.n_block; n_block < p.n_blocks; n_block += walk.n_stride) {
       const KeyTileWork<Cfg> work(f, batch, n_block);
       if (!work.has_steps()) continue;
+      const auto k_start = make_coord(static_cast<int>(work.seq.k_start), _0{});
+      const auto q_start = make_coord(static_cast<int>(work.seq.q_start), _0{});
+      Tensor mK = domain_offset(k_start, kp.tma_k.get_tma_tensor(kp.k_shape)(_, _, kv_head,
+                                                                             batch_coord));
+      Tensor mV = domain_offset(k_start, kp.tma_v.get_tma_tensor(kp.v_shape)(_, _, kv_head,
+                                                                             batch_coord));
       kv_pipe.producer_acquire(write_kv);
       if (lane == 0) {
         auto* bar = kv_pipe.producer_get_barrier(write_kv);
@@ -520,8 +555,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ++write_kv;
       for (int g = 0; g < f.kv_group; ++g) {
         const int head = kv_head * f.kv_group + g;
-        Tensor mQ = kp.tma_q.get_tma_tensor(kp.q_shape)(_, _, head, batch);
-        Tensor mDo = kp.tma_do.get_tma_tensor(kp.do_shape)(_, _, head, batch);
+        Tensor mQ = domain_offset(q_start,
+                                  kp.tma_q.get_tma_tensor(kp.q_shape)(_, _, head, batch_coord));
+        Tensor mDo = domain_offset(
+            q_start, kp.tma_do.get_tma_tensor(kp.do_shape)(_, _, head, batch_coord));
         Tensor gQ = local_tile(mQ, Shape<BlockM, DimQK>{}, make_coord(_, _0{}));
         Tensor gDo = local_tile(mDo, Shape<BlockM, DimV>{}, make_coord(_, _0{}));
         // (TMA, query tile) and (TMA, stage)
@@ -584,7 +621,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kSValues = decltype(size(tScS))::value;
 
   auto consumers_sync = [&](uint32_t barrier) { barrier_sync(barrier, kConsumerThreads); };
-  const int keys_owned = f.seqlen_k;  // batch mode: every key of the sequence gets dK and dV
+  // Every key the sequence owns gets dK and dV (past seqused_k too).
+  const int keys_owned = rows_owned<Cfg::kMode>(f.cu_seqlens_k, batch, f.seqlen_k);
 
   cutlass::PipelineState<Cfg::kStages> read_q;
   cutlass::PipelineState<Cfg::kStages> read_do;
@@ -747,16 +785,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       barrier_sync(BwdBarrier::kWarpgroupFirst + consumer_wg, 128);  // read before rewritten
     };
     store_keys(tdVrdV, mma_dv, DimV{}, 1.f,
-               static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride,
+               static_cast<Element*>(p.dv) + kv_head * p.dv_head_stride +
+                   (kGroup ? seq.k_start * p.dv_seq_stride : batch * p.dv_batch_stride),
                p.dv_seq_stride);
     store_keys(tdKrdK, mma_dk, DimQK{}, f.scale,
-               static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride,
+               static_cast<Element*>(p.dk) + kv_head * p.dk_head_stride +
+                   (kGroup ? seq.k_start * p.dk_seq_stride : batch * p.dk_batch_stride),
                p.dk_seq_stride);
   }
 }
 
 // Kernel 3: dQ = softmax_scale * the sum of the accumulators over the splits (in split order),
 // one thread per 8 columns of two rows r and r + 8 (which share float4s of the tile layout).
+// Every row of dQ is written: those past a sequence's used length are 0, and so (group mode) are
+// the packed rows past the last sequence.
 template <class Cfg>
 __global__ void __launch_bounds__(256)
     bwd_convert_dq_kernel(const __grid_constant__ typename Cfg::KernelParams kp) {
@@ -779,9 +821,11 @@ __global__ void __launch_bounds__(256)
     const int head = static_cast<int>(batch_head % f.nhead_q);
     const int batch = static_cast<int>(batch_head / f.nhead_q);
     const int row = 16 * (pair_in_seq / 8) + pair_in_seq % 8;  // and row + 8
-    if (row >= f.seqlen_q) continue;
+    const int owned = rows_owned<Cfg::kMode>(f.cu_seqlens_q, batch, f.seqlen_q);
+    if (row >= owned) continue;
     const int m_block = row / kBlockM;
-    const float* tile = p.dq_accum + (batch_head * kp.seqlen_q_rounded + m_block * kBlockM) * kDim;
+    const float* tile = p.dq_accum + (head * kp.padded_rows + padded_row0<Cfg>(kp, batch) +
+                                      m_block * kBlockM) * kDim;
     // Columns 8 g + 2 q, + 1 of rows r and r + 8 are float4 q of 4 neighbouring ones.
     const int first = dq_tile_offset<kBlockM, kDim, Cfg::kConsumerWarpgroups>(row % kBlockM,
                                                                               8 * group);
@@ -798,31 +842,57 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = row + 8 * h;
-      if (r >= f.seqlen_q) continue;
+      if (r >= owned) continue;
       uint32_t out[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         out[q] = sm80::pack2<Element>(sum[h][2 * q] * f.scale, sum[h][2 * q + 1] * f.scale);
       }
-      *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq) + batch * p.dq_batch_stride +
-                                r * p.dq_seq_stride + head * p.dq_head_stride + 8 * group) =
+      const int64_t first_row =
+          Cfg::kMode == Mode::kGroup ? f.cu_seqlens_q[batch] * p.dq_seq_stride
+                                     : batch * p.dq_batch_stride;
+      *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq) + first_row + r * p.dq_seq_stride +
+                                head * p.dq_head_stride + 8 * group) =
           make_uint4(out[0], out[1], out[2], out[3]);
+    }
+  }
+  if constexpr (Cfg::kMode == Mode::kGroup) {
+    const int64_t last = f.cu_seqlens_q[p.batch];
+    const int64_t chunks = (kp.total_q - last) * f.nhead_q * kGroups;
+    for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < chunks;
+         t += threads) {
+      const int64_t row = last + t / (f.nhead_q * kGroups);
+      const int head = static_cast<int>(t / kGroups % f.nhead_q);
+      *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq) + row * p.dq_seq_stride +
+                                head * p.dq_head_stride + 8 * (t % kGroups)) =
+          make_uint4(0, 0, 0, 0);
     }
   }
 }
 
-// seqlen_q up to whole query tiles: the rows of kernel 1's statistics per (head, sequence).
+// seqlen_q (group mode: the longest sequence's) up to whole query tiles.
 template <class Cfg>
 inline int bwd_seqlen_q_rounded(const BwdArgs& a) {
   return (a.fwd.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM * Cfg::kBlockM;
+}
+
+// The rows per head of kernel 1's statistics and of the dQ accumulator (padded_row0's layout):
+// padded_row0 of a batch one past the last.
+template <class Cfg>
+inline int64_t bwd_padded_rows(const BwdArgs& a) {
+  if constexpr (Cfg::kMode == Mode::kGroup) {
+    return (a.fwd.total_q + static_cast<int64_t>(a.fwd.batch) * Cfg::kBlockM) / Cfg::kBlockM *
+           Cfg::kBlockM;
+  } else {
+    return static_cast<int64_t>(a.fwd.batch) * bwd_seqlen_q_rounded<Cfg>(a);
+  }
 }
 
 // The workspace: kernel 1's row statistics (LSE and D, padded to whole query tiles), then the
 // fp32 dQ accumulators. No O(S^2) term.
 template <class Cfg>
 size_t bwd_workspace_bytes(const BwdArgs& a) {
-  const size_t rows =
-      static_cast<size_t>(a.fwd.nhead_q) * a.fwd.batch * bwd_seqlen_q_rounded<Cfg>(a);
+  const size_t rows = static_cast<size_t>(a.fwd.nhead_q) * bwd_padded_rows<Cfg>(a);
   const size_t splits = static_cast<size_t>(bwd_splits(a, Cfg::kBlockN));
   return 2 * align_workspace(rows * sizeof(float)) +
          align_workspace(splits * rows * Cfg::kHeadDimQK * sizeof(float));
@@ -839,38 +909,42 @@ cudaError_t launch_bwd(const BwdArgs& args, cudaStream_t stream) {
                                 Cfg::kBlockN);
   p.splits = bwd_splits(args, Cfg::kBlockN);
   kp.seqlen_q_rounded = bwd_seqlen_q_rounded<Cfg>(args);
+  kp.padded_rows = bwd_padded_rows<Cfg>(args);
+  kp.total_q = args.fwd.total_q;
   // A K/V head's CTAs stream the Q and dO of its query heads.
   kp.group_heads = heads_per_group(static_cast<int64_t>(args.fwd.seqlen_q) *
                                        (Cfg::kHeadDimQK + Cfg::kHeadDimV) * 2 * p.fwd.kv_group,
                                    static_cast<int64_t>(args.fwd.nhead_k) * args.fwd.batch);
-  const size_t padded_rows =
-      static_cast<size_t>(args.fwd.nhead_q) * args.fwd.batch * kp.seqlen_q_rounded;
-  p.split_stride = static_cast<int64_t>(padded_rows) * Cfg::kHeadDimQK;
-  const size_t stats_bytes = align_workspace(padded_rows * sizeof(float));
+  const size_t rows = static_cast<size_t>(args.fwd.nhead_q) * kp.padded_rows;
+  p.split_stride = static_cast<int64_t>(rows) * Cfg::kHeadDimQK;
+  const size_t stats_bytes = align_workspace(rows * sizeof(float));
   auto* workspace = static_cast<unsigned char*>(args.workspace);
   kp.lse_log2 = reinterpret_cast<float*>(workspace);
   kp.dpsum = reinterpret_cast<float*>(workspace + stats_bytes);
   p.dq_accum = reinterpret_cast<float*>(workspace + 2 * stats_bytes);
 
-  // TMA coordinates are int32.
-  if (args.fwd.seqlen_q > INT32_MAX - Cfg::kBlockM ||
-      args.fwd.seqlen_k > INT32_MAX - Cfg::kBlockN) {
+  // Global tensors as TMA sees them; group mode packs every sequence along the rows of one
+  // batch. TMA coordinates are int32.
+  constexpr bool kGroup = Cfg::kMode == Mode::kGroup;
+  const FwdArgs& f = args.fwd;
+  const int64_t rows_q = kGroup ? f.total_q : f.seqlen_q;
+  const int64_t rows_k = kGroup ? f.total_k : f.seqlen_k;
+  if (rows_q > INT32_MAX - Cfg::kBlockM || rows_k > INT32_MAX - Cfg::kBlockN) {
     return cudaErrorInvalidConfiguration;
   }
-  auto shape = [&](int rows, int dim, int heads) {
-    return typename Cfg::GmemShape(rows, dim, heads, args.fwd.batch);
+  auto shape = [&](int64_t rows, int dim, int heads) {
+    return typename Cfg::GmemShape(static_cast<int32_t>(rows), dim, heads, kGroup ? 1 : f.batch);
   };
   auto gmem = [&](const void* ptr, auto shape, int64_t seq, int64_t head, int64_t batch_stride) {
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
-                       make_layout(shape, typename Cfg::GmemStride(tma_stride(seq), _1{},
-                                                                   tma_stride(head),
-                                                                   tma_stride(batch_stride))));
+                       make_layout(shape, typename Cfg::GmemStride(
+                                              tma_stride(seq), _1{}, tma_stride(head),
+                                              tma_stride(kGroup ? 0 : batch_stride))));
   };
-  const FwdArgs& f = args.fwd;
-  kp.q_shape = shape(f.seqlen_q, f.hdim_q, f.nhead_q);
-  kp.do_shape = shape(f.seqlen_q, f.hdim_v, f.nhead_q);
-  kp.k_shape = shape(f.seqlen_k, f.hdim_q, f.nhead_k);
-  kp.v_shape = shape(f.seqlen_k, f.hdim_v, f.nhead_k);
+  kp.q_shape = shape(rows_q, f.hdim_q, f.nhead_q);
+  kp.do_shape = shape(rows_q, f.hdim_v, f.nhead_q);
+  kp.k_shape = shape(rows_k, f.hdim_q, f.nhead_k);
+  kp.v_shape = shape(rows_k, f.hdim_v, f.nhead_k);
   kp.tma_q = make_tma_copy(SM90_TMA_LOAD{},
                            gmem(f.q, kp.q_shape, f.q_seq_stride, f.q_head_stride, f.q_batch_stride),
                            take<0, 2>(typename Cfg::SmemLayoutQ{}),
