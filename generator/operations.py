@@ -337,11 +337,13 @@ _BWD_FA3_CONSTRAINTS = (
 
 def _bwd_fa3_smem_bytes(tile, hdim: tuple[int, int]) -> int:
     """BwdConfig::kSmemBytes of bwd_fa3_sm90.cuh: K and V; per stage Q, dO and the LSE and D
-    of each row; two dS^T buffers; the barriers and the 1024-byte alignment of TMA's tiles."""
+    of each row; two dS^T buffers; one step's fp32 dQ tile; the barriers and the 1024-byte
+    alignment of TMA's tiles."""
     both = hdim[0] + hdim[1]
     return (2 * tile.block_n * both
             + tile.stages * (2 * tile.block_m * both + 8 * tile.block_m)
-            + 2 * 2 * tile.block_n * tile.block_m + _FA3_BARRIERS_AND_ALIGNMENT)
+            + 2 * 2 * tile.block_n * tile.block_m + 4 * tile.block_m * hdim[0]
+            + _FA3_BARRIERS_AND_ALIGNMENT)
 
 
 BWD = Operation(
@@ -356,8 +358,8 @@ BWD = Operation(
                tile_constraints=_BWD_FA3_CONSTRAINTS,
                shared_memory=SharedMemory(
                    "2 * block_n * (hdim_q + hdim_v) + stages * (2 * block_m * (hdim_q + hdim_v) "
-                   f"+ 8 * block_m) + 4 * block_n * block_m + {_FA3_BARRIERS_AND_ALIGNMENT} "
-                   "(barriers and alignment)",
+                   "+ 8 * block_m) + 4 * block_n * block_m + 4 * block_m * hdim_q + "
+                   f"{_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
                    _bwd_fa3_smem_bytes),
                uses_cutlass=True, workspace="fmha::fa3::bwd_workspace_bytes"),
         # mma.sync, for sm80 and newer.
