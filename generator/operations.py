@@ -315,34 +315,45 @@ def _bwd_fa2_smem_bytes(tile, hdim: tuple[int, int]) -> int:
 
 
 # What fmha/kernels/bwd_fa3_sm90.cuh static_asserts: one producer warpgroup feeds two consumer
-# warpgroups of 64 keys each through TMA; a step takes 64 query rows.
+# warpgroups through TMA. block_n 128 splits the keys between them (64 each: wgmma's M), block_n
+# 64 splits the head dim (both take the same 64 keys, each half of dK's and dV's columns).
+def _bwd_fa3_splits_head_dim(tile) -> bool:
+    return tile.block_n == 64
+
+
 _BWD_FA3_CONSTRAINTS = (
-    TileConstraint("block_n == 128 (two consumer warpgroups of 64 keys: wgmma's M)",
-                   lambda tile, hdim: tile.block_n == 128),
-    TileConstraint("block_m 64 or 128, and block_m * (hdim_q + hdim_v) <= 16384 (whole 128-byte "
-                   "swizzle atoms across dS^T's rows; S^T and dP^T of 64 x block_m per warpgroup "
-                   "beside dK and dV in registers)",
-                   lambda tile, hdim: tile.block_m in (64, 128)
-                   and tile.block_m * (hdim[0] + hdim[1]) <= 16384),
-    TileConstraint("warps == 4 * (block_n // 64 + 1) (one producer warpgroup plus one consumer "
-                   "warpgroup per 64 keys)",
-                   lambda tile, hdim: tile.warps == 4 * (tile.block_n // 64 + 1)),
+    TileConstraint("block_n 128 (two consumer warpgroups of 64 keys: wgmma's M) or 64 (both on "
+                   "the same 64 keys, each with half the head dim)",
+                   lambda tile, hdim: tile.block_n in (64, 128)),
+    TileConstraint("block_n 128: block_m 64 or 128 and block_m * (hdim_q + hdim_v) <= 16384 "
+                   "(whole 128-byte swizzle atoms across dS^T's rows; S^T and dP^T of 64 x "
+                   "block_m per warpgroup beside dK and dV in registers); block_n 64: block_m 64",
+                   lambda tile, hdim: tile.block_m == 64 if _bwd_fa3_splits_head_dim(tile)
+                   else tile.block_m in (64, 128) and tile.block_m * (hdim[0] + hdim[1]) <= 16384),
+    TileConstraint("warps == 12 (one producer and two consumer warpgroups)",
+                   lambda tile, hdim: tile.warps == 12),
     TileConstraint("stages == 2 (Q and dO are double-buffered)",
                    lambda tile, hdim: tile.stages == 2),
-    TileConstraint("hdim_q and hdim_v multiples of 64 and at most 128 (128-byte swizzle atoms; "
-                   "dK and dV of 64 keys fit a consumer's registers)",
-                   lambda tile, hdim: all(d % 64 == 0 and d <= 128 for d in hdim)),
+    TileConstraint("block_n 128: hdim_q and hdim_v multiples of 64, at most 128 (128-byte "
+                   "swizzle atoms; dK and dV of 64 keys fit a consumer's registers); block_n 64: "
+                   "hdim_q == hdim_v, 128 or 256 (each warpgroup's half is whole swizzle atoms)",
+                   lambda tile, hdim: hdim[0] == hdim[1] and hdim[0] in (128, 256)
+                   if _bwd_fa3_splits_head_dim(tile)
+                   else all(d % 64 == 0 and d <= 128 for d in hdim)),
 )
 
 
 def _bwd_fa3_smem_bytes(tile, hdim: tuple[int, int]) -> int:
     """BwdConfig::kSmemBytes of bwd_fa3_sm90.cuh: K and V; per stage Q, dO and the LSE and D
-    of each row; two dS^T buffers; one step's fp32 dQ tile; the barriers and the 1024-byte
+    of each row; two dS^T buffers; with the key split, one step's fp32 dQ tile for the writer
+    warp, with the head-dim split two P^T buffers instead; the barriers and the 1024-byte
     alignment of TMA's tiles."""
     both = hdim[0] + hdim[1]
+    split_head_dim = _bwd_fa3_splits_head_dim(tile)
     return (2 * tile.block_n * both
             + tile.stages * (2 * tile.block_m * both + 8 * tile.block_m)
-            + 2 * 2 * tile.block_n * tile.block_m + 4 * tile.block_m * hdim[0]
+            + (4 if split_head_dim else 2) * 2 * tile.block_n * tile.block_m
+            + (0 if split_head_dim else 4 * tile.block_m * hdim[0])
             + _FA3_BARRIERS_AND_ALIGNMENT)
 
 
@@ -358,7 +369,8 @@ BWD = Operation(
                tile_constraints=_BWD_FA3_CONSTRAINTS,
                shared_memory=SharedMemory(
                    "2 * block_n * (hdim_q + hdim_v) + stages * (2 * block_m * (hdim_q + hdim_v) "
-                   "+ 8 * block_m) + 4 * block_n * block_m + 4 * block_m * hdim_q + "
+                   "+ 8 * block_m) + 4 * block_n * block_m + (block_n 128: 4 * block_m * hdim_q; "
+                   "block_n 64: 4 * block_n * block_m) + "
                    f"{_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
                    _bwd_fa3_smem_bytes),
                uses_cutlass=True, workspace="fmha::fa3::bwd_workspace_bytes"),

@@ -16,10 +16,11 @@
 //          accumulator with one bulk reduce-add per consumer warpgroup
 //          (cp.reduce.async.bulk .add.f32, FlashAttention-3's dQ writer), so the consumers never
 //          wait on global memory;
-//        two consumer warpgroups (240 registers), each owning 64 of the tile's keys: their dK
-//          and dV accumulate in registers over the steps. Per step, with the keys as wgmma's M
-//          (FlashAttention-3's SdP_swapAB), so P^T and dS^T come out of the first two GEMMs
-//          already as the register A operands of the next two:
+//        two consumer warpgroups (240 registers), each owning 64 of the tile's keys (the key
+//          split, head dims up to 128): their dK and dV accumulate in registers over the steps.
+//          Per step, with the keys as wgmma's M (FlashAttention-3's SdP_swapAB), so P^T and
+//          dS^T come out of the first two GEMMs already as the register A operands of the next
+//          two:
 //            S^T  = K Q^T        (shared/shared)      P^T  = exp2(S^T * scale log2 e - LSE)
 //            dP^T = V dO^T       (shared/shared)      dS^T = P^T (dP^T - D)
 //            dV  += P^T dO       (A from registers, dO read transposed in shared memory)
@@ -27,7 +28,12 @@
 //            dQ   = dS K         (dS and K read transposed; each warpgroup half the head dim)
 //            dK  += dS^T Q       (A from registers, Q read transposed)
 //          and dQ goes to the writer warp through shared memory, in the accumulator's own
-//          register order (float4s, conflict-free), which is also the global accumulator's;
+//          register order (float4s, conflict-free), which is also the global accumulator's.
+//          Head dim 256 (the head-dim split): dK and dV of 64 keys over every column would take
+//          256 registers a thread, so both warpgroups work on one tile of 64 keys, each with
+//          dK, dV and dQ of half the columns and S^T, dP^T of half the step's queries; P^T
+//          joins dS^T in shared memory, dV's and dK's GEMMs read both from there, and dQ leaves
+//          as float4 atomics in the same order (no room for a shared dQ tile);
 //   3. bwd_convert_dq_kernel: dQ = softmax_scale * the accumulator, out of that order, rounded.
 // MQA/GQA: a CTA walks every query head sharing its K/V head, so dK and dV are summed in
 // registers. Deterministic mode: `splits` CTAs per (K/V head, sequence) walk fixed key tiles in
@@ -35,7 +41,7 @@
 // key tile, and the writer lets each key tile's reduces complete before the next key tile's);
 // kernel 3 sums the accumulators in order, as fa2's backward does.
 //
-// Traits on this pipeline: fp16/bf16; head dims 64 and 128; no mask, causal and sliding
+// Traits on this pipeline: fp16/bf16; head dims 64, 128 and 256; no mask, causal and sliding
 // windows (both alignments); MQA/GQA; batch and group (varlen) mode with seqused; the
 // deterministic mode. Every sequence length is served (pad_seqlen): TMA zero-fills rows past
 // the tensors' ends, and rows past a sequence's used length (the next sequence's, in group mode)
@@ -51,6 +57,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -87,21 +94,35 @@ struct BwdConfig {
                 "the fa3 backward has no bias, dropout or soft-cap yet: those instances are fa2");
   static_assert(kPadSeqlen_ && !kPadHdim,
                 "fa3 serves every sequence length (pad_seqlen) and exact head dims only");
-  static_assert(kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0 && kHeadDimQK <= 128 &&
-                    kHeadDimV <= 128,
-                "head dims are whole 128-byte swizzle atoms, and dK and dV of 64 keys over at "
-                "most 128 columns each fit a consumer's registers");
-  static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys (wgmma's M)");
-  static_assert((kBlockM == 64 || kBlockM == 128) && kBlockM * (kHeadDimQK + kHeadDimV) <= 16384,
+  // How the two consumer warpgroups share a CTA's work. Key split (block_n 128, head dims up
+  // to 128): each owns 64 of the keys (wgmma's M) with their dK and dV of the whole head dim.
+  // Head-dim split (block_n 64, head dims of 256, FlashAttention-3's dKV_swapAB in effect):
+  // dK and dV of 64 keys over 256 columns are 256 fp32 registers a thread, so both warpgroups
+  // take the same 64 keys, each with dK, dV and dQ of half the head dim (128 registers of dK
+  // and dV), and each computes S^T and dP^T for half of the step's queries; P^T joins dS^T in
+  // shared memory, where both warpgroups read the whole of each.
+  static constexpr bool kSplitHeadDim = kBlockN == 64;
+  static_assert(kSplitHeadDim ? kHeadDimQK == kHeadDimV && kHeadDimQK % 128 == 0 &&
+                                    kHeadDimQK <= 256
+                              : kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0 &&
+                                    kHeadDimQK <= 128 && kHeadDimV <= 128,
+                "head dims are whole 128-byte swizzle atoms (per warpgroup's half with the "
+                "head-dim split), and a consumer's dK and dV fit its registers");
+  static_assert(kBlockN == 64 || kBlockN == 128,
+                "two consumer warpgroups of 64 keys (wgmma's M), or both on 64 keys");
+  static_assert(kSplitHeadDim ? kBlockM == 64
+                              : (kBlockM == 64 || kBlockM == 128) &&
+                                    kBlockM * (kHeadDimQK + kHeadDimV) <= 16384,
                 "64 or 128 query rows per step (whole 128-byte swizzle atoms across dS^T's rows, "
                 "m64 blocks of dQ): S^T and dP^T of 64 x kBlockM per warpgroup beside dK and dV "
-                "in registers, so 128 rows only where dK and dV are 64 columns");
+                "in registers, so 128 rows only where dK and dV are 64 columns; 64 with the "
+                "head-dim split, whose K, V, Q and dO tiles fill shared memory");
   static_assert(kStages == 2, "Q and dO are double-buffered");
 
-  static constexpr int kConsumerWarpgroups = kBlockN / 64;
+  static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
-  static_assert(kNumWarps_ * 32 == kThreads, "warps = 4 * (block_n / 64 + 1)");
+  static_assert(kNumWarps_ * 32 == kThreads, "12 warps: a producer and two consumer warpgroups");
   // As the forward's two-consumer split (fwd_fa3_sm90.cuh): 168 at launch, the producer gives
   // 144 x 128 registers up and the consumers take 72 x 256.
   static constexpr int kProducerRegisters = 24;
@@ -112,24 +133,37 @@ struct BwdConfig {
   using DimQK = cute::Int<kHeadDimQK>;
   using DimV = cute::Int<kHeadDimV>;
   using Stages = cute::Int<kStages>;
-  // One consumer warpgroup's GEMMs. Warpgroup w owns keys [64 w, 64 w + 64) and dQ's head-dim
-  // columns [w d / W, (w + 1) d / W), and partitions its own slices of K, V and K^T.
+  // One consumer warpgroup's GEMMs. Key split: warpgroup w owns keys [64 w, 64 w + 64), all
+  // of the step's queries and dK's and dV's head dims. Head-dim split: all 64 keys, queries
+  // [w m / 2, (w + 1) m / 2) of S^T and dP^T, and dK's and dV's columns [w d / 2, (w + 1) d / 2).
+  // Both: dQ's head-dim columns [w d / 2, (w + 1) d / 2); each warpgroup partitions its own
+  // slices of the operands.
   static constexpr int kDQSliceCols = kHeadDimQK / kConsumerWarpgroups;
+  static constexpr int kSdPQueries = kSplitHeadDim ? kBlockM / kConsumerWarpgroups : kBlockM;
+  static constexpr int kDKCols = kSplitHeadDim ? kHeadDimQK / kConsumerWarpgroups : kHeadDimQK;
+  static constexpr int kDVCols = kSplitHeadDim ? kHeadDimV / kConsumerWarpgroups : kHeadDimV;
+  using SdPQueries = cute::Int<kSdPQueries>;
+  using DKCols = cute::Int<kDKCols>;
+  using DVCols = cute::Int<kDVCols>;
   // S^T = K Q^T and dP^T = V dO^T: (keys, queries), both operands K-major in shared memory
   // (the two differ only in K, which the partitions take from the operands).
   using TiledMmaSdP = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<MmaElement, MmaElement, float,
-                                 cute::Shape<cute::_64, BlockM, DimQK>>()));
-  // dV += P^T dO and dK += dS^T Q: (keys, head dim), A from registers, B (dO, Q) read
-  // transposed: its head dim is contiguous (MN-major).
-  using TiledMmaDV = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<MmaElement, MmaElement, float,
-                                 cute::Shape<cute::_64, DimV, BlockM>, cute::GMMA::Major::K,
-                                 cute::GMMA::Major::MN>()));
-  using TiledMmaDK = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<MmaElement, MmaElement, float,
-                                 cute::Shape<cute::_64, DimQK, BlockM>, cute::GMMA::Major::K,
-                                 cute::GMMA::Major::MN>()));
+                                 cute::Shape<cute::_64, SdPQueries, DimQK>>()));
+  // dV += P^T dO and dK += dS^T Q: (keys, head dim), B (dO, Q) read transposed: its head dim is
+  // contiguous (MN-major). A (P^T, dS^T) from registers with the key split, where a warpgroup
+  // computed them for all the step's queries; from shared memory with the head-dim split.
+  template <int kCols>
+  using DKVMmaOp = std::conditional_t<
+      kSplitHeadDim,
+      decltype(cute::GMMA::ss_op_selector<MmaElement, MmaElement, float,
+                                          cute::Shape<cute::_64, cute::Int<kCols>, BlockM>,
+                                          cute::GMMA::Major::K, cute::GMMA::Major::MN>()),
+      decltype(cute::GMMA::rs_op_selector<MmaElement, MmaElement, float,
+                                          cute::Shape<cute::_64, cute::Int<kCols>, BlockM>,
+                                          cute::GMMA::Major::K, cute::GMMA::Major::MN>())>;
+  using TiledMmaDV = decltype(cute::make_tiled_mma(DKVMmaOp<kDVCols>{}));
+  using TiledMmaDK = decltype(cute::make_tiled_mma(DKVMmaOp<kDKCols>{}));
   // dQ = dS K: (queries, the warpgroup's head-dim columns) in m64 blocks, dS read transposed
   // out of dS^T (queries contiguous) and K read transposed (head dim contiguous), both MN-major.
   using TiledMmaDQ = decltype(cute::make_tiled_mma(
@@ -146,9 +180,10 @@ struct BwdConfig {
   using SmemLayoutK = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockN, DimQK>{}));
   using SmemLayoutV = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockN, DimV>{}));
   // dS^T, (keys, queries), two buffers: a warpgroup writes step i + 1's while the other may
-  // still read step i's in its dQ GEMM.
-  using SmemLayoutDsT =
-      decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<BlockN, BlockM, cute::_2>{}));
+  // still read step i's in its GEMMs. With the head-dim split, P^T's two follow (2 + i % 2).
+  static constexpr int kDsBuffers = kSplitHeadDim ? 4 : 2;
+  using SmemLayoutDsT = decltype(cute::tile_to_shape(
+      SwizzleAtom{}, cute::Shape<BlockN, BlockM, cute::Int<kDsBuffers>>{}));
   // The same bytes viewed transposed, as the MN-major operands.
   using SmemLayoutQt = decltype(cute::composition(
       SmemLayoutQ{}, cute::make_ordered_layout(cute::Shape<DimQK, BlockM, Stages>{},
@@ -160,11 +195,23 @@ struct BwdConfig {
       SmemLayoutK{},
       cute::make_ordered_layout(cute::Shape<DimQK, BlockN>{}, cute::Step<cute::_2, cute::_1>{})));
   using SmemLayoutDs = decltype(cute::composition(
-      SmemLayoutDsT{}, cute::make_ordered_layout(cute::Shape<BlockM, BlockN, cute::_2>{},
-                                                 cute::Step<cute::_2, cute::_1, cute::_3>{})));
+      SmemLayoutDsT{},
+      cute::make_ordered_layout(cute::Shape<BlockM, BlockN, cute::Int<kDsBuffers>>{},
+                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
 
-  // dQ's tile (kBlockM x kHeadDimQK) is kConsumerWarpgroups slices of head-dim columns.
+  // dQ's tile (kBlockM x kHeadDimQK) is kConsumerWarpgroups slices of head-dim columns. The
+  // key split hands it to the writer warp through shared memory; the head-dim split has no
+  // room for its 64 KB beside two stages of Q and dO, so each consumer adds its registers into
+  // the accumulator with float4 atomics (as FlashAttention-3 does at head dim 256).
   static constexpr int kDQSliceFloats = kBlockM * kDQSliceCols;
+  static constexpr bool kDqWriterWarp = !kSplitHeadDim;
+  // dQ of one step for the writer warp, a slice per consumer warpgroup in its accumulator's
+  // register order.
+  struct DqSlices {
+    alignas(128) float slice[kConsumerWarpgroups][kDQSliceFloats];
+  };
+  struct NoDqSlices {};
+  using DqStaging = std::conditional_t<kDqWriterWarp, DqSlices, NoDqSlices>;
 
   using RingPipeline = cutlass::PipelineTmaAsync<kStages>;  // Q (+ LSE), dO (+ D)
   using KVPipeline = cutlass::PipelineTmaAsync<1>;          // K and V of the CTA's key tile
@@ -175,8 +222,7 @@ struct BwdConfig {
     cute::array_aligned<MmaElement, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<MmaElement, cute::cosize_v<SmemLayoutDo>, 1024> dout;
     cute::array_aligned<MmaElement, cute::cosize_v<SmemLayoutDsT>, 1024> ds;
-    // dQ of one step, a slice per consumer warpgroup in its accumulator's register order.
-    alignas(128) float dq[kConsumerWarpgroups][kDQSliceFloats];
+    DqStaging dq;
     alignas(16) float lse[kStages][kBlockM];  // log2 units
     alignas(16) float dpsum[kStages][kBlockM];
     typename RingPipeline::SharedStorage q_pipe;
@@ -266,6 +312,15 @@ __host__ __device__ __forceinline__ int64_t padded_row0(const typename Cfg::Kern
   } else {
     return static_cast<int64_t>(batch) * kp.seqlen_q_rounded;
   }
+}
+
+// Query tile m_block's chunk of kBlockM x kHeadDimQK floats, for query head `head` of sequence
+// `batch`, in the dQ accumulator of deterministic split `split` (0 otherwise).
+template <class Cfg>
+__device__ __forceinline__ float* dq_tile(const typename Cfg::KernelParams& kp, int split,
+                                          int head, int batch, int m_block) {
+  const int64_t row = head * kp.padded_rows + padded_row0<Cfg>(kp, batch) + m_block * Cfg::kBlockM;
+  return kp.p.dq_accum + split * kp.p.split_stride + row * Cfg::kHeadDimQK;
 }
 
 // The CTA's first key tile, K/V head and sequence; it walks key tiles n_block, n_block +
@@ -418,6 +473,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);
   const int lane = threadIdx.x % 32;
   const KeyTileWalk walk = cta_key_tiles<Cfg>(kp);
+  const int split = p.deterministic ? static_cast<int>(blockIdx.x) : 0;  // whose dQ accumulator
   const int kv_head = walk.kv_head;
   const int batch = walk.batch;
 
@@ -469,47 +525,48 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x >= 64) return;
     if (threadIdx.x >= 32) {
       // ------------------------------------------------------------ dQ writer
-      float* const dq_accum = p.dq_accum + (p.deterministic ? blockIdx.x * p.split_stride : 0);
-      for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
-        barrier_arrive(BwdBarrier::kDqEmptyFirst + w, kDqBarrierThreads);
-      }
-      for (int n_block = walk.n_block; n_block < p.n_blocks; n_block += walk.n_stride) {
-        const KeyTileWork<Cfg> work(f, batch, n_block);
-        if (!work.has_steps()) continue;
-        for (int g = 0; g < f.kv_group; ++g) {
-          const int head = kv_head * f.kv_group + g;
-          for (int m_block = work.m_begin; m_block < work.m_end; ++m_block) {
-            float* tile = dq_accum + (head * kp.padded_rows + padded_row0<Cfg>(kp, batch) +
-                                      m_block * kBlockM) * Cfg::kHeadDimQK;
+      // (the head-dim split has none: its consumers add dQ with atomics)
+      if constexpr (Cfg::kDqWriterWarp) {
+        for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
+          barrier_arrive(BwdBarrier::kDqEmptyFirst + w, kDqBarrierThreads);
+        }
+        for (int n_block = walk.n_block; n_block < p.n_blocks; n_block += walk.n_stride) {
+          const KeyTileWork<Cfg> work(f, batch, n_block);
+          if (!work.has_steps()) continue;
+          for (int g = 0; g < f.kv_group; ++g) {
+            const int head = kv_head * f.kv_group + g;
+            for (int m_block = work.m_begin; m_block < work.m_end; ++m_block) {
+              float* tile = dq_tile<Cfg>(kp, split, head, batch, m_block);
 #pragma unroll
-            for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
-              barrier_sync(BwdBarrier::kDqFullFirst + w, kDqBarrierThreads);
-              if (lane == 0) {
-                bulk_reduce_add(tile + w * Cfg::kDQSliceFloats, shared.dq[w],
-                                Cfg::kDQSliceFloats * sizeof(float));
-                tma_store_arrive();
-              }
-            }
-            // The slices are free once read; warpgroup 0's was issued first.
-#pragma unroll
-            for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
-              if (lane == 0) {
-                if (w == 0) {
-                  tma_store_wait<Cfg::kConsumerWarpgroups - 1>();
-                } else {
-                  tma_store_wait<0>();
+              for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
+                barrier_sync(BwdBarrier::kDqFullFirst + w, kDqBarrierThreads);
+                if (lane == 0) {
+                  bulk_reduce_add(tile + w * Cfg::kDQSliceFloats, shared.dq.slice[w],
+                                  Cfg::kDQSliceFloats * sizeof(float));
+                  tma_store_arrive();
                 }
               }
-              __syncwarp();
-              barrier_arrive(BwdBarrier::kDqEmptyFirst + w, kDqBarrierThreads);
+              // The slices are free once read; warpgroup 0's was issued first.
+#pragma unroll
+              for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
+                if (lane == 0) {
+                  if (w == 0) {
+                    tma_store_wait<Cfg::kConsumerWarpgroups - 1>();
+                  } else {
+                    tma_store_wait<0>();
+                  }
+                }
+                __syncwarp();
+                barrier_arrive(BwdBarrier::kDqEmptyFirst + w, kDqBarrierThreads);
+              }
             }
           }
+          // Deterministic: a query tile's chunk gets one add per key tile; the next key tile's
+          // adds start after this one's have landed, so each chunk sums in key-tile order.
+          if (p.deterministic && lane == 0) bulk_wait_all();
         }
-        // Deterministic: a query tile's chunk gets one add per key tile; the next key tile's
-        // adds start after this one's have landed, so each chunk sums in key-tile order.
-        if (p.deterministic && lane == 0) bulk_wait_all();
+        if (lane == 0) tma_store_wait<0>();  // shared memory outlives the last reads of it
       }
-      if (lane == 0) tma_store_wait<0>();  // shared memory outlives the last reads of it
       return;
     }
     // ------------------------------------------------------------ loads (lane 0 issues)
@@ -582,8 +639,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegisters>();
   const int consumer = threadIdx.x - 128;  // 0 .. kConsumerThreads - 1
-  const int consumer_wg = warpgroup - 1;    // which 64 keys, and which dQ slice
+  const int consumer_wg = warpgroup - 1;    // which keys or queries, and which columns
   const int wg_thread = threadIdx.x % 128;
+  constexpr bool kSplitHeadDim = Cfg::kSplitHeadDim;
+  using SdPQueries = typename Cfg::SdPQueries;
+  using DKCols = typename Cfg::DKCols;
+  using DVCols = typename Cfg::DVCols;
+  // The warpgroup's first key, query of the step (S^T's and dP^T's), and column of dK and dV.
+  const int wg_key_offset = kSplitHeadDim ? 0 : 64 * consumer_wg;
+  const int wg_query_offset = kSplitHeadDim ? Cfg::kSdPQueries * consumer_wg : 0;
+  const int wg_split = kSplitHeadDim ? consumer_wg : 0;
   typename Cfg::TiledMmaSdP mma_sdp;
   typename Cfg::TiledMmaDV mma_dv;
   typename Cfg::TiledMmaDK mma_dk;
@@ -592,20 +657,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto thr_dv = mma_dv.get_thread_slice(wg_thread);
   auto thr_dk = mma_dk.get_thread_slice(wg_thread);
   auto thr_dq = mma_dq.get_thread_slice(wg_thread);
-  // The warpgroup's dS^T rows. Its keys of K and V and its dQ columns of K^T are partitioned in
-  // the step loop.
-  Tensor sDsT_wg = local_tile(sDsT, Shape<_64, BlockM, _2>{}, make_coord(consumer_wg, _0{}, _0{}));
-  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
-  Tensor tDPrDo = thr_sdp.partition_fragment_B(sDo);
-  Tensor tdVrDot = thr_dv.partition_fragment_B(sDot);
-  Tensor tdKrQt = thr_dk.partition_fragment_B(sQt);
+  // The warpgroup's part of dS^T (and of P^T), and its operands of Q, dO and their transposes.
+  // Its keys of K and V and its dQ columns of K^T are partitioned in the step loop.
+  using Buffers = Int<Cfg::kDsBuffers>;
+  Tensor sDsT_wg = local_tile(sDsT, Shape<_64, SdPQueries, Buffers>{},
+                              make_coord(kSplitHeadDim ? 0 : consumer_wg, wg_split, _0{}));
+  Tensor tSrQ = thr_sdp.partition_fragment_B(
+      local_tile(sQ, Shape<SdPQueries, DimQK, typename Cfg::Stages>{},
+                 make_coord(wg_split, _0{}, _0{})));
+  Tensor tDPrDo = thr_sdp.partition_fragment_B(
+      local_tile(sDo, Shape<SdPQueries, DimV, typename Cfg::Stages>{},
+                 make_coord(wg_split, _0{}, _0{})));
+  Tensor tdVrDot = thr_dv.partition_fragment_B(
+      local_tile(sDot, Shape<DVCols, BlockM, typename Cfg::Stages>{},
+                 make_coord(wg_split, _0{}, _0{})));
+  Tensor tdKrQt = thr_dk.partition_fragment_B(
+      local_tile(sQt, Shape<DKCols, BlockM, typename Cfg::Stages>{},
+                 make_coord(wg_split, _0{}, _0{})));
   Tensor tdQrDs = thr_dq.partition_fragment_A(sDs);
   auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
   auto thr_copy_ds = smem_copy_ds.get_thread_slice(wg_thread);
   Tensor tDSsDsT = thr_copy_ds.partition_D(sDsT_wg);
 
-  // Each S^T value's (key, query) within the warpgroup's 64 keys and the step's queries.
-  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<_64, BlockM>{}));
+  // Each S^T value's (key, query) within the warpgroup's keys and queries of the step.
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<_64, SdPQueries>{}));
   constexpr int kSValues = decltype(size(tScS))::value;
 
   auto consumers_sync = [&](uint32_t barrier) { barrier_sync(barrier, kConsumerThreads); };
@@ -622,9 +697,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const SequenceExtent& seq = work.seq;
     const int key0 = work.key0;
     if (key0 >= keys_owned) break;
-    const int wg_key0 = key0 + 64 * consumer_wg;
-    Tensor tdVrdV = partition_fragment_C(mma_dv, Shape<_64, DimV>{});
-    Tensor tdKrdK = partition_fragment_C(mma_dk, Shape<_64, DimQK>{});
+    const int wg_key0 = key0 + wg_key_offset;
+    Tensor tdVrdV = partition_fragment_C(mma_dv, Shape<_64, DVCols>{});
+    Tensor tdKrdK = partition_fragment_C(mma_dk, Shape<_64, DKCols>{});
     clear(tdVrdV);
     clear(tdKrdK);
 
@@ -663,27 +738,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           // live across it and spill (172 bytes at d128, 48 M local-memory requests at S = 8k,
           // which compete with the GEMMs' shared-memory reads in L1).
           const int wg = opaque(consumer_wg);
+          const int wg_keys = kSplitHeadDim ? 0 : wg;
           Tensor tSrK = thr_sdp.partition_fragment_A(
-              local_tile(sK, Shape<_64, DimQK>{}, make_coord(wg, _0{})));
+              local_tile(sK, Shape<_64, DimQK>{}, make_coord(wg_keys, _0{})));
           Tensor tDPrV = thr_sdp.partition_fragment_A(
-              local_tile(sV, Shape<_64, DimV>{}, make_coord(wg, _0{})));
+              local_tile(sV, Shape<_64, DimV>{}, make_coord(wg_keys, _0{})));
           Tensor tdQrKt = thr_dq.partition_fragment_B(
               local_tile(sKt, Shape<Int<Cfg::kDQSliceCols>, BlockN>{}, make_coord(wg, _0{})));
-          Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, BlockM>{});
+          Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, SdPQueries>{});
           warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, q_stage), tSrS);
           if (!ragged_rows) do_pipe.consumer_wait(read_do);
-          Tensor tSrDp = partition_fragment_C(mma_sdp, Shape<_64, BlockM>{});
+          Tensor tSrDp = partition_fragment_C(mma_sdp, Shape<_64, SdPQueries>{});
           warpgroup_gemm<true, -1>(mma_sdp, tDPrV, tDPrDo(_, _, _, do_stage), tSrDp);
 
           // P^T = exp2(S^T * scale log2 e - LSE), masked on edge tiles.
           warpgroup_wait<1>();
           warpgroup_fence_operand(tSrS);
-          const float* lse = shared.lse[q_stage];
+          const float* lse = shared.lse[q_stage] + wg_query_offset;
           if (work.mask.is_edge_tile(row0, row0 + kBlockM - 1, n_block)) {
 #pragma unroll
             for (int v = 0; v < kSValues; ++v) {
               const int key = wg_key0 + get<0>(tScS(v));
-              const int row = row0 + get<1>(tScS(v));
+              const int row = row0 + wg_query_offset + get<1>(tScS(v));
               if (!work.mask.is_visible(row, key)) tSrS(v) = -INFINITY;
             }
           }
@@ -694,43 +770,74 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           // dS^T = P^T (dP^T - D).
           warpgroup_wait<0>();
           warpgroup_fence_operand(tSrDp);
-          const float* dpsum = shared.dpsum[do_stage];
+          const float* dpsum = shared.dpsum[do_stage] + wg_query_offset;
 #pragma unroll
           for (int v = 0; v < kSValues; ++v) {
             tSrDp(v) = tSrS(v) * (tSrDp(v) - dpsum[get<1>(tScS(v))]);
           }
-          using OperandA = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>>;
+          using OperandA = Layout<Shape<Shape<_2, _2, _2>, _1, Int<Cfg::kSdPQueries / 16>>>;
           Tensor tdVrP = make_tensor<Element>(OperandA{});
           Tensor tdKrDs = make_tensor<Element>(OperandA{});
           convert_p<Element>(tSrS, tdVrP);
           convert_p<Element>(tSrDp, tdKrDs);
 
-          // dS^T to shared memory for dQ (the same registers viewed in the accumulator's layout).
-          Tensor tDSrDs = make_tensor(tdKrDs.data(), tSrS.layout());
-          copy(smem_copy_ds, thr_copy_ds.retile_S(tDSrDs), tDSsDsT(_, _, _, ds_stage));
+          // dS^T (and, with the head-dim split, P^T) to shared memory: the same registers
+          // viewed in the accumulator's layout.
+          copy(smem_copy_ds, thr_copy_ds.retile_S(make_tensor(tdKrDs.data(), tSrS.layout())),
+               tDSsDsT(_, _, _, ds_stage));
+          if constexpr (kSplitHeadDim) {
+            copy(smem_copy_ds, thr_copy_ds.retile_S(make_tensor(tdVrP.data(), tSrS.layout())),
+                 tDSsDsT(_, _, _, 2 + ds_stage));
+          }
           cutlass::arch::fence_view_async_shared();
 
-          warpgroup_gemm<false, -1>(mma_dv, tdVrP, tdVrDot(_, _, _, do_stage), tdVrdV);
-          consumers_sync(BwdBarrier::kDsWritten);
           Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BlockM, Int<Cfg::kDQSliceCols>>{});
-          warpgroup_gemm<true, -1>(mma_dq, tdQrDs(_, _, _, ds_stage), tdQrKt, tdQrdQ);
-          warpgroup_gemm<false, -1>(mma_dk, tdKrDs, tdKrQt(_, _, _, q_stage), tdKrdK);
+          if constexpr (kSplitHeadDim) {
+            // Every GEMM reads the other warpgroup's half of P^T or dS^T: A is all 64 keys.
+            Tensor tdVrPt = thr_dv.partition_fragment_A(sDsT);
+            Tensor tdKrDsT = thr_dk.partition_fragment_A(sDsT);
+            consumers_sync(BwdBarrier::kDsWritten);
+            warpgroup_gemm<false, -1>(mma_dv, tdVrPt(_, _, _, 2 + ds_stage),
+                                      tdVrDot(_, _, _, do_stage), tdVrdV);
+            warpgroup_gemm<true, -1>(mma_dq, tdQrDs(_, _, _, ds_stage), tdQrKt, tdQrdQ);
+            warpgroup_gemm<false, -1>(mma_dk, tdKrDsT(_, _, _, ds_stage),
+                                      tdKrQt(_, _, _, q_stage), tdKrdK);
+          } else {
+            warpgroup_gemm<false, -1>(mma_dv, tdVrP, tdVrDot(_, _, _, do_stage), tdVrdV);
+            consumers_sync(BwdBarrier::kDsWritten);
+            warpgroup_gemm<true, -1>(mma_dq, tdQrDs(_, _, _, ds_stage), tdQrKt, tdQrdQ);
+            warpgroup_gemm<false, -1>(mma_dk, tdKrDs, tdKrQt(_, _, _, q_stage), tdKrdK);
+          }
 
-          // dV's and dQ's GEMMs are done: dO's stage is free, and dQ goes to the writer while
-          // dK's runs.
+          // dV's and dQ's GEMMs are done: dO's stage is free, and dQ leaves while dK's runs.
           warpgroup_wait<1>();
           warpgroup_fence_operand(tdQrdQ);
           do_pipe.consumer_release(read_do);
           ++read_do;
-          barrier_sync(BwdBarrier::kDqEmptyFirst + consumer_wg, kDqBarrierThreads);
-          float4* dq_slice = reinterpret_cast<float4*>(shared.dq[consumer_wg]);
+          constexpr int kDqFloat4s = decltype(size(tdQrdQ))::value / 4;
+          if constexpr (Cfg::kDqWriterWarp) {
+            barrier_sync(BwdBarrier::kDqEmptyFirst + consumer_wg, kDqBarrierThreads);
+            float4* dq_slice = reinterpret_cast<float4*>(shared.dq.slice[consumer_wg]);
 #pragma unroll
-          for (int j = 0; j < decltype(size(tdQrdQ))::value / 4; ++j) {
-            dq_slice[128 * j + wg_thread] = make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1),
-                                                        tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
+            for (int j = 0; j < kDqFloat4s; ++j) {
+              dq_slice[128 * j + wg_thread] = make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1),
+                                                          tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
+            }
+            cutlass::arch::fence_view_async_shared();  // the bulk reduce reads what was written
+            barrier_arrive(BwdBarrier::kDqFullFirst + consumer_wg, kDqBarrierThreads);
+          } else {
+            // The same float4s straight into the accumulator. Deterministic mode: each float4
+            // of a split's accumulator has one writer thread, whose adds land in program order.
+            const int head = kv_head * f.kv_group + g;
+            float4* dq_slice = reinterpret_cast<float4*>(
+                dq_tile<Cfg>(kp, split, head, batch, m_block) + consumer_wg * Cfg::kDQSliceFloats);
+#pragma unroll
+            for (int j = 0; j < kDqFloat4s; ++j) {
+              atomicAdd(dq_slice + 128 * j + wg_thread,
+                        make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2),
+                                    tdQrdQ(4 * j + 3)));
+            }
           }
-          cutlass::arch::fence_view_async_shared();  // the bulk reduce reads what was written
-          barrier_arrive(BwdBarrier::kDqFullFirst + consumer_wg, kDqBarrierThreads);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tdKrdK);
           q_pipe.consumer_release(read_q);
@@ -743,19 +850,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
 
     // dK (times softmax_scale: the GEMMs used unscaled dS) and dV of the keys this sequence
-    // owns, zero for those that no row sees. Each warpgroup stages its 64 rows in 16 bits in
-    // the dS^T buffers' bytes of its own rows (stmatrix), so they leave in whole 16-byte row
-    // chunks rather than as 4-byte pieces of 8 rows per warp; the other warpgroup's last dQ
-    // GEMM must have read those bytes first.
+    // owns, zero for those that no row sees. Each warpgroup stages its 64 rows (of its columns,
+    // with the head-dim split) in 16 bits in the dS^T buffers' bytes (stmatrix), so they leave
+    // in whole 16-byte row chunks rather than as 4-byte pieces of 8 rows per warp; the other
+    // warpgroup's last GEMMs must have read those bytes first.
     consumers_sync(BwdBarrier::kDsWritten);
-    auto store_keys = [&](const auto& acc, const auto& mma, auto dim, float scale,
+    auto store_keys = [&](const auto& acc, const auto& mma, auto cols, float scale,
                           Element* out, int64_t seq_stride) {
-      using Dim = decltype(dim);
+      using Cols = decltype(cols);
       Tensor staged = make_tensor(
           make_smem_ptr(shared.ds.data()),
-          tile_to_shape(typename Cfg::SwizzleAtom{}, Shape<BlockN, Dim>{}));
+          tile_to_shape(typename Cfg::SwizzleAtom{}, Shape<_64, Cols, _2>{}));
       static_assert(cosize_v<decltype(staged.layout())> <= cosize_v<typename Cfg::SmemLayoutDsT>);
-      Tensor staged_wg = local_tile(staged, Shape<_64, Dim>{}, make_coord(consumer_wg, _0{}));
+      Tensor staged_wg = staged(_, _, consumer_wg);
+      out += wg_split * Cols::value;
       auto copy_op = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma);
       auto thr_copy = copy_op.get_thread_slice(wg_thread);
       Tensor rows = make_tensor_like<Element>(acc);
@@ -763,7 +871,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int v = 0; v < size(acc); ++v) rows(v) = static_cast<Element>(acc(v) * scale);
       copy(copy_op, thr_copy.retile_S(rows), thr_copy.partition_D(staged_wg));
       barrier_sync(BwdBarrier::kWarpgroupFirst + consumer_wg, 128);
-      constexpr int kChunks = Dim::value / 8;
+      constexpr int kChunks = Cols::value / 8;
       for (int idx = wg_thread; idx < 64 * kChunks; idx += 128) {
         const int row = idx / kChunks;
         const int col = (idx % kChunks) * 8;
@@ -773,11 +881,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       barrier_sync(BwdBarrier::kWarpgroupFirst + consumer_wg, 128);  // read before rewritten
     };
-    store_keys(tdVrdV, mma_dv, DimV{}, 1.f,
+    store_keys(tdVrdV, mma_dv, DVCols{}, 1.f,
                static_cast<Element*>(p.dv) + kv_head * p.dv_head_stride +
                    (kGroup ? seq.k_start * p.dv_seq_stride : batch * p.dv_batch_stride),
                p.dv_seq_stride);
-    store_keys(tdKrdK, mma_dk, DimQK{}, f.scale,
+    store_keys(tdKrdK, mma_dk, DKCols{}, f.scale,
                static_cast<Element*>(p.dk) + kv_head * p.dk_head_stride +
                    (kGroup ? seq.k_start * p.dk_seq_stride : batch * p.dk_batch_stride),
                p.dk_seq_stride);
@@ -813,8 +921,7 @@ __global__ void __launch_bounds__(256)
     const int owned = rows_owned<Cfg::kMode>(f.cu_seqlens_q, batch, f.seqlen_q);
     if (row >= owned) continue;
     const int m_block = row / kBlockM;
-    const float* tile = p.dq_accum + (head * kp.padded_rows + padded_row0<Cfg>(kp, batch) +
-                                      m_block * kBlockM) * kDim;
+    const float* tile = dq_tile<Cfg>(kp, 0, head, batch, m_block);
     // Columns 8 g + 2 q, + 1 of rows r and r + 8 are float4 q of 4 neighbouring ones.
     const int first = dq_tile_offset<kBlockM, kDim, Cfg::kConsumerWarpgroups>(row % kBlockM,
                                                                               8 * group);
