@@ -45,11 +45,26 @@ SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.C
 GRID_BACKENDS = ("sdpa_flash", "cudnn")
 
 
+def head_dim(text: str):
+    """A --hdims entry: 128 (QK and V alike) or 192x128 (QK x V), kept as written in rows."""
+    qk, _, v = text.partition("x")
+    return text if v and int(qk) != int(v) else int(qk)
+
+
+def head_dims(d) -> tuple[int, int]:
+    """(QK, V) head dims of a --hdims entry."""
+    if isinstance(d, int):
+        return d, d
+    qk, v = d.split("x")
+    return int(qk), int(v)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     csv = lambda f: (lambda s: [f(x) for x in s.split(",")])  # noqa: E731
     p.add_argument("--dtypes", type=csv(str), default=["bf16", "fp16"])
-    p.add_argument("--hdims", type=csv(int), default=[64, 128])
+    p.add_argument("--hdims", type=csv(head_dim), default=[64, 128],
+                   help="head dims: 128, or QK x V as 192x128")
     p.add_argument("--seqlens", type=csv(int), default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
@@ -120,9 +135,11 @@ def time_forward(row, flops, args, fmha_inputs, fmha_kwargs, sdpa):
 
 
 def run_case(dtype, d, s, causal, args):
-    b, h = max(1, args.tokens // s), args.hidden // d
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
-    flops = 4 * b * h * s * s * d / (2 if causal else 1)
+    d_qk, d_v = head_dims(d)
+    b, h = max(1, args.tokens // s), args.hidden // d_qk
+    q, k = (torch.randn(b, s, h, d_qk, device="cuda", dtype=dtype) for _ in range(2))
+    v = torch.randn(b, s, h, d_v, device="cuda", dtype=dtype)
+    flops = 2 * b * h * s * s * (d_qk + d_v) / (2 if causal else 1)
     row = {"dtype": str(dtype).removeprefix("torch."), "hdim": d, "causal": causal,
            "batch": b, "nheads": h, "seqlen": s}
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
@@ -195,14 +212,15 @@ def run_backward_case(dtype, d, s, causal, args):
     """The backward pass and forward+backward of one grid case: two rows, TFLOP/s at
     FlashAttention's convention of 2.5x (3.5x) the forward's FLOPs, every backend timed in
     turns with the others (interleaved_medians)."""
-    b, h = max(1, args.tokens // s), args.hidden // d
-    flops = 4 * b * h * s * s * d / (2 if causal else 1)
+    d_qk, d_v = head_dims(d)
+    b, h = max(1, args.tokens // s), args.hidden // d_qk
+    flops = 2 * b * h * s * s * (d_qk + d_v) / (2 if causal else 1)
     key = {"dtype": str(dtype).removeprefix("torch."), "hdim": d, "causal": causal, "batch": b,
            "nheads": h, "seqlen": s}
     bwd, both = dict(key), dict(key)
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True)
-               for _ in range(3))
-    grads, steps = fmha_backward_calls(bwd, both, q, k, v, torch.randn_like(q), causal,
+    q, k, v = (torch.randn(b, s, h, dim, device="cuda", dtype=dtype, requires_grad=True)
+               for dim in (d_qk, d_qk, d_v))
+    grads, steps = fmha_backward_calls(bwd, both, q, k, v, torch.randn_like(v), causal,
                                        args.deterministic)
     qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     sdpa_grads, sdpa_steps = sdpa_backward_calls(bwd, both, qt, kt, vt, causal)
@@ -231,11 +249,12 @@ def measure_backward_memory(args) -> dict:
     its description, backend: MiB or the error that stopped it}."""
     dtype = DTYPES[args.dtypes[0]]
     d = 128 if 128 in args.hdims else args.hdims[0]
+    d_qk, d_v = head_dims(d)
     s = max(args.seqlens)
-    b, h = max(1, args.tokens // s), args.hidden // d
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True)
-               for _ in range(3))
-    dout = torch.randn_like(q)
+    b, h = max(1, args.tokens // s), args.hidden // d_qk
+    q, k, v = (torch.randn(b, s, h, dim, device="cuda", dtype=dtype, requires_grad=True)
+               for dim in (d_qk, d_qk, d_v))
+    dout = torch.randn_like(v)
     qt, kt, vt, dout_t = (t.detach().transpose(1, 2).contiguous() for t in (q, k, v, dout))
     qt, kt, vt = (t.requires_grad_() for t in (qt, kt, vt))
     steps = {"fmha": lambda: torch.autograd.grad(fmha.fwd(q, k, v), (q, k, v), dout)}
@@ -268,7 +287,10 @@ def visible_pairs(s, left, right):
 
 
 def run_features(dtype, d, args):
-    """One row per trait at seqlen args.feature_seqlen, plus the plain row they compare with."""
+    """One row per trait at seqlen args.feature_seqlen, plus the plain row they compare with;
+    none for a QK x V head dim (the traits are timed where QK and V share one)."""
+    if not isinstance(d, int):
+        return []
     s = args.feature_seqlen
     b, h = max(1, args.tokens // s), args.hidden // d
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))

@@ -336,8 +336,11 @@ _BWD_FA3_CONSTRAINTS = (
                    lambda tile, hdim: tile.stages == 2),
     TileConstraint("block_n 128: hdim_q and hdim_v multiples of 64, at most 128 (128-byte "
                    "swizzle atoms; dK and dV of 64 keys fit a consumer's registers); block_n 64: "
-                   "hdim_q == hdim_v, 128 or 256 (each warpgroup's half is whole swizzle atoms)",
-                   lambda tile, hdim: hdim[0] == hdim[1] and hdim[0] in (128, 256)
+                   "hdim_q == hdim_v, 128 or 256 (each warpgroup's half is whole swizzle atoms), "
+                   "or (192, 128) (warpgroup 0 computes dV and 128 columns of dK, warpgroup 1 "
+                   "the other 64 and dQ)",
+                   lambda tile, hdim: (hdim[0] == hdim[1] and hdim[0] in (128, 256))
+                   or tuple(hdim) == (192, 128)
                    if _bwd_fa3_splits_head_dim(tile)
                    else all(d % 64 == 0 and d <= 128 for d in hdim)),
 )

@@ -47,8 +47,8 @@ def test_repository_matrix():
     fwd = catalog.of(OPERATION.get("fwd"))
     assert len(fwd) == 10080 - 48 + 72 and catalog.instances[:len(fwd)] == fwd
     # Both operations' points less what their rules keep (BWD_POINTS: below).
-    assert catalog.pruned == 2 * 32256 - 10104 + BWD_POINTS - 4050
-    assert len(set(names(catalog))) == 10104 + 4050
+    assert catalog.pruned == 2 * 32256 - 10104 + BWD_POINTS - 4056
+    assert len(set(names(catalog))) == 10104 + 4056
     for instance in fwd:
         point, traits = instance.point, instance.point.traits
         assert traits.mode.token == "batch" or (point.pad_seqlen and traits.lse)
@@ -379,32 +379,34 @@ BWD_TILES = {  # (hdim_q, hdim_v, arch) -> fa2's tile
     (256, 256, "sm80"): Tile(32, 64, 8, 2), (256, 256, "sm90a"): Tile(64, 64, 8, 2)}
 
 
-FA3_BWD_HDIMS = {(64, 64), (128, 128), (256, 256)}
+FA3_BWD_HDIMS = {(64, 64), (128, 128), (192, 128), (256, 256)}
 
 
 def test_repository_bwd_matrix():
     # fa2: 2 dtypes x 7 head dims x 3 masks x 4 bias variants (none, elementwise with and
     # without dbias, ALiBi) x 2 dropout x 2 softcap = 672 trait combinations, each with 3
     # instances on each arch: batch mode unpadded and fully padded, group mode fully padded;
-    # less the 18 unpadded ones on sm90a that fa3 serves (2 dtypes x 3 head dims x 3 masks,
-    # batch mode, no bias, dropout or soft-cap). fa3: those 18 and their 18 in group mode,
+    # less the 24 unpadded ones on sm90a that fa3 serves (2 dtypes x 4 head dims x 3 masks,
+    # batch mode, no bias, dropout or soft-cap). fa3: those 24 and their 24 in group mode,
     # padding sequence lengths only.
     catalog = build_catalog(load(DEFAULT_CONFIG))
     bwd = catalog.of(OPERATION.get("bwd"))
-    assert len(bwd) == 672 * 3 * 2 - 18 + 36 and catalog.instances[-len(bwd):] == bwd
+    assert len(bwd) == 672 * 3 * 2 - 24 + 48 and catalog.instances[-len(bwd):] == bwd
     assert all(i.name.startswith("bwd_") for i in bwd)
     fa3 = [i for i in bwd if i.point.pipeline.token == "fa3"]
     assert {(i.point.traits.hdim_q, i.point.traits.mask.token, i.point.traits.dtype.token,
              i.point.traits.mode.token) for i in fa3} == {
-        (d, m, t, mode) for d in (64, 128, 256) for m in ("none", "causal", "window")
-        for t in ("fp16", "bf16") for mode in ("batch", "group")} and len(fa3) == 36
+        (d, m, t, mode) for d in (64, 128, 192, 256) for m in ("none", "causal", "window")
+        for t in ("fp16", "bf16") for mode in ("batch", "group")} and len(fa3) == 48
     for instance in fa3:
         point, traits = instance.point, instance.point.traits
         assert point.arch.token == "sm90a" and point.pad_seqlen and not point.pad_hdim
         assert (traits.bias.token, traits.dropout, traits.softcap) == ("none", False, False)
-        # d64: 128 query rows per step; d256: both consumers on 64 keys (the head-dim split).
+        # d64: 128 query rows per step; (192, 128) and d256: both consumers on 64 keys (the
+        # head-dim split).
         assert instance.tile == {64: Tile(128, 128, 12, 2), 128: Tile(64, 128, 12, 2),
-                                 256: Tile(64, 64, 12, 2)}[traits.hdim_q]
+                                 192: Tile(64, 64, 12, 2), 256: Tile(64, 64, 12, 2)}[
+                                     traits.hdim_q]
     fa2 = [i for i in bwd if i.point.pipeline.token == "fa2"]
     combinations = {(i.point.traits.hdim_q, i.point.traits.hdim_v, i.point.arch.token,
                      i.point.pad_seqlen) for i in fa2}

@@ -13,7 +13,7 @@ SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "vl
 BWD_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "mode", "dbias",
                       "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim",
                       "block_m", "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = "112 of 14154 instances selected (fwd 56, bwd 56; 82614 pruned)"
+DEFAULT_SELECTED = "112 of 14160 instances selected (fwd 56, bwd 56; 82608 pruned)"
 
 
 def test_default_render(run_cli, tmp_path):
@@ -45,7 +45,7 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     assert result.returncode == 0, result.stderr
     # minimal's fwd instances leave out the log-sum-exp, default's write it: none are shared;
     # its two sm90a bwd ones are default's.
-    assert "4 of 14154 instances selected (fwd 2, bwd 2;" in result.stdout
+    assert "4 of 14160 instances selected (fwd 2, bwd 2;" in result.stdout
     assert "2 unchanged, 110 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
         "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu",
@@ -154,12 +154,12 @@ def test_presets_table(run_cli):
     assert lines[0].split() == ["preset", "fwd", "bwd", "TUs", "sm80", "sm90a", "why"]
     rows = {line.split()[0]: [int(n) for n in line.split()[1:6]]
             for line in lines[1:] if not line.startswith(" ")}
-    assert rows == {"default": [56, 56, 112, 48, 64], "extended": [276, 270, 546, 252, 294],
+    assert rows == {"default": [56, 56, 112, 48, 64], "extended": [276, 276, 552, 252, 300],
                     "minimal": [4, 4, 8, 4, 4],
-                    "flash_attn": [2040, 2034, 4074, 2016, 2058],
+                    "flash_attn": [2040, 2040, 4080, 2016, 2064],
                     "pytorch": [448, 672, 1120, 560, 560],
-                    "coverage": [592, 388, 980, 470, 510],
-                    "all": [10104, 4050, 14154, 7056, 7098]}
+                    "coverage": [592, 392, 984, 470, 514],
+                    "all": [10104, 4056, 14160, 7056, 7104]}
     assert "CI smoke build (8 TUs)" in result.stdout
     assert max(map(len, lines)) <= 100
 
@@ -178,7 +178,7 @@ def test_presets_json_with_targets_and_filter(run_cli):
         "instances": 32, "instances_per_op": {"fwd": 16, "bwd": 16}, "tus": 32,
         "tus_per_target": {"sm80": 0, "sm90a": 32}, "why": default["why"]}
     assert default["why"].startswith("What `pip install .` builds")
-    assert rows[1]["instances_per_op"] == {"fwd": 75, "bwd": 72}
+    assert rows[1]["instances_per_op"] == {"fwd": 75, "bwd": 75}
     assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2}
 
 
@@ -197,7 +197,7 @@ def test_shards_split_the_selection(run_cli, tmp_path):
              for index in range(1, 5)]
     assert sorted(sum(parts, [])) == sorted(whole)
     assert all(part == [name for name in whole if name in part] for part in parts)
-    assert [len(part) for part in parts] == [137, 137, 136, 136]
+    assert [len(part) for part in parts] == [138, 138, 138, 138]
     assert parts[1] == run_cli("--list", "--preset", "extended",
                                "--shard", "2/4").stdout.split()  # deterministic
 
@@ -206,19 +206,19 @@ def test_shard_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out, "--preset", "extended", "--shard", "2/4")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("generator: 546 of 14154 instances selected (fwd 276, bwd 270; "
-                                    "82614 pruned); shard 2/4: 137 TUs (sm80 ")
-    assert "140 files written" in result.stdout
+    assert result.stdout.startswith("generator: 552 of 14160 instances selected (fwd 276, bwd 276; "
+                                    "82608 pruned); shard 2/4: 138 TUs (sm80 ")
+    assert "141 files written" in result.stdout
     tus = sorted(p.name for p in out.glob("*.cu"))
     listed = run_cli("--list", "--preset", "extended", "--shard", "2/4").stdout.split()
     assert tus == sorted(f"{name}.cu" for name in listed)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["instances"]) == 546
+    assert len(manifest["instances"]) == 552
     assert (manifest["shard"]["index"], manifest["shard"]["count"]) == (2, 4)
     assert sorted(manifest["shard"]["tus"]) == tus
     table = (out / "dispatch_table.cpp").read_text()
-    assert table.count("&instances::launch_") == 546
-    assert table.count("&instances::workspace_bwd_") == 270
+    assert table.count("&instances::launch_") == 552
+    assert table.count("&instances::workspace_bwd_") == 276
 
 
 def test_bad_shard_message(run_cli):

@@ -215,9 +215,9 @@ def test_repository_presets_parse_and_select():
                                                                 name).instances)
                           for op in ("fwd", "bwd"))
               for name in config.presets}
-    assert counts == {"default": (56, 56), "extended": (276, 270), "minimal": (4, 4),
-                      "flash_attn": (2040, 2034), "pytorch": (448, 672),
-                      "coverage": (592, 388), "all": (10104, 4050)}
+    assert counts == {"default": (56, 56), "extended": (276, 276), "minimal": (4, 4),
+                      "flash_attn": (2040, 2040), "pytorch": (448, 672),
+                      "coverage": (592, 392), "all": (10104, 4056)}
 
 
 def test_minimal_preset_builds_each_pipeline_and_padding_path():

@@ -33,7 +33,10 @@
 //          256 registers a thread, so both warpgroups work on one tile of 64 keys, each with
 //          dK, dV and dQ of half the columns and S^T, dP^T of half the step's queries; P^T
 //          joins dS^T in shared memory, dV's and dK's GEMMs read both from there, and dQ leaves
-//          as float4 atomics in the same order (no room for a shared dQ tile);
+//          as float4 atomics in the same order (no room for a shared dQ tile). Head dims
+//          (192, 128) split the products instead (96 columns would start mid-atom in Q^T and
+//          K^T): warpgroup 0 computes dV and dK's first 128 columns, warpgroup 1 dK's last 64
+//          and dQ;
 //   3. bwd_convert_dq_kernel: dQ = softmax_scale * the accumulator, out of that order, rounded.
 // MQA/GQA: a CTA walks every query head sharing its K/V head, so dK and dV are summed in
 // registers. Deterministic mode: `splits` CTAs per (K/V head, sequence) walk fixed key tiles in
@@ -41,9 +44,9 @@
 // key tile, and the writer lets each key tile's reduces complete before the next key tile's);
 // kernel 3 sums the accumulators in order, as fa2's backward does.
 //
-// Traits on this pipeline: fp16/bf16; head dims 64, 128 and 256; no mask, causal and sliding
-// windows (both alignments); MQA/GQA; batch and group (varlen) mode with seqused; the
-// deterministic mode. Every sequence length is served (pad_seqlen): TMA zero-fills rows past
+// Traits on this pipeline: fp16/bf16; head dims 64, 128, (192, 128) and 256; no mask, causal
+// and sliding windows (both alignments); MQA/GQA; batch and group (varlen) mode with seqused;
+// the deterministic mode. Every sequence length is served (pad_seqlen): TMA zero-fills rows past
 // the tensors' ends, and rows past a sequence's used length (the next sequence's, in group mode)
 // are zeroed in shared memory before a GEMM reads them. The rest runs on fa2 (instances.yaml's
 // rules say so).
@@ -100,13 +103,18 @@ struct BwdConfig {
   // dK and dV of 64 keys over 256 columns are 256 fp32 registers a thread, so both warpgroups
   // take the same 64 keys, each with dK, dV and dQ of half the head dim (128 registers of dK
   // and dV), and each computes S^T and dP^T for half of the step's queries; P^T joins dS^T in
-  // shared memory, where both warpgroups read the whole of each.
+  // shared memory, where both warpgroups read the whole of each. Head dims (192, 128) split
+  // the products rather than each one's columns (a warpgroup's 96 columns of dK or dQ would
+  // start half-way through a swizzle atom of Q^T or K^T): warpgroup 0 computes dV and dK's
+  // first 128 columns, warpgroup 1 dK's last 64 and dQ, 256 columns of products each.
   static constexpr bool kSplitHeadDim = kBlockN == 64;
-  static_assert(kSplitHeadDim ? kHeadDimQK == kHeadDimV && kHeadDimQK % 128 == 0 &&
-                                    kHeadDimQK <= 256
-                              : kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0 &&
-                                    kHeadDimQK <= 128 && kHeadDimV <= 128,
-                "head dims are whole 128-byte swizzle atoms (per warpgroup's half with the "
+  static constexpr bool kSplitProducts = kSplitHeadDim && kHeadDimQK != kHeadDimV;
+  static_assert(kSplitProducts ? kHeadDimQK == 192 && kHeadDimV == 128
+                : kSplitHeadDim ? kHeadDimQK == kHeadDimV && kHeadDimQK % 128 == 0 &&
+                                      kHeadDimQK <= 256
+                                : kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0 &&
+                                      kHeadDimQK <= 128 && kHeadDimV <= 128,
+                "head dims are whole 128-byte swizzle atoms (per warpgroup's part with the "
                 "head-dim split), and a consumer's dK and dV fit its registers");
   static_assert(kBlockN == 64 || kBlockN == 128,
                 "two consumer warpgroups of 64 keys (wgmma's M), or both on 64 keys");
@@ -138,10 +146,17 @@ struct BwdConfig {
   // [w m / 2, (w + 1) m / 2) of S^T and dP^T, and dK's and dV's columns [w d / 2, (w + 1) d / 2).
   // Both: dQ's head-dim columns [w d / 2, (w + 1) d / 2); each warpgroup partitions its own
   // slices of the operands.
-  static constexpr int kDQSliceCols = kHeadDimQK / kConsumerWarpgroups;
+  // With the products split: warpgroup 0's dK columns and its dV (all of them), and dQ in two
+  // slices of 128 and 64 columns, both warpgroup 1's; kDKTailCols of dK are warpgroup 1's.
+  static constexpr int kDQSliceCols = kSplitProducts ? 128 : kHeadDimQK / kConsumerWarpgroups;
   static constexpr int kSdPQueries = kSplitHeadDim ? kBlockM / kConsumerWarpgroups : kBlockM;
-  static constexpr int kDKCols = kSplitHeadDim ? kHeadDimQK / kConsumerWarpgroups : kHeadDimQK;
-  static constexpr int kDVCols = kSplitHeadDim ? kHeadDimV / kConsumerWarpgroups : kHeadDimV;
+  static constexpr int kDKCols = kSplitProducts  ? 128
+                                 : kSplitHeadDim ? kHeadDimQK / kConsumerWarpgroups
+                                                 : kHeadDimQK;
+  static constexpr int kDVCols = kSplitHeadDim && !kSplitProducts
+                                     ? kHeadDimV / kConsumerWarpgroups
+                                     : kHeadDimV;
+  static constexpr int kDKTailCols = kHeadDimQK - kDKCols;
   using SdPQueries = cute::Int<kSdPQueries>;
   using DKCols = cute::Int<kDKCols>;
   using DVCols = cute::Int<kDVCols>;
@@ -164,12 +179,19 @@ struct BwdConfig {
                                           cute::GMMA::Major::K, cute::GMMA::Major::MN>())>;
   using TiledMmaDV = decltype(cute::make_tiled_mma(DKVMmaOp<kDVCols>{}));
   using TiledMmaDK = decltype(cute::make_tiled_mma(DKVMmaOp<kDKCols>{}));
+  // The products split's warpgroup 1: dK's last columns (an unused 64 x 64 stand-in elsewhere).
+  using TiledMmaDKTail =
+      decltype(cute::make_tiled_mma(DKVMmaOp<kSplitProducts ? kDKTailCols : 64>{}));
   // dQ = dS K: (queries, the warpgroup's head-dim columns) in m64 blocks, dS read transposed
   // out of dS^T (queries contiguous) and K read transposed (head dim contiguous), both MN-major.
-  using TiledMmaDQ = decltype(cute::make_tiled_mma(
+  template <int kCols>
+  using DQMma = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<MmaElement, MmaElement, float,
-                                 cute::Shape<cute::_64, cute::Int<kDQSliceCols>, BlockN>,
+                                 cute::Shape<cute::_64, cute::Int<kCols>, BlockN>,
                                  cute::GMMA::Major::MN, cute::GMMA::Major::MN>()));
+  using TiledMmaDQ = DQMma<kDQSliceCols>;
+  // The products split's second dQ slice (an unused 64-column stand-in elsewhere).
+  using TiledMmaDQTail = DQMma<kSplitProducts ? kHeadDimQK - kDQSliceCols : 64>;
 
   // Rows of 64 elements (128 bytes) in 8-row swizzle atoms: what TMA writes and wgmma reads.
   using SwizzleAtom = cute::GMMA::Layout_K_SW128_Atom<MmaElement>;
@@ -282,19 +304,20 @@ enum BwdBarrier : uint32_t {
 constexpr uint32_t kDqBarrierThreads = 128 + 32;
 
 // Where dQ(row, col) of a query tile sits in the tile's accumulator (and in the shared dQ
-// tile): warpgroup w holds columns [w d / W, (w + 1) d / W) and writes its wgmma accumulator as
-// float4 j of thread t at float 4 (128 j + t). Float4 j = n + (N / 8) m holds n8 block n of m64
-// block m: (row r, col c), (r, c + 1), (r + 8, c), (r + 8, c + 1) for thread t's
-// r = 64 m + 16 (t / 32) + (t % 32) / 4 and c = 8 n + 2 (t % 4) (PTX's m64nNk16 accumulator
-// layout, CuTe's value order).
-template <int kBlockM, int kHeadDim, int kWarpgroups>
+// tile): slice w holds columns [w S, w S + N) (N = S but for the products split's last, 64 of
+// 128) as one warpgroup's wgmma accumulator of 64 x N per m64 block, float4 j of thread t at
+// float 4 (128 j + t). Float4 j = n + (N / 8) m holds n8 block n of m64 block m: (row r, col c),
+// (r, c + 1), (r + 8, c), (r + 8, c + 1) for thread t's r = 64 m + 16 (t / 32) + (t % 32) / 4
+// and c = 8 n + 2 (t % 4) (PTX's m64nNk16 accumulator layout, CuTe's value order).
+template <int kBlockM, int kHeadDim, int kSliceCols>
 __host__ __device__ constexpr int dq_tile_offset(int row, int col) {
-  constexpr int kSliceCols = kHeadDim / kWarpgroups;
   const int w = col / kSliceCols;
   const int c = col % kSliceCols;
+  const int width = kHeadDim - w * kSliceCols < kSliceCols ? kHeadDim - w * kSliceCols
+                                                           : kSliceCols;
   const int r = row % 64;
   const int t = 32 * (r / 16) + 4 * (r % 8) + (c % 8) / 2;
-  const int j = c / 8 + kSliceCols / 8 * (row / 64);
+  const int j = c / 8 + width / 8 * (row / 64);
   return w * kBlockM * kSliceCols + 4 * (128 * j + t) + 2 * ((r % 16) / 8) + c % 2;
 }
 
@@ -653,6 +676,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   typename Cfg::TiledMmaDV mma_dv;
   typename Cfg::TiledMmaDK mma_dk;
   typename Cfg::TiledMmaDQ mma_dq;
+  typename Cfg::TiledMmaDKTail mma_dk_tail;  // the products split's warpgroup 1
+  typename Cfg::TiledMmaDQTail mma_dq_tail;
+  // The products split's warpgroup 1 holds dK's last columns in the first registers of dK's
+  // accumulator (its dV's stay zero): the same registers in the narrower GEMM's layout.
+  auto dk_tail_of = [&](auto& acc) {
+    return make_tensor(acc.data(),
+                       partition_fragment_C(mma_dk_tail,
+                                            Shape<_64, Int<Cfg::kDKTailCols>>{}).layout());
+  };
   auto thr_sdp = mma_sdp.get_thread_slice(wg_thread);
   auto thr_dv = mma_dv.get_thread_slice(wg_thread);
   auto thr_dk = mma_dk.get_thread_slice(wg_thread);
@@ -668,12 +700,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor tDPrDo = thr_sdp.partition_fragment_B(
       local_tile(sDo, Shape<SdPQueries, DimV, typename Cfg::Stages>{},
                  make_coord(wg_split, _0{}, _0{})));
+  const int wg_dkv_split = Cfg::kSplitProducts ? 0 : wg_split;  // which dK/dV columns
   Tensor tdVrDot = thr_dv.partition_fragment_B(
       local_tile(sDot, Shape<DVCols, BlockM, typename Cfg::Stages>{},
-                 make_coord(wg_split, _0{}, _0{})));
+                 make_coord(wg_dkv_split, _0{}, _0{})));
   Tensor tdKrQt = thr_dk.partition_fragment_B(
       local_tile(sQt, Shape<DKCols, BlockM, typename Cfg::Stages>{},
-                 make_coord(wg_split, _0{}, _0{})));
+                 make_coord(wg_dkv_split, _0{}, _0{})));
   Tensor tdQrDs = thr_dq.partition_fragment_A(sDs);
   auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
   auto thr_copy_ds = smem_copy_ds.get_thread_slice(wg_thread);
@@ -744,7 +777,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           Tensor tDPrV = thr_sdp.partition_fragment_A(
               local_tile(sV, Shape<_64, DimV>{}, make_coord(wg_keys, _0{})));
           Tensor tdQrKt = thr_dq.partition_fragment_B(
-              local_tile(sKt, Shape<Int<Cfg::kDQSliceCols>, BlockN>{}, make_coord(wg, _0{})));
+              local_tile(sKt, Shape<Int<Cfg::kDQSliceCols>, BlockN>{},
+                         make_coord(Cfg::kSplitProducts ? 0 : wg, _0{})));
           Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, SdPQueries>{});
           warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, q_stage), tSrS);
           if (!ragged_rows) do_pipe.consumer_wait(read_do);
@@ -791,8 +825,63 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           }
           cutlass::arch::fence_view_async_shared();
 
+          // dQ slice `slice` of the step's query tile straight into the accumulator, float4s in
+          // its register order (the head-dim splits; the key split's writer warp does this with
+          // one bulk reduce). Deterministic mode: each float4 of a split's accumulator has one
+          // writer thread, whose adds land in program order.
+          const int head = kv_head * f.kv_group + g;
+          auto add_dq = [&](const auto& acc, int slice) {
+            float4* dq_slice = reinterpret_cast<float4*>(
+                dq_tile<Cfg>(kp, split, head, batch, m_block) + slice * Cfg::kDQSliceFloats);
+#pragma unroll
+            for (int j = 0; j < decltype(size(acc))::value / 4; ++j) {
+              atomicAdd(dq_slice + 128 * j + wg_thread,
+                        make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3)));
+            }
+          };
           Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BlockM, Int<Cfg::kDQSliceCols>>{});
-          if constexpr (kSplitHeadDim) {
+          if constexpr (Cfg::kSplitProducts) {
+            consumers_sync(BwdBarrier::kDsWritten);
+            if (consumer_wg == 0) {
+              // dV and dK's first 128 columns.
+              Tensor tdVrPt = thr_dv.partition_fragment_A(sDsT);
+              Tensor tdKrDsT = thr_dk.partition_fragment_A(sDsT);
+              warpgroup_gemm<false, -1>(mma_dv, tdVrPt(_, _, _, 2 + ds_stage),
+                                        tdVrDot(_, _, _, do_stage), tdVrdV);
+              warpgroup_gemm<false, 0>(mma_dk, tdKrDsT(_, _, _, ds_stage),
+                                       tdKrQt(_, _, _, q_stage), tdKrdK);
+              warpgroup_fence_operand(tdVrdV);
+            } else {
+              // dK's last columns, then dQ's two slices one after the other in the same
+              // registers.
+              auto thr_dk_tail = mma_dk_tail.get_thread_slice(wg_thread);
+              auto thr_dq_tail = mma_dq_tail.get_thread_slice(wg_thread);
+              constexpr int kTailTile = Cfg::kDKCols / Cfg::kDKTailCols;
+              Tensor tdKrDsTTail = thr_dk_tail.partition_fragment_A(sDsT);
+              Tensor tdKrQtTail = thr_dk_tail.partition_fragment_B(local_tile(
+                  sQt, Shape<Int<Cfg::kDKTailCols>, BlockM, typename Cfg::Stages>{},
+                  make_coord(kTailTile, _0{}, _0{})));
+              Tensor tdKrdKTail = dk_tail_of(tdKrdK);
+              warpgroup_gemm<false, -1>(mma_dk_tail, tdKrDsTTail(_, _, _, ds_stage),
+                                        tdKrQtTail(_, _, _, q_stage), tdKrdKTail);
+              warpgroup_gemm<true, 0>(mma_dq, tdQrDs(_, _, _, ds_stage), tdQrKt, tdQrdQ);
+              warpgroup_fence_operand(tdKrdKTail);
+              add_dq(tdQrdQ, 0);
+              constexpr int kDQTailCols = Cfg::kHeadDimQK - Cfg::kDQSliceCols;
+              Tensor tdQrdQTail = make_tensor(
+                  tdQrdQ.data(),
+                  partition_fragment_C(mma_dq_tail, Shape<BlockM, Int<kDQTailCols>>{}).layout());
+              Tensor tdQrDsTail = thr_dq_tail.partition_fragment_A(sDs);
+              Tensor tdQrKtTail = thr_dq_tail.partition_fragment_B(
+                  local_tile(sKt, Shape<Int<kDQTailCols>, BlockN>{},
+                             make_coord(Cfg::kDQSliceCols / kDQTailCols, _0{})));
+              warpgroup_gemm<true, 0>(mma_dq_tail, tdQrDsTail(_, _, _, ds_stage), tdQrKtTail,
+                                      tdQrdQTail);
+              add_dq(tdQrdQTail, 1);
+            }
+            do_pipe.consumer_release(read_do);
+            ++read_do;
+          } else if constexpr (kSplitHeadDim) {
             // Every GEMM reads the other warpgroup's half of P^T or dS^T: A is all 64 keys.
             Tensor tdVrPt = thr_dv.partition_fragment_A(sDsT);
             Tensor tdKrDsT = thr_dk.partition_fragment_A(sDsT);
@@ -810,10 +899,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           }
 
           // dV's and dQ's GEMMs are done: dO's stage is free, and dQ leaves while dK's runs.
-          warpgroup_wait<1>();
-          warpgroup_fence_operand(tdQrdQ);
-          do_pipe.consumer_release(read_do);
-          ++read_do;
+          if constexpr (!Cfg::kSplitProducts) {
+            warpgroup_wait<1>();
+            warpgroup_fence_operand(tdQrdQ);
+            do_pipe.consumer_release(read_do);
+            ++read_do;
+          }
           constexpr int kDqFloat4s = decltype(size(tdQrdQ))::value / 4;
           if constexpr (Cfg::kDqWriterWarp) {
             barrier_sync(BwdBarrier::kDqEmptyFirst + consumer_wg, kDqBarrierThreads);
@@ -825,18 +916,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             }
             cutlass::arch::fence_view_async_shared();  // the bulk reduce reads what was written
             barrier_arrive(BwdBarrier::kDqFullFirst + consumer_wg, kDqBarrierThreads);
-          } else {
-            // The same float4s straight into the accumulator. Deterministic mode: each float4
-            // of a split's accumulator has one writer thread, whose adds land in program order.
-            const int head = kv_head * f.kv_group + g;
-            float4* dq_slice = reinterpret_cast<float4*>(
-                dq_tile<Cfg>(kp, split, head, batch, m_block) + consumer_wg * Cfg::kDQSliceFloats);
-#pragma unroll
-            for (int j = 0; j < kDqFloat4s; ++j) {
-              atomicAdd(dq_slice + 128 * j + wg_thread,
-                        make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2),
-                                    tdQrdQ(4 * j + 3)));
-            }
+          } else if constexpr (!Cfg::kSplitProducts) {
+            add_dq(tdQrdQ, consumer_wg);
           }
           warpgroup_wait<0>();
           warpgroup_fence_operand(tdKrdK);
@@ -858,12 +939,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     auto store_keys = [&](const auto& acc, const auto& mma, auto cols, float scale,
                           Element* out, int64_t seq_stride) {
       using Cols = decltype(cols);
-      Tensor staged = make_tensor(
-          make_smem_ptr(shared.ds.data()),
-          tile_to_shape(typename Cfg::SwizzleAtom{}, Shape<_64, Cols, _2>{}));
-      static_assert(cosize_v<decltype(staged.layout())> <= cosize_v<typename Cfg::SmemLayoutDsT>);
-      Tensor staged_wg = staged(_, _, consumer_wg);
-      out += wg_split * Cols::value;
+      constexpr int kStagedCols = cute::max(Cfg::kDKCols, Cfg::kDVCols);  // per warpgroup
+      static_assert(Cols::value <= kStagedCols &&
+                    2 * 64 * kStagedCols <= cosize_v<typename Cfg::SmemLayoutDsT>);
+      Tensor staged_wg = make_tensor(
+          make_smem_ptr(shared.ds.data() + consumer_wg * 64 * kStagedCols),
+          tile_to_shape(typename Cfg::SwizzleAtom{}, Shape<_64, Cols>{}));
       auto copy_op = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma);
       auto thr_copy = copy_op.get_thread_slice(wg_thread);
       Tensor rows = make_tensor_like<Element>(acc);
@@ -881,14 +962,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       barrier_sync(BwdBarrier::kWarpgroupFirst + consumer_wg, 128);  // read before rewritten
     };
-    store_keys(tdVrdV, mma_dv, DVCols{}, 1.f,
-               static_cast<Element*>(p.dv) + kv_head * p.dv_head_stride +
-                   (kGroup ? seq.k_start * p.dv_seq_stride : batch * p.dv_batch_stride),
-               p.dv_seq_stride);
-    store_keys(tdKrdK, mma_dk, DKCols{}, f.scale,
-               static_cast<Element*>(p.dk) + kv_head * p.dk_head_stride +
-                   (kGroup ? seq.k_start * p.dk_seq_stride : batch * p.dk_batch_stride),
-               p.dk_seq_stride);
+    Element* const dv_out = static_cast<Element*>(p.dv) + kv_head * p.dv_head_stride +
+                            (kGroup ? seq.k_start * p.dv_seq_stride : batch * p.dv_batch_stride);
+    Element* const dk_out = static_cast<Element*>(p.dk) + kv_head * p.dk_head_stride +
+                            (kGroup ? seq.k_start * p.dk_seq_stride : batch * p.dk_batch_stride);
+    if constexpr (Cfg::kSplitProducts) {
+      if (consumer_wg == 0) {
+        store_keys(tdVrdV, mma_dv, DVCols{}, 1.f, dv_out, p.dv_seq_stride);
+        store_keys(tdKrdK, mma_dk, DKCols{}, f.scale, dk_out, p.dk_seq_stride);
+      } else {
+        store_keys(dk_tail_of(tdKrdK), mma_dk_tail, Int<Cfg::kDKTailCols>{}, f.scale,
+                   dk_out + Cfg::kDKCols, p.dk_seq_stride);
+      }
+    } else {
+      store_keys(tdVrdV, mma_dv, DVCols{}, 1.f, dv_out + wg_split * Cfg::kDVCols,
+                 p.dv_seq_stride);
+      store_keys(tdKrdK, mma_dk, DKCols{}, f.scale, dk_out + wg_split * Cfg::kDKCols,
+                 p.dk_seq_stride);
+    }
   }
 }
 
@@ -923,8 +1014,8 @@ __global__ void __launch_bounds__(256)
     const int m_block = row / kBlockM;
     const float* tile = dq_tile<Cfg>(kp, 0, head, batch, m_block);
     // Columns 8 g + 2 q, + 1 of rows r and r + 8 are float4 q of 4 neighbouring ones.
-    const int first = dq_tile_offset<kBlockM, kDim, Cfg::kConsumerWarpgroups>(row % kBlockM,
-                                                                              8 * group);
+    const int first =
+        dq_tile_offset<kBlockM, kDim, Cfg::kDQSliceCols>(row % kBlockM, 8 * group);
     float sum[2][8] = {};
     for (int s = 0; s < p.splits; ++s) {
 #pragma unroll
