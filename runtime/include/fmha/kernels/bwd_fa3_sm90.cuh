@@ -679,7 +679,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   typename Cfg::TiledMmaDKTail mma_dk_tail;  // the products split's warpgroup 1
   typename Cfg::TiledMmaDQTail mma_dq_tail;
   // The products split's warpgroup 1 holds dK's last columns in the first registers of dK's
-  // accumulator (its dV's stay zero): the same registers in the narrower GEMM's layout.
+  // accumulator: the same registers in the narrower GEMM's layout. (It computes no dV; its dV
+  // registers hold each step's second dQ slice.)
   auto dk_tail_of = [&](auto& acc) {
     return make_tensor(acc.data(),
                        partition_fragment_C(mma_dk_tail,
@@ -852,8 +853,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                        tdKrQt(_, _, _, q_stage), tdKrdK);
               warpgroup_fence_operand(tdVrdV);
             } else {
-              // dK's last columns, then dQ's two slices one after the other in the same
-              // registers.
+              // dK's last columns and dQ's two slices, the second in the registers of the dV
+              // this warpgroup does not compute, so that the three GEMMs run back to back.
               auto thr_dk_tail = mma_dk_tail.get_thread_slice(wg_thread);
               auto thr_dq_tail = mma_dq_tail.get_thread_slice(wg_thread);
               constexpr int kTailTile = Cfg::kDKCols / Cfg::kDKTailCols;
@@ -862,21 +863,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                   sQt, Shape<Int<Cfg::kDKTailCols>, BlockM, typename Cfg::Stages>{},
                   make_coord(kTailTile, _0{}, _0{})));
               Tensor tdKrdKTail = dk_tail_of(tdKrdK);
-              warpgroup_gemm<false, -1>(mma_dk_tail, tdKrDsTTail(_, _, _, ds_stage),
-                                        tdKrQtTail(_, _, _, q_stage), tdKrdKTail);
-              warpgroup_gemm<true, 0>(mma_dq, tdQrDs(_, _, _, ds_stage), tdQrKt, tdQrdQ);
-              warpgroup_fence_operand(tdKrdKTail);
-              add_dq(tdQrdQ, 0);
               constexpr int kDQTailCols = Cfg::kHeadDimQK - Cfg::kDQSliceCols;
               Tensor tdQrdQTail = make_tensor(
-                  tdQrdQ.data(),
+                  tdVrdV.data(),
                   partition_fragment_C(mma_dq_tail, Shape<BlockM, Int<kDQTailCols>>{}).layout());
               Tensor tdQrDsTail = thr_dq_tail.partition_fragment_A(sDs);
               Tensor tdQrKtTail = thr_dq_tail.partition_fragment_B(
                   local_tile(sKt, Shape<Int<kDQTailCols>, BlockN>{},
                              make_coord(Cfg::kDQSliceCols / kDQTailCols, _0{})));
-              warpgroup_gemm<true, 0>(mma_dq_tail, tdQrDsTail(_, _, _, ds_stage), tdQrKtTail,
-                                      tdQrdQTail);
+              warpgroup_gemm<false, -1>(mma_dk_tail, tdKrDsTTail(_, _, _, ds_stage),
+                                        tdKrQtTail(_, _, _, q_stage), tdKrdKTail);
+              warpgroup_gemm<true, -1>(mma_dq, tdQrDs(_, _, _, ds_stage), tdQrKt, tdQrdQ);
+              warpgroup_gemm<true, -1>(mma_dq_tail, tdQrDsTail(_, _, _, ds_stage), tdQrKtTail,
+                                       tdQrdQTail);
+              warpgroup_wait<1>();  // dK's and the first dQ slice's GEMMs
+              warpgroup_fence_operand(tdQrdQ);
+              add_dq(tdQrdQ, 0);
+              warpgroup_wait<0>();
+              warpgroup_fence_operand(tdQrdQTail);
+              warpgroup_fence_operand(tdKrdKTail);
               add_dq(tdQrdQTail, 1);
             }
             do_pipe.consumer_release(read_do);
