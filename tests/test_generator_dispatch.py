@@ -392,8 +392,12 @@ def test_repository_bwd_matrix_serves_every_call_on_its_newest_arch(dtype, mask,
     if cc < 80 or max(hdim) > 256:
         assert chosen is None
         return
-    # fa2 serves every backward call: natively built on H100/H200, through sm80's code elsewhere.
+    # Every backward call is served: natively built on H100/H200, through sm80's code elsewhere;
+    # by fa3 on H100/H200 exactly where it has the traits (the forward's head dims, no bias,
+    # dropout or soft-cap), by fa2 otherwise.
     assert chosen is not None and chosen.op.token == "bwd"
-    assert (chosen.point.pipeline.token, chosen.point.arch.cc) == ("fa2", 90 if cc == 90 else 80)
+    assert chosen.point.arch.cc == (90 if cc == 90 else 80)
+    fa3_traits = hdim in FA3_HDIMS and bias == "none" and not flags[1] and not flags[2]
+    assert chosen.point.pipeline.token == ("fa3" if cc == 90 and fa3_traits else "fa2")
     position = DEFAULT_CATALOG.instances.index(chosen)
     assert not any(serves(i, call) for i in DEFAULT_CATALOG.instances[:position])
