@@ -348,15 +348,18 @@ _BWD_FA3_CONSTRAINTS = (
 
 def _bwd_fa3_smem_bytes(tile, hdim: tuple[int, int]) -> int:
     """BwdConfig::kSmemBytes of bwd_fa3_sm90.cuh: K and V; per stage Q, dO and the LSE and D
-    of each row; two dS^T buffers; with the key split, one step's fp32 dQ tile for the writer
-    warp, with the head-dim split two P^T buffers instead; the barriers and the 1024-byte
-    alignment of TMA's tiles."""
+    of each row; two dS^T buffers, and with the head-dim split two P^T buffers; one step's fp32
+    dQ tile for the writer warp in two slices (of 128 columns each with the products split,
+    none with the even head-dim split, whose consumers add dQ with atomics); the barriers and
+    the 1024-byte alignment of TMA's tiles."""
     both = hdim[0] + hdim[1]
     split_head_dim = _bwd_fa3_splits_head_dim(tile)
+    split_products = split_head_dim and hdim[0] != hdim[1]
+    dq_slice_cols = 128 if split_products else 0 if split_head_dim else hdim[0] // 2
     return (2 * tile.block_n * both
             + tile.stages * (2 * tile.block_m * both + 8 * tile.block_m)
             + (4 if split_head_dim else 2) * 2 * tile.block_n * tile.block_m
-            + (0 if split_head_dim else 4 * tile.block_m * hdim[0])
+            + 4 * tile.block_m * 2 * dq_slice_cols
             + _FA3_BARRIERS_AND_ALIGNMENT)
 
 
@@ -373,7 +376,8 @@ BWD = Operation(
                shared_memory=SharedMemory(
                    "2 * block_n * (hdim_q + hdim_v) + stages * (2 * block_m * (hdim_q + hdim_v) "
                    "+ 8 * block_m) + 4 * block_n * block_m + (block_n 128: 4 * block_m * hdim_q; "
-                   "block_n 64: 4 * block_n * block_m) + "
+                   "block_n 64: 4 * block_n * block_m, and with hdim_q != hdim_v 1024 * block_m) "
+                   "+ "
                    f"{_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
                    _bwd_fa3_smem_bytes),
                uses_cutlass=True, workspace="fmha::fa3::bwd_workspace_bytes"),

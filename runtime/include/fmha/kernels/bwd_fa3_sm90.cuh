@@ -36,7 +36,7 @@
 //          as float4 atomics in the same order (no room for a shared dQ tile). Head dims
 //          (192, 128) split the products instead (96 columns would start mid-atom in Q^T and
 //          K^T): warpgroup 0 computes dV and dK's first 128 columns, warpgroup 1 dK's last 64
-//          and dQ;
+//          and dQ, whose two slices go to the writer warp;
 //   3. bwd_convert_dq_kernel: dQ = softmax_scale * the accumulator, out of that order, rounded.
 // MQA/GQA: a CTA walks every query head sharing its K/V head, so dK and dV are summed in
 // registers. Deterministic mode: `splits` CTAs per (K/V head, sequence) walk fixed key tiles in
@@ -222,11 +222,17 @@ struct BwdConfig {
                                 cute::Step<cute::_2, cute::_1, cute::_3>{})));
 
   // dQ's tile (kBlockM x kHeadDimQK) is kConsumerWarpgroups slices of head-dim columns. The
-  // key split hands it to the writer warp through shared memory; the head-dim split has no
-  // room for its 64 KB beside two stages of Q and dO, so each consumer adds its registers into
-  // the accumulator with float4 atomics (as FlashAttention-3 does at head dim 256).
+  // key split and the products split hand it to the writer warp through shared memory; the
+  // even head-dim split has no room for its 64 KB beside two stages of Q and dO, so each
+  // consumer adds its registers into the accumulator with float4 atomics (as FlashAttention-3
+  // does at head dim 256).
   static constexpr int kDQSliceFloats = kBlockM * kDQSliceCols;
-  static constexpr bool kDqWriterWarp = !kSplitHeadDim;
+  static constexpr bool kDqWriterWarp = !kSplitHeadDim || kSplitProducts;
+  // The floats of slice w: the products split's last slice is narrower.
+  static constexpr int dq_slice_floats(int w) {
+    return w == kConsumerWarpgroups - 1 ? kBlockM * (kHeadDimQK - w * kDQSliceCols)
+                                        : kDQSliceFloats;
+  }
   // dQ of one step for the writer warp, a slice per consumer warpgroup in its accumulator's
   // register order.
   struct DqSlices {
@@ -565,7 +571,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                 barrier_sync(BwdBarrier::kDqFullFirst + w, kDqBarrierThreads);
                 if (lane == 0) {
                   bulk_reduce_add(tile + w * Cfg::kDQSliceFloats, shared.dq.slice[w],
-                                  Cfg::kDQSliceFloats * sizeof(float));
+                                  Cfg::dq_slice_floats(w) * sizeof(float));
                   tma_store_arrive();
                 }
               }
@@ -840,6 +846,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                         make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3)));
             }
           };
+          // dQ slice `slice` to the writer warp through shared memory, in the same order.
+          auto stage_dq = [&](const auto& acc, int slice) {
+            barrier_sync(BwdBarrier::kDqEmptyFirst + slice, kDqBarrierThreads);
+            float4* dq_slice = reinterpret_cast<float4*>(shared.dq.slice[slice]);
+#pragma unroll
+            for (int j = 0; j < decltype(size(acc))::value / 4; ++j) {
+              dq_slice[128 * j + wg_thread] =
+                  make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+            }
+            cutlass::arch::fence_view_async_shared();  // the bulk reduce reads what was written
+            barrier_arrive(BwdBarrier::kDqFullFirst + slice, kDqBarrierThreads);
+          };
           Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BlockM, Int<Cfg::kDQSliceCols>>{});
           if constexpr (Cfg::kSplitProducts) {
             consumers_sync(BwdBarrier::kDsWritten);
@@ -878,11 +896,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                        tdQrdQTail);
               warpgroup_wait<1>();  // dK's and the first dQ slice's GEMMs
               warpgroup_fence_operand(tdQrdQ);
-              add_dq(tdQrdQ, 0);
+              stage_dq(tdQrdQ, 0);
               warpgroup_wait<0>();
               warpgroup_fence_operand(tdQrdQTail);
               warpgroup_fence_operand(tdKrdKTail);
-              add_dq(tdQrdQTail, 1);
+              stage_dq(tdQrdQTail, 1);
             }
             do_pipe.consumer_release(read_do);
             ++read_do;
@@ -910,19 +928,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             do_pipe.consumer_release(read_do);
             ++read_do;
           }
-          constexpr int kDqFloat4s = decltype(size(tdQrdQ))::value / 4;
-          if constexpr (Cfg::kDqWriterWarp) {
-            barrier_sync(BwdBarrier::kDqEmptyFirst + consumer_wg, kDqBarrierThreads);
-            float4* dq_slice = reinterpret_cast<float4*>(shared.dq.slice[consumer_wg]);
-#pragma unroll
-            for (int j = 0; j < kDqFloat4s; ++j) {
-              dq_slice[128 * j + wg_thread] = make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1),
-                                                          tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
+          if constexpr (!Cfg::kSplitProducts) {
+            if constexpr (Cfg::kDqWriterWarp) {
+              stage_dq(tdQrdQ, consumer_wg);
+            } else {
+              add_dq(tdQrdQ, consumer_wg);
             }
-            cutlass::arch::fence_view_async_shared();  // the bulk reduce reads what was written
-            barrier_arrive(BwdBarrier::kDqFullFirst + consumer_wg, kDqBarrierThreads);
-          } else if constexpr (!Cfg::kSplitProducts) {
-            add_dq(tdQrdQ, consumer_wg);
           }
           warpgroup_wait<0>();
           warpgroup_fence_operand(tdKrdK);
