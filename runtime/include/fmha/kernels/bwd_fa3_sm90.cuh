@@ -848,15 +848,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           };
           // dQ slice `slice` to the writer warp through shared memory, in the same order.
           auto stage_dq = [&](const auto& acc, int slice) {
-            barrier_sync(BwdBarrier::kDqEmptyFirst + slice, kDqBarrierThreads);
-            float4* dq_slice = reinterpret_cast<float4*>(shared.dq.slice[slice]);
+            if constexpr (Cfg::kDqWriterWarp) {  // the even head-dim split has no dQ slices
+              barrier_sync(BwdBarrier::kDqEmptyFirst + slice, kDqBarrierThreads);
+              float4* dq_slice = reinterpret_cast<float4*>(shared.dq.slice[slice]);
 #pragma unroll
-            for (int j = 0; j < decltype(size(acc))::value / 4; ++j) {
-              dq_slice[128 * j + wg_thread] =
-                  make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+              for (int j = 0; j < decltype(size(acc))::value / 4; ++j) {
+                dq_slice[128 * j + wg_thread] =
+                    make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+              }
+              cutlass::arch::fence_view_async_shared();  // the bulk reduce reads it
+              barrier_arrive(BwdBarrier::kDqFullFirst + slice, kDqBarrierThreads);
             }
-            cutlass::arch::fence_view_async_shared();  // the bulk reduce reads what was written
-            barrier_arrive(BwdBarrier::kDqFullFirst + slice, kDqBarrierThreads);
           };
           Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BlockM, Int<Cfg::kDQSliceCols>>{});
           if constexpr (Cfg::kSplitProducts) {
