@@ -233,8 +233,8 @@ struct BwdConfig {
     return w == kConsumerWarpgroups - 1 ? kBlockM * (kHeadDimQK - w * kDQSliceCols)
                                         : kDQSliceFloats;
   }
-  // dQ of one step for the writer warp, a slice per consumer warpgroup in its accumulator's
-  // register order.
+  // dQ of one step for the writer warp, its slices in the accumulator's register order (one
+  // per consumer warpgroup with the key split; both warpgroup 1's with the products split).
   struct DqSlices {
     alignas(128) float slice[kConsumerWarpgroups][kDQSliceFloats];
   };
