@@ -833,9 +833,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           cutlass::arch::fence_view_async_shared();
 
           // dQ slice `slice` of the step's query tile straight into the accumulator, float4s in
-          // its register order (the head-dim splits; the key split's writer warp does this with
-          // one bulk reduce). Deterministic mode: each float4 of a split's accumulator has one
-          // writer thread, whose adds land in program order.
+          // its register order (the even head-dim split; the other splits' writer warp does this
+          // with one bulk reduce a slice). Deterministic mode: each float4 of a split's
+          // accumulator has one writer thread, whose adds land in program order.
           const int head = kv_head * f.kv_group + g;
           auto add_dq = [&](const auto& acc, int slice) {
             float4* dq_slice = reinterpret_cast<float4*>(
