@@ -1,4 +1,5 @@
-// Public C++ API of libfmha: fused multi-head attention, forward and backward.
+// Public C++ API of libfmha: fused multi-head attention, forward and backward, and KV-cache
+// attention (decode).
 //
 // The library holds one kernel instance per row of the generated matrix (instances.yaml) and a
 // dispatcher that picks the instance fitting a problem. Nothing here needs CUDA headers beyond
@@ -192,6 +193,103 @@ struct FMHA_API BwdArgs {
   BwdTraits traits() const;
 };
 
+// The functional traits of a KV-cache attention problem (fwd_kvcache): decode and chunked
+// prefill, a few new query tokens against the keys a cache holds.
+struct KvcacheTraits {
+  DataType dtype = DataType::kFP16;
+  int hdim_q = 0;
+  int hdim_v = 0;
+  MaskType mask = MaskType::kNone;  // always aligned bottom-right: the new tokens are the last
+  BiasType bias = BiasType::kNone;  // kNone or kAlibi
+  bool paged = false;               // the cache is in pages reached through a block table
+  bool softcap = false;             // softcap > 0
+};
+
+// One KV-cache attention problem, with FlashAttention's flash_attn_with_kvcache conventions.
+// Sequence b attends with its seqlen_q query rows to the first cache_seqlens[b] + seqlen_new
+// keys of its cache: the cached ones, then the new k/v (when given), which are first written
+// into the cache in place at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1.
+// The lengths live on the device, so one captured CUDA graph replays with new lengths.
+// Layouts are (.., seqlen, nhead, hdim) with the head dim contiguous, strides in elements,
+// multiples of 8, pointers 16-byte aligned, as for FwdArgs.
+struct FMHA_API KvcacheArgs {
+  DataType dtype = DataType::kFP16;
+
+  const void* q = nullptr;  // (batch, seqlen_q, nhead_q, hdim_q)
+  // Contiguous: (batch_cache, seqlen_cache, nhead_k, hdim); sequence b uses cache row
+  // cache_batch_idx[b] (b without it). Paged: (num_pages, page_size, nhead_k, hdim), and the
+  // batch strides below step from page to page.
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  const void* k_new = nullptr;  // optional (batch, seqlen_new, nhead_k, hdim_q)
+  const void* v_new = nullptr;  // with k_new (batch, seqlen_new, nhead_k, hdim_v)
+  void* o = nullptr;            // (batch, seqlen_q, nhead_q, hdim_v)
+  float* lse = nullptr;         // optional, fp32 (batch, nhead_q, seqlen_q), rows contiguous
+
+  int batch = 0;
+  int seqlen_q = 0;
+  int seqlen_new = 0;    // rows of k_new/v_new; 0 without them
+  int seqlen_cache = 0;  // keys a sequence can hold: contiguous, the cache's seqlen; paged,
+                         // block_table's columns * page_size
+  int batch_cache = 0;   // contiguous: the cache's batch dimension; paged: num_pages
+  int nhead_q = 0;
+  int nhead_k = 0;  // nhead_q must be a multiple of it (MQA/GQA)
+  int hdim_q = 0;
+  int hdim_v = 0;
+
+  int64_t q_batch_stride = 0, q_seq_stride = 0, q_head_stride = 0;
+  int64_t k_cache_batch_stride = 0, k_cache_seq_stride = 0, k_cache_head_stride = 0;
+  int64_t v_cache_batch_stride = 0, v_cache_seq_stride = 0, v_cache_head_stride = 0;
+  int64_t k_new_batch_stride = 0, k_new_seq_stride = 0, k_new_head_stride = 0;
+  int64_t v_new_batch_stride = 0, v_new_seq_stride = 0, v_new_head_stride = 0;
+  int64_t o_batch_stride = 0, o_seq_stride = 0, o_head_stride = 0;
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;
+
+  // Device int32 (batch): the keys in sequence b's cache before k_new is appended.
+  const int32_t* cache_seqlens = nullptr;
+  // Contiguous only, optional: device int32 (batch), the cache row of sequence b.
+  const int32_t* cache_batch_idx = nullptr;
+  // Paged only: device int32 (batch, pages_per_seq), the page holding a sequence's keys
+  // [p * page_size, (p + 1) * page_size); any page size >= 1 (vLLM uses 16).
+  const int32_t* block_table = nullptr;
+  int64_t block_table_batch_stride = 0;
+  int page_size = 0;  // paged only (seqlen_cache is a multiple of it); 0 for a contiguous cache
+
+  // Optional rotary embedding of q and k_new (needs k_new): cos and sin of the input dtype,
+  // (seqlen_rotary, rotary_dim / 2) with rows contiguous. Token i of sequence b is rotated by
+  // row cache_seqlens[b] + i; with no mask, every query token by row cache_seqlens[b]
+  // (FlashAttention's convention). A query token past the cache's end (cache_seqlens[b] + i >=
+  // seqlen_cache, which only the device knows) takes the table's last row. Interleaved rotates pairs (2j, 2j + 1) (GPT-J), else pairs (j, j + rotary_dim /
+  // 2) (GPT-NeoX); dims past rotary_dim pass through.
+  const void* rotary_cos = nullptr;
+  const void* rotary_sin = nullptr;
+  int rotary_dim = 0;     // 0: no rotary; else even, at most hdim_q
+  int seqlen_rotary = 0;  // at least seqlen_cache: a row per position a key can take
+  bool rotary_interleaved = false;
+
+  float softmax_scale = 0.f;
+  MaskType mask = MaskType::kNone;  // bottom-right aligned: query i sits at key
+                                    // cache_seqlens[b] + seqlen_new - seqlen_q + i
+  int window_left = -1;             // kWindow only (-1 with the other masks); -1: unbounded
+  int window_right = -1;
+  BiasType bias = BiasType::kNone;  // kAlibi only
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0;
+  float softcap = 0.f;
+
+  // Key splits per (sequence, K/V head), each a CTA whose partial results a second kernel
+  // combines by their log-sum-exp; 0 picks them from batch, heads, seqlen_cache and the SM
+  // count. Fixed by the shapes, so a captured graph keeps its launch.
+  int num_splits = 0;
+
+  // Scratch of kvcache_workspace_size() bytes, 256-byte aligned (partial outputs of the
+  // splits, the rotated q); its contents need not be initialized.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+
+  KvcacheTraits traits() const;
+};
+
 struct Status {
   enum class Code : int { kOk = 0, kInvalidArgument, kNoInstance, kCudaError };
   Code code = Code::kOk;
@@ -284,6 +382,32 @@ FMHA_API std::vector<InstanceInfo> instances();
 
 // The GPU architectures this library holds machine code for, e.g. {"sm80", "sm90a"}.
 FMHA_API std::vector<std::string> compiled_targets();
+
+// A compiled KV-cache instance.
+struct KvcacheInstanceInfo {
+  std::string name;
+  KvcacheTraits traits;
+  std::string pipeline;
+  std::string arch;
+  int arch_cc = 0;
+  bool arch_exact = false;
+  int block_m = 0;  // query rows (query tokens x the query heads of one K/V head) per CTA
+  int block_n = 0;  // keys per step
+  bool pad_seqlen = false;
+  bool pad_hdim = false;
+};
+
+// KV-cache attention on `stream`: appends k_new/v_new (rotated, when asked) to the cache, then
+// attends. Checks the arguments (the workspace's size included) and picks an instance first;
+// on any error nothing is launched and nothing is written.
+FMHA_API Status fwd_kvcache(const KvcacheArgs& args, Stream stream, std::string* chosen = nullptr);
+FMHA_API Status fwd_kvcache_instance(const std::string& instance, const KvcacheArgs& args,
+                                     Stream stream);
+// The workspace fwd_kvcache() needs for `args` on the current device (pointers are not read).
+FMHA_API Status kvcache_workspace_size(const KvcacheArgs& args, size_t* bytes);
+FMHA_API Status select(const KvcacheArgs& args, KvcacheInstanceInfo* chosen);
+FMHA_API Status explain(const KvcacheArgs& args, std::string* explanation);
+FMHA_API std::vector<KvcacheInstanceInfo> kvcache_instances();
 
 FMHA_API const char* to_string(DataType);
 FMHA_API const char* to_string(MaskType);

@@ -13,22 +13,34 @@ namespace fmha {
 
 constexpr int kMaxCachedDevices = 64;
 
-// The current device's multiprocessor count, or 0 when it cannot be read.
-inline int multiprocessor_count() {
-  static std::atomic<int> counts[kMaxCachedDevices] = {};
+// A device attribute of the current device, read once per device and attribute (the caller's
+// `cache`, a static of its own), or 0 when it cannot be read.
+inline int cached_device_attribute(cudaDeviceAttr attribute,
+                                   std::atomic<int> (&cache)[kMaxCachedDevices]) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   const bool cacheable = device >= 0 && device < kMaxCachedDevices;
   if (cacheable) {
-    const int count = counts[device].load(std::memory_order_relaxed);
-    if (count > 0) return count;
+    const int value = cache[device].load(std::memory_order_relaxed);
+    if (value > 0) return value;
   }
-  int count = 0;
-  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    return 0;
-  }
-  if (cacheable) counts[device].store(count, std::memory_order_relaxed);
-  return count;
+  int value = 0;
+  if (cudaDeviceGetAttribute(&value, attribute, device) != cudaSuccess) return 0;
+  if (cacheable) cache[device].store(value, std::memory_order_relaxed);
+  return value;
+}
+
+// The current device's multiprocessor count, or 0 when it cannot be read.
+inline int multiprocessor_count() {
+  static std::atomic<int> counts[kMaxCachedDevices] = {};
+  return cached_device_attribute(cudaDevAttrMultiProcessorCount, counts);
+}
+
+// The shared memory one multiprocessor holds for all its CTAs (228 KB on H100, 164 KB on
+// A100), or 0 when it cannot be read.
+inline int shared_memory_per_multiprocessor() {
+  static std::atomic<int> bytes[kMaxCachedDevices] = {};
+  return cached_device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, bytes);
 }
 
 // Raises `kernel`'s dynamic shared-memory limit to `bytes` on the current device, once per

@@ -1,0 +1,807 @@
+// KV-cache attention (decode, split-KV, paged) on mma.sync, for sm80-class GPUs and built
+// natively for sm90a. Decode reads every cached key once per step and does little arithmetic
+// on it, so the kernel is built for memory bandwidth: enough bytes in flight on every SM.
+//
+// Up to three kernels on one stream:
+//   append (when k_new is given): writes k_new/v_new into the cache at cache_seqlens[b],
+//     rotating k (and q, into the workspace) when rotary tables are given;
+//   attention: one CTA per (16 packed query rows, K/V head, sequence, key split). The packed
+//     rows are the query tokens times the query heads sharing one K/V head (GQA), so every
+//     K/V byte is read once per step however many query heads use it. Each of the 4 warps
+//     takes its own 16-key slice of every key tile, runs its own online softmax on it, and the
+//     warps merge their (max, sum, O) at the end; K and V stream through a cp.async ring,
+//     page by page through the block table when the cache is paged;
+//   combine (when there are several splits): the splits' partial outputs weighted by their
+//     log-sum-exp.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "fmha/fmha.h"
+#include "fmha/kernels/device_facts.cuh"
+#include "fmha/kernels/mask.cuh"
+#include "fmha/kernels/sm80_primitives.cuh"
+#include "fmha/kernels/smem_tile.cuh"
+
+namespace fmha::fa2 {
+
+template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
+          int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, bool kPaged_,
+          bool kSoftcap_, bool kPadSeqlen_, bool kPadHdim_, int kSmemLimit>
+struct KvcacheConfig {
+  using Element = Element_;
+  static constexpr int kHeadDimQK = kHeadDimQK_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNumWarps = kNumWarps_;
+  static constexpr int kStages = kStages_;
+  static constexpr MaskType kMask = kMask_;
+  static constexpr BiasType kBias = kBias_;
+  static constexpr bool kPaged = kPaged_;
+  static constexpr bool kSoftcap = kSoftcap_;
+
+  static constexpr int kThreads = kNumWarps * 32;
+  static constexpr int kWarpKeys = kBlockN / kNumWarps;  // each warp's slice of a key tile
+  // Soft-cap and ALiBi act on scaled logits; otherwise the scale folds into exp2's argument.
+  static constexpr bool kLogitsInScores = kSoftcap || kBias == BiasType::kAlibi;
+  // Up to d128 a warp keeps Q's fragments (32 registers); at d256 they would join 128 of O's
+  // accumulators, so Q is re-read from shared memory each step.
+  static constexpr bool kQInRegisters = kHeadDimQK <= 128;
+
+  static_assert(sizeof(Element) == 2, "fa2 takes 16-bit inputs");
+  static_assert(kBlockM == 16, "kvcache: the packed query rows are one m16 fragment");
+  static_assert(kWarpKeys % 16 == 0 && kWarpKeys * kNumWarps == kBlockN,
+                "kvcache: each warp takes a multiple of 16 keys of every key tile");
+  static_assert(kStages >= 2, "kvcache: the K/V ring loads one tile while another is read");
+  static_assert(kBias != BiasType::kElementwise, "kvcache: no bias tensor, ALiBi only");
+  static_assert(kPadSeqlen_ && !kPadHdim_, "kvcache: lengths on the device, exact head dims");
+
+  using QTile = SmemTile<kBlockM, kHeadDimQK>;
+  using KTile = SmemTile<kBlockN, kHeadDimQK>;
+  using VTile = SmemTile<kBlockN, kHeadDimV>;
+  static constexpr int kRingBytes = kStages * (KTile::kBytes + VTile::kBytes);
+  static constexpr int kSmemBytes = QTile::kBytes + kRingBytes;
+  static_assert(kSmemBytes <= kSmemLimit, "the tile does not fit the target's shared memory");
+  // The warps' merge reuses the ring: fp32 O and log-sum-exp of each warp's 16 rows.
+  static constexpr int kMergeBytes = kNumWarps * kBlockM * (kHeadDimV + 1) * 4;
+  static_assert(kMergeBytes <= kRingBytes, "the warps' merge must fit the K/V ring");
+};
+
+// What the kernels read, derived once per call on the host.
+struct KvcacheParams {
+  const void* q;  // args.q, or the rotated copy in the workspace
+  void* k_cache;
+  void* v_cache;
+  const void* k_new;
+  const void* v_new;
+  void* o;
+  float* lse;
+  float* o_partial;    // (num_splits, batch, nhead_q, seqlen_q, hdim_v), when num_splits > 1
+  float* lse_partial;  // (num_splits, batch, nhead_q, seqlen_q)
+
+  int batch, seqlen_q, seqlen_new, seqlen_cache, nhead_q, nhead_k, group, hdim_q, hdim_v;
+  int rows;      // packed query rows per (sequence, K/V head): seqlen_q * group
+  int m_blocks;  // CTAs of kBlockM packed rows per (sequence, K/V head)
+  int num_splits;
+
+  int64_t q_batch_stride, q_seq_stride, q_head_stride;
+  int64_t kc_batch_stride, kc_seq_stride, kc_head_stride;
+  int64_t vc_batch_stride, vc_seq_stride, vc_head_stride;
+  int64_t kn_batch_stride, kn_seq_stride, kn_head_stride;
+  int64_t vn_batch_stride, vn_seq_stride, vn_head_stride;
+  int64_t o_batch_stride, o_seq_stride, o_head_stride;
+  int64_t lse_batch_stride, lse_head_stride;
+
+  const int32_t* cache_seqlens;
+  const int32_t* cache_batch_idx;
+  const int32_t* block_table;
+  int64_t block_table_batch_stride;
+  int page_size;
+
+  const void* rotary_cos;
+  const void* rotary_sin;
+  int rotary_dim;
+  int seqlen_rotary;
+  bool rotary_interleaved;
+  bool rotate_q_per_token;  // masked calls rotate query token i at cache_seqlens + i
+  void* q_rotated;          // (batch, seqlen_q, nhead_q, hdim_q), contiguous
+
+  float scale, softcap, softcap_scale, softmax_mul;
+  int window_left, window_right;
+  const float* alibi_slopes;
+  int64_t alibi_batch_stride;
+};
+
+// Where key `key` of sequence `batch`, head `head` lives in a cache (k or v): through the block
+// table when paged, else in the sequence's own cache row.
+template <bool kPaged, typename Element>
+__device__ __forceinline__ Element* cache_row(Element* cache, const KvcacheParams& p,
+                                              int64_t batch_stride, int64_t seq_stride,
+                                              int64_t head_stride, int batch, int head, int key) {
+  int64_t base;
+  if constexpr (kPaged) {
+    const int page = p.block_table[batch * p.block_table_batch_stride + key / p.page_size];
+    base = page * batch_stride + static_cast<int64_t>(key % p.page_size) * seq_stride;
+  } else {
+    const int row = p.cache_batch_idx != nullptr ? p.cache_batch_idx[batch] : batch;
+    base = row * batch_stride + static_cast<int64_t>(key) * seq_stride;
+  }
+  return cache + base + head * head_stride;
+}
+
+// The keys sequence `batch` attends to: its cache plus the appended tokens, clamped to what the
+// cache holds (past that nothing was written, so nothing is read).
+__device__ __forceinline__ int attended_keys(const KvcacheParams& p, int batch) {
+  return min(p.cache_seqlens[batch] + p.seqlen_new, p.seqlen_cache);
+}
+
+// ---- append: k_new/v_new into the cache, with rotary on k and q -----------------------------
+
+// One thread per 8 elements (16 bytes) of a row. Rotary pairs element e with e ± rotary_dim / 2
+// (or its neighbour, interleaved), which may sit in another thread's chunk, so the partner is
+// read from the source row directly.
+template <typename Element>
+__device__ void rotate_chunk(Element (&out)[8], const Element* row, int chunk,
+                             const KvcacheParams& p, int position) {
+  position = min(position, p.seqlen_rotary - 1);  // a query past the cache (fmha.h)
+  const auto* cos_row = static_cast<const Element*>(p.rotary_cos) +
+                        static_cast<int64_t>(position) * (p.rotary_dim / 2);
+  const auto* sin_row = static_cast<const Element*>(p.rotary_sin) +
+                        static_cast<int64_t>(position) * (p.rotary_dim / 2);
+  const int half = p.rotary_dim / 2;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const int d = chunk * 8 + e;
+    const float x = sm80::to_float(row[d]);
+    if (d >= p.rotary_dim) {
+      out[e] = row[d];
+      continue;
+    }
+    // (x_first, x_second) rotated by the angle of pair `pair`: first' = first cos - second
+    // sin, second' = second cos + first sin.
+    const bool first = p.rotary_interleaved ? d % 2 == 0 : d < half;
+    const int pair = p.rotary_interleaved ? d / 2 : d % half;
+    const int partner = p.rotary_interleaved ? (first ? d + 1 : d - 1)
+                                             : (first ? d + half : d - half);
+    const float y = sm80::to_float(row[partner]);
+    const float c = sm80::to_float(cos_row[pair]);
+    const float s = sm80::to_float(sin_row[pair]);
+    const float r = first ? x * c - y * s : x * c + y * s;
+    out[e] = static_cast<Element>(r);
+  }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void store_chunk(typename Cfg::Element* dst,
+                                            const typename Cfg::Element (&v)[8]) {
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
+}
+
+// Grid: (ceil(rows * chunks / 128), batch), rows = seqlen_new * nhead_k for k and v, then
+// seqlen_q * nhead_q for q when it is rotated.
+template <class Cfg>
+__global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_constant__ KvcacheParams p) {
+  using Element = typename Cfg::Element;
+  constexpr int kChunksQK = Cfg::kHeadDimQK / 8;
+  constexpr int kChunksV = Cfg::kHeadDimV / 8;
+  const int batch = blockIdx.y;
+  const int cached = p.cache_seqlens[batch];
+  const int kv_items = p.seqlen_new * p.nhead_k * (kChunksQK + kChunksV);
+  const int q_items = p.q_rotated != nullptr ? p.seqlen_q * p.nhead_q * kChunksQK : 0;
+  const int item = blockIdx.x * 128 + threadIdx.x;
+  if (item < kv_items) {
+    const bool is_k = item < p.seqlen_new * p.nhead_k * kChunksQK;
+    const int local = is_k ? item : item - p.seqlen_new * p.nhead_k * kChunksQK;
+    const int chunks = is_k ? kChunksQK : kChunksV;
+    const int chunk = local % chunks;
+    const int head = local / chunks % p.nhead_k;
+    const int token = local / chunks / p.nhead_k;
+    const int key = cached + token;
+    if (key >= p.seqlen_cache) return;  // past the cache: attended_keys() stops before it
+    const auto* src =
+        static_cast<const Element*>(is_k ? p.k_new : p.v_new) +
+        batch * (is_k ? p.kn_batch_stride : p.vn_batch_stride) +
+        token * (is_k ? p.kn_seq_stride : p.vn_seq_stride) +
+        head * (is_k ? p.kn_head_stride : p.vn_head_stride);
+    Element* dst = is_k ? cache_row<Cfg::kPaged>(static_cast<Element*>(p.k_cache), p,
+                                                 p.kc_batch_stride, p.kc_seq_stride,
+                                                 p.kc_head_stride, batch, head, key)
+                        : cache_row<Cfg::kPaged>(static_cast<Element*>(p.v_cache), p,
+                                                 p.vc_batch_stride, p.vc_seq_stride,
+                                                 p.vc_head_stride, batch, head, key);
+    alignas(16) Element vals[8];
+    if (is_k && p.rotary_dim > 0 && chunk * 8 < p.rotary_dim) {
+      rotate_chunk(vals, src, chunk, p, key);
+    } else {
+      *reinterpret_cast<uint4*>(vals) = *reinterpret_cast<const uint4*>(src + chunk * 8);
+    }
+    store_chunk<Cfg>(dst + chunk * 8, vals);
+  } else if (item < kv_items + q_items) {
+    const int local = item - kv_items;
+    const int chunk = local % kChunksQK;
+    const int head = local / kChunksQK % p.nhead_q;
+    const int token = local / kChunksQK / p.nhead_q;
+    const auto* src = static_cast<const Element*>(p.q) + batch * p.q_batch_stride +
+                      token * p.q_seq_stride + head * p.q_head_stride;
+    alignas(16) Element vals[8];
+    if (chunk * 8 < p.rotary_dim) {
+      rotate_chunk(vals, src, chunk, p, cached + (p.rotate_q_per_token ? token : 0));
+    } else {
+      *reinterpret_cast<uint4*>(vals) = *reinterpret_cast<const uint4*>(src + chunk * 8);
+    }
+    auto* dst = static_cast<Element*>(p.q_rotated) +
+                ((static_cast<int64_t>(batch) * p.seqlen_q + token) * p.nhead_q + head) *
+                    Cfg::kHeadDimQK;
+    store_chunk<Cfg>(dst + chunk * 8, vals);
+  }
+}
+
+// ---- attention ----------------------------------------------------------------------------
+
+// Copies key rows [key0, key0 + kBlockN) of one cache into a ring stage, 16 bytes per cp.async;
+// rows past `keys` are zero-filled (masked anyway, and zero V rows keep 0 * garbage from
+// becoming NaN). Where the CTA's threads divide a row's chunks (d64/d128/d256), thread t copies
+// chunk t % kChunks of rows t / kChunks + i * kRowStep, its page looked up once per row;
+// otherwise (d96, d192) the chunk changes from row to row.
+template <class Cfg, class Tile>
+__device__ __forceinline__ void load_cache_tile(uint32_t smem_tile, const typename Cfg::Element* cache,
+                                                const KvcacheParams& p, int64_t batch_stride,
+                                                int64_t seq_stride, int64_t head_stride,
+                                                int batch, int head, int key0, int keys) {
+  constexpr int kChunks = Tile::kChunks;
+  static_assert(Cfg::kBlockN * kChunks % Cfg::kThreads == 0,
+                "a key tile must split evenly over the CTA's threads");
+  auto copy = [&](int row, int chunk) {
+    const int key = key0 + row;
+    const bool valid = key < keys;
+    const auto* src = valid ? cache_row<Cfg::kPaged>(cache, p, batch_stride, seq_stride,
+                                                     head_stride, batch, head, key) + chunk * 8
+                            : cache;
+    sm80::cp_async_16(smem_tile + Tile::offset(row, chunk), src, valid ? 16 : 0);
+  };
+  if constexpr (Cfg::kThreads % kChunks == 0) {
+    constexpr int kRowStep = Cfg::kThreads / kChunks;
+#pragma unroll
+    for (int i = 0; i < Cfg::kBlockN / kRowStep; ++i) {
+      copy(threadIdx.x / kChunks + i * kRowStep, threadIdx.x % kChunks);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < Cfg::kBlockN * kChunks / Cfg::kThreads; ++i) {
+      const int idx = threadIdx.x + i * Cfg::kThreads;
+      copy(idx / kChunks, idx % kChunks);
+    }
+  }
+}
+
+// Grid: (m_blocks * num_splits, nhead_k, batch).
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) kvcache_kernel(const __grid_constant__ KvcacheParams p) {
+  using Element = typename Cfg::Element;
+  using QTile = typename Cfg::QTile;
+  using KTile = typename Cfg::KTile;
+  using VTile = typename Cfg::VTile;
+  using Mask = TileMask<Cfg::kMask, /*kPadSeqlen=*/true, Cfg::kBlockM, Cfg::kBlockN>;
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kStages = Cfg::kStages;
+  constexpr int kDimQK = Cfg::kHeadDimQK;
+  constexpr int kDimV = Cfg::kHeadDimV;
+  constexpr int kWarpKeys = Cfg::kWarpKeys;
+  constexpr int kNTiles = kWarpKeys / 8;  // n8 tiles of this warp's S
+  constexpr int kDTiles = kDimV / 8;      // n8 tiles of O
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int m_block = blockIdx.x / p.num_splits;
+  const int split = blockIdx.x % p.num_splits;
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+
+  // Packed row r is query token r / group of query head kv_head * group + r % group.
+  const int row0 = m_block * kBlockM;
+  const int rows_here = min(kBlockM, p.rows - row0);
+  const int first_token = row0 / p.group;
+  const int last_token = (row0 + rows_here - 1) / p.group;
+  const int keys = attended_keys(p, batch);
+  const Mask mask(p.seqlen_q, keys, /*bottom_right=*/true, p.window_left, p.window_right);
+
+  // This split's share of the key tiles the rows see: an even split of this sequence's own
+  // range, so short sequences of a batch do not leave splits idle.
+  const int n_begin_all = mask.n_block_begin(first_token);
+  const int n_end_all = max(mask.n_block_end(last_token), n_begin_all);
+  const int per_split = (n_end_all - n_begin_all + p.num_splits - 1) / p.num_splits;
+  const int n_begin = min(n_begin_all + split * per_split, n_end_all);
+  const int n_end = min(n_begin + per_split, n_end_all);
+  const int n_steps = n_end - n_begin;
+
+  const auto* q = static_cast<const Element*>(p.q);
+  const auto* k_cache = static_cast<const Element*>(p.k_cache);
+  const auto* v_cache = static_cast<const Element*>(p.v_cache);
+  const uint32_t s_q = sm80::smem_addr(smem);
+  const uint32_t s_k = s_q + QTile::kBytes;
+  const uint32_t s_v = s_k + kStages * KTile::kBytes;
+
+  // Q: the 16 packed rows (zeros past the last).
+  {
+    constexpr int kChunks = QTile::kChunks;
+    for (int idx = threadIdx.x; idx < kBlockM * kChunks; idx += Cfg::kThreads) {
+      const int r = idx / kChunks;
+      const int chunk = idx % kChunks;
+      const bool valid = r < rows_here;
+      const int token = (row0 + r) / p.group;
+      const int head = kv_head * p.group + (row0 + r) % p.group;
+      const auto* src = q + batch * p.q_batch_stride + token * p.q_seq_stride +
+                        head * p.q_head_stride + chunk * 8;
+      sm80::cp_async_16(s_q + QTile::offset(r, chunk), valid ? src : q, valid ? 16 : 0);
+    }
+  }
+  auto load_kv = [&](int n_block, int stage) {
+    load_cache_tile<Cfg, KTile>(s_k + stage * KTile::kBytes, k_cache, p, p.kc_batch_stride,
+                                p.kc_seq_stride, p.kc_head_stride, batch, kv_head,
+                                n_block * kBlockN, keys);
+    load_cache_tile<Cfg, VTile>(s_v + stage * VTile::kBytes, v_cache, p, p.vc_batch_stride,
+                                p.vc_seq_stride, p.vc_head_stride, batch, kv_head,
+                                n_block * kBlockN, keys);
+  };
+  // Prologue: kStages - 1 tiles in flight (Q joins the first group). One commit group per
+  // tile, empty where there is none, so the wait counts stay uniform.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_steps) load_kv(n_begin + s, s);
+    sm80::cp_async_commit();
+  }
+
+  // Per-lane ldmatrix bases (SmemTile::step): Q and row-major V, lanes 0-15 rows 0-15 at the
+  // low chunk, 16-31 at the high one; K, lanes 8i..8i+7 matrix i (rows +0/+8, chunk lo/hi).
+  // A warp's keys start at row warp * kWarpKeys of the K and V tiles.
+  const uint32_t q_lane = QTile::offset(lane % 16, lane / 16);
+  const uint32_t k_lane = KTile::offset((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+  const uint32_t v_lane = VTile::offset(lane % 16, lane / 16);
+  constexpr int kWarpKeyGroups = kWarpKeys / 16;
+  const int warp_group0 = warp * kWarpKeyGroups;  // first 16-key group of this warp
+
+  float o_acc[kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o_acc[dt][e] = 0.f;
+  }
+  // Each lane holds rows lane / 4 (accumulator elements 0, 1) and lane / 4 + 8 (2, 3).
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+  int token_of[2], head_of[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row0 + lane / 4 + 8 * h;
+    token_of[h] = r / p.group;
+    head_of[h] = kv_head * p.group + r % p.group;
+  }
+  float alibi_slope[2] = {0.f, 0.f};
+  if constexpr (Cfg::kBias == BiasType::kAlibi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (token_of[h] < p.seqlen_q) {
+        alibi_slope[h] = p.alibi_slopes[batch * p.alibi_batch_stride + head_of[h]];
+      }
+    }
+  }
+  uint32_t q_frag[Cfg::kQInRegisters ? kDimQK / 16 : 1][4];
+
+  for (int it = 0; it < n_steps; ++it) {
+    const int n_block = n_begin + it;
+    const int stage = it % kStages;
+    sm80::cp_async_wait<kStages - 2>();  // this step's tile (and Q) has landed...
+    __syncthreads();  // ...for every thread, and every warp is done with the stage reloaded next
+    if (it + kStages - 1 < n_steps) load_kv(n_block + kStages - 1, (it + kStages - 1) % kStages);
+    sm80::cp_async_commit();
+    if constexpr (Cfg::kQInRegisters) {
+      if (it == 0) {
+#pragma unroll
+        for (int kt = 0; kt < kDimQK / 16; ++kt) {
+          sm80::ldmatrix_x4(q_frag[kt], s_q + QTile::step(q_lane, 0, kt));
+        }
+      }
+    }
+
+    // S = Q K^T over this warp's keys: (16, kWarpKeys) in n8 tiles.
+    float s[kNTiles][4];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+    }
+    const uint32_t s_k_stage = s_k + stage * KTile::kBytes;
+#pragma unroll
+    for (int kt = 0; kt < kDimQK / 16; ++kt) {
+      uint32_t a[4];
+      if constexpr (Cfg::kQInRegisters) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[r] = q_frag[kt][r];
+      } else {
+        sm80::ldmatrix_x4(a, s_q + QTile::step(q_lane, 0, kt));
+      }
+#pragma unroll
+      for (int g = 0; g < kWarpKeyGroups; ++g) {
+        uint32_t b[4];
+        sm80::ldmatrix_x4(b, s_k_stage + KTile::step(k_lane, warp_group0 + g, kt));
+        sm80::mma_16816<Element>(s[2 * g], a, b[0], b[1]);
+        sm80::mma_16816<Element>(s[2 * g + 1], a, b[2], b[3]);
+      }
+    }
+
+    // Element (nt, e) of S is row lane / 4 + 8 * (e / 2), key col0 + nt * 8 + e % 2.
+    const int col0 = n_block * kBlockN + warp * kWarpKeys + (lane % 4) * 2;
+    if constexpr (Cfg::kLogitsInScores) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[nt][e];
+          x = Cfg::kSoftcap ? p.softcap * sm80::tanh_fast(x * p.softcap_scale) : x * p.scale;
+          if constexpr (Cfg::kBias == BiasType::kAlibi) {
+            const int col = col0 + nt * 8 + e % 2;
+            x -= alibi_slope[e / 2] * fabsf(static_cast<float>(token_of[e / 2] + mask.offset - col));
+          }
+          s[nt][e] = x;
+        }
+      }
+    }
+    if (mask.is_edge_tile(first_token, last_token, n_block)) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (!mask.is_visible(token_of[e / 2], col0 + nt * 8 + e % 2)) s[nt][e] = -INFINITY;
+        }
+      }
+    }
+
+    // Online softmax of this warp's slice.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m = row_max[h];
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) m = fmaxf(m, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
+      // Nothing visible yet: subtract 0 rather than -inf, so exp2 gives 0 and not NaN.
+      const float m_scaled = m == -INFINITY ? 0.f : m * p.softmax_mul;
+      const float correction = sm80::fast_exp2(row_max[h] * p.softmax_mul - m_scaled);
+      row_max[h] = m;
+      row_sum[h] *= correction;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        o_acc[dt][2 * h] *= correction;
+        o_acc[dt][2 * h + 1] *= correction;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          s[nt][e] = sm80::fast_exp2(s[nt][e] * p.softmax_mul - m_scaled);
+          row_sum[h] += s[nt][e];
+        }
+      }
+    }
+
+    // O += P V: P's accumulators of n-tiles 2g, 2g + 1 are the A fragment of key group g.
+    const uint32_t s_v_stage = s_v + stage * VTile::kBytes;
+#pragma unroll
+    for (int g = 0; g < kWarpKeyGroups; ++g) {
+      uint32_t a[4];
+      a[0] = sm80::pack2<Element>(s[2 * g][0], s[2 * g][1]);
+      a[1] = sm80::pack2<Element>(s[2 * g][2], s[2 * g][3]);
+      a[2] = sm80::pack2<Element>(s[2 * g + 1][0], s[2 * g + 1][1]);
+      a[3] = sm80::pack2<Element>(s[2 * g + 1][2], s[2 * g + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t b[4];
+        sm80::ldmatrix_x4_trans(b, s_v_stage + VTile::step(v_lane, warp_group0 + g, dp));
+        sm80::mma_16816<Element>(o_acc[2 * dp], a, b[0], b[1]);
+        sm80::mma_16816<Element>(o_acc[2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+  }
+
+  // Merge the warps: each writes its normalized O and log-sum-exp (natural log) of its 16 rows
+  // into the ring (free once every copy has landed and every warp left the loop), then the CTA
+  // combines them row by row, weighted by exp(lse_w - lse_max).
+  sm80::cp_async_wait<0>();
+  __syncthreads();
+  constexpr int kOStride = kDimV + 1;  // fp32 words per staged row: +1 spreads the banks
+  float* merge_o = reinterpret_cast<float*>(smem + QTile::kBytes);
+  float* merge_lse = merge_o + Cfg::kNumWarps * kBlockM * kOStride;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = row_sum[h];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int r = lane / 4 + 8 * h;
+    float* o_row = merge_o + (warp * kBlockM + r) * kOStride;
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      o_row[dt * 8 + (lane % 4) * 2] = o_acc[dt][2 * h] * inv;
+      o_row[dt * 8 + (lane % 4) * 2 + 1] = o_acc[dt][2 * h + 1] * inv;
+    }
+    if (lane % 4 == 0) {
+      // A NaN sum (NaN or +inf among the logits) is no empty row: its log-sum-exp is NaN.
+      merge_lse[warp * kBlockM + r] =
+          sum > 0.f    ? (row_max[h] * p.softmax_mul + log2f(sum)) * static_cast<float>(M_LN2)
+          : sum == 0.f ? -INFINITY
+                       : NAN;
+    }
+  }
+  __syncthreads();
+
+  const bool final_output = p.num_splits == 1;
+  for (int idx = threadIdx.x; idx < rows_here * kDimV; idx += Cfg::kThreads) {
+    const int r = idx / kDimV;
+    const int d = idx % kDimV;
+    float lse_max = -INFINITY;
+    bool nan = false;
+#pragma unroll
+    for (int w = 0; w < Cfg::kNumWarps; ++w) {
+      const float l = merge_lse[w * kBlockM + r];
+      lse_max = fmaxf(lse_max, l);
+      nan |= isnan(l);
+    }
+    float weight_sum = 0.f, out = 0.f;
+    if (lse_max != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < Cfg::kNumWarps; ++w) {
+        const float weight = __expf(merge_lse[w * kBlockM + r] - lse_max);
+        weight_sum += weight;
+        out += weight * merge_o[(w * kBlockM + r) * kOStride + d];
+      }
+      out /= weight_sum;
+    }
+    const float lse = nan                    ? NAN
+                      : lse_max == -INFINITY ? -INFINITY
+                                             : lse_max + __logf(weight_sum);
+    if (nan) out = NAN;
+    const int token = (row0 + r) / p.group;
+    const int head = kv_head * p.group + (row0 + r) % p.group;
+    if (final_output) {
+      auto* o = static_cast<Element*>(p.o) + batch * p.o_batch_stride + token * p.o_seq_stride +
+                head * p.o_head_stride;
+      o[d] = static_cast<Element>(out);
+      if (d == 0 && p.lse != nullptr) {
+        p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + token] = lse;
+      }
+    } else {
+      const int64_t partial_row =
+          ((static_cast<int64_t>(split) * p.batch + batch) * p.nhead_q + head) * p.seqlen_q +
+          token;
+      p.o_partial[partial_row * kDimV + d] = out;
+      if (d == 0) p.lse_partial[partial_row] = lse;
+    }
+  }
+}
+
+// ---- combine: the splits' partial outputs, weighted by their log-sum-exp ---------------------
+
+// One warp per output row (sequence, query head, token); 4 rows per CTA.
+template <class Cfg>
+__global__ void __launch_bounds__(128) kvcache_combine_kernel(const __grid_constant__ KvcacheParams p) {
+  using Element = typename Cfg::Element;
+  constexpr int kDimV = Cfg::kHeadDimV;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.nhead_q * p.seqlen_q;
+  if (row >= rows) return;
+  const int token = row % p.seqlen_q;
+  const int head = row / p.seqlen_q % p.nhead_q;
+  const int batch = row / p.seqlen_q / p.nhead_q;
+  const int64_t split_stride = rows;
+
+  float lse_max = -INFINITY;
+  bool nan = false;
+  for (int s = lane; s < p.num_splits; s += 32) {
+    const float l = p.lse_partial[s * split_stride + row];
+    lse_max = fmaxf(lse_max, l);
+    nan |= isnan(l);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, offset));
+  }
+  nan = __any_sync(0xffffffff, nan);
+  float weight_sum = 0.f;
+  if (lse_max != -INFINITY) {
+    for (int s = lane; s < p.num_splits; s += 32) {
+      weight_sum += __expf(p.lse_partial[s * split_stride + row] - lse_max);
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    weight_sum += __shfl_xor_sync(0xffffffff, weight_sum, offset);
+  }
+  const float lse = nan                    ? NAN
+                    : lse_max == -INFINITY ? -INFINITY
+                                           : lse_max + __logf(weight_sum);
+  auto* o = static_cast<Element*>(p.o) + batch * p.o_batch_stride + token * p.o_seq_stride +
+            head * p.o_head_stride;
+  // Each lane owns columns 4 * (lane + 32 j) .. + 3: 16-byte loads of the fp32 partials.
+  static_assert(kDimV % 4 == 0, "combine reads O in float4s");
+  for (int c = lane * 4; c < kDimV; c += 128) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (lse_max != -INFINITY) {
+      for (int s = 0; s < p.num_splits; ++s) {
+        const float l = p.lse_partial[s * split_stride + row];
+        if (l == -INFINITY) continue;  // an empty split: its zeros add nothing
+        const float weight = __expf(l - lse);
+        const float4 part =
+            *reinterpret_cast<const float4*>(p.o_partial + (s * split_stride + row) * kDimV + c);
+        acc.x += weight * part.x;
+        acc.y += weight * part.y;
+        acc.z += weight * part.z;
+        acc.w += weight * part.w;
+      }
+    }
+    if (nan) acc = make_float4(NAN, NAN, NAN, NAN);
+    o[c] = static_cast<Element>(acc.x);
+    o[c + 1] = static_cast<Element>(acc.y);
+    o[c + 2] = static_cast<Element>(acc.z);
+    o[c + 3] = static_cast<Element>(acc.w);
+  }
+  if (lane == 0 && p.lse != nullptr) {
+    p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + token] = lse;
+  }
+}
+
+// ---- host --------------------------------------------------------------------------------
+
+// Splits per (sequence, K/V head, row block): args.num_splits when given, else enough CTAs to
+// fill every SM as many times as its shared memory allows, as long as each split keeps at least
+// kMinTilesPerSplit key tiles (fewer would spend more on the prologue and the merge than on
+// streaming keys). Capped at kMaxSplits, which bounds the combine's reads.
+template <class Cfg>
+int kvcache_num_splits(const KvcacheArgs& a) {
+  constexpr int kMinTilesPerSplit = 4;
+  constexpr int kMaxSplits = 128;
+  const int key_tiles = (a.seqlen_cache + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  const int most = std::max(1, std::min(kMaxSplits, key_tiles / kMinTilesPerSplit));
+  if (a.num_splits > 0) return std::min(a.num_splits, std::max(1, key_tiles));
+  const int64_t rows = static_cast<int64_t>(a.seqlen_q) * (a.nhead_q / a.nhead_k);
+  const int64_t units = static_cast<int64_t>(a.batch) * a.nhead_k *
+                        ((rows + Cfg::kBlockM - 1) / Cfg::kBlockM);
+  const int per_sm = std::max(1, shared_memory_per_multiprocessor() / (Cfg::kSmemBytes + 1024));
+  const int64_t slots = static_cast<int64_t>(multiprocessor_count()) * per_sm;
+  if (units >= slots) return 1;
+  return static_cast<int>(std::min<int64_t>(most, (slots + units - 1) / units));
+}
+
+inline size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+template <class Cfg>
+size_t kvcache_workspace_bytes(const KvcacheArgs& a) {
+  const int splits = kvcache_num_splits<Cfg>(a);
+  const size_t rows = static_cast<size_t>(a.batch) * a.nhead_q * a.seqlen_q;
+  size_t bytes = 0;
+  if (splits > 1) {
+    bytes += round_up_256(splits * rows * Cfg::kHeadDimV * sizeof(float));
+    bytes += round_up_256(splits * rows * sizeof(float));
+  }
+  if (a.rotary_dim > 0) bytes += round_up_256(rows * Cfg::kHeadDimQK * 2);
+  return bytes;
+}
+
+template <class Cfg>
+cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
+  KvcacheParams p{};
+  p.q = a.q;
+  p.k_cache = a.k_cache;
+  p.v_cache = a.v_cache;
+  p.k_new = a.k_new;
+  p.v_new = a.v_new;
+  p.o = a.o;
+  p.lse = a.lse;
+  p.batch = a.batch;
+  p.seqlen_q = a.seqlen_q;
+  p.seqlen_new = a.k_new != nullptr ? a.seqlen_new : 0;
+  p.seqlen_cache = a.seqlen_cache;
+  p.nhead_q = a.nhead_q;
+  p.nhead_k = a.nhead_k;
+  p.group = a.nhead_q / a.nhead_k;
+  p.hdim_q = a.hdim_q;
+  p.hdim_v = a.hdim_v;
+  p.rows = a.seqlen_q * p.group;
+  p.m_blocks = (p.rows + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  p.num_splits = kvcache_num_splits<Cfg>(a);
+  p.q_batch_stride = a.q_batch_stride;
+  p.q_seq_stride = a.q_seq_stride;
+  p.q_head_stride = a.q_head_stride;
+  p.kc_batch_stride = a.k_cache_batch_stride;
+  p.kc_seq_stride = a.k_cache_seq_stride;
+  p.kc_head_stride = a.k_cache_head_stride;
+  p.vc_batch_stride = a.v_cache_batch_stride;
+  p.vc_seq_stride = a.v_cache_seq_stride;
+  p.vc_head_stride = a.v_cache_head_stride;
+  p.kn_batch_stride = a.k_new_batch_stride;
+  p.kn_seq_stride = a.k_new_seq_stride;
+  p.kn_head_stride = a.k_new_head_stride;
+  p.vn_batch_stride = a.v_new_batch_stride;
+  p.vn_seq_stride = a.v_new_seq_stride;
+  p.vn_head_stride = a.v_new_head_stride;
+  p.o_batch_stride = a.o_batch_stride;
+  p.o_seq_stride = a.o_seq_stride;
+  p.o_head_stride = a.o_head_stride;
+  p.lse_batch_stride = a.lse_batch_stride;
+  p.lse_head_stride = a.lse_head_stride;
+  p.cache_seqlens = a.cache_seqlens;
+  p.cache_batch_idx = a.cache_batch_idx;
+  p.block_table = a.block_table;
+  p.block_table_batch_stride = a.block_table_batch_stride;
+  p.page_size = a.page_size;
+  p.rotary_cos = a.rotary_cos;
+  p.rotary_sin = a.rotary_sin;
+  p.rotary_dim = a.rotary_dim;
+  p.seqlen_rotary = a.seqlen_rotary;
+  p.rotary_interleaved = a.rotary_interleaved;
+  p.rotate_q_per_token = a.mask != MaskType::kNone;
+  p.scale = a.softmax_scale;
+  p.softcap = a.softcap;
+  p.softcap_scale = a.softcap > 0.f ? a.softmax_scale / a.softcap : 0.f;
+  p.softmax_mul = Cfg::kLogitsInScores ? static_cast<float>(M_LOG2E)
+                                       : a.softmax_scale * static_cast<float>(M_LOG2E);
+  p.window_left = a.window_left;
+  p.window_right = a.window_right;
+  p.alibi_slopes = a.alibi_slopes;
+  p.alibi_batch_stride = a.alibi_batch_stride;
+
+  // The workspace, in kvcache_workspace_bytes()'s order.
+  auto* workspace = static_cast<unsigned char*>(a.workspace);
+  const size_t rows = static_cast<size_t>(a.batch) * a.nhead_q * a.seqlen_q;
+  if (p.num_splits > 1) {
+    p.o_partial = reinterpret_cast<float*>(workspace);
+    workspace += round_up_256(p.num_splits * rows * Cfg::kHeadDimV * sizeof(float));
+    p.lse_partial = reinterpret_cast<float*>(workspace);
+    workspace += round_up_256(p.num_splits * rows * sizeof(float));
+  }
+  if (a.rotary_dim > 0) p.q_rotated = workspace;
+
+  if (p.seqlen_new > 0 || p.q_rotated != nullptr) {
+    const int64_t items =
+        static_cast<int64_t>(p.seqlen_new) * a.nhead_k * (Cfg::kHeadDimQK + Cfg::kHeadDimV) / 8 +
+        (p.q_rotated != nullptr ? static_cast<int64_t>(a.seqlen_q) * a.nhead_q * Cfg::kHeadDimQK / 8
+                                : 0);
+    const dim3 grid(static_cast<unsigned>((items + 127) / 128), a.batch);
+    kvcache_append_kernel<Cfg><<<grid, 128, 0, stream>>>(p);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    if (p.q_rotated != nullptr) {
+      p.q = p.q_rotated;
+      p.q_batch_stride = static_cast<int64_t>(a.seqlen_q) * a.nhead_q * Cfg::kHeadDimQK;
+      p.q_seq_stride = static_cast<int64_t>(a.nhead_q) * Cfg::kHeadDimQK;
+      p.q_head_stride = Cfg::kHeadDimQK;
+    }
+  }
+
+  auto* kernel = kvcache_kernel<Cfg>;
+  if (Cfg::kSmemBytes > 48 * 1024) {  // past 48 KB a kernel must opt in to dynamic smem
+    static std::atomic<uint64_t> smem_raised{0};
+    const cudaError_t err =
+        allow_dynamic_smem(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes, smem_raised);
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(static_cast<unsigned>(p.m_blocks * p.num_splits), a.nhead_k, a.batch);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+
+  const int64_t out_rows = static_cast<int64_t>(rows);
+  kvcache_combine_kernel<Cfg><<<static_cast<unsigned>((out_rows + 3) / 4), 128, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace fmha::fa2
