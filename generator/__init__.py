@@ -1,6 +1,6 @@
 """The kernel-instance compiler: instances.yaml -> one CUDA TU per FMHA instance of each
-operation (fwd, bwd), the dispatch table (one array per operation), the CMake source list and a
-manifest.
+operation (fwd, bwd, kvcache), the dispatch table (one array per operation), the CMake source
+list and a manifest.
 
   config      load and check instances.yaml (yamllines keeps the line numbers)
   schema      the shared vocabulary: the axes, their values and each value's C++ spelling

@@ -2,9 +2,12 @@
 mistake is reported as `file:line: what is wrong; valid: ...`.
 
 The file's sections:
-  matrix:      optional; the axes every operation has, written once: their values
-  rules:       optional; pruning rules that hold for every operation (on the shared axes)
-  operations:  one entry per operation (fwd, bwd; operations.py says what each one is):
+  matrix:      optional; the axes several operations have, written once: their values (each
+               operation takes the ones it has: kvcache has no mode or dropout)
+  rules:       optional; pruning rules shared by the operations: a rule holds for those that
+               have every axis it names and, when it names them (`op: [fwd, bwd]`), are among
+               its operations
+  operations:  one entry per operation (fwd, bwd, kvcache; operations.py says what each is):
     matrix:    optional; the values of its own axes (and of shared ones the top matrix leaves
                out): each axis of an operation is given once, here or in the top matrix; its
                matrix is their cross product
@@ -26,7 +29,8 @@ from . import yamllines
 from .errors import ConfigError, GeneratorError
 from .model import Condition, MatrixPoint, Tile
 from .operations import OPERATIONS, Operation
-from .schema import BOOL_AXES, ENUM_AXES, INT_AXES, MATRIX_AXES, Arch, EnumAxis, Pipeline
+from .schema import (BOOL_AXES, CONDITION_AXES, ENUM_AXES, INT_AXES, MATRIX_AXES, Arch, EnumAxis,
+                     Pipeline)
 from .yamllines import LineList, LineMap
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "instances.yaml"
@@ -81,6 +85,12 @@ class Rule:
     def matches(self, point: MatrixPoint) -> bool:
         return all(condition.holds(point) for condition in self.when)
 
+    def applies_to(self, op: Operation) -> bool:
+        """Whether the rule can hold for `op`'s points: `op` has every axis it names and is one
+        of its operations, when it names them."""
+        return all(condition.admits(op.kind) if condition.axis == "op"
+                   else condition.axis in op.condition_axes for condition in self.when)
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -99,8 +109,8 @@ class Preset:
 
 @dataclass(frozen=True)
 class OperationConfig:
-    """One entry of `operations:`: an operation's matrix (the shared axes included), tiles and
-    rules (the shared rules first)."""
+    """One entry of `operations:`: an operation's matrix (the shared axes it has included),
+    tiles and rules (the shared rules that apply to it first)."""
 
     op: Operation
     matrix: Matrix
@@ -115,7 +125,7 @@ class Config:
     file: str  # the path as shown in messages
     # In operations.OPERATIONS's order, whatever the file's.
     operations: dict[str, OperationConfig]
-    shared_rules: tuple[Rule, ...]  # also in each operation's rules
+    shared_rules: tuple[Rule, ...]  # also in the rules of each operation they apply to
     presets: dict[str, Preset]
     section_lines: dict[str, int]  # where `matrix:`, `operations:`, ... start
 
@@ -136,6 +146,16 @@ def load(path: Path = DEFAULT_CONFIG) -> Config:
         raise ConfigError(file, data.count(b"\n", 0, err.start) + 1,
                           f"not UTF-8: byte {data[err.start]:#04x} at column {column}") from None
     return _Reader(file).config(yamllines.load(text, file))
+
+
+def _shared_axes(axes: tuple[str, ...], ops: list[Operation], axes_of) -> tuple[str, ...]:
+    """Of `axes`, those that the top matrix and the shared rules of a config with the
+    operations `ops` may name: an axis several operations have, when one of `ops` has it
+    (each takes it where it has it); every axis of a config's only operation."""
+    def owners(axis: str, among) -> int:
+        return sum(axis in axes_of(op) for op in among)
+    return tuple(axis for axis in axes if owners(axis, ops)
+                 and (len(ops) == 1 or owners(axis, OPERATIONS.values()) > 1))
 
 
 def _shown(path: Path) -> str:
@@ -188,7 +208,7 @@ class _Reader:
         shared_rules = ()
         if "rules" in top:
             rules = self.items(top["rules"], "rules", top.line_of("rules"), allow_empty=True)
-            shared_rules = tuple(self.rule(item, f"rules[{i}]", line, ops)
+            shared_rules = tuple(self.rule(item, f"rules[{i}]", line, ops, shared=True)
                                  for i, item, line in rules)
         operations = {op.token: self.operation(op, entries[op.token], entries.line_of(op.token),
                                                shared, shared_rules) for op in ops}
@@ -201,21 +221,21 @@ class _Reader:
         )
 
     def shared_matrix(self, top: LineMap, ops: list[Operation]) -> dict[str, list]:
-        """The top `matrix:`: axis -> (raw values, line), for the axes every operation has."""
+        """The top `matrix:`: axis -> (raw values, line), for the axes operations share."""
         if "matrix" not in top:
             return {}
-        common = [axis for axis in MATRIX_AXES if all(axis in op.matrix_axes for op in ops)]
+        shared = _shared_axes(MATRIX_AXES, ops, lambda op: op.matrix_axes)
         fields = self.mapping(top["matrix"], "matrix", top.line_of("matrix"), any_key=True)
         for key in fields:
             owners = [op.token for op in ops if key in op.matrix_axes]
-            if key in common:
+            if key in shared:
                 continue
             if owners:
                 raise self.error(fields.line_of(key), f"matrix: {key} is an axis of "
                                  f"{' and '.join(owners)} only; give it under "
                                  f"operations.{owners[0]}.matrix")
             raise self.error(fields.line_of(key),
-                             f"matrix: unknown key {key!r}; valid: {', '.join(common)}")
+                             f"matrix: unknown key {key!r}; valid: {', '.join(shared)}")
         return {axis: (fields[axis], fields.line_of(axis)) for axis in fields}
 
     def operation(self, op: Operation, data, line: int, shared: dict,
@@ -236,7 +256,8 @@ class _Reader:
             op=op, matrix=matrix,
             tiles=tuple(self.tile(op, item, f"{label}.tiles[{i}]", item_line)
                         for i, item, item_line in tiles),
-            rules=(*shared_rules, *rules), label=label, lines=lines)
+            rules=(*(rule for rule in shared_rules if rule.applies_to(op)), *rules), label=label,
+            lines=lines)
 
     def matrix(self, op: Operation, fields: LineMap, label: str, line: int,
                shared: dict) -> Matrix:
@@ -292,13 +313,14 @@ class _Reader:
                                        f"stages={tile.stages}, hdim_q={hdim[0]}, hdim_v={hdim[1]}")
         return TileEntry(label, pipeline, arch, hdim, tile, field("why", self.text), line)
 
-    def rule(self, data, label: str, line: int, ops: list[Operation]) -> Rule:
-        """A rule of `ops` (one operation's, or every operation's for a shared rule): its
-        conditions may name the axes they all have."""
+    def rule(self, data, label: str, line: int, ops: list[Operation],
+             shared: bool = False) -> Rule:
+        """A rule of one operation (`ops` is it), on its axes; or with `shared`, a rule of the
+        config's operations `ops`, on the axes they share and `op`, the operations it is for."""
         fields = self.mapping(data, label, line, required=("when", "reason"))
         when_label = f"{label}.when"
-        axes = [axis for axis in ops[0].condition_axes
-                if all(axis in op.condition_axes for op in ops)]
+        axes = (["op", *_shared_axes(CONDITION_AXES, ops, lambda op: op.condition_axes)]
+                if shared else list(ops[0].condition_axes))
         when = self.mapping(fields["when"], when_label, fields.line_of("when"), any_key=True)
         for key in when:
             owners = [op.token for op in ops if key in op.condition_axes]

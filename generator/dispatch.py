@@ -31,8 +31,8 @@ _BATCH = MODE.get("batch")
 @dataclass(frozen=True)
 class Problem:
     """One call as the dispatcher sees it: the traits it asks for (FwdArgs::traits(),
-    BwdArgs::traits(), whose class says the operation), the shape facts the padding rules read,
-    and the device it runs on."""
+    BwdArgs::traits(), KvcacheArgs::traits(), whose class says the operation), the shape facts
+    the padding rules read (kvcache: seqlen_k is the cache's), and the device it runs on."""
 
     traits: Traits
     seqlen_q: int
@@ -60,16 +60,20 @@ def _hdims_fit(instance: Instance, problem: Problem) -> bool:
 
 
 def _seqlens_fit(instance: Instance, problem: Problem) -> bool:
+    """An unpadded instance needs lengths known on the host that are whole tiles: batch mode
+    without seqused. An operation without modes (kvcache, whose cache lengths live on the
+    device) never has them."""
     if instance.point.pad_seqlen:
         return True
     tile = instance.tile
-    return (problem.traits.mode == _BATCH and not problem.seqused
+    return (problem.traits.value("mode") == _BATCH and not problem.seqused
             and problem.seqlen_q % tile.block_m == 0 and problem.seqlen_k % tile.block_n == 0)
 
 
 # The traits `serves` requires equal, of every operation (each has some of them): instances
 # that differ in one of them never compete.
-EQUAL_TRAITS = ("dtype", "mask", "bias", "vlayout", "mode", "dbias", "dropout", "softcap")
+EQUAL_TRAITS = ("dtype", "mask", "bias", "vlayout", "mode", "dbias", "paged", "dropout",
+                "softcap")
 
 
 def _same(trait: str) -> Callable[[Instance, Problem], bool]:
@@ -106,7 +110,8 @@ REQUIREMENTS = (
                 lambda instance, problem: instance.point.traits.lse or not problem.traits.lse,
                 trait="lse"),
     Requirement("seqlen", "batch mode, no seqused, and seqlen_q and seqlen_k multiples of "
-                          "block_m and block_n when pad_seqlen=false", _seqlens_fit),
+                          "block_m and block_n when pad_seqlen=false (kvcache's cache lengths "
+                          "live on the device: never)", _seqlens_fit),
     *(Requirement(trait, f"the same {trait}", _same(trait), trait=trait)
       for trait in EQUAL_TRAITS),
 )
@@ -173,7 +178,7 @@ def _padded_hdims(instance: Instance) -> tuple:
 #   5-6. exact head dims before padded ones, and among padded ones the smallest that fits, so
 #      the fewest zero-filled lanes are computed;
 #   7. leanest first: a forward instance without the log-sum-exp store before one with it (the
-#      latter also serves calls that do not ask for it; the backward has no lse);
+#      latter also serves calls that do not ask for it; the other operations have no lse);
 #   8. a larger tile does more work per CTA when both fit;
 #   9. the name, so the order is total and the output deterministic.
 PREFERENCE = (
@@ -189,17 +194,12 @@ PREFERENCE = (
               lambda i: f"pad_hdim={str(i.point.pad_hdim).lower()}"),
     Criterion("the tightest padded head dims first", _padded_hdims,
               lambda i: f"head dims {i.point.traits.hdim_q}x{i.point.traits.hdim_v}"),
-    Criterion("without the log-sum-exp store first", lambda i: _flag(i, "lse"),
-              lambda i: f"lse={str(_flag(i, 'lse')).lower()}"),
+    Criterion("without the log-sum-exp store first", lambda i: i.point.traits.flag("lse"),
+              lambda i: f"lse={str(i.point.traits.flag('lse')).lower()}"),
     Criterion("larger tile first", lambda i: -i.tile.block_m * i.tile.block_n,
               lambda i: f"tile {i.tile.block_m}x{i.tile.block_n}"),
     Criterion("by name", lambda i: i.name, lambda i: i.name),
 )
-
-
-def _flag(instance: Instance, axis: str) -> bool:
-    """A boolean trait, false for an operation without it (the backward has no lse)."""
-    return getattr(instance.point.traits, axis, False)
 
 
 def preference(instance: Instance) -> tuple:
@@ -298,7 +298,7 @@ def candidate_problems(instance: Instance) -> Iterator[Problem]:
     own = own_problem(instance)
     tile = instance.tile
     # The flags it writes but a call may leave off: every combination, its own first.
-    flags = [axis for axis in SERVES_WITHOUT if _flag(instance, axis)]
+    flags = [axis for axis in SERVES_WITHOUT if instance.point.traits.flag(axis)]
     variants = [dict(zip(flags, values))
                 for values in itertools.product((True, False), repeat=len(flags))]
     shapes = [(own.seqlen_q, own.seqlen_k, False)]

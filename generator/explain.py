@@ -4,8 +4,8 @@ from it (gaps.py); on a miss, the nearest selected instances and a --filter that
 that fits.
 
 It answers with dispatch.serves and dispatch.PREFERENCE, the matching rule and the order that
-the C++ dispatcher applies to the table of the problem's operation (op=fwd or op=bwd) that this
-selection renders, so no GPU is needed.
+the C++ dispatcher applies to the table of the problem's operation (op=fwd, op=bwd or
+op=kvcache) that this selection renders, so no GPU is needed.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .dispatch import (DEFAULT_OP, EQUAL_TRAITS, PREFERENCE, SERVES_WITHOUT, Pro
                        unmet)
 from .errors import GeneratorError
 from .gaps import fallback_notes, spell
-from .model import Instance
+from .model import ABSENT, Instance
 from .operations import OPERATIONS, Operation
 from .schema import ARCH, BUILD_AXES, ENUM_AXES, INTEGER, MATRIX_AXES, OPERATION, Arch
 from .selection import Selection, parse_filter, select_each_preset
@@ -47,21 +47,26 @@ _NEWEST = max(ARCH, key=lambda arch: (arch.cc, arch.exact))
 
 PROBLEM_HELP = f"""\
 PROBLEM (--explain) is comma-separated key=value:
-  op               {', '.join(OPERATION.tokens)}: the forward or the backward pass
-                   (default: {DEFAULT_OP.token})
+  op               {', '.join(OPERATION.tokens)}: the forward or the backward pass, or KV-cache
+                   attention (default: {DEFAULT_OP.token})
   dtype            {', '.join(ENUM_AXES['dtype'].tokens)} (required)
   hdim             N or QxV, or hdim_q=N and hdim_v=N (required; hdim_v defaults to hdim_q)
-  mask, bias, mode                as in the matrix (default: none, none, batch)
+  mask, bias       as in the matrix (default: none, none)
+  mode             fwd and bwd: batch or group (default: batch)
   vlayout          fwd only: row or col (default: row)
   lse              fwd only: true or false (default: false)
   dbias            bwd only: true or false (default: false)
-  dropout, softcap                true or false (default: false)
-  seqlen_q, seqlen_k              positive integers (default: 1024)
+  paged            kvcache only: true or false (default: false)
+  dropout          fwd and bwd: true or false (default: false)
+  softcap          true or false (default: false)
+  seqlen_q, seqlen_k              positive integers (default: 1024); kvcache's seqlen_k is
+                                  its cache's length
   seqused          true or false: per-batch effective lengths are given (default: false)
   arch             the device: a target (sm90a, 90a) or a compute capability (90, 8.6);
                    default: cc {_NEWEST.cc} ({_NEWEST.token}'s)
 e.g. --explain dtype=bf16,hdim=128,mask=causal,lse=true,seqlen_q=1000,arch=sm90a
-     --explain op=bwd,dtype=bf16,hdim=128,mask=causal,arch=sm90a"""
+     --explain op=bwd,dtype=bf16,hdim=128,mask=causal,arch=sm90a
+     --explain op=kvcache,dtype=bf16,hdim=128,mask=causal,paged=true,seqlen_q=1,arch=sm90a"""
 
 # How many of the nearest instances a miss lists.
 NEAREST = 3
@@ -161,8 +166,12 @@ def _compute_capability(text: str) -> int:
 # What an unmet requirement (dispatch.REQUIREMENTS, by name) looks like for one instance and
 # problem, in words: the instance's side, then the call's in parentheses.
 def _seqlen_mismatch(instance: Instance, problem: Problem) -> str:
-    if problem.traits.mode.token != "batch":
-        return f"pad_seqlen=false runs batch mode only (the call: {problem.traits.mode.token})"
+    mode = problem.traits.value("mode")
+    if mode is ABSENT:
+        return (f"pad_seqlen=false runs lengths known on the host only ({problem.op.token}'s "
+                f"live on the device)")
+    if mode.token != "batch":
+        return f"pad_seqlen=false runs batch mode only (the call: {mode.token})"
     if problem.seqused:
         return "pad_seqlen=false runs no seqused (the call gives it)"
     tile = instance.tile

@@ -49,9 +49,9 @@ def spell(value) -> str:
 
 def pipeline_gaps(rules: Iterable[Rule], instances: Iterable[Instance]) -> tuple[PipelineGap, ...]:
     """The gaps of one operation's rules, given its instances: a gap per rule that names a
-    pipeline and otherwise traits (and maybe archs), for each pipeline it names and each arch
-    that pipeline has instances of the operation on. A rule on padding is left out: it drops a
-    variant of the traits, which another variant serves."""
+    pipeline and otherwise traits (and maybe archs, or the operations a shared rule is for), for
+    each pipeline it names and each arch that pipeline has instances of the operation on. A rule
+    on padding is left out: it drops a variant of the traits, which another variant serves."""
     instances = tuple(instances)
     if not instances:
         return ()
@@ -60,7 +60,7 @@ def pipeline_gaps(rules: Iterable[Rule], instances: Iterable[Instance]) -> tuple
     gaps = []
     for rule in rules:
         by_axis = {condition.axis: condition for condition in rule.when}
-        traits = tuple(c for c in rule.when if c.axis not in BUILD_AXES)
+        traits = tuple(c for c in rule.when if c.axis not in (*BUILD_AXES, "op"))
         if "pipeline" not in by_axis or not traits or {"pad_seqlen", "pad_hdim"} & by_axis.keys():
             continue
         reason = " ".join(rule.reason.split())

@@ -1,9 +1,9 @@
 """The instance model: a kernel instance is a matrix point (what it computes, for which GPU and
 sequence-length handling) plus the tile it runs with. Its name is derived here, once.
 
-Each operation has its own traits class (FwdTraits, BwdTraits): the functional traits a problem
-asks for, mirroring fmha.h's struct of the same name. Everything else (points, instances,
-names, conditions) is the same for every operation.
+Each operation has its own traits class (FwdTraits, BwdTraits, KvcacheTraits): the functional
+traits a problem asks for, mirroring fmha.h's struct of the same name. Everything else (points,
+instances, names, conditions) is the same for every operation.
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ class Traits:
         # Axis names are schema.FILTER_AXES: none of them names a method or a class variable.
         return getattr(self, axis, ABSENT)
 
+    def flag(self, axis: str) -> bool:
+        """A boolean trait, false for an operation without it (only the forward has lse)."""
+        return getattr(self, axis, False)
+
 
 @dataclass(frozen=True)
 class FwdTraits(Traits):
@@ -93,6 +97,22 @@ class BwdTraits(Traits):
 
 
 @dataclass(frozen=True)
+class KvcacheTraits(Traits):
+    """KV-cache attention's traits; mirrors fmha::KvcacheTraits. No mode (every sequence has its
+    own cache length, on the device), no V layout, lse or dropout."""
+
+    kind: ClassVar[OperationKind] = OPERATION.get("kvcache")
+
+    dtype: DataType
+    hdim_q: int
+    hdim_v: int
+    mask: EnumValue  # aligned bottom-right: the new query tokens are the sequence's last
+    bias: EnumValue
+    paged: bool  # the cache is in pages reached through a block table
+    softcap: bool
+
+
+@dataclass(frozen=True)
 class MatrixPoint:
     """One point of an operation's expanded matrix: the traits and how the kernel for them is
     built. Rules prune points; each surviving point gets a tile and becomes an Instance."""
@@ -114,12 +134,14 @@ class MatrixPoint:
 
 @dataclass(frozen=True)
 class Tile:
-    # fwd: query rows per CTA; bwd: query rows per step of the loop over queries
+    # fwd: query rows per CTA; bwd: query rows per step of the loop over queries; kvcache: query
+    # rows per CTA, packed (the query tokens times the query heads of one K/V head)
     block_m: int
-    # fwd: key rows per main-loop step; bwd: keys per CTA (their K, V, dK and dV stay on chip)
+    # fwd and kvcache: key rows per main-loop step; bwd: keys per CTA (their K, V, dK and dV
+    # stay on chip)
     block_n: int
     warps: int
-    stages: int  # fwd: K/V tiles in flight in shared memory; bwd: Q/dO tiles
+    stages: int  # fwd and kvcache: K/V tiles in flight in shared memory; bwd: Q/dO tiles
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ An Operation says everything that differs between operations, in one place:
   row_lines   its dispatch rows' traits, line by line (the rendered table's layout)
 Its matrix, tiles and rules are in instances.yaml under `operations: <token>:`.
 
-Adding an operation (e.g. KV-cache decode):
+Adding an operation (as kvcache was added):
   1. its traits struct in fmha.h and its table in registry.h (k<R>Instances, <R>InstanceEntry,
      <R>PipelineGap, ..., with the entry's function pointers);
   2. its traits class in model.py (the fields in instance-name order) and its OperationKind in
@@ -25,7 +25,10 @@ Adding an operation (e.g. KV-cache decode):
   3. an Operation here, with its kernels, and its TU template in templates/;
   4. an axis of its own that no operation has yet: its name in schema.MATRIX_AXES (and
      TRAIT_BOOL_AXES or ENUM_AXES), and in dispatch.EQUAL_TRAITS when a call must match it;
-  5. its entry under `operations:` in instances.yaml, and its part of the presets.
+  5. its entry under `operations:` in instances.yaml, and its part of the presets; a shared
+     rule that must not hold for it names the operations it is for (`op: [fwd, bwd]`);
+  6. the runtime: its table in the dispatcher (runtime/src/dispatcher.cpp), its entry points
+     in api.cpp and the bindings.
 Everything else (the filter grammar, presets, dispatch order and shadow proof, --explain, the
 manifest, the CMake list) works for it as it is.
 """
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable
 
-from .model import BwdTraits, FwdTraits, Traits
+from .model import BwdTraits, FwdTraits, KvcacheTraits, Traits
 from .schema import BUILD_AXES, OPERATION, PIPELINE, EnumAxis, OperationKind, Pipeline
 
 
@@ -401,9 +404,58 @@ BWD = Operation(
 )
 
 
+# ---- kvcache ---------------------------------------------------------------------------------
+
+# What fmha/kernels/kvcache_fa2_sm80.cuh needs of a tile. A CTA serves one K/V head of one
+# sequence (and one split of its keys): its query rows are the new query tokens times the query
+# heads sharing that K/V head, packed into one m16 fragment.
+_KVCACHE_FA2_CONSTRAINTS = (
+    TileConstraint("block_m == 16 (the packed query rows of one K/V head: one m16 fragment "
+                   "that every warp shares)",
+                   lambda tile, hdim: tile.block_m == 16),
+    TileConstraint("block_n % (16 * warps) == 0 (the warps split each key tile in multiples of "
+                   "16 keys, one MMA k-step)",
+                   lambda tile, hdim: tile.block_n % (16 * tile.warps) == 0),
+    TileConstraint("stages >= 2 (K and V stream through a cp.async ring)",
+                   lambda tile, hdim: tile.stages >= 2),
+    TileConstraint("hdim_q and hdim_v multiples of 32 (the shared-memory swizzle's atoms)",
+                   lambda tile, hdim: all(d % 32 == 0 for d in hdim)),
+)
+
+
+def _kvcache_fa2_smem_bytes(tile, hdim: tuple[int, int]) -> int:
+    """KvcacheConfig::kSmemBytes: the Q tile and one K and one V tile per stage, of 2-byte
+    elements."""
+    return 2 * (tile.block_m * hdim[0] + tile.stages * tile.block_n * (hdim[0] + hdim[1]))
+
+
+KVCACHE = Operation(
+    kind=OPERATION.get("kvcache"),
+    traits=KvcacheTraits,
+    kernels=(
+        # mma.sync, for sm80 and built natively for sm90a. An instance appends k_new/v_new to
+        # the cache (rotated, when asked), attends with a CTA per key split, and combines the
+        # splits by their log-sum-exp; its workspace holds the splits' partial results.
+        Kernel(PIPELINE.get("fa2"), header="fmha/kernels/kvcache_fa2_sm80.cuh",
+               config_template="fmha::fa2::KvcacheConfig", launcher="fmha::fa2::launch_kvcache",
+               tile_constraints=_KVCACHE_FA2_CONSTRAINTS,
+               shared_memory=SharedMemory(
+                   "2 * (block_m * hdim_q + stages * block_n * (hdim_q + hdim_v))",
+                   _kvcache_fa2_smem_bytes),
+               uses_cutlass=False, workspace="fmha::fa2::kvcache_workspace_bytes"),
+    ),
+    template="kvcache_instance.cu.j2",
+    args="KvcacheArgs",
+    registry="Kvcache",
+    exports=(Export("launch", "cudaError_t", "const KvcacheArgs&, cudaStream_t"),
+             Export("workspace", "size_t", "const KvcacheArgs&")),
+    row_lines=(("dtype", "hdim_q", "hdim_v"), ("mask", "bias"), ("paged", "softcap")),
+)
+
+
 # Every operation, in schema.OPERATION's order: the order of the catalog, of --list and of the
 # dispatch table's arrays.
-OPERATIONS: dict[str, Operation] = {op.token: op for op in (FWD, BWD)}
+OPERATIONS: dict[str, Operation] = {op.token: op for op in (FWD, BWD, KVCACHE)}
 assert tuple(OPERATIONS) == OPERATION.tokens
 
 

@@ -124,17 +124,20 @@ ARCH = EnumAxis("arch", (
          smem_limit=232448),
 ))
 
-# The operations (operations.OPERATIONS describes each); `op` in filters and --explain.
+# The operations (operations.OPERATIONS describes each); `op` in filters, --explain and the
+# rules that several operations share.
 OPERATION = EnumAxis("op", (
     OperationKind("fwd", "the forward pass"),
     OperationKind("bwd", "the backward pass: dQ, dK, dV (and dbias) of a forward call"),
+    OperationKind("kvcache", "KV-cache attention (decode): new query tokens against the keys a "
+                             "cache holds, appending new keys first"),
 ))
 
 ENUM_AXES: dict[str, EnumAxis] = {
     axis.name: axis for axis in (OPERATION, DTYPE, MASK, BIAS, VLAYOUT, MODE, PIPELINE, ARCH)}
 
-# The enum axes of fmha::FwdTraits and fmha::BwdTraits, whose tokens registry.h holds indexed by
-# enumerator value.
+# The enum axes of the traits of fmha.h (FwdTraits, BwdTraits, KvcacheTraits), whose tokens
+# registry.h holds indexed by enumerator value.
 REGISTRY_TOKEN_ARRAYS: dict[str, EnumAxis] = {
     "kDataTypeTokens": DTYPE,
     "kMaskTokens": MASK,
@@ -148,18 +151,19 @@ INT_AXES = ("hdim_q", "hdim_v")
 # '²', which int() rejects, and \d takes every script's digits), at most 9 of them, so that it
 # fits a C++ int and int() never meets Python's limit on the length of a number.
 INTEGER = "[0-9]{1,9}"
-# Functional traits a problem asks for (fmha::FwdTraits, fmha::BwdTraits): lse is the forward's
-# (it writes the log-sum-exp), dbias the backward's (it writes the bias gradient), dropout and
-# softcap both's. pad_seqlen and pad_hdim are capabilities of an instance: which shapes it also
-# runs.
-TRAIT_BOOL_AXES = ("lse", "dbias", "dropout", "softcap")
+# Functional traits a problem asks for (fmha::FwdTraits, BwdTraits, KvcacheTraits): lse is the
+# forward's (it writes the log-sum-exp), dbias the backward's (it writes the bias gradient),
+# paged kvcache's (the cache is in pages reached through a block table), dropout the forward's
+# and the backward's, softcap every operation's. pad_seqlen and pad_hdim are capabilities of an
+# instance: which shapes it also runs.
+TRAIT_BOOL_AXES = ("lse", "dbias", "paged", "dropout", "softcap")
 BOOL_AXES = (*TRAIT_BOOL_AXES, "pad_seqlen", "pad_hdim")
 
 # Every axis of some operation's matrix, in instance-name order; `hdim` lists (hdim_q, hdim_v)
 # pairs. An operation has a subsequence of them (operations.Operation.matrix_axes): the fields
 # of its traits class, then BUILD_AXES.
-MATRIX_AXES = ("dtype", "hdim", "mask", "bias", "vlayout", "mode", "lse", "dbias", "dropout",
-               "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim")
+MATRIX_AXES = ("dtype", "hdim", "mask", "bias", "vlayout", "mode", "lse", "dbias", "paged",
+               "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim")
 # The axes a rule's `when:` and a filter's `axis=value` can name: the matrix axes, with `hdim`
 # also as its two head dims.
 CONDITION_AXES = ("dtype", "hdim", "hdim_q", "hdim_v", *MATRIX_AXES[2:])

@@ -24,20 +24,22 @@ from .schema import (ARCH, BOOL_AXES, ENUM_AXES, FILTER_AXES, INT_AXES, INTEGER,
 
 GRAMMAR = """\
 A filter is comma-separated tokens that must all hold. A token is
-  an operation     fwd, bwd (op=bwd): the forward or the backward pass
+  an operation     fwd, bwd, kvcache (op=kvcache): the forward or the backward pass, or
+                   KV-cache attention (decode)
   a value          fp16, causal, alibi, col, group, sm90a, fa2 (the axis is implied)
   a head dim       hdim128 (hdim_q = hdim_v = 128), hdim192x128 (hdim_q 192, hdim_v 128)
-  a flag           lse, dbias, dropout, softcap: the trait is on (!lse: off)
+  a flag           lse, dbias, paged, dropout, softcap: the trait is on (!lse: off)
   padding          pad, nopad (sequence lengths); hpad, nohpad (head dims)
   axis=value       mask=none, hdim_q=192, lse=true, pad_hdim=false, hdim=128
   alternatives     fp16|bf16, causal|*_pad, mask=none|causal (causal joins the axis before)
   a negation       !causal; !fp16|bf16 (neither)
   a name glob      any term with * ? or [ matches instance names (fnmatch): *_sm90a_*
 A condition on an axis that an instance's operation does not have (vlayout and lse are fwd's,
-dbias bwd's) does not hold for it, and its negation does: lse and lse=false select fwd
-instances only, !lse also every bwd one. A bare value of more than one axis (none: mask and
-bias) is an error asking for axis=value, and so is a filter that selects nothing: it names the
-token that emptied the selection."""
+dbias bwd's, paged kvcache's, mode and dropout fwd's and bwd's) does not hold for it, and its
+negation does: lse and lse=false select fwd instances only, !lse also every bwd and kvcache
+one. A bare value of more than one axis (none: mask and bias) is an error asking for
+axis=value, and so is a filter that selects nothing: it names the token that emptied the
+selection."""
 
 
 class Term(Protocol):
@@ -160,7 +162,7 @@ def compile_cost_class(instance: Instance) -> tuple:
     add code (padding, dropout, bias) and the arch."""
     point, traits = instance.point, instance.point.traits
     return (-traits.hdim_q - traits.hdim_v, -traits.hdim_q, instance.op.token,
-            point.pipeline.token, point.pad_seqlen, point.pad_hdim, traits.dropout,
+            point.pipeline.token, point.pad_seqlen, point.pad_hdim, traits.flag("dropout"),
             traits.bias.value, point.arch.token)
 
 
@@ -393,14 +395,19 @@ def _vocabulary(catalog: Catalog) -> str:
     width = max(map(len, axes))
     lines = [f"  {axis:<{width}}  {', '.join(groups[axis])}" for axis in axes]
     lines.append(f"  {'name':<{width}}  a glob with * ? or [, e.g. *_sm90a_*")
-    own = "; ".join(f"{', '.join(axes)}: {op}'s" for op, axes in _own_axes().items() if axes)
+    own = "; ".join(f"{', '.join(axes)}: {owners}" for owners, axes in _own_axes().items())
     return ("valid tokens (',' joins tokens that must all hold, '|' alternatives, "
             "a leading '!' negates):\n" + "\n".join(lines)
             + f"\nan operation's own axes ({own}) hold for no instance of another operation")
 
 
 def _own_axes() -> dict[str, list[str]]:
-    """Per operation, the matrix axes that not every operation has."""
+    """The matrix axes that not every operation has, by the operations that have them (e.g.
+    "fwd's and bwd's"), in the order of their first axis."""
     ops = OPERATIONS.values()
-    return {op.token: [axis for axis in op.matrix_axes
-                       if not all(axis in other.matrix_axes for other in ops)] for op in ops}
+    owned = defaultdict(list)
+    for axis in MATRIX_AXES:
+        owners = [op.token for op in ops if axis in op.matrix_axes]
+        if len(owners) < len(ops):
+            owned[" and ".join(f"{owner}'s" for owner in owners)].append(axis)
+    return dict(owned)

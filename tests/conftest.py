@@ -17,7 +17,8 @@ if str(REPO_ROOT) not in sys.path:
 from generator.catalog import build_catalog  # noqa: E402
 from generator.config import load  # noqa: E402
 from generator.errors import ConfigError  # noqa: E402
-from generator.model import BwdTraits, FwdTraits, Instance, MatrixPoint, Tile  # noqa: E402
+from generator.model import (  # noqa: E402
+    BwdTraits, FwdTraits, Instance, KvcacheTraits, MatrixPoint, Tile)
 from generator.schema import ARCH, BIAS, DTYPE, MASK, MODE, PIPELINE, VLAYOUT  # noqa: E402
 from generator.selection import select  # noqa: E402
 
@@ -25,7 +26,8 @@ from generator.selection import select  # noqa: E402
 # meaning when the real matrix or its tiles are tuned. Its d128 tile differs from the d64 one
 # so that tile order and names can be told apart. It has the fwd operation only, with every
 # axis, most with one value (32 instances); tests widen an axis by replacing its line, e.g.
-# ("lse: [false]", "lse: [false, true]"). BWD_OPERATION adds the bwd operation.
+# ("lse: [false]", "lse: [false, true]"). BWD_OPERATION adds the bwd operation, KVCACHE_OPERATION
+# the kvcache one (which takes the top matrix's axes it has: not mode or dropout).
 BASE_CONFIG = """\
 matrix:
   dtype: [fp16, bf16]
@@ -73,6 +75,22 @@ BWD_OPERATION = ("presets:\n", """\
       - {pipeline: fa2, hdim_q: 64, hdim_v: 64, block_m: 64, block_n: 128, warps: 8, stages: 2, why: bwd d64}
       - {pipeline: fa2, hdim_q: 128, hdim_v: 128, block_m: 64, block_n: 64, warps: 4, stages: 2, why: bwd d128}
     rules: []
+presets:
+""")
+
+# The kvcache operation for BASE_CONFIG, as a replacement (after BWD_OPERATION's, when both are
+# used): contiguous and paged, padded only, so 32 more instances (its d128 tile differs from its
+# d64 one too).
+KVCACHE_OPERATION = ("presets:\n", """\
+  kvcache:
+    matrix:
+      paged: [false, true]
+      pipeline: [fa2]
+    tiles:
+      - {pipeline: fa2, hdim_q: 64, hdim_v: 64, block_m: 16, block_n: 64, warps: 4, stages: 2, why: kvcache d64}
+      - {pipeline: fa2, hdim_q: 128, hdim_v: 128, block_m: 16, block_n: 128, warps: 4, stages: 2, why: kvcache d128}
+    rules:
+      - {when: {pad_seqlen: false}, reason: the cache lengths live on the device}
 presets:
 """)
 
@@ -181,6 +199,22 @@ def make_bwd_instance():
              pad_seqlen=False, pad_hdim=False, tile=Tile(64, 128, 8, 2)) -> Instance:
         traits = BwdTraits(DTYPE.get(dtype), *hdim, MASK.get(mask), BIAS.get(bias),
                            MODE.get(mode), dbias, dropout, softcap)
+        return Instance(MatrixPoint(traits, pipeline, ARCH.get(arch), pad_seqlen, pad_hdim), tile)
+
+    return make
+
+
+@pytest.fixture
+def make_kvcache_instance():
+    """make_kvcache_instance(dtype=..., hdim=(q, v), mask=..., paged=..., arch=..., ...): one
+    kvcache Instance built directly, without a config; unnamed traits take their defaults
+    (padded sequence lengths, as every kvcache instance has)."""
+
+    def make(dtype="fp16", hdim=(64, 64), mask="none", bias="none", paged=False, softcap=False,
+             pipeline=PIPELINE.get("fa2"), arch="sm80", pad_seqlen=True, pad_hdim=False,
+             tile=Tile(16, 64, 4, 2)) -> Instance:
+        traits = KvcacheTraits(DTYPE.get(dtype), *hdim, MASK.get(mask), BIAS.get(bias), paged,
+                               softcap)
         return Instance(MatrixPoint(traits, pipeline, ARCH.get(arch), pad_seqlen, pad_hdim), tile)
 
     return make

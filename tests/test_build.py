@@ -20,9 +20,10 @@ REPO = Path(__file__).resolve().parent.parent
 # With the default preset (lse, no bias, no dropout, no softcap, row-major V): one batch-mode
 # instance per operation, pipeline, arch and padding variant: the forward's fa2 unpadded and
 # fully padded for sm80, fa3 (padded) and fa2's fully padded fallback for sm90a; the
-# backward's fa2 unpadded and fully padded for sm80 and for sm90a.
-FILTER = "fp16,hdim64,mask=none,mode=batch"
-TUS = 8
+# backward's likewise; and KV-cache attention (which has no mode) on a contiguous and a paged
+# cache, for sm80 and sm90a.
+FILTER = "fp16,hdim64,mask=none,mode=batch|kvcache"
+TUS = 12
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nvcc") is None or shutil.which("cmake") is None or shutil.which("ninja") is None,
@@ -52,7 +53,7 @@ def configure_and_build(build, *options):
 def build_dir(tmp_path_factory):
     build = tmp_path_factory.mktemp("cmake")
     output = configure_and_build(build, "-DFMHA_BUILD_PYTHON=OFF")
-    assert f"generator: {TUS} of 14160 instances selected (fwd 4, bwd 4;" in output
+    assert f"generator: {TUS} of 14736 instances selected (fwd 4, bwd 4, kvcache 4;" in output
     assert "CUTLASS 4.2" in output and "headers for the fa3 TUs" in output
     return build
 
@@ -131,7 +132,7 @@ def test_auto_targets_are_the_gpus_or_both(tmp_path):
         assert f"FMHA_ARCHS=auto: {';'.join(expected)}, for this machine's GPUs" in result.stdout
     else:
         assert "FMHA_ARCHS=auto: no GPU of compute capability 8.0 or newer here" in result.stdout
-        assert "(sm80 4, sm90a 2)" in result.stdout  # fa2 for both targets
+        assert "(sm80 6, sm90a 4)" in result.stdout  # fa2 for both targets
     assert "Compiler cache" not in result.stdout
 
 

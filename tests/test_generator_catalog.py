@@ -13,7 +13,7 @@ from generator.catalog import build_catalog
 from generator.config import DEFAULT_CONFIG, load
 from generator.gaps import fallback_notes
 from generator.model import Tile
-from conftest import BWD_OPERATION
+from conftest import BWD_OPERATION, KVCACHE_OPERATION
 from generator.operations import operation_of
 from generator.schema import ARCH, OPERATION, PIPELINE
 
@@ -46,9 +46,9 @@ def test_repository_matrix():
     assert time.perf_counter() - start < 5  # about 0.8 s on an idle machine
     fwd = catalog.of(OPERATION.get("fwd"))
     assert len(fwd) == 10080 - 48 + 72 and catalog.instances[:len(fwd)] == fwd
-    # Both operations' points less what their rules keep (BWD_POINTS: below).
-    assert catalog.pruned == 2 * 32256 - 10104 + BWD_POINTS - 4056
-    assert len(set(names(catalog))) == 10104 + 4056
+    # Every operation's points less what its rules keep (BWD_POINTS, KVCACHE_POINTS: below).
+    assert catalog.pruned == 2 * 32256 - 10104 + BWD_POINTS - 4056 + KVCACHE_POINTS - 576
+    assert len(set(names(catalog))) == 10104 + 4056 + 576
     for instance in fwd:
         point, traits = instance.point, instance.point.traits
         assert traits.mode.token == "batch" or (point.pad_seqlen and traits.lse)
@@ -254,7 +254,9 @@ def test_repository_tiles_fit_the_archs_they_are_used_on():
     assert {(kernel.header, arch.token) for kernel, arch, *_ in used} == {
         ("fmha/kernels/fwd_fa2_sm80.cuh", "sm80"), ("fmha/kernels/fwd_fa2_sm80.cuh", "sm90a"),
         ("fmha/kernels/fwd_fa3_sm90.cuh", "sm90a"), ("fmha/kernels/bwd_fa2_sm80.cuh", "sm80"),
-        ("fmha/kernels/bwd_fa2_sm80.cuh", "sm90a"), ("fmha/kernels/bwd_fa3_sm90.cuh", "sm90a")}
+        ("fmha/kernels/bwd_fa2_sm80.cuh", "sm90a"), ("fmha/kernels/bwd_fa3_sm90.cuh", "sm90a"),
+        ("fmha/kernels/kvcache_fa2_sm80.cuh", "sm80"),
+        ("fmha/kernels/kvcache_fa2_sm80.cuh", "sm90a")}
     for kernel, arch, hdim_q, hdim_v, tile in used:
         needed = kernel.shared_memory.bytes(tile, (hdim_q, hdim_v))
         assert needed <= arch.smem_limit, (kernel.header, arch.token, hdim_q, hdim_v, needed)
@@ -391,7 +393,8 @@ def test_repository_bwd_matrix():
     # padding sequence lengths only.
     catalog = build_catalog(load(DEFAULT_CONFIG))
     bwd = catalog.of(OPERATION.get("bwd"))
-    assert len(bwd) == 672 * 3 * 2 - 24 + 48 and catalog.instances[-len(bwd):] == bwd
+    start = catalog.instances.index(bwd[0])
+    assert len(bwd) == 672 * 3 * 2 - 24 + 48 and catalog.instances[start:start + len(bwd)] == bwd
     assert all(i.name.startswith("bwd_") for i in bwd)
     fa3 = [i for i in bwd if i.point.pipeline.token == "fa3"]
     assert {(i.point.traits.hdim_q, i.point.traits.mask.token, i.point.traits.dtype.token,
@@ -553,3 +556,81 @@ def test_bwd_shared_memory_matches_the_kernels_formula():
     assert kernel.shared_memory.bytes(Tile(64, 64, 8, 2), (192, 192)) == 164864
     assert kernel.shared_memory.bytes(Tile(32, 64, 8, 2), (256, 256)) == 139776
     assert kernel.shared_memory.bytes(Tile(64, 64, 8, 2), (256, 256)) == 214016
+
+
+# -- the kvcache operation -------------------------------------------------------------------
+
+# dtype x hdim x mask x bias x paged x softcap x pipeline x arch x padding
+KVCACHE_POINTS = 2 * 7 * 3 * 3 * 2 * 2 * 1 * 2 * 4
+
+
+def test_repository_kvcache_matrix():
+    # fa2 only: 2 dtypes x 6 head dims (hdim_q == hdim_v) x 3 masks x 2 biases (none, ALiBi) x
+    # 2 (contiguous, paged) x 2 softcap on 2 archs, each padding sequence lengths with exact
+    # head dims: 576, the last table of the catalog.
+    catalog = build_catalog(load(DEFAULT_CONFIG))
+    kvcache = catalog.of(OPERATION.get("kvcache"))
+    assert len(kvcache) == 576 and catalog.instances[-len(kvcache):] == kvcache
+    assert all(i.name.startswith("kvcache_") and i.name.endswith("_m16n64_pad") for i in kvcache)
+    assert {(i.point.traits.hdim_q, i.point.traits.hdim_v) for i in kvcache} == {
+        (d, d) for d in (32, 64, 96, 128, 192, 256)}
+    assert {i.point.traits.bias.token for i in kvcache} == {"none", "alibi"}
+    for instance in kvcache:
+        point = instance.point
+        assert point.pipeline.token == "fa2" and point.pad_seqlen and not point.pad_hdim
+        assert instance.tile == Tile(16, 64, 4, 2)
+    # One pipeline: nothing falls back, so no gaps.
+    assert not [gap for gap in catalog.gaps if gap.op.token == "kvcache"]
+
+
+@pytest.mark.parametrize("fields, name", [
+    ({}, "kvcache_fp16_d64_fa2_sm80_m16n64_pad"),
+    ({"dtype": "bf16", "hdim": (128, 128), "mask": "causal", "paged": True, "arch": "sm90a"},
+     "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad"),
+    ({"mask": "window", "bias": "alibi", "paged": True, "softcap": True},
+     "kvcache_fp16_d64_window_alibi_paged_softcap_fa2_sm80_m16n64_pad"),
+])
+def test_kvcache_name_grammar(make_kvcache_instance, fields, name):
+    assert make_kvcache_instance(**fields).name == name
+
+
+def test_kvcache_operation_of_the_base_config(build):
+    _, catalog = build(BWD_OPERATION, KVCACHE_OPERATION)
+    fwd, bwd, kvcache = (catalog.of(OPERATION.get(op)) for op in ("fwd", "bwd", "kvcache"))
+    assert len(fwd) == len(bwd) == len(kvcache) == 32
+    assert catalog.instances == fwd + bwd + kvcache
+    # The top matrix's mode and dropout are not kvcache's; its rule keeps the padded ones.
+    assert all(i.point.pad_seqlen and not hasattr(i.point.traits, "mode") for i in kvcache)
+    assert {i.point.traits.paged for i in kvcache} == {False, True}
+    assert names(catalog)[64] == "kvcache_bf16_d128_causal_fa2_sm90a_m16n128_pad"
+
+
+@pytest.mark.parametrize("old, new, reason", [
+    ("block_m: 16, block_n: 64", "block_m: 32, block_n: 64", "block_m == 16"),
+    ("block_n: 64, warps: 4", "block_n: 48, warps: 4", "block_n % (16 * warps) == 0"),
+    ("block_n: 64, warps: 4", "block_n: 64, warps: 8", "block_n % (16 * warps) == 0"),
+    ("warps: 4, stages: 2, why: kvcache d64", "warps: 4, stages: 1, why: kvcache d64",
+     "stages >= 2"),
+    ("hdim_q: 64, hdim_v: 64, block_m: 16", "hdim_q: 64, hdim_v: 80, block_m: 16",
+     "hdim_q and hdim_v multiples of 32"),
+])
+def test_kvcache_tile_violating_a_constraint_is_an_error(config_error, line_of, old, new, reason):
+    error, text = config_error(KVCACHE_OPERATION, (old, new))
+    assert error.line == line_of(text, "why: kvcache d64")
+    assert error.message.startswith(f"operations.kvcache.tiles[0]: pipeline fa2 needs {reason}")
+
+
+def test_kvcache_shared_memory_matches_the_kernels_formula(config_error, line_of):
+    # KvcacheConfig::kSmemBytes: Q, and K and V per stage. The repository's d256 tile: 139264
+    # bytes, within A100's 163 KB.
+    kernel = operation_of(build_catalog(load(DEFAULT_CONFIG)).of(OPERATION.get("kvcache"))[0]
+                          ).kernel(PIPELINE.get("fa2"))
+    assert kernel.shared_memory.bytes(Tile(16, 64, 4, 2), (256, 256)) == 139264
+    # d128 with 256-key steps in three stages: 2 * (16 * 128 + 3 * 256 * 256) = 397312 bytes.
+    error, text = config_error(KVCACHE_OPERATION, ("block_n: 128, warps: 4, stages: 2",
+                                                   "block_n: 256, warps: 4, stages: 3"))
+    assert error.line == line_of(text, "why: kvcache d128")
+    assert error.message == (
+        "operations.kvcache.tiles[1]: the tile needs 397312 bytes of shared memory (2 * "
+        "(block_m * hdim_q + stages * block_n * (hdim_q + hdim_v))), more than the 166912 a CTA "
+        "may use on sm80")

@@ -13,7 +13,11 @@ SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "vl
 BWD_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "mode", "dbias",
                       "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim",
                       "block_m", "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = "112 of 14160 instances selected (fwd 56, bwd 56; 82608 pruned)"
+KVCACHE_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "paged",
+                          "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim", "block_m",
+                          "block_n", "warps", "stages", "tu")
+DEFAULT_SELECTED = ("112 of 14736 instances selected (fwd 56, bwd 56, kvcache 0; 86064 "
+                    "pruned)")
 
 
 def test_default_render(run_cli, tmp_path):
@@ -25,6 +29,7 @@ def test_default_render(run_cli, tmp_path):
     assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 112 TUs (sm80 48, sm90a 64), "
                              f"115 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
     assert len(list(out.glob("fwd_*.cu"))) == 56 and len(list(out.glob("bwd_*.cu"))) == 56
+    assert not list(out.glob("kvcache_*.cu"))
     assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {
         p.name for p in out.iterdir()}
 
@@ -44,12 +49,14 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     result = run_cli("--out", out, "--preset", "minimal", "--targets", "90a")
     assert result.returncode == 0, result.stderr
     # minimal's fwd instances leave out the log-sum-exp, default's write it: none are shared;
-    # its two sm90a bwd ones are default's.
-    assert "4 of 14160 instances selected (fwd 2, bwd 2;" in result.stdout
+    # its two sm90a bwd ones are default's, and default has no kvcache instances.
+    assert "6 of 14736 instances selected (fwd 2, bwd 2, kvcache 2;" in result.stdout
     assert "2 unchanged, 110 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
         "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu",
-        "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu"]
+        "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu",
+        "kvcache_fp16_d64_fa2_sm90a_m16n64_pad.cu",
+        "kvcache_fp16_d64_paged_fa2_sm90a_m16n64_pad.cu"]
 
 
 def test_list(run_cli):
@@ -70,19 +77,24 @@ def test_json(run_cli):
     result = run_cli("--json", "--preset", "minimal")
     assert result.returncode == 0, result.stderr
     records = json.loads(result.stdout)
-    assert [r["op"] for r in records] == ["fwd"] * 4 + ["bwd"] * 4
+    assert [r["op"] for r in records] == ["fwd"] * 4 + ["bwd"] * 4 + ["kvcache"] * 4
+    fields = {"fwd": SUMMARY_FIELDS, "bwd": BWD_SUMMARY_FIELDS, "kvcache": KVCACHE_SUMMARY_FIELDS}
     for record in records:
-        assert tuple(record) == (SUMMARY_FIELDS if record["op"] == "fwd" else BWD_SUMMARY_FIELDS)
+        assert tuple(record) == fields[record["op"]]
         assert record["name"].startswith(f"{record['op']}_")
         assert record["tu"] == f"{record['name']}.cu"
         assert (record["dtype"], record["hdim_q"], record["mask"], record.get("lse", False),
                 record.get("dbias", False)) == ("fp16", 64, "none", False, False)
-        # fa2 has the unpadded fast path and the fully padded fallback; fa3 pads seqlens only.
+        # fa2 has the unpadded fast path and the fully padded fallback; fa3 pads seqlens only,
+        # and so does kvcache's fa2 (its cache lengths live on the device).
         assert (record["pad_seqlen"], record["pad_hdim"]) in (
-            ((False, False), (True, True)) if record["pipeline"] == "fa2" else ((True, False),))
+            ((False, False), (True, True))
+            if record["pipeline"] == "fa2" and record["op"] != "kvcache" else ((True, False),))
     assert sorted(r["pipeline"] for r in records[:4]) == ["fa2", "fa2", "fa2", "fa3"]
-    assert {(r["arch"], r["pipeline"], r["block_m"], r["block_n"]) for r in records[4:]} == {
+    assert {(r["arch"], r["pipeline"], r["block_m"], r["block_n"]) for r in records[4:8]} == {
         ("sm80", "fa2", 128, 128), ("sm90a", "fa2", 128, 128), ("sm90a", "fa3", 128, 128)}
+    assert {(r["arch"], r["paged"], r["block_m"], r["block_n"]) for r in records[8:]} == {
+        (arch, paged, 16, 64) for arch in ("sm80", "sm90a") for paged in (False, True)}
 
 
 def test_json_and_summary_leave_out_pruned_instances(run_cli, make_config, tmp_path):
@@ -141,7 +153,8 @@ def test_help_documents_the_filter_grammar_and_the_options(run_cli):
     for text in ("--filter", "--preset", "--targets", "--list", "--json", "--out", "--config",
                  "--presets", "--shard", "--explain", "axis=value", "hdim128", "mask=none",
                  "glob", "hpad", "lse", "seqlen_q", "dispatch_table.cpp and manifest.json still",
-                 "fwd, bwd (op=bwd)", "dbias", "op=bwd,dtype=bf16"):
+                 "fwd, bwd, kvcache (op=kvcache)", "dbias", "paged", "op=bwd,dtype=bf16",
+                 "op=kvcache,dtype=bf16"):
         assert text in words, text
 
 
@@ -151,16 +164,17 @@ def test_presets_table(run_cli):
     result = run_cli("--presets")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["preset", "fwd", "bwd", "TUs", "sm80", "sm90a", "why"]
-    rows = {line.split()[0]: [int(n) for n in line.split()[1:6]]
+    assert lines[0].split() == ["preset", "fwd", "bwd", "kvcache", "TUs", "sm80", "sm90a", "why"]
+    rows = {line.split()[0]: [int(n) for n in line.split()[1:7]]
             for line in lines[1:] if not line.startswith(" ")}
-    assert rows == {"default": [56, 56, 112, 48, 64], "extended": [276, 276, 552, 252, 300],
-                    "minimal": [4, 4, 8, 4, 4],
-                    "flash_attn": [2040, 2040, 4080, 2016, 2064],
-                    "pytorch": [448, 672, 1120, 560, 560],
-                    "coverage": [592, 392, 984, 470, 514],
-                    "all": [10104, 4056, 14160, 7056, 7104]}
-    assert "CI smoke build (8 TUs)" in result.stdout
+    assert rows == {"default": [56, 56, 0, 112, 48, 64],
+                    "extended": [276, 276, 144, 696, 324, 372],
+                    "minimal": [4, 4, 4, 12, 6, 6],
+                    "flash_attn": [2040, 2040, 576, 4656, 2304, 2352],
+                    "pytorch": [448, 672, 0, 1120, 560, 560],
+                    "coverage": [592, 392, 208, 1192, 574, 618],
+                    "all": [10104, 4056, 576, 14736, 7344, 7392]}
+    assert "CI smoke build (12 TUs)" in result.stdout
     assert max(map(len, lines)) <= 100
 
 
@@ -175,18 +189,20 @@ def test_presets_json_with_targets_and_filter(run_cli):
         "preset": "default",
         "filters": ["fwd,hdim64|hdim128,mask=none|causal,bias=none,vlayout=row,lse,!dropout,"
                     "!softcap", "bwd,hdim64|hdim128,mask=none|causal,bias=none,!dropout,!softcap"],
-        "instances": 32, "instances_per_op": {"fwd": 16, "bwd": 16}, "tus": 32,
+        "instances": 32, "instances_per_op": {"fwd": 16, "bwd": 16, "kvcache": 0}, "tus": 32,
         "tus_per_target": {"sm80": 0, "sm90a": 32}, "why": default["why"]}
     assert default["why"].startswith("What `pip install .` builds")
-    assert rows[1]["instances_per_op"] == {"fwd": 75, "bwd": 75}
-    assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2}
+    assert rows[1]["instances_per_op"] == {"fwd": 75, "bwd": 75, "kvcache": 36}
+    assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2, "kvcache": 2}
 
 
 def test_presets_count_an_emptied_preset_as_zero(run_cli):
     rows = json.loads(run_cli("--presets", "--json", "--filter", "dropout").stdout)
+    # kvcache has no dropout: none of its instances has it.
     assert {row["preset"]: tuple(row["instances_per_op"].values()) for row in rows} == {
-        "default": (0, 0), "extended": (0, 0), "minimal": (0, 0), "flash_attn": (1008, 1008),
-        "pytorch": (224, 336), "coverage": (60, 60), "all": (5040, 2016)}
+        "default": (0, 0, 0), "extended": (0, 0, 0), "minimal": (0, 0, 0),
+        "flash_attn": (1008, 1008, 0), "pytorch": (224, 336, 0), "coverage": (60, 60, 0),
+        "all": (5040, 2016, 0)}
 
 
 # -- --shard -----------------------------------------------------------------------------------
@@ -197,7 +213,7 @@ def test_shards_split_the_selection(run_cli, tmp_path):
              for index in range(1, 5)]
     assert sorted(sum(parts, [])) == sorted(whole)
     assert all(part == [name for name in whole if name in part] for part in parts)
-    assert [len(part) for part in parts] == [138, 138, 138, 138]
+    assert [len(part) for part in parts] == [174, 174, 174, 174]
     assert parts[1] == run_cli("--list", "--preset", "extended",
                                "--shard", "2/4").stdout.split()  # deterministic
 
@@ -206,19 +222,20 @@ def test_shard_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out, "--preset", "extended", "--shard", "2/4")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("generator: 552 of 14160 instances selected (fwd 276, bwd 276; "
-                                    "82608 pruned); shard 2/4: 138 TUs (sm80 ")
-    assert "141 files written" in result.stdout
+    assert result.stdout.startswith("generator: 696 of 14736 instances selected (fwd 276, bwd 276, "
+                                    "kvcache 144; 86064 pruned); shard 2/4: 174 TUs (sm80 ")
+    assert "177 files written" in result.stdout
     tus = sorted(p.name for p in out.glob("*.cu"))
     listed = run_cli("--list", "--preset", "extended", "--shard", "2/4").stdout.split()
     assert tus == sorted(f"{name}.cu" for name in listed)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["instances"]) == 552
+    assert len(manifest["instances"]) == 696
     assert (manifest["shard"]["index"], manifest["shard"]["count"]) == (2, 4)
     assert sorted(manifest["shard"]["tus"]) == tus
     table = (out / "dispatch_table.cpp").read_text()
-    assert table.count("&instances::launch_") == 552
+    assert table.count("&instances::launch_") == 696
     assert table.count("&instances::workspace_bwd_") == 276
+    assert table.count("&instances::workspace_kvcache_") == 144
 
 
 def test_bad_shard_message(run_cli):
@@ -353,7 +370,9 @@ def test_filter_names_an_operation(run_cli):
     assert run_cli("--list", "--filter", "op=bwd").stdout.split() == bwd
     fwd = run_cli("--list", "--filter", "fwd").stdout.split()
     assert len(fwd) == 56 and all(name.startswith("fwd_") for name in fwd)
-    assert run_cli("--list").stdout.split() == fwd + bwd
+    assert run_cli("--list").stdout.split() == fwd + bwd  # the default has no kvcache yet
+    kvcache = run_cli("--list", "--preset", "extended", "--filter", "kvcache").stdout.split()
+    assert len(kvcache) == 144 and all(name.startswith("kvcache_") for name in kvcache)
     # An axis of the other operation selects nothing of it: lse and vlayout are fwd's.
     result = run_cli("--list", "--filter", "bwd,lse")
     assert result.returncode == 2
@@ -367,10 +386,12 @@ def test_unknown_token_lists_the_operations(run_cli):
     result = run_cli("--list", "--filter", "bwd,bwdd")
     lines = result.stderr.splitlines()
     assert lines[0] == "--filter: unknown token 'bwdd'"
-    assert any(line.split() == ["op", "fwd,", "bwd"] for line in lines)
+    assert any(line.split() == ["op", "fwd,", "bwd,", "kvcache"] for line in lines)
     assert any(line.split() == ["dbias", "dbias,", "dbias=true|false"] for line in lines)
-    assert lines[-1] == ("an operation's own axes (vlayout, lse: fwd's; dbias: bwd's) hold for no "
-                         "instance of another operation")
+    assert any(line.split() == ["paged", "paged,", "paged=true|false"] for line in lines)
+    assert lines[-1] == ("an operation's own axes (vlayout, lse: fwd's; mode, dropout: fwd's and "
+                         "bwd's; dbias: bwd's; paged: kvcache's) hold for no instance of another "
+                         "operation")
 
 
 def test_json_of_bwd_instances(run_cli):
@@ -425,11 +446,12 @@ def test_explain_bwd_miss_suggests_a_filter_that_fits(run_cli):
                         "elementwise); dbias=false (the call: true)")
     assert lines[5] == ("the matrix has one that fits: "
                         "bwd_fp16_d64_elementwise_dbias_fa2_sm80_m128n128_pad_hpad")
-    assert lines[6] == ("build it with: python -m generator --preset coverage --filter 'fp16,"
+    # The preset that builds the fewest instances of those with one that fits.
+    assert lines[6] == ("build it with: python -m generator --preset pytorch --filter 'fp16,"
                         "hdim64,mask=none,bias=elementwise,mode=batch,dbias=true,dropout=false,"
                         "softcap=false,sm80,hpad'")
     suggested = lines[6].split("--filter ")[1].strip("'")
-    explained = run_cli("--explain", problem, "--preset", "coverage", "--filter", suggested)
+    explained = run_cli("--explain", problem, "--preset", "pytorch", "--filter", suggested)
     assert explained.stdout.splitlines()[1] == (
         "chosen:  bwd_fp16_d64_elementwise_dbias_fa2_sm80_m128n128_pad_hpad")
     # A forward problem never gets a backward instance, nor the other way round.
@@ -444,11 +466,74 @@ def test_explain_bwd_miss_suggests_a_filter_that_fits(run_cli):
      "mode, dbias, dropout, softcap, seqlen_q, seqlen_k, seqused, arch, op"),
     ("op=bwd,dtype=fp16,hdim=64,lse=true", "lse is a key of op=fwd, not of op=bwd"),
     ("dtype=fp16,hdim=64,dbias=true", "dbias is a key of op=bwd, not of op=fwd"),
-    ("op=decode,dtype=fp16,hdim=64", "unknown op 'decode'; valid: fwd, bwd"),
+    ("op=decode,dtype=fp16,hdim=64", "unknown op 'decode'; valid: fwd, bwd, kvcache"),
     ("op=bwd,dtype=fp16,hdim=64,dbias=1", "dbias takes true or false, not '1'"),
     ("op=bwd,hdim=64", "needs dtype= (fp16, bf16)"),
 ])
 def test_explain_bwd_problem_errors(run_cli, problem, message):
+    result = run_cli("--explain", problem)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"--explain: {message}")
+
+
+# -- the kvcache operation ---------------------------------------------------------------------
+
+def test_list_and_json_of_kvcache_instances(run_cli):
+    result = run_cli("--list", "--preset", "extended", "--filter", "kvcache,bf16,hdim128,causal",
+                     "--targets", "sm90a")
+    assert result.stdout.split() == ["kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad",
+                                     "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad"]
+    records = json.loads(run_cli("--json", "--preset", "all", "--filter",
+                                 "kvcache,fp16,hdim256,window,alibi,paged,softcap").stdout)
+    assert [r["name"] for r in records] == [
+        "kvcache_fp16_d256_window_alibi_paged_softcap_fa2_sm90a_m16n64_pad",
+        "kvcache_fp16_d256_window_alibi_paged_softcap_fa2_sm80_m16n64_pad"]
+    assert all(tuple(r) == KVCACHE_SUMMARY_FIELDS and r["op"] == "kvcache" for r in records)
+
+
+def test_explain_kvcache_hit(run_cli):
+    result = run_cli("--explain", "op=kvcache,dtype=bf16,hdim=128,mask=causal,paged=true,"
+                                  "seqlen_q=1,seqlen_k=4000,arch=90", "--preset", "extended")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "problem: op=kvcache,dtype=bf16,hdim=128x128,mask=causal,bias=none,paged=true,"
+        "softcap=false,seqlen_q=1,seqlen_k=4000,seqused=false,arch=90",
+        "chosen:  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
+        "why:     2 of the 144 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad by rule 1 of the dispatch order, "
+        "higher compute capability first: sm90a (cc 90) against sm80 (cc 80)",
+        "serving, in dispatch order:",
+        "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
+        "  kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad"]
+
+
+def test_explain_kvcache_miss_suggests_a_filter_that_fits(run_cli):
+    problem = "op=kvcache,dtype=fp16,hdim=96,bias=alibi,softcap=true,arch=80"
+    lines = run_cli("--explain", problem, "--preset", "extended").stdout.splitlines()
+    assert lines[1] == "none of the 144 selected kvcache instances serves it; the nearest:"
+    assert lines[5] == ("the matrix has one that fits: "
+                        "kvcache_fp16_d96_alibi_softcap_fa2_sm80_m16n64_pad")
+    assert lines[6] == ("build it with: python -m generator --preset flash_attn --filter 'fp16,"
+                        "hdim96,mask=none,bias=alibi,paged=false,softcap=true,sm80'")
+    suggested = lines[6].split("--filter ")[1].strip("'")
+    explained = run_cli("--explain", problem, "--preset", "flash_attn", "--filter", suggested)
+    assert explained.stdout.splitlines()[1] == (
+        "chosen:  kvcache_fp16_d96_alibi_softcap_fa2_sm80_m16n64_pad")
+    # What the rules prune is outside the matrix: an elementwise bias, (192, 128).
+    for pruned in ("hdim=64,bias=elementwise", "hdim=192x128"):
+        result = run_cli("--explain", f"op=kvcache,dtype=fp16,{pruned},arch=80")
+        assert "no kvcache instance of the whole matrix serves it either" in result.stdout
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("op=kvcache,dtype=fp16,hdim=64,mode=batch",
+     "mode is a key of op=fwd and op=bwd, not of op=kvcache; valid: dtype, hdim, hdim_q, hdim_v, "
+     "mask, bias, paged, softcap, seqlen_q, seqlen_k, seqused, arch, op"),
+    ("op=kvcache,dtype=fp16,hdim=64,dropout=true", "dropout is a key of op=fwd and op=bwd"),
+    ("dtype=fp16,hdim=64,paged=true", "paged is a key of op=kvcache, not of op=fwd"),
+    ("op=kvcache,dtype=fp16,hdim=64,paged=yes", "paged takes true or false, not 'yes'"),
+])
+def test_explain_kvcache_problem_errors(run_cli, problem, message):
     result = run_cli("--explain", problem)
     assert result.returncode == 2
     assert result.stderr.startswith(f"--explain: {message}")

@@ -3,17 +3,14 @@ exit status 2, no traceback, nothing written."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
 
-from conftest import BASE_CONFIG, BWD_OPERATION
+from conftest import BASE_CONFIG, BWD_OPERATION, KVCACHE_OPERATION
 
-from generator import config as config_module
 from generator.config import DEFAULT_CONFIG, load
 from generator.errors import ConfigError
-from generator.operations import OPERATIONS
 from generator.schema import ENUM_AXES, MATRIX_AXES, REGISTRY_TOKEN_ARRAYS
 
 
@@ -190,11 +187,15 @@ def test_repository_config_loads():
     config = load(DEFAULT_CONFIG)
     assert {"default", "minimal"} <= set(config.presets)
     assert all(preset.why for preset in config.presets.values())
-    assert list(config.operations) == ["fwd", "bwd"]
+    assert list(config.operations) == ["fwd", "bwd", "kvcache"]
     assert all(entry.why for op in config.operations.values() for entry in op.tiles)
-    # The shared rules are every operation's.
-    assert [len(op.rules) for op in config.operations.values()] == [3 + 10, 3 + 1 + 8]
-    assert all(op.rules[:3] == config.shared_rules for op in config.operations.values())
+    # The shared rules come first in the rules of each operation they apply to: all three
+    # are fwd's and bwd's; kvcache has no mode, and the fa2 rule names fwd and bwd.
+    fwd, bwd, kvcache = config.operations.values()
+    assert [len(op.rules) for op in (fwd, bwd, kvcache)] == [3 + 10, 3 + 1 + 8, 1 + 4]
+    assert fwd.rules[:3] == bwd.rules[:3] == config.shared_rules
+    assert kvcache.rules[:1] == config.shared_rules[1:2]
+    assert [c.axis for c in kvcache.rules[0].when] == ["pad_seqlen", "pad_hdim"]
 
 
 def test_registry_token_arrays_are_indexed_by_enum_value():
@@ -279,25 +280,26 @@ def test_mistake_with_two_operations_is_reported_at_its_line(name, config_error,
     assert message in error.message, str(error)
 
 
-# Mistakes that name a pipeline an operation lacks. Every operation has both pipelines today, so
-# these run against a bwd implemented by fa2 alone, as an operation added later may be.
+def kvcache(old: str, new: str) -> tuple[str, str]:
+    """The replacement that adds the kvcache operation, with `old` replaced by `new` in its
+    text."""
+    assert old in KVCACHE_OPERATION[1], old
+    return KVCACHE_OPERATION[0], KVCACHE_OPERATION[1].replace(old, new, 1)
+
+
+# Mistakes that name a pipeline an operation lacks: kvcache is implemented by fa2 alone.
 PIPELINE_MISTAKES = {
     "pipeline the operation lacks": (
-        (bwd("pipeline: [fa2]", "pipeline: [fa2, fa3]"),), "pipeline: [fa2, fa3]",
-        "operations.bwd.matrix.pipeline: bwd has no pipeline 'fa3'; its pipelines: fa2"),
+        (kvcache("pipeline: [fa2]", "pipeline: [fa2, fa3]"),), "pipeline: [fa2, fa3]",
+        "operations.kvcache.matrix.pipeline: kvcache has no pipeline 'fa3'; its pipelines: fa2"),
     "tile of a pipeline the operation lacks": (
-        (bwd("{pipeline: fa2, hdim_q: 64", "{pipeline: fa3, hdim_q: 64"),), "why: bwd d64",
-        "operations.bwd.tiles[0].pipeline: bwd has no pipeline 'fa3'; its pipelines: fa2"),
+        (kvcache("{pipeline: fa2, hdim_q: 64", "{pipeline: fa3, hdim_q: 64"),), "why: kvcache d64",
+        "operations.kvcache.tiles[0].pipeline: kvcache has no pipeline 'fa3'; its pipelines: fa2"),
 }
 
 
 @pytest.mark.parametrize("name", PIPELINE_MISTAKES)
-def test_pipeline_an_operation_lacks_is_reported_at_its_line(name, config_error, line_of,
-                                                              monkeypatch):
-    fa2_only = dataclasses.replace(
-        OPERATIONS["bwd"], kernels=tuple(k for k in OPERATIONS["bwd"].kernels
-                                         if k.pipeline.token == "fa2"))
-    monkeypatch.setitem(config_module.OPERATIONS, "bwd", fa2_only)
+def test_pipeline_an_operation_lacks_is_reported_at_its_line(name, config_error, line_of):
     replacements, marker, message = PIPELINE_MISTAKES[name]
     error, text = config_error(*replacements)
     assert error.line == line_of(text, marker), str(error)
@@ -309,5 +311,86 @@ def test_operations_need_at_least_one(make_config, line_of):
         BASE_CONFIG[BASE_CONFIG.index("presets:"):]
     with pytest.raises(ConfigError) as caught:
         load(make_config(text=text))
-    assert caught.value.message == "operations: needs at least one operation; valid: fwd, bwd"
+    assert caught.value.message == ("operations: needs at least one operation; valid: fwd, bwd, "
+                                    "kvcache")
     assert caught.value.line == line_of(text, "operations:")
+
+
+# -- shared axes and rules with kvcache, which has no mode or dropout ------------------------------
+
+def test_an_operation_takes_the_shared_axes_it_has(build):
+    config, catalog = build(BWD_OPERATION, KVCACHE_OPERATION)
+    kvcache = config.operations["kvcache"]
+    assert tuple(kvcache.matrix.axes) == ("dtype", "hdim", "mask", "bias", "paged", "softcap",
+                                          "pipeline", "arch", "pad_seqlen", "pad_hdim")
+    # The top matrix's mode and dropout are fwd's and bwd's, also without bwd in the config.
+    config, _ = build(KVCACHE_OPERATION)
+    assert list(config.operations) == ["fwd", "kvcache"]
+    assert "mode" in config.operations["fwd"].matrix.axes
+
+
+def test_a_shared_rule_holds_for_the_operations_with_its_axes(build):
+    rules = ("rules:\n  - {when: {mode: batch, pad_seqlen: true}, reason: fwd and bwd}\n"
+             "  - {when: {arch: sm80, dtype: bf16}, reason: all three}\noperations:\n")
+    config, catalog = build(BWD_OPERATION, KVCACHE_OPERATION, ("operations:\n", rules))
+    first, second = config.shared_rules
+    assert [len(op.rules) for op in config.operations.values()] == [2, 2, 2]
+    assert config.operations["kvcache"].rules[0] is second
+    assert {(i.op.token, i.point.pad_seqlen) for i in catalog.instances} == {
+        ("fwd", False), ("bwd", False), ("kvcache", True)}
+    assert not any(i.point.arch.token == "sm80" and i.point.traits.dtype.token == "bf16"
+                   for i in catalog.instances)
+
+
+def test_a_shared_rule_names_its_operations_with_op(build):
+    rule = ("rules:\n  - {when: {op: [fwd, kvcache], mask: causal}, reason: no causal}\n"
+            "operations:\n")
+    config, catalog = build(BWD_OPERATION, KVCACHE_OPERATION, ("operations:\n", rule))
+    assert [len(op.rules) for op in config.operations.values()] == [1, 0, 2]
+    assert {(i.op.token, i.point.traits.mask.token) for i in catalog.instances} == {
+        ("fwd", "none"), ("bwd", "none"), ("bwd", "causal"), ("kvcache", "none")}
+
+
+KVCACHE_MISTAKES = {
+    "kvcache axis in the top matrix": (
+        (("  mode: [batch]", "  mode: [batch]\n  paged: [false]"),), "  paged: [false]",
+        "matrix: paged is an axis of kvcache only; give it under operations.kvcache.matrix"),
+    "shared rule on a kvcache axis": (
+        (("operations:\n", "rules:\n  - {when: {paged: true}, reason: r}\noperations:\n"),),
+        "paged: true", "rules[0].when: paged is an axis of kvcache only; give this rule under "
+                       "operations.kvcache.rules"),
+    "unknown operation in a shared rule": (
+        (("operations:\n", "rules:\n  - {when: {op: decode}, reason: r}\noperations:\n"),),
+        "op: decode", "rules[0].when.op: unknown value 'decode'; valid: fwd, bwd, kvcache"),
+    "op in an operation's own rule": (
+        (("{when: {pad_seqlen: false}", "{when: {op: kvcache}"),),
+        "op: kvcache", "operations.kvcache.rules[0].when: unknown key 'op'; valid: dtype, hdim"),
+    "a rule on an axis kvcache lacks": (
+        (("{when: {pad_seqlen: false}", "{when: {mode: group}"),),
+        "mode: group", "operations.kvcache.rules[0].when: unknown key 'mode'; valid: dtype, "
+                       "hdim, hdim_q, hdim_v, mask, bias, paged, softcap, pipeline, arch, "
+                       "pad_seqlen, pad_hdim"),
+    "a shared rule for an operation the config lacks": (
+        (("operations:\n", "rules:\n  - {when: {op: bwd, mask: causal}, reason: r}\n"
+                           "operations:\n"),),
+        "op: bwd", "rules[0]: this rule matches no point of the matrix of any operation"),
+}
+
+
+@pytest.mark.parametrize("name", KVCACHE_MISTAKES)
+def test_kvcache_mistake_is_reported_at_its_line(name, config_error, line_of):
+    replacements, marker, message = KVCACHE_MISTAKES[name]
+    error, text = config_error(KVCACHE_OPERATION, *replacements)
+    assert error.line == line_of(text, marker), str(error)
+    assert message in error.message, str(error)
+
+
+def test_a_kvcache_instance_that_serves_nothing_is_an_error(config_error):
+    # Unpadded kvcache instances would need lengths known on the host: the rule prunes them.
+    error, text = config_error(KVCACHE_OPERATION, (
+        "rules:\n  - {when: {pad_seqlen: false}, reason: the cache lengths live on the device}",
+        "rules: []"))
+    assert error.line == text[:text.rindex("    rules: []")].count("\n") + 1  # kvcache's
+    assert error.message.startswith(
+        "operations.kvcache.rules: kvcache_bf16_d128_causal_fa2_sm90a_m16n128 serves no problem, "
+        "so the dispatcher can never run it (seqlen: needs batch mode, no seqused,")

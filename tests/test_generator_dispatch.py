@@ -16,7 +16,7 @@ from generator.dispatch import (PREFERENCE, REQUIREMENTS, Problem, check_dispatc
                                 deciding_criterion, dispatch_order, first_serving, requirements,
                                 serves, unmet)
 from generator.errors import ConfigError, GeneratorError
-from generator.model import BwdTraits, FwdTraits, Tile
+from generator.model import BwdTraits, FwdTraits, KvcacheTraits, Tile
 from generator.schema import BIAS, DTYPE, MASK, MODE, PIPELINE, VLAYOUT
 
 
@@ -250,8 +250,9 @@ def test_instance_that_serves_nothing_is_an_error(build, make_config, line_of):
     assert caught.value.line == line_of(make_config().read_text(), "rules:")
     assert caught.value.message == (
         "operations.fwd.rules: fwd_bf16_d64_causal_group_fa2_sm90a_m128n64 serves no problem, so "
-        "the dispatcher can never run it (seqlen: needs batch mode, no seqused, and seqlen_q and seqlen_k "
-        "multiples of block_m and block_n when pad_seqlen=false); prune it with a rule")
+        "the dispatcher can never run it (seqlen: needs batch mode, no seqused, and seqlen_q and "
+        "seqlen_k multiples of block_m and block_n when pad_seqlen=false (kvcache's cache lengths "
+        "live on the device: never)); prune it with a rule")
 
 
 def test_padding_siblings_are_not_shadowed(make_instance):
@@ -401,3 +402,88 @@ def test_repository_bwd_matrix_serves_every_call_on_its_newest_arch(dtype, mask,
     assert chosen.point.pipeline.token == ("fa3" if cc == 90 and fa3_traits else "fa2")
     position = DEFAULT_CATALOG.instances.index(chosen)
     assert not any(serves(i, call) for i in DEFAULT_CATALOG.instances[:position])
+
+
+# -- the kvcache operation ---------------------------------------------------------------------
+
+def kvcache_problem(dtype="fp16", hdim=(64, 64), mask="none", bias="none", paged=False,
+                    softcap=False, seqlen=(1, 4096), cc=80) -> Problem:
+    traits = KvcacheTraits(DTYPE.get(dtype), *hdim, MASK.get(mask), BIAS.get(bias), paged,
+                           softcap)
+    return Problem(traits, *seqlen, seqused=False, cc=cc)
+
+
+@pytest.mark.parametrize("trait, value", [
+    ("dtype", "bf16"), ("mask", "causal"), ("bias", "alibi"), ("paged", True), ("softcap", True),
+])
+def test_kvcache_traits_must_be_equal(make_kvcache_instance, trait, value):
+    instance = make_kvcache_instance()
+    assert serves(instance, kvcache_problem())
+    assert not serves(instance, kvcache_problem(**{trait: value}))
+    assert serves(make_kvcache_instance(**{trait: value}), kvcache_problem(**{trait: value}))
+
+
+def test_kvcache_runs_exact_head_dims_at_every_length(make_kvcache_instance):
+    instance = make_kvcache_instance(hdim=(128, 128))
+    for seqlen in ((1, 1), (1, 100000), (16, 64), (7, 1000)):
+        assert serves(instance, kvcache_problem(hdim=(128, 128), seqlen=seqlen))
+    assert not serves(instance, kvcache_problem(hdim=(120, 120)))
+
+
+def test_an_unpadded_kvcache_instance_serves_nothing(make_kvcache_instance):
+    # Its cache lengths live on the device: whole tiles are never known on the host.
+    unpadded = make_kvcache_instance(pad_seqlen=False)
+    assert not serves(unpadded, kvcache_problem(seqlen=(16, 64)))
+    assert [r.name for r in unmet(unpadded, kvcache_problem(seqlen=(16, 64)))] == ["seqlen"]
+    with pytest.raises(GeneratorError, match=f"{unpadded.name} serves no problem"):
+        check_dispatchable(dispatch_order([unpadded]))
+
+
+def test_kvcache_and_the_other_operations_never_serve_each_others_problems(
+        make_instance, make_kvcache_instance):
+    fwd, kvcache = make_instance(pad_seqlen=True), make_kvcache_instance()
+    assert not serves(fwd, kvcache_problem()) and not serves(kvcache, problem())
+    assert [r.name for r in unmet(kvcache, problem())] == ["op"]
+    names = [r.name for r in requirements(kvcache)]
+    assert "paged" in names and not {"lse", "vlayout", "mode", "dbias", "dropout"} & set(names)
+    assert "paged" not in [r.name for r in requirements(fwd)]
+
+
+def test_dispatch_order_puts_kvcache_last(make_instance, make_bwd_instance,
+                                          make_kvcache_instance):
+    instances = [make_kvcache_instance(arch="sm90a"), make_bwd_instance(), make_instance(),
+                 make_kvcache_instance(paged=True)]
+    assert [i.name for i in dispatch_order(instances)] == [
+        "fwd_fp16_d64_fa2_sm80_m128n64", "bwd_fp16_d64_fa2_sm80_m64n128",
+        "kvcache_fp16_d64_fa2_sm90a_m16n64_pad", "kvcache_fp16_d64_paged_fa2_sm80_m16n64_pad"]
+    check_dispatchable(dispatch_order(instances))
+
+
+def test_kvcache_shadowed_instance_is_an_error(make_kvcache_instance):
+    big = make_kvcache_instance(tile=Tile(16, 128, 4, 2))
+    small = make_kvcache_instance()
+    with pytest.raises(GeneratorError, match=f"{small.name} is shadowed by {big.name}: .*"
+                                             f"e.g. op=kvcache,dtype=fp16,hdim=64x64,"):
+        check_dispatchable(dispatch_order([big, small]))
+
+
+KVCACHE_HDIMS = {(d, d) for d in (32, 64, 96, 128, 192, 256)}
+
+
+@settings(max_examples=100, deadline=None)
+@given(dtype=st.sampled_from(DTYPE.tokens), mask=st.sampled_from(MASK.tokens),
+       bias=st.sampled_from(BIAS.tokens), flags=st.tuples(st.booleans(), st.booleans()),
+       hdim=st.sampled_from(sorted(KVCACHE_HDIMS | {(192, 128), (80, 80), (120, 120)})),
+       seqlen=st.tuples(st.integers(1, 64), st.integers(1, 1 << 20)),
+       cc=st.sampled_from([75, 80, 86, 89, 90, 100]))
+def test_repository_kvcache_matrix_serves_every_call_on_its_newest_arch(dtype, mask, bias, flags,
+                                                                         hdim, seqlen, cc):
+    call = kvcache_problem(dtype, hdim, mask, bias, *flags, seqlen=seqlen, cc=cc)
+    chosen = first_serving(DEFAULT_CATALOG.instances, call)
+    # Every call of the traits the rules keep (no elementwise bias; equal head dims of the
+    # matrix) runs, on cc 8.0 and newer, whatever its lengths: fa2, natively built on H100/H200.
+    if cc < 80 or bias == "elementwise" or hdim not in KVCACHE_HDIMS:
+        assert chosen is None
+        return
+    assert chosen is not None and chosen.op.token == "kvcache"
+    assert (chosen.point.pipeline.token, chosen.point.arch.cc) == ("fa2", 90 if cc == 90 else 80)

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import BASE_CONFIG, BWD_OPERATION
+from conftest import BASE_CONFIG, BWD_OPERATION, KVCACHE_OPERATION
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,10 +33,15 @@ CONFIG = "config.yaml"
 BOTH_CONFIG = BASE_CONFIG.replace(BWD_OPERATION[0], BWD_OPERATION[1]).replace(
     "operations:\n", "rules:\n  - when: {arch: sm80, pad_seqlen: true, dtype: bf16}\n"
                      "    reason: shared\noperations:\n")
+# With kvcache too, and a shared rule that names its operations.
+EVERY_CONFIG = BOTH_CONFIG.replace(KVCACHE_OPERATION[0], KVCACHE_OPERATION[1]).replace(
+    "operations:\n", "  - when: {op: [fwd, bwd], mask: causal, pad_seqlen: true}\n"
+                     "    reason: by operation\noperations:\n")
 OUT = "gen"
 
 # Keys of every level of the file, so that a replaced key is often a valid one in a wrong place.
-KEYS = ["matrix", "operations", "fwd", "bwd", "tiles", "rules", "presets", *MATRIX_AXES,
+KEYS = ["matrix", "operations", "fwd", "bwd", "kvcache", "op", "tiles", "rules", "presets",
+        *MATRIX_AXES,
         "hdim_q", "hdim_v", "block_m", "block_n", "warps", "stages", "why", "arch", "when", "not",
         "reason", "filter", "default", "minimal", "<<"]
 
@@ -58,7 +63,7 @@ FILTERS = [
     "hdim²", "hdim" + "9" * 5000, "hdim_q=²", "hdim_q=" + "9" * 5000, "hdim_q=0", "hdim0",
     "*[z-a]*", "fp16|", "!", "mask=", "=", ",", "fp16,,bf16", "!lse|*", "hdim=6x",
     "sm90a,sm80", "lse=yes", "pad_hdim=true,nopad", "bwd,lse", "op=", "op=decode", "fwd|bwd",
-    "!fwd,!bwd", "dbias,vlayout=col",
+    "!fwd,!bwd", "dbias,vlayout=col", "kvcache,mode=batch", "paged,fwd", "op=kvcache,!paged",
 ]
 TOKENS = sorted({token for axis in ENUM_AXES.values() for token in axis.tokens}
                 | {"32", "64", "128", "256", "1", "2", "4", "8", "16"})
@@ -227,6 +232,11 @@ def both_render(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def every_render(tmp_path_factory) -> Path:
+    return good_render(tmp_path_factory, EVERY_CONFIG)
+
+
+@pytest.fixture(scope="module")
 def repository_render(tmp_path_factory) -> Path:
     return good_render(tmp_path_factory, DEFAULT_CONFIG.read_text())
 
@@ -243,7 +253,13 @@ def test_broken_config_with_both_operations(both_render, data):
     check_run(both_render, data)
 
 
-# The repository's matrix takes about a second a run (14160 instances): a few examples.
+@settings(max_examples=100, derandomize=True, deadline=None, database=None)
+@given(data=broken(EVERY_CONFIG))
+def test_broken_config_with_every_operation(every_render, data):
+    check_run(every_render, data)
+
+
+# The repository's matrix takes about a second a run (14736 instances): a few examples.
 @settings(max_examples=10, derandomize=True, deadline=None, database=None)
 @given(data=broken(DEFAULT_CONFIG.read_text()))
 def test_broken_repository_config(repository_render, data):

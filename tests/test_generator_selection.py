@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import BWD_OPERATION, KVCACHE_OPERATION
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -213,23 +214,30 @@ def test_repository_presets_parse_and_select():
     config = load(DEFAULT_CONFIG)
     counts = {name: tuple(sum(i.op.token == op for i in select(config, DEFAULT_CATALOG,
                                                                 name).instances)
-                          for op in ("fwd", "bwd"))
+                          for op in ("fwd", "bwd", "kvcache"))
               for name in config.presets}
-    assert counts == {"default": (56, 56), "extended": (276, 276), "minimal": (4, 4),
-                      "flash_attn": (2040, 2040), "pytorch": (448, 672),
-                      "coverage": (592, 392), "all": (10104, 4056)}
+    assert counts == {"default": (56, 56, 0), "extended": (276, 276, 144),
+                      "minimal": (4, 4, 4), "flash_attn": (2040, 2040, 576),
+                      "pytorch": (448, 672, 0), "coverage": (592, 392, 208),
+                      "all": (10104, 4056, 576)}
 
 
 def test_minimal_preset_builds_each_pipeline_and_padding_path():
-    # CI's smoke build compiles one TU of each, for either operation: fa2 unpadded and padded
-    # for sm80, and for sm90a fa3 (padded, its only variant) and fa2's head-dim-padded fallback.
+    # CI's smoke build compiles one TU of each, for the forward and the backward pass: fa2
+    # unpadded and padded for sm80, and for sm90a fa3 (padded, its only variant) and fa2's
+    # head-dim-padded fallback; for kvcache, its one variant (padded sequence lengths, exact
+    # head dims) with a contiguous and a paged cache, for each arch.
     instances = select(load(DEFAULT_CONFIG), DEFAULT_CATALOG, "minimal").instances
     assert [(i.op.token, i.point.pipeline.token, i.point.arch.token, i.point.pad_seqlen,
-             i.point.pad_hdim) for i in instances] == [
-        ("fwd", "fa3", "sm90a", True, False), ("fwd", "fa2", "sm90a", True, True),
-        ("fwd", "fa2", "sm80", False, False), ("fwd", "fa2", "sm80", True, True),
-        ("bwd", "fa3", "sm90a", True, False), ("bwd", "fa2", "sm90a", True, True),
-        ("bwd", "fa2", "sm80", False, False), ("bwd", "fa2", "sm80", True, True)]
+             i.point.pad_hdim, i.point.traits.flag("paged")) for i in instances] == [
+        ("fwd", "fa3", "sm90a", True, False, False), ("fwd", "fa2", "sm90a", True, True, False),
+        ("fwd", "fa2", "sm80", False, False, False), ("fwd", "fa2", "sm80", True, True, False),
+        ("bwd", "fa3", "sm90a", True, False, False), ("bwd", "fa2", "sm90a", True, True, False),
+        ("bwd", "fa2", "sm80", False, False, False), ("bwd", "fa2", "sm80", True, True, False),
+        ("kvcache", "fa2", "sm90a", True, False, False),
+        ("kvcache", "fa2", "sm90a", True, False, True),
+        ("kvcache", "fa2", "sm80", True, False, False),
+        ("kvcache", "fa2", "sm80", True, False, True)]
 
 
 def test_coverage_preset_has_every_value_of_every_axis_of_each_operation():
@@ -237,8 +245,9 @@ def test_coverage_preset_has_every_value_of_every_axis_of_each_operation():
     instances = select(config, DEFAULT_CATALOG, "coverage").instances
     for token, op_config in config.operations.items():
         mine = [i for i in instances if i.op.token == token]
+        built = DEFAULT_CATALOG.of(op_config.op.kind)  # the values the rules keep
         for axis in op_config.op.matrix_axes:
-            assert {i.value(axis) for i in mine} == set(op_config.matrix[axis]), (token, axis)
+            assert {i.value(axis) for i in mine} == {i.value(axis) for i in built}, (token, axis)
         # The backward's traits together: bias gradients in group mode, dropout with windows.
         if token == "bwd":
             assert {(i.point.traits.dbias, i.point.traits.mode.token) for i in mine} == {
@@ -389,4 +398,31 @@ def test_shards_are_a_balanced_partition_in_dispatch_order(count):
 
 def test_more_shards_than_instances_leaves_some_empty():
     instances = select(load(DEFAULT_CONFIG), DEFAULT_CATALOG, "minimal").instances
-    assert [len(Shard(index, 10).take(instances)) for index in range(1, 11)] == [1] * 8 + [0, 0]
+    assert [len(Shard(index, 14).take(instances)) for index in range(1, 15)] == [1] * 12 + [0, 0]
+
+
+# -- the kvcache operation ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("filter_text, count", [
+    ("kvcache", 32),
+    ("op=kvcache", 32),
+    ("kvcache,paged", 16),
+    ("paged", 16),  # an axis of kvcache only
+    ("paged=false", 16),
+    ("!paged", 64 + 16),  # fwd and bwd instances have no paged trait: its negation holds
+    ("kvcache,!paged,hdim128,causal", 4),
+    ("mode=batch", 64),  # kvcache has no mode
+    ("!dropout,kvcache", 32),
+    ("fwd|kvcache,sm80", 32),
+])
+def test_filters_on_kvcache(build, filter_text, count):
+    config, catalog = build(BWD_OPERATION, KVCACHE_OPERATION)
+    selection = select(config, catalog, "default", filter_text).instances
+    assert len(selection) == count, [i.name for i in selection]
+
+
+def test_kvcache_instances_take_a_share_of_each_shard(build):
+    _, catalog = build(BWD_OPERATION, KVCACHE_OPERATION)
+    kvcache = {i.name for i in catalog.instances if i.op.token == "kvcache"}
+    parts = [{i.name for i in Shard(index, 4).take(catalog.instances)} for index in range(1, 5)]
+    assert [len(part & kvcache) for part in parts] == [8, 8, 8, 8]

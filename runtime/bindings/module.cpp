@@ -1,6 +1,7 @@
 // fmha._C: the C++ API for Python. It takes plain integers (pointers, shapes, strides, the
 // stream handle), not torch tensors, so it builds against no torch C++ headers; the Python
-// package turns tensors into an FwdArgs (a BwdArgs for the backward) after checking them.
+// package turns tensors into an FwdArgs (a BwdArgs for the backward, a KvcacheArgs for
+// KV-cache attention) after checking them.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -18,6 +19,7 @@ namespace {
 
 using Args = py::class_<fmha::FwdArgs>;
 using BwdArgsClass = py::class_<fmha::BwdArgs>;
+using KvcacheArgsClass = py::class_<fmha::KvcacheArgs>;
 
 // A pointer field as an integer property: a tensor's data_ptr(), 0 for none.
 template <typename Struct, typename Ptr>
@@ -36,6 +38,19 @@ void enum_property(py::class_<Struct>& cls, const char* name, Enum Struct::*fiel
       [field](Struct& a, int value) { a.*field = static_cast<Enum>(value); });
 }
 
+// What every operation's instance info has after its traits: how and for which GPU it is built.
+template <class Info>
+void add_build_fields(py::dict& d, const Info& i) {
+  d["pipeline"] = i.pipeline;
+  d["arch"] = i.arch;
+  d["arch_cc"] = i.arch_cc;
+  d["arch_exact"] = i.arch_exact;
+  d["block_m"] = i.block_m;
+  d["block_n"] = i.block_n;
+  d["pad_seqlen"] = i.pad_seqlen;
+  d["pad_hdim"] = i.pad_hdim;
+}
+
 py::dict info_dict(const fmha::InstanceInfo& i) {
   py::dict d;
   d["name"] = i.name;
@@ -49,14 +64,7 @@ py::dict info_dict(const fmha::InstanceInfo& i) {
   d["lse"] = i.traits.lse;
   d["dropout"] = i.traits.dropout;
   d["softcap"] = i.traits.softcap;
-  d["pipeline"] = i.pipeline;
-  d["arch"] = i.arch;
-  d["arch_cc"] = i.arch_cc;
-  d["arch_exact"] = i.arch_exact;
-  d["block_m"] = i.block_m;
-  d["block_n"] = i.block_n;
-  d["pad_seqlen"] = i.pad_seqlen;
-  d["pad_hdim"] = i.pad_hdim;
+  add_build_fields(d, i);
   return d;
 }
 
@@ -91,14 +99,7 @@ py::dict bwd_info_dict(const fmha::BwdInstanceInfo& i) {
   d["dbias"] = i.traits.dbias;
   d["dropout"] = i.traits.dropout;
   d["softcap"] = i.traits.softcap;
-  d["pipeline"] = i.pipeline;
-  d["arch"] = i.arch;
-  d["arch_cc"] = i.arch_cc;
-  d["arch_exact"] = i.arch_exact;
-  d["block_m"] = i.block_m;
-  d["block_n"] = i.block_n;
-  d["pad_seqlen"] = i.pad_seqlen;
-  d["pad_hdim"] = i.pad_hdim;
+  add_build_fields(d, i);
   return d;
 }
 
@@ -117,7 +118,44 @@ py::dict bwd_traits_dict(const fmha::BwdTraits& t) {
   return d;
 }
 
+// A KV-cache instance: InstanceInfo's keys, with KV-cache attention's traits (paged; no
+// vlayout, mode, lse or dropout).
+py::dict kvcache_info_dict(const fmha::KvcacheInstanceInfo& i) {
+  py::dict d;
+  d["name"] = i.name;
+  d["dtype"] = fmha::to_string(i.traits.dtype);
+  d["hdim_q"] = i.traits.hdim_q;
+  d["hdim_v"] = i.traits.hdim_v;
+  d["mask"] = fmha::to_string(i.traits.mask);
+  d["bias"] = fmha::to_string(i.traits.bias);
+  d["paged"] = i.traits.paged;
+  d["softcap"] = i.traits.softcap;
+  add_build_fields(d, i);
+  return d;
+}
+
+// KvcacheArgs::traits() with enums as ints, as traits_dict.
+py::dict kvcache_traits_dict(const fmha::KvcacheTraits& t) {
+  py::dict d;
+  d["dtype"] = static_cast<int>(t.dtype);
+  d["hdim_q"] = t.hdim_q;
+  d["hdim_v"] = t.hdim_v;
+  d["mask"] = static_cast<int>(t.mask);
+  d["bias"] = static_cast<int>(t.bias);
+  d["paged"] = t.paged;
+  d["softcap"] = t.softcap;
+  return d;
+}
+
 int code(const fmha::Status& st) { return static_cast<int>(st.code); }
+
+// explain() of any operation's args: (status code, message, text).
+template <class Args>
+std::tuple<int, std::string, std::string> explain_args(const Args& args) {
+  std::string text;
+  const fmha::Status st = fmha::explain(args, &text);
+  return {code(st), st.message, text};
+}
 
 // (status code, message, instance name): the Python side maps codes to exception types.
 std::tuple<int, std::string, std::string> fwd(const fmha::FwdArgs& args, uintptr_t stream,
@@ -190,12 +228,6 @@ std::tuple<int, std::string, py::object> select_instance(const fmha::FwdArgs& ar
   const fmha::Status st = fmha::select(args, &info);
   py::object chosen = st.ok() ? py::object(info_dict(info)) : py::none();
   return {code(st), st.message, chosen};
-}
-
-std::tuple<int, std::string, std::string> explain(const fmha::FwdArgs& args) {
-  std::string text;
-  const fmha::Status st = fmha::explain(args, &text);
-  return {code(st), st.message, text};
 }
 
 std::tuple<int, std::string> dropout_mask(uint64_t seed, uint32_t offset, float dropout_p,
@@ -306,10 +338,152 @@ std::tuple<int, std::string, py::object> select_bwd(const fmha::BwdArgs& args) {
   return {code(st), st.message, chosen};
 }
 
-std::tuple<int, std::string, std::string> explain_bwd(const fmha::BwdArgs& args) {
-  std::string text;
-  const fmha::Status st = fmha::explain(args, &text);
-  return {code(st), st.message, text};
+// KV-cache attention's fwd(): (status code, message, instance name).
+std::tuple<int, std::string, std::string> fwd_kvcache(const fmha::KvcacheArgs& args,
+                                                      uintptr_t stream,
+                                                      std::optional<std::string> instance) {
+  std::string chosen;
+  fmha::Status st;
+  {
+    py::gil_scoped_release release;
+    const auto s = reinterpret_cast<fmha::Stream>(stream);
+    if (instance) {
+      st = fmha::fwd_kvcache_instance(*instance, args, s);
+      if (st.ok()) chosen = *instance;
+    } else {
+      st = fmha::fwd_kvcache(args, s, &chosen);
+    }
+  }
+  return {code(st), st.message, chosen};
+}
+
+// (status code, message, bytes): the workspace fwd_kvcache() needs for args on the current
+// device (pointers are not read, but a non-null one says the call has that operand).
+std::tuple<int, std::string, size_t> kvcache_workspace_size(const fmha::KvcacheArgs& args) {
+  size_t bytes = 0;
+  const fmha::Status st = fmha::kvcache_workspace_size(args, &bytes);
+  return {code(st), st.message, bytes};
+}
+
+// A planned KV-cache call (fmha/_kvcache.py), as run_planned is for the forward: `plan` holds a
+// checked call's shapes, strides, options and workspace size; this call brings its pointers (0
+// for none) and stream, and the instance when one is named. A decode step's GPU work takes
+// microseconds, so its host cost is one crossing into C++. Runs on the current device; returns
+// None, or (status code, message) when nothing was launched.
+py::object run_kvcache_planned(const fmha::KvcacheArgs& plan, uintptr_t q, uintptr_t k_cache,
+                               uintptr_t v_cache, uintptr_t k_new, uintptr_t v_new, uintptr_t o,
+                               uintptr_t lse, uintptr_t cache_seqlens, uintptr_t cache_batch_idx,
+                               uintptr_t block_table, uintptr_t rotary_cos, uintptr_t rotary_sin,
+                               uintptr_t alibi_slopes, uintptr_t workspace, uintptr_t stream,
+                               std::optional<std::string> instance) {
+  fmha::KvcacheArgs args = plan;
+  args.q = reinterpret_cast<const void*>(q);
+  args.k_cache = reinterpret_cast<void*>(k_cache);
+  args.v_cache = reinterpret_cast<void*>(v_cache);
+  args.k_new = reinterpret_cast<const void*>(k_new);
+  args.v_new = reinterpret_cast<const void*>(v_new);
+  args.o = reinterpret_cast<void*>(o);
+  args.lse = reinterpret_cast<float*>(lse);
+  args.cache_seqlens = reinterpret_cast<const int32_t*>(cache_seqlens);
+  args.cache_batch_idx = reinterpret_cast<const int32_t*>(cache_batch_idx);
+  args.block_table = reinterpret_cast<const int32_t*>(block_table);
+  args.rotary_cos = reinterpret_cast<const void*>(rotary_cos);
+  args.rotary_sin = reinterpret_cast<const void*>(rotary_sin);
+  args.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
+  args.workspace = reinterpret_cast<void*>(workspace);
+  fmha::Status st;
+  {
+    py::gil_scoped_release release;  // a launch blocks while the GPU's queue is full
+    const auto s = reinterpret_cast<fmha::Stream>(stream);
+    st = instance ? fmha::fwd_kvcache_instance(*instance, args, s) : fmha::fwd_kvcache(args, s);
+  }
+  if (st.ok()) return py::none();
+  return py::make_tuple(code(st), st.message);
+}
+
+std::tuple<int, std::string, py::object> select_kvcache(const fmha::KvcacheArgs& args) {
+  fmha::KvcacheInstanceInfo info;
+  const fmha::Status st = fmha::select(args, &info);
+  py::object chosen = st.ok() ? py::object(kvcache_info_dict(info)) : py::none();
+  return {code(st), st.message, chosen};
+}
+
+void bind_kvcache_args(py::module_& m) {
+  KvcacheArgsClass cls(
+      m, "KvcacheArgs",
+      "fmha::KvcacheArgs: one KV-cache attention call. Pointers are integers (data_ptr(), 0 for "
+      "none), enums are ints (the module's DTYPE_*, MASK_*, BIAS_* constants), strides are in "
+      "elements.");
+  cls.def(py::init<>());
+  enum_property(cls, "dtype", &fmha::KvcacheArgs::dtype);
+  pointer_property(cls, "q", &fmha::KvcacheArgs::q);
+  pointer_property(cls, "k_cache", &fmha::KvcacheArgs::k_cache);
+  pointer_property(cls, "v_cache", &fmha::KvcacheArgs::v_cache);
+  pointer_property(cls, "k_new", &fmha::KvcacheArgs::k_new);
+  pointer_property(cls, "v_new", &fmha::KvcacheArgs::v_new);
+  pointer_property(cls, "o", &fmha::KvcacheArgs::o);
+  pointer_property(cls, "lse", &fmha::KvcacheArgs::lse);
+  cls.def_readwrite("batch", &fmha::KvcacheArgs::batch)
+      .def_readwrite("seqlen_q", &fmha::KvcacheArgs::seqlen_q)
+      .def_readwrite("seqlen_new", &fmha::KvcacheArgs::seqlen_new)
+      .def_readwrite("seqlen_cache", &fmha::KvcacheArgs::seqlen_cache)
+      .def_readwrite("batch_cache", &fmha::KvcacheArgs::batch_cache)
+      .def_readwrite("nhead_q", &fmha::KvcacheArgs::nhead_q)
+      .def_readwrite("nhead_k", &fmha::KvcacheArgs::nhead_k)
+      .def_readwrite("hdim_q", &fmha::KvcacheArgs::hdim_q)
+      .def_readwrite("hdim_v", &fmha::KvcacheArgs::hdim_v)
+      .def_readwrite("q_batch_stride", &fmha::KvcacheArgs::q_batch_stride)
+      .def_readwrite("q_seq_stride", &fmha::KvcacheArgs::q_seq_stride)
+      .def_readwrite("q_head_stride", &fmha::KvcacheArgs::q_head_stride)
+      .def_readwrite("k_cache_batch_stride", &fmha::KvcacheArgs::k_cache_batch_stride)
+      .def_readwrite("k_cache_seq_stride", &fmha::KvcacheArgs::k_cache_seq_stride)
+      .def_readwrite("k_cache_head_stride", &fmha::KvcacheArgs::k_cache_head_stride)
+      .def_readwrite("v_cache_batch_stride", &fmha::KvcacheArgs::v_cache_batch_stride)
+      .def_readwrite("v_cache_seq_stride", &fmha::KvcacheArgs::v_cache_seq_stride)
+      .def_readwrite("v_cache_head_stride", &fmha::KvcacheArgs::v_cache_head_stride)
+      .def_readwrite("k_new_batch_stride", &fmha::KvcacheArgs::k_new_batch_stride)
+      .def_readwrite("k_new_seq_stride", &fmha::KvcacheArgs::k_new_seq_stride)
+      .def_readwrite("k_new_head_stride", &fmha::KvcacheArgs::k_new_head_stride)
+      .def_readwrite("v_new_batch_stride", &fmha::KvcacheArgs::v_new_batch_stride)
+      .def_readwrite("v_new_seq_stride", &fmha::KvcacheArgs::v_new_seq_stride)
+      .def_readwrite("v_new_head_stride", &fmha::KvcacheArgs::v_new_head_stride)
+      .def_readwrite("o_batch_stride", &fmha::KvcacheArgs::o_batch_stride)
+      .def_readwrite("o_seq_stride", &fmha::KvcacheArgs::o_seq_stride)
+      .def_readwrite("o_head_stride", &fmha::KvcacheArgs::o_head_stride)
+      .def_readwrite("lse_batch_stride", &fmha::KvcacheArgs::lse_batch_stride)
+      .def_readwrite("lse_head_stride", &fmha::KvcacheArgs::lse_head_stride);
+  pointer_property(cls, "cache_seqlens", &fmha::KvcacheArgs::cache_seqlens);
+  pointer_property(cls, "cache_batch_idx", &fmha::KvcacheArgs::cache_batch_idx);
+  pointer_property(cls, "block_table", &fmha::KvcacheArgs::block_table);
+  cls.def_readwrite("block_table_batch_stride", &fmha::KvcacheArgs::block_table_batch_stride)
+      .def_readwrite("page_size", &fmha::KvcacheArgs::page_size);
+  pointer_property(cls, "rotary_cos", &fmha::KvcacheArgs::rotary_cos);
+  pointer_property(cls, "rotary_sin", &fmha::KvcacheArgs::rotary_sin);
+  cls.def_readwrite("rotary_dim", &fmha::KvcacheArgs::rotary_dim)
+      .def_readwrite("seqlen_rotary", &fmha::KvcacheArgs::seqlen_rotary)
+      .def_readwrite("rotary_interleaved", &fmha::KvcacheArgs::rotary_interleaved)
+      .def_readwrite("softmax_scale", &fmha::KvcacheArgs::softmax_scale);
+  enum_property(cls, "mask", &fmha::KvcacheArgs::mask);
+  cls.def_readwrite("window_left", &fmha::KvcacheArgs::window_left)
+      .def_readwrite("window_right", &fmha::KvcacheArgs::window_right);
+  enum_property(cls, "bias", &fmha::KvcacheArgs::bias);
+  pointer_property(cls, "alibi_slopes", &fmha::KvcacheArgs::alibi_slopes);
+  cls.def_readwrite("alibi_batch_stride", &fmha::KvcacheArgs::alibi_batch_stride)
+      .def_readwrite("softcap", &fmha::KvcacheArgs::softcap)
+      .def_readwrite("num_splits", &fmha::KvcacheArgs::num_splits);
+  pointer_property(cls, "workspace", &fmha::KvcacheArgs::workspace);
+  cls.def_readwrite("workspace_bytes", &fmha::KvcacheArgs::workspace_bytes);
+  cls.def(
+      "traits", [](const fmha::KvcacheArgs& a) { return kvcache_traits_dict(a.traits()); },
+      "KvcacheArgs::traits(): what a KV-cache instance must match, enums as ints.");
+  cls.def("run", &run_kvcache_planned, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+          py::arg("k_new"), py::arg("v_new"), py::arg("o"), py::arg("lse"),
+          py::arg("cache_seqlens"), py::arg("cache_batch_idx"), py::arg("block_table"),
+          py::arg("rotary_cos"), py::arg("rotary_sin"), py::arg("alibi_slopes"),
+          py::arg("workspace"), py::arg("stream"), py::arg("instance") = py::none(),
+          "Run these args with the pointers given (0 for none; the workspace of these args' "
+          "workspace_bytes) on the stream, through the dispatcher or the named KV-cache "
+          "instance; returns None, or (status code, message) when nothing was launched.");
 }
 
 void bind_bwd_args(py::module_& m) {
@@ -444,8 +618,8 @@ void bind_args(py::module_& m) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() =
-      "libfmha bindings: an FwdArgs (or BwdArgs) of pointers, shapes and strides in; see the "
-      "fmha package";
+      "libfmha bindings: an FwdArgs (or BwdArgs, KvcacheArgs) of pointers, shapes and strides "
+      "in; see the fmha package";
 
   m.attr("STATUS_OK") = static_cast<int>(fmha::Status::Code::kOk);
   m.attr("STATUS_INVALID_ARGUMENT") = static_cast<int>(fmha::Status::Code::kInvalidArgument);
@@ -473,7 +647,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("select", &select_instance, py::arg("args"),
         "The instance fwd would run on the current device; returns (code, message, info dict "
         "or None).");
-  m.def("explain", &explain, py::arg("args"),
+  m.def("explain", &explain_args<fmha::FwdArgs>, py::arg("args"),
         "Why select chooses what it chooses, or what would build an instance on a miss; "
         "returns (code, message, text).");
   m.def("dropout_mask", &dropout_mask, py::arg("seed"), py::arg("offset"), py::arg("dropout_p"),
@@ -499,7 +673,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("select_bwd", &select_bwd, py::arg("args"),
         "The backward instance bwd would run on the current device; returns (code, message, "
         "info dict or None).");
-  m.def("explain_bwd", &explain_bwd, py::arg("args"),
+  m.def("explain_bwd", &explain_args<fmha::BwdArgs>, py::arg("args"),
         "Why select_bwd chooses what it chooses, or what would build an instance on a miss; "
         "returns (code, message, text).");
   m.def("bwd_instances", [] {
@@ -507,4 +681,25 @@ PYBIND11_MODULE(_C, m) {
     for (const auto& i : fmha::bwd_instances()) out.append(bwd_info_dict(i));
     return out;
   }, "Every compiled backward instance, in the dispatcher's order of preference.");
+
+  bind_kvcache_args(m);
+  m.def("fwd_kvcache", &fwd_kvcache, py::arg("args"), py::arg("stream"),
+        py::arg("instance") = py::none(),
+        "Run KV-cache attention on the stream (a cudaStream_t as an int), with the "
+        "dispatcher's KV-cache instance or the one named; returns (status code, message, "
+        "instance name).");
+  m.def("kvcache_workspace_size", &kvcache_workspace_size, py::arg("args"),
+        "The workspace fwd_kvcache needs for args on the current device (pointers are not read; "
+        "a non-zero one says the call has that operand); returns (code, message, bytes).");
+  m.def("select_kvcache", &select_kvcache, py::arg("args"),
+        "The KV-cache instance fwd_kvcache would run on the current device; returns (code, "
+        "message, info dict or None).");
+  m.def("explain_kvcache", &explain_args<fmha::KvcacheArgs>, py::arg("args"),
+        "Why select_kvcache chooses what it chooses, or what would build an instance on a miss; "
+        "returns (code, message, text).");
+  m.def("kvcache_instances", [] {
+    py::list out;
+    for (const auto& i : fmha::kvcache_instances()) out.append(kvcache_info_dict(i));
+    return out;
+  }, "Every compiled KV-cache instance, in the dispatcher's order of preference.");
 }

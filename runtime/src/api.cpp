@@ -1,5 +1,5 @@
-// The public entry points of both operations: argument checks, then the dispatcher, then the
-// instance's launch.
+// The public entry points of every operation (fwd, bwd, kvcache): argument checks, then the
+// dispatcher, then the instance's launch.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -8,6 +8,7 @@
 #include <initializer_list>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dispatcher.h"
@@ -31,9 +32,30 @@ constexpr int64_t kMaxSeqlenSum = int64_t{1} << 30;
 // No kernel comes near it; the bound keeps the dispatcher's head-dim arithmetic (distances
 // between head dims, rounding up for a suggestion) far from int overflow.
 constexpr int kMaxHeadDim = 1 << 16;
+// The scratch the kernels share is handed over by the caller: cudaMalloc per call would cost
+// more host time than the whole launch.
+constexpr uintptr_t kWorkspaceAlignBytes = 256;
+
+constexpr char kFwdPrefix[] = "fmha::fwd: ";
 
 Status invalid(const std::string& message) {
-  return {Status::Code::kInvalidArgument, "fmha::fwd: " + message};
+  return {Status::Code::kInvalidArgument, kFwdPrefix + message};
+}
+
+// A failed status of the checks below, which speak as fmha::fwd, said by another entry point
+// ("fmha::bwd").
+Status said_by(const char* entry_point, Status st) {
+  const std::string fwd_prefix = kFwdPrefix;
+  if (!st.ok() && st.message.compare(0, fwd_prefix.size(), fwd_prefix) == 0) {
+    st.message = std::string(entry_point) + ": " + st.message.substr(fwd_prefix.size());
+  }
+  return st;
+}
+
+Status launch_failed(const char* entry_point, const char* instance, cudaError_t err) {
+  return {Status::Code::kCudaError, std::string(entry_point) + ": launching " + instance +
+                                        " failed: " + cudaGetErrorName(err) + ": " +
+                                        cudaGetErrorString(err)};
 }
 
 bool is_empty(const FwdArgs& a) { return a.batch == 0 || a.seqlen_q == 0 || a.nhead_q == 0; }
@@ -111,6 +133,90 @@ Status check_non_negative(std::initializer_list<Stride> strides) {
   return Status::Ok();
 }
 
+Status check_head_dims(int hdim_q, int hdim_v) {
+  if (hdim_q <= 0 || hdim_v <= 0) return invalid("hdim_q and hdim_v must be positive");
+  if (hdim_q > kMaxHeadDim || hdim_v > kMaxHeadDim) {
+    return invalid("hdim_q and hdim_v must be at most " + std::to_string(kMaxHeadDim));
+  }
+  return Status::Ok();
+}
+
+// MQA/GQA: every K/V head serves as many query heads. Both counts are non-negative here.
+Status check_heads(int nhead_q, int nhead_k) {
+  if (nhead_k > 0 && nhead_q % nhead_k == 0) return Status::Ok();
+  std::ostringstream s;
+  s << "nhead_q (" << nhead_q << ") must be a positive multiple of nhead_k (" << nhead_k << ")";
+  return invalid(s.str());
+}
+
+// Sequences and heads ride on gridDim.y and gridDim.z.
+Status check_grid_yz(int batch, int nhead_q) {
+  if (batch > kMaxGridYZ || nhead_q > kMaxGridYZ) {
+    return invalid("batch and nhead_q must be at most 65535");
+  }
+  return Status::Ok();
+}
+
+// The key arithmetic of the kernels is in int.
+Status check_seqlen_sum(int seqlen_q, const char* keys, int seqlen_k) {
+  if (static_cast<int64_t>(seqlen_q) + seqlen_k < kMaxSeqlenSum) return Status::Ok();
+  std::ostringstream s;
+  s << "seqlen_q + " << keys << " must be below 2^30, got " << seqlen_q << " + " << seqlen_k
+    << " (the kernels' key arithmetic is in int)";
+  return invalid(s.str());
+}
+
+Status check_softmax_scale(float softmax_scale) {
+  if (std::isfinite(softmax_scale) && softmax_scale > 0.f) return Status::Ok();
+  return invalid("softmax_scale must be finite and positive");
+}
+
+// MaskType::kWindow's sizes.
+Status check_window(int window_left, int window_right) {
+  if (window_left >= -1 && window_right >= -1) return Status::Ok();
+  std::ostringstream s;
+  s << "window_left and window_right must be -1 (unbounded) or non-negative, got ("
+    << window_left << ", " << window_right << ")";
+  return invalid(s.str());
+}
+
+Status check_softcap(float softcap) {
+  if (std::isfinite(softcap) && softcap >= 0.f) return Status::Ok();
+  return invalid("softcap must be finite and non-negative (0 turns soft-capping off)");
+}
+
+// ALiBi's slopes: fp32, one per head or per (batch, head).
+Status check_alibi_slopes(const float* slopes, int64_t batch_stride) {
+  if (slopes == nullptr) return invalid("BiasType::kAlibi needs alibi_slopes");
+  if (!aligned(slopes, alignof(float))) {
+    return invalid("alibi_slopes must be 4-byte aligned (fp32)");
+  }
+  return check_non_negative({{"alibi_batch_stride", batch_stride}});
+}
+
+// The optional log-sum-exp output: fp32, (batch, nhead_q, seqlen_q) through its strides.
+Status check_lse(const float* lse, int64_t batch_stride, int64_t head_stride) {
+  if (lse == nullptr) return Status::Ok();
+  if (!aligned(lse, alignof(float))) return invalid("lse must be 4-byte aligned (fp32)");
+  return check_non_negative({{"lse_batch_stride", batch_stride}, {"lse_head_stride", head_stride}});
+}
+
+// The caller's scratch for an instance that needs `needed` bytes, which `size_function` tells
+// the caller: present, large enough and 256-byte aligned.
+Status check_workspace(const void* workspace, size_t bytes, size_t needed,
+                       const char* size_function) {
+  if (needed == 0) return Status::Ok();
+  if (workspace == nullptr || bytes < needed) {
+    return invalid("the workspace holds " + std::to_string(bytes) + " bytes" +
+                   (workspace == nullptr ? " (a null pointer)" : "") + "; this call needs " +
+                   std::to_string(needed) + " (fmha::" + size_function + ")");
+  }
+  if (!aligned(workspace, kWorkspaceAlignBytes)) {
+    return invalid("the workspace must be 256-byte aligned");
+  }
+  return Status::Ok();
+}
+
 // A device int32 array: present when `needed`, and 4-byte aligned. Its values live on the
 // device, so they are the caller's contract (non-decreasing cu_seqlens from 0, seqused within
 // the lengths): reading them here would synchronize with the stream.
@@ -141,41 +247,21 @@ Status check_args(const FwdArgs& a, bool check_memory) {
   if (a.batch < 0 || a.seqlen_q < 0 || a.seqlen_k < 0 || a.nhead_q < 0 || a.nhead_k < 0) {
     return invalid("batch, seqlen_q, seqlen_k, nhead_q and nhead_k must be non-negative");
   }
-  if (a.hdim_q <= 0 || a.hdim_v <= 0) return invalid("hdim_q and hdim_v must be positive");
-  if (a.hdim_q > kMaxHeadDim || a.hdim_v > kMaxHeadDim) {
-    return invalid("hdim_q and hdim_v must be at most " + std::to_string(kMaxHeadDim));
-  }
-  if (static_cast<int64_t>(a.seqlen_q) + a.seqlen_k >= kMaxSeqlenSum) {
-    std::ostringstream s;
-    s << "seqlen_q + seqlen_k must be below 2^30, got " << a.seqlen_q << " + " << a.seqlen_k
-      << " (the kernels' key arithmetic is in int)";
-    return invalid(s.str());
-  }
-  if (a.nhead_k == 0 || a.nhead_q % a.nhead_k != 0) {
-    std::ostringstream s;
-    s << "nhead_q (" << a.nhead_q << ") must be a positive multiple of nhead_k (" << a.nhead_k
-      << ")";
-    return invalid(s.str());
-  }
-  if (a.batch > kMaxGridYZ || a.nhead_q > kMaxGridYZ) {
-    return invalid("batch and nhead_q must be at most 65535");
+  for (const Status& st :
+       {check_head_dims(a.hdim_q, a.hdim_v), check_seqlen_sum(a.seqlen_q, "seqlen_k", a.seqlen_k),
+        check_heads(a.nhead_q, a.nhead_k), check_grid_yz(a.batch, a.nhead_q)}) {
+    if (!st.ok()) return st;
   }
   // Before an instance is chosen, with the tile that launches the fewest CTAs: too many for it
   // is too many for every instance. run() and select() check the chosen one's.
   if (Status st = check_causal_grid(a, largest_block_m(), "the largest compiled"); !st.ok()) {
     return st;
   }
-  if (!(std::isfinite(a.softmax_scale) && a.softmax_scale > 0.f)) {
-    return invalid("softmax_scale must be finite and positive");
-  }
-  if (a.mask == MaskType::kWindow && (a.window_left < -1 || a.window_right < -1)) {
-    std::ostringstream s;
-    s << "window_left and window_right must be -1 (unbounded) or non-negative, got ("
-      << a.window_left << ", " << a.window_right << ")";
-    return invalid(s.str());
-  }
-  if (!(std::isfinite(a.softcap) && a.softcap >= 0.f)) {
-    return invalid("softcap must be finite and non-negative (0 turns soft-capping off)");
+  for (const Status& st :
+       {check_softmax_scale(a.softmax_scale),
+        a.mask == MaskType::kWindow ? check_window(a.window_left, a.window_right) : Status::Ok(),
+        check_softcap(a.softcap)}) {
+    if (!st.ok()) return st;
   }
   if (!(std::isfinite(a.dropout_p) && a.dropout_p >= 0.f && a.dropout_p < 1.f)) {
     return invalid("dropout_p must be in [0, 1)");
@@ -268,23 +354,11 @@ Status check_args(const FwdArgs& a, bool check_memory) {
     }
   }
   if (a.bias == BiasType::kAlibi) {
-    if (a.alibi_slopes == nullptr) return invalid("BiasType::kAlibi needs alibi_slopes");
-    if (!aligned(a.alibi_slopes, alignof(float))) {
-      return invalid("alibi_slopes must be 4-byte aligned (fp32)");
-    }
-    if (Status st = check_non_negative({{"alibi_batch_stride", a.alibi_batch_stride}}); !st.ok()) {
+    if (Status st = check_alibi_slopes(a.alibi_slopes, a.alibi_batch_stride); !st.ok()) {
       return st;
     }
   }
-  if (a.lse != nullptr) {
-    if (!aligned(a.lse, alignof(float))) return invalid("lse must be 4-byte aligned (fp32)");
-    if (Status st = check_non_negative({{"lse_batch_stride", batch_stride(a.lse_batch_stride)},
-                                        {"lse_head_stride", a.lse_head_stride}});
-        !st.ok()) {
-      return st;
-    }
-  }
-  return Status::Ok();
+  return check_lse(a.lse, batch_stride(a.lse_batch_stride), a.lse_head_stride);
 }
 
 // Checks, picks an entry (the named one, or the dispatcher's choice) and launches it.
@@ -304,32 +378,16 @@ Status run(const FwdArgs& args, Stream stream, const std::string* instance, std:
   if (is_empty(args)) return Status::Ok();  // nothing to compute, nothing launched
 
   const cudaError_t err = entry->launch(args, stream);
-  if (err != cudaSuccess) {
-    return {Status::Code::kCudaError, std::string("fmha::fwd: launching ") + entry->name +
-                                          " failed: " + cudaGetErrorName(err) + ": " +
-                                          cudaGetErrorString(err)};
-  }
+  if (err != cudaSuccess) return launch_failed("fmha::fwd", entry->name, err);
   return Status::Ok();
 }
 
 // ---- the backward ------------------------------------------------------------------------
 
-// The scratch the kernels share is handed over by the caller: cudaMalloc per call would cost
-// more host time than the whole launch.
-constexpr uintptr_t kWorkspaceAlignBytes = 256;
-
 // The forward problem's checks, said as the backward's.
-Status as_bwd(Status st) {
-  const std::string fwd_prefix = "fmha::fwd: ";
-  if (!st.ok() && st.message.compare(0, fwd_prefix.size(), fwd_prefix) == 0) {
-    st.message = "fmha::bwd: " + st.message.substr(fwd_prefix.size());
-  }
-  return st;
-}
+Status as_bwd(Status st) { return said_by("fmha::bwd", std::move(st)); }
 
-Status invalid_bwd(const std::string& message) {
-  return {Status::Code::kInvalidArgument, "fmha::bwd: " + message};
-}
+Status invalid_bwd(const std::string& message) { return as_bwd(invalid(message)); }
 
 // The forward's problem as it ran (o and lse are read), then what only the backward has. An
 // empty problem (no sequence or no head) writes nothing, so it needs no pointers.
@@ -382,19 +440,6 @@ Status check_bwd_args(const BwdArgs& a, bool check_memory) {
   return Status::Ok();
 }
 
-Status check_workspace(const BwdArgs& a, size_t needed) {
-  if (needed == 0) return Status::Ok();
-  if (a.workspace == nullptr || a.workspace_bytes < needed) {
-    return invalid_bwd("the workspace holds " + std::to_string(a.workspace_bytes) + " bytes" +
-                       (a.workspace == nullptr ? " (a null pointer)" : "") + "; this call needs " +
-                       std::to_string(needed) + " (fmha::bwd_workspace_size)");
-  }
-  if (!aligned(a.workspace, kWorkspaceAlignBytes)) {
-    return invalid_bwd("the workspace must be 256-byte aligned");
-  }
-  return Status::Ok();
-}
-
 Status run_bwd(const BwdArgs& args, Stream stream, const std::string* instance,
                std::string* chosen) {
   if (Status st = check_bwd_args(args, /*check_memory=*/true); !st.ok()) return st;
@@ -406,14 +451,239 @@ Status run_bwd(const BwdArgs& args, Stream stream, const std::string* instance,
   if (!found.ok()) return found;
   if (chosen != nullptr) *chosen = entry->name;
   if (args.fwd.batch == 0 || args.fwd.nhead_q == 0) return Status::Ok();  // nothing to write
-  if (Status st = check_workspace(args, entry->workspace(args)); !st.ok()) return st;
+  if (Status st = as_bwd(check_workspace(args.workspace, args.workspace_bytes,
+                                         entry->workspace(args), "bwd_workspace_size"));
+      !st.ok()) {
+    return st;
+  }
   const cudaError_t err = entry->launch(args, stream);
-  if (err != cudaSuccess) {
-    return {Status::Code::kCudaError, std::string("fmha::bwd: launching ") + entry->name +
-                                          " failed: " + cudaGetErrorName(err) + ": " +
-                                          cudaGetErrorString(err)};
+  if (err != cudaSuccess) return launch_failed("fmha::bwd", entry->name, err);
+  return Status::Ok();
+}
+
+// ---- KV-cache attention --------------------------------------------------------------------
+
+// The shared checks, said as fwd_kvcache's.
+Status as_kvcache(Status st) { return said_by("fmha::fwd_kvcache", std::move(st)); }
+
+Status invalid_kvcache(const std::string& message) { return as_kvcache(invalid(message)); }
+
+// Shapes, traits and options always; with `check_memory` also the pointers, their alignment
+// and the strides. select(), explain() and kvcache_workspace_size() describe a call without
+// tensors, where a null pointer may stand for one not known yet: so a pointer that must be
+// there is checked only with `check_memory`, while one that must not (a paged cache's
+// cache_batch_idx, ALiBi's slopes without ALiBi) is an error either way.
+Status check_kvcache_args(const KvcacheArgs& a, bool check_memory) {
+  for (const Status& st :
+       {check_enum("dtype", a.dtype, DataType::kBF16, "kFP16, kBF16"),
+        check_enum("mask type", a.mask, MaskType::kWindow, "kNone, kCausal, kWindow"),
+        check_enum("bias type", a.bias, BiasType::kAlibi, "kNone, kAlibi")}) {
+    if (!st.ok()) return as_kvcache(st);
+  }
+  if (a.bias == BiasType::kElementwise) {
+    return invalid_kvcache("a KV-cache call has no bias tensor: the bias type must be "
+                           "BiasType::kNone or kAlibi");
+  }
+  if (a.batch <= 0 || a.seqlen_q <= 0 || a.nhead_q <= 0 || a.nhead_k <= 0) {
+    std::ostringstream s;
+    s << "batch, seqlen_q, nhead_q and nhead_k must be positive, got " << a.batch << ", "
+      << a.seqlen_q << ", " << a.nhead_q << ", " << a.nhead_k;
+    return invalid_kvcache(s.str());
+  }
+  if (a.seqlen_cache <= 0 || a.batch_cache <= 0) {
+    std::ostringstream s;
+    s << "seqlen_cache and batch_cache must be positive (the keys a sequence's cache holds, and "
+      << "the cache's sequences or pages), got " << a.seqlen_cache << ", " << a.batch_cache;
+    return invalid_kvcache(s.str());
+  }
+  if (a.seqlen_new < 0 || a.seqlen_new > a.seqlen_cache) {
+    std::ostringstream s;
+    s << "seqlen_new must be in [0, seqlen_cache=" << a.seqlen_cache << "] (the new keys go "
+      << "into the cache), got " << a.seqlen_new;
+    return invalid_kvcache(s.str());
+  }
+  for (const Status& st :
+       {check_head_dims(a.hdim_q, a.hdim_v),
+        check_seqlen_sum(a.seqlen_q, "seqlen_cache", a.seqlen_cache),
+        check_heads(a.nhead_q, a.nhead_k), check_grid_yz(a.batch, a.nhead_q),
+        check_softmax_scale(a.softmax_scale), check_softcap(a.softcap)}) {
+    if (!st.ok()) return as_kvcache(st);
+  }
+  if (a.mask == MaskType::kWindow) {
+    if (Status st = check_window(a.window_left, a.window_right); !st.ok()) return as_kvcache(st);
+  } else if (a.window_left != -1 || a.window_right != -1) {
+    std::ostringstream s;
+    s << "window_left and window_right are MaskType::kWindow's; with another mask they must be "
+      << "-1, got (" << a.window_left << ", " << a.window_right << ")";
+    return invalid_kvcache(s.str());
+  }
+  if (a.num_splits < 0) {
+    return invalid_kvcache("num_splits must be non-negative (0 picks it from the shapes and the "
+                           "GPU), got " + std::to_string(a.num_splits));
+  }
+  if (a.rotary_dim < 0 || a.rotary_dim % 2 != 0 || a.rotary_dim > a.hdim_q) {
+    std::ostringstream s;
+    s << "rotary_dim must be 0 (no rotary embedding) or even and at most hdim_q=" << a.hdim_q
+      << ", got " << a.rotary_dim;
+    return invalid_kvcache(s.str());
+  }
+  if (a.rotary_dim > 0 && a.seqlen_rotary < a.seqlen_cache) {
+    std::ostringstream s;
+    s << "rotary_cos/rotary_sin have seqlen_rotary=" << a.seqlen_rotary << " rows; keys reach "
+      << "position seqlen_cache=" << a.seqlen_cache << ", which needs at least as many";
+    return invalid_kvcache(s.str());
+  }
+  if (a.rotary_dim == 0 && (a.rotary_cos != nullptr || a.rotary_sin != nullptr)) {
+    return invalid_kvcache("rotary_cos/rotary_sin are set but rotary_dim is 0");
+  }
+  if (a.k_new != nullptr && a.seqlen_new == 0) {
+    return invalid_kvcache("k_new is set but seqlen_new, its rows, is 0");
+  }
+  const bool paged = a.block_table != nullptr;
+  if (paged && a.page_size <= 0) {
+    return invalid_kvcache("a paged cache (block_table set) needs page_size >= 1, got " +
+                           std::to_string(a.page_size));
+  }
+  if (paged && a.seqlen_cache % a.page_size != 0) {
+    std::ostringstream s;
+    s << "seqlen_cache (" << a.seqlen_cache << ") must be a multiple of page_size ("
+      << a.page_size << "): block_table's columns times page_size";
+    return invalid_kvcache(s.str());
+  }
+  if (paged && a.cache_batch_idx != nullptr) {
+    return invalid_kvcache("cache_batch_idx selects rows of a contiguous cache; a paged cache "
+                           "(block_table set) must not get it");
+  }
+  if (!paged && a.page_size != 0) {
+    return invalid_kvcache("page_size is " + std::to_string(a.page_size) + " but block_table "
+                           "is null: a paged cache needs block_table, a contiguous one "
+                           "page_size 0");
+  }
+  if (a.bias != BiasType::kAlibi && a.alibi_slopes != nullptr) {
+    return invalid_kvcache("alibi_slopes is set but the bias type is not BiasType::kAlibi");
+  }
+  if (!check_memory) return Status::Ok();
+
+  struct Operand {
+    const char* name;
+    const void* ptr;
+    int64_t batch, seq, head;
+  };
+  std::vector<Operand> operands = {
+      {"q", a.q, a.q_batch_stride, a.q_seq_stride, a.q_head_stride},
+      {"k_cache", a.k_cache, a.k_cache_batch_stride, a.k_cache_seq_stride, a.k_cache_head_stride},
+      {"v_cache", a.v_cache, a.v_cache_batch_stride, a.v_cache_seq_stride, a.v_cache_head_stride},
+      {"o", a.o, a.o_batch_stride, a.o_seq_stride, a.o_head_stride}};
+  if (a.k_new != nullptr || a.v_new != nullptr) {
+    if (a.k_new == nullptr || a.v_new == nullptr) {
+      return invalid_kvcache("k_new and v_new are appended together: set both or neither");
+    }
+    operands.push_back(
+        {"k_new", a.k_new, a.k_new_batch_stride, a.k_new_seq_stride, a.k_new_head_stride});
+    operands.push_back(
+        {"v_new", a.v_new, a.v_new_batch_stride, a.v_new_seq_stride, a.v_new_head_stride});
+  } else if (a.seqlen_new > 0) {
+    return invalid_kvcache("seqlen_new is " + std::to_string(a.seqlen_new) +
+                           " but k_new/v_new are null; without new keys it must be 0");
+  }
+  for (const Operand& o : operands) {
+    if (Status st = check_operand(o.name, o.ptr,
+                                  {{"batch", o.batch}, {"seq", o.seq}, {"head", o.head}});
+        !st.ok()) {
+      return as_kvcache(st);
+    }
+  }
+  for (const Status& st :
+       {check_int_array("cache_seqlens", a.cache_seqlens, true,
+                        "every call needs the keys each sequence's cache holds (device int32, "
+                        "one per sequence)"),
+        check_int_array("cache_batch_idx", a.cache_batch_idx, false, ""),
+        check_int_array("block_table", a.block_table, false, ""),
+        check_non_negative({{"block_table_batch_stride", a.block_table_batch_stride}}),
+        check_lse(a.lse, a.lse_batch_stride, a.lse_head_stride)}) {
+    if (!st.ok()) return as_kvcache(st);
+  }
+  if (!paged && a.cache_batch_idx == nullptr && a.batch_cache < a.batch) {
+    std::ostringstream s;
+    s << "the cache holds batch_cache=" << a.batch_cache << " sequences, fewer than batch="
+      << a.batch << "; set cache_batch_idx to map sequences to cache rows";
+    return invalid_kvcache(s.str());
+  }
+  if (a.rotary_dim > 0) {
+    if (a.k_new == nullptr) {
+      return invalid_kvcache("a rotary embedding rotates q and k_new: rotary_dim " +
+                             std::to_string(a.rotary_dim) + " needs k_new and v_new");
+    }
+    for (const auto& [name, table] :
+         {std::pair{"rotary_cos", a.rotary_cos}, std::pair{"rotary_sin", a.rotary_sin}}) {
+      if (table == nullptr) {
+        return invalid_kvcache(std::string(name) + " is a null pointer; rotary_dim " +
+                               std::to_string(a.rotary_dim) + " needs rotary_cos and rotary_sin");
+      }
+      if (!aligned(table, 2)) {
+        return invalid_kvcache(std::string(name) + " must be aligned to its 2-byte elements");
+      }
+    }
+  }
+  if (a.bias == BiasType::kAlibi) {
+    if (Status st = check_alibi_slopes(a.alibi_slopes, a.alibi_batch_stride); !st.ok()) {
+      return as_kvcache(st);
+    }
   }
   return Status::Ok();
+}
+
+// Checks (the workspace's size included), picks an entry (the named one, or the dispatcher's
+// choice) and launches it.
+Status run_kvcache(const KvcacheArgs& args, Stream stream, const std::string* instance,
+                   std::string* chosen) {
+  if (Status st = check_kvcache_args(args, /*check_memory=*/true); !st.ok()) return st;
+  int cc = 0;
+  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
+  const detail::KvcacheInstanceEntry* entry = nullptr;
+  const Status found = instance != nullptr ? detail::find_instance(*instance, args, cc, &entry)
+                                           : detail::select_instance(args, cc, &entry);
+  if (!found.ok()) return found;
+  if (Status st = as_kvcache(check_workspace(args.workspace, args.workspace_bytes,
+                                             entry->workspace(args), "kvcache_workspace_size"));
+      !st.ok()) {
+    return st;
+  }
+  if (chosen != nullptr) *chosen = entry->name;
+  const cudaError_t err = entry->launch(args, stream);
+  if (err != cudaSuccess) return launch_failed("fmha::fwd_kvcache", entry->name, err);
+  return Status::Ok();
+}
+
+// ---- what select(), explain() and the instance lists of every operation share ---------------
+
+// The dispatcher's choice for `args`, whose checks without memory gave `checked`.
+template <class Entry, class Args>
+Status select_checked(const Status& checked, const Args& args, const Entry** entry) {
+  if (!checked.ok()) return checked;
+  int cc = 0;
+  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
+  return detail::select_instance(args, cc, entry);
+}
+
+// A miss is what explain() is for, so it is explained, not returned as an error: the status
+// fails only for invalid arguments (`checked`) or a device that cannot be queried.
+template <class Args>
+Status explain_checked(const Status& checked, const Args& args, std::string* explanation) {
+  if (!checked.ok()) return checked;
+  int cc = 0;
+  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
+  if (explanation != nullptr) *explanation = detail::explain_selection(args, cc);
+  return Status::Ok();
+}
+
+// An operation's table as its public rows, in the dispatcher's order.
+template <class Info, class Entry>
+std::vector<Info> infos(const Entry* entries, int count) {
+  std::vector<Info> out;
+  out.reserve(count);
+  for (int i = 0; i < count; ++i) out.push_back(detail::to_info(entries[i]));
+  return out;
 }
 
 }  // namespace
@@ -434,11 +704,11 @@ FwdTraits FwdArgs::traits() const {
 }
 
 Status select(const FwdArgs& args, InstanceInfo* chosen) {
-  if (Status st = check_args(args, /*check_memory=*/false); !st.ok()) return st;
-  int cc = 0;
-  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
   const detail::InstanceEntry* entry = nullptr;
-  if (Status st = detail::select_instance(args, cc, &entry); !st.ok()) return st;
+  if (Status st = select_checked(check_args(args, /*check_memory=*/false), args, &entry);
+      !st.ok()) {
+    return st;
+  }
   if (Status st = check_causal_grid(args, entry->block_m, entry->name + std::string("'s"));
       !st.ok()) {
     return st;
@@ -447,14 +717,8 @@ Status select(const FwdArgs& args, InstanceInfo* chosen) {
   return Status::Ok();
 }
 
-// A miss is what explain() is for, so it is explained, not returned as an error: the status
-// fails only for invalid arguments or a device that cannot be queried.
 Status explain(const FwdArgs& args, std::string* explanation) {
-  if (Status st = check_args(args, /*check_memory=*/false); !st.ok()) return st;
-  int cc = 0;
-  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
-  if (explanation != nullptr) *explanation = detail::explain_selection(args, cc);
-  return Status::Ok();
+  return explain_checked(check_args(args, /*check_memory=*/false), args, explanation);
 }
 
 Status fwd(const FwdArgs& args, Stream stream, std::string* chosen) {
@@ -466,10 +730,7 @@ Status fwd_instance(const std::string& instance, const FwdArgs& args, Stream str
 }
 
 std::vector<InstanceInfo> instances() {
-  std::vector<InstanceInfo> out;
-  out.reserve(detail::kNumInstances);
-  for (int i = 0; i < detail::kNumInstances; ++i) out.push_back(detail::to_info(detail::kInstances[i]));
-  return out;
+  return infos<InstanceInfo>(detail::kInstances, detail::kNumInstances);
 }
 
 BwdTraits BwdArgs::traits() const {
@@ -522,30 +783,70 @@ Status bwd_workspace_size(const std::string& instance, const BwdArgs& args, size
 }
 
 Status select(const BwdArgs& args, BwdInstanceInfo* chosen) {
-  if (Status st = check_bwd_args(args, /*check_memory=*/false); !st.ok()) return st;
-  int cc = 0;
-  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
   const detail::BwdInstanceEntry* entry = nullptr;
-  if (Status st = detail::select_instance(args, cc, &entry); !st.ok()) return st;
+  if (Status st = select_checked(check_bwd_args(args, /*check_memory=*/false), args, &entry);
+      !st.ok()) {
+    return st;
+  }
   if (chosen != nullptr) *chosen = detail::to_info(*entry);
   return Status::Ok();
 }
 
 Status explain(const BwdArgs& args, std::string* explanation) {
-  if (Status st = check_bwd_args(args, /*check_memory=*/false); !st.ok()) return st;
-  int cc = 0;
-  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
-  if (explanation != nullptr) *explanation = detail::explain_selection(args, cc);
-  return Status::Ok();
+  return explain_checked(check_bwd_args(args, /*check_memory=*/false), args, explanation);
 }
 
 std::vector<BwdInstanceInfo> bwd_instances() {
-  std::vector<BwdInstanceInfo> out;
-  out.reserve(detail::kNumBwdInstances);
-  for (int i = 0; i < detail::kNumBwdInstances; ++i) {
-    out.push_back(detail::to_info(detail::kBwdInstances[i]));
+  return infos<BwdInstanceInfo>(detail::kBwdInstances, detail::kNumBwdInstances);
+}
+
+KvcacheTraits KvcacheArgs::traits() const {
+  KvcacheTraits t;
+  t.dtype = dtype;
+  t.hdim_q = hdim_q;
+  t.hdim_v = hdim_v;
+  t.mask = mask;
+  t.bias = bias;
+  t.paged = block_table != nullptr;
+  t.softcap = softcap > 0.f;
+  return t;
+}
+
+Status fwd_kvcache(const KvcacheArgs& args, Stream stream, std::string* chosen) {
+  return run_kvcache(args, stream, nullptr, chosen);
+}
+
+Status fwd_kvcache_instance(const std::string& instance, const KvcacheArgs& args,
+                            Stream stream) {
+  return run_kvcache(args, stream, &instance, nullptr);
+}
+
+Status kvcache_workspace_size(const KvcacheArgs& args, size_t* bytes) {
+  const detail::KvcacheInstanceEntry* entry = nullptr;
+  if (Status st = select_checked(check_kvcache_args(args, /*check_memory=*/false), args, &entry);
+      !st.ok()) {
+    return st;
   }
-  return out;
+  if (bytes != nullptr) *bytes = entry->workspace(args);
+  return Status::Ok();
+}
+
+Status select(const KvcacheArgs& args, KvcacheInstanceInfo* chosen) {
+  const detail::KvcacheInstanceEntry* entry = nullptr;
+  if (Status st = select_checked(check_kvcache_args(args, /*check_memory=*/false), args, &entry);
+      !st.ok()) {
+    return st;
+  }
+  if (chosen != nullptr) *chosen = detail::to_info(*entry);
+  return Status::Ok();
+}
+
+Status explain(const KvcacheArgs& args, std::string* explanation) {
+  return explain_checked(check_kvcache_args(args, /*check_memory=*/false), args, explanation);
+}
+
+std::vector<KvcacheInstanceInfo> kvcache_instances() {
+  return infos<KvcacheInstanceInfo>(detail::kKvcacheInstances, detail::kNumKvcacheInstances);
 }
 
 std::vector<std::string> compiled_targets() {

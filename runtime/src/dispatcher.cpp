@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -35,15 +36,18 @@ std::string sm(int cc) { return "sm" + std::to_string(cc); }
 
 bool multiple_of_8(int d) { return d > 0 && d % 8 == 0; }
 
-// The forward call a problem describes: itself, or the one a backward problem differentiates.
-const FwdArgs& forward_of(const FwdArgs& a) { return a; }
-const FwdArgs& forward_of(const BwdArgs& a) { return a.fwd; }
-
-// Each operation's table of compiled instances and of its pipelines' gaps.
+// Each operation's table of compiled instances and of its pipelines' gaps, and how messages
+// name it: `kind` goes before "instance" ("no compiled fmha bwd instance runs ..."), `listing`
+// is the API function that lists its instances, `problem` starts explain()'s first line.
+// kPadsHeadDims: whether its kernels have a head-dim-padded variant, so that a miss may suggest
+// one (kvcache_fa2_sm80.cuh's KvcacheConfig static_asserts exact head dims).
 struct FwdTable {
   using Entry = InstanceEntry;
   using Gap = PipelineGap;
-  static const char* op() { return "fwd"; }
+  static const char* kind() { return ""; }
+  static const char* listing() { return "instances"; }
+  static const char* problem() { return "Problem"; }
+  static constexpr bool kPadsHeadDims = true;
   static const Entry* entries() { return kInstances; }
   static int count() { return kNumInstances; }
   static const Gap* gaps() { return kPipelineGaps; }
@@ -52,15 +56,31 @@ struct FwdTable {
 struct BwdTable {
   using Entry = BwdInstanceEntry;
   using Gap = BwdPipelineGap;
-  static const char* op() { return "bwd"; }
+  static const char* kind() { return "bwd "; }
+  static const char* listing() { return "bwd_instances"; }
+  static const char* problem() { return "Backward problem"; }
+  static constexpr bool kPadsHeadDims = true;
   static const Entry* entries() { return kBwdInstances; }
   static int count() { return kNumBwdInstances; }
   static const Gap* gaps() { return kBwdPipelineGaps; }
   static int gap_count() { return kNumBwdPipelineGaps; }
 };
+struct KvcacheTable {
+  using Entry = KvcacheInstanceEntry;
+  using Gap = KvcachePipelineGap;
+  static const char* kind() { return "kvcache "; }
+  static const char* listing() { return "kvcache_instances"; }
+  static const char* problem() { return "KV-cache problem"; }
+  static constexpr bool kPadsHeadDims = false;
+  static const Entry* entries() { return kKvcacheInstances; }
+  static int count() { return kNumKvcacheInstances; }
+  static const Gap* gaps() { return kKvcachePipelineGaps; }
+  static int gap_count() { return kNumKvcachePipelineGaps; }
+};
 template <class Args> struct TableOf;
 template <> struct TableOf<FwdArgs> { using type = FwdTable; };
 template <> struct TableOf<BwdArgs> { using type = BwdTable; };
+template <> struct TableOf<KvcacheArgs> { using type = KvcacheTable; };
 
 int round_up(int value, int multiple) { return (value + multiple - 1) / multiple * multiple; }
 
@@ -77,6 +97,12 @@ bool traits_fit(const FwdTraits& e, const FwdTraits& w) {
 bool traits_fit(const BwdTraits& e, const BwdTraits& w) {
   return e.dtype == w.dtype && e.mask == w.mask && e.bias == w.bias && e.mode == w.mode &&
          e.dbias == w.dbias && e.dropout == w.dropout && e.softcap == w.softcap;
+}
+
+// KV-cache attention's traits: all equal.
+bool traits_fit(const KvcacheTraits& e, const KvcacheTraits& w) {
+  return e.dtype == w.dtype && e.mask == w.mask && e.bias == w.bias && e.paged == w.paged &&
+         e.softcap == w.softcap;
 }
 
 // An unpadded entry runs exactly its head dims; a head-dim-padded one also runs smaller ones
@@ -101,51 +127,79 @@ bool lengths_fit(const Entry& e, const FwdArgs& a) {
          (a.mode == Mode::kBatch && a.seqused_q == nullptr && a.seqused_k == nullptr &&
           a.seqlen_q % e.block_m == 0 && a.seqlen_k % e.block_n == 0);
 }
+template <class Entry>
+bool lengths_fit(const Entry& e, const BwdArgs& a) {
+  return lengths_fit(e, a.fwd);
+}
+// The cache lengths live on the device (cache_seqlens): every kvcache instance pads them.
+template <class Entry>
+bool lengths_fit(const Entry& e, const KvcacheArgs&) {
+  return e.pad_seqlen;
+}
 
 template <class Entry, class Args, class Traits>
 Stage fit(const Entry& e, const Args& a, const Traits& w, int cc) {
   if (!traits_fit(e.traits, w)) return Stage::kTraits;
   if (!head_dims_fit(e, w)) return Stage::kHeadDims;
   if (!runs_on(e, cc)) return Stage::kArch;
-  if (!lengths_fit(e, forward_of(a))) return Stage::kLengths;
+  if (!lengths_fit(e, a)) return Stage::kLengths;
   return Stage::kRuns;
 }
 
 // ---- the same conditions in words, for an entry known to fail them ----------------------------
 
+// The traits an entry and a problem differ in, in words: "it has mask=none where the problem
+// has mask=causal".
+class TraitDifference {
+ public:
+  template <class Value>
+  void check(const char* axis, Value entry_value, Value problem_value) {
+    if (entry_value != problem_value) add(axis, token(entry_value), token(problem_value));
+  }
+  void add(const char* axis, const char* entry_value, const char* problem_value) {
+    const char* sep = has_.empty() ? "" : " ";
+    has_ += sep + std::string(axis) + "=" + entry_value;
+    wants_ += sep + std::string(axis) + "=" + problem_value;
+  }
+  std::string text() const { return "it has " + has_ + " where the problem has " + wants_; }
+
+ private:
+  std::string has_, wants_;
+};
+
 std::string traits_reason(const FwdTraits& e, const FwdTraits& w) {
-  std::string has, wants;
-  auto differ = [&](const char* axis, const char* entry_value, const char* problem_value) {
-    const char* sep = has.empty() ? "" : " ";
-    has += sep + std::string(axis) + "=" + entry_value;
-    wants += sep + std::string(axis) + "=" + problem_value;
-  };
-  if (e.dtype != w.dtype) differ("dtype", token(e.dtype), token(w.dtype));
-  if (e.mask != w.mask) differ("mask", token(e.mask), token(w.mask));
-  if (e.bias != w.bias) differ("bias", token(e.bias), token(w.bias));
-  if (e.vlayout != w.vlayout) differ("vlayout", token(e.vlayout), token(w.vlayout));
-  if (e.mode != w.mode) differ("mode", token(e.mode), token(w.mode));
-  if (w.lse && !e.lse) differ("lse", "false", "true");
-  if (e.dropout != w.dropout) differ("dropout", token(e.dropout), token(w.dropout));
-  if (e.softcap != w.softcap) differ("softcap", token(e.softcap), token(w.softcap));
-  return "it has " + has + " where the problem has " + wants;
+  TraitDifference d;
+  d.check("dtype", e.dtype, w.dtype);
+  d.check("mask", e.mask, w.mask);
+  d.check("bias", e.bias, w.bias);
+  d.check("vlayout", e.vlayout, w.vlayout);
+  d.check("mode", e.mode, w.mode);
+  if (w.lse && !e.lse) d.add("lse", "false", "true");
+  d.check("dropout", e.dropout, w.dropout);
+  d.check("softcap", e.softcap, w.softcap);
+  return d.text();
 }
 
 std::string traits_reason(const BwdTraits& e, const BwdTraits& w) {
-  std::string has, wants;
-  auto differ = [&](const char* axis, const char* entry_value, const char* problem_value) {
-    const char* sep = has.empty() ? "" : " ";
-    has += sep + std::string(axis) + "=" + entry_value;
-    wants += sep + std::string(axis) + "=" + problem_value;
-  };
-  if (e.dtype != w.dtype) differ("dtype", token(e.dtype), token(w.dtype));
-  if (e.mask != w.mask) differ("mask", token(e.mask), token(w.mask));
-  if (e.bias != w.bias) differ("bias", token(e.bias), token(w.bias));
-  if (e.mode != w.mode) differ("mode", token(e.mode), token(w.mode));
-  if (e.dbias != w.dbias) differ("dbias", token(e.dbias), token(w.dbias));
-  if (e.dropout != w.dropout) differ("dropout", token(e.dropout), token(w.dropout));
-  if (e.softcap != w.softcap) differ("softcap", token(e.softcap), token(w.softcap));
-  return "it has " + has + " where the problem has " + wants;
+  TraitDifference d;
+  d.check("dtype", e.dtype, w.dtype);
+  d.check("mask", e.mask, w.mask);
+  d.check("bias", e.bias, w.bias);
+  d.check("mode", e.mode, w.mode);
+  d.check("dbias", e.dbias, w.dbias);
+  d.check("dropout", e.dropout, w.dropout);
+  d.check("softcap", e.softcap, w.softcap);
+  return d.text();
+}
+
+std::string traits_reason(const KvcacheTraits& e, const KvcacheTraits& w) {
+  TraitDifference d;
+  d.check("dtype", e.dtype, w.dtype);
+  d.check("mask", e.mask, w.mask);
+  d.check("bias", e.bias, w.bias);
+  d.check("paged", e.paged, w.paged);
+  d.check("softcap", e.softcap, w.softcap);
+  return d.text();
 }
 
 template <class Entry, class Traits>
@@ -182,6 +236,14 @@ std::string lengths_reason(const Entry& e, const FwdArgs& a) {
   return "seqlen_k=" + std::to_string(a.seqlen_k) + " is not a multiple of its block_n=" +
          std::to_string(e.block_n);
 }
+template <class Entry>
+std::string lengths_reason(const Entry& e, const BwdArgs& a) {
+  return lengths_reason(e, a.fwd);
+}
+template <class Entry>
+std::string lengths_reason(const Entry&, const KvcacheArgs&) {
+  return "the cache lengths (cache_seqlens) are known only on the device";
+}
 
 template <class Entry, class Args, class Traits>
 std::string reason(Stage stage, const Entry& e, const Args& a, const Traits& w, int cc) {
@@ -190,7 +252,7 @@ std::string reason(Stage stage, const Entry& e, const Args& a, const Traits& w, 
     case Stage::kHeadDims: return head_dims_reason(e, w);
     case Stage::kArch: return arch_reason(e, cc);
     case Stage::kLengths:
-      return "it is unpadded (pad_seqlen=false) and " + lengths_reason(e, forward_of(a));
+      return "it is unpadded (pad_seqlen=false) and " + lengths_reason(e, a);
     case Stage::kRuns: break;
   }
   return "it runs the problem";
@@ -226,15 +288,34 @@ std::string describe(const FwdTraits& t) {
   return s.str();
 }
 
+std::string describe(const KvcacheTraits& t) {
+  std::ostringstream s;
+  s << "dtype=" << token(t.dtype) << " hdim_q=" << t.hdim_q << " hdim_v=" << t.hdim_v
+    << " mask=" << token(t.mask) << " bias=" << token(t.bias) << " paged=" << token(t.paged)
+    << " softcap=" << token(t.softcap);
+  return s.str();
+}
+
+// A problem's lengths, as explain() states them.
+std::string describe_lengths(const FwdArgs& f) {
+  std::ostringstream s;
+  s << token(f.mode) << " mode, seqlen_q=" << f.seqlen_q << " seqlen_k=" << f.seqlen_k;
+  if (f.seqused_q != nullptr || f.seqused_k != nullptr) s << " (seqused_q/seqused_k given)";
+  return s.str();
+}
+std::string describe_lengths(const BwdArgs& a) { return describe_lengths(a.fwd); }
+std::string describe_lengths(const KvcacheArgs& a) {
+  std::ostringstream s;
+  s << "seqlen_q=" << a.seqlen_q << " seqlen_new=" << a.seqlen_new
+    << " seqlen_cache=" << a.seqlen_cache << " (the cache lengths are on the device)";
+  return s.str();
+}
+
 struct Suggestion {
   std::string filter;  // the generator --filter that selects instances able to run the problem
   std::string note;    // what to check in instances.yaml first, if anything
 };
 
-// The head dims to build for `w`: its own when some compiled instance has them (so the matrix
-// lists them); else, for multiples of 8, the smallest compiled head dims above them, run
-// padded, or failing that the next multiples of 32, which fa2's tiles come in (fa2 is the
-// pipeline that pads head dims; fa3 runs exact multiples of 64 only).
 // The filter tokens of a problem's traits after its head dims.
 void filter_traits(std::ostream& f, const FwdTraits& w) {
   f << ",mask=" << token(w.mask) << ",bias=" << token(w.bias) << ",vlayout=" << token(w.vlayout)
@@ -247,17 +328,50 @@ void filter_traits(std::ostream& f, const BwdTraits& w) {
     << ",dbias=" << token(w.dbias) << ",dropout=" << token(w.dropout)
     << ",softcap=" << token(w.softcap);
 }
+void filter_traits(std::ostream& f, const KvcacheTraits& w) {
+  f << ",mask=" << token(w.mask) << ",bias=" << token(w.bias) << ",paged=" << token(w.paged)
+    << ",softcap=" << token(w.softcap);
+}
 
-// The filter's first token: the backward's instances are selected by their operation; the
-// forward's filters predate operations and need none.
+// The filter's first token: the other operations' instances are selected by their operation;
+// the forward's filters predate operations and need none.
 const char* filter_op(const FwdTraits&) { return ""; }
 const char* filter_op(const BwdTraits&) { return "bwd,"; }
+const char* filter_op(const KvcacheTraits&) { return "kvcache,"; }
 
+// Whether the problem needs a padded (pad_seqlen=true) instance of Table with head dims
+// (hdim_q, hdim_v): its lengths are known only on the device, or are not whole tiles of the
+// compiled instances with those head dims (when there are any).
+template <class Table>
+bool needs_padded_lengths(const FwdArgs& f, int hdim_q, int hdim_v) {
+  if (f.mode != Mode::kBatch || f.seqused_q != nullptr || f.seqused_k != nullptr) return true;
+  bool tile_known = false, tile_fits = false;
+  for (int i = 0; i < Table::count(); ++i) {
+    const auto& e = Table::entries()[i];
+    if (e.traits.hdim_q != hdim_q || e.traits.hdim_v != hdim_v) continue;
+    tile_known = true;
+    tile_fits = tile_fits || (f.seqlen_q % e.block_m == 0 && f.seqlen_k % e.block_n == 0);
+  }
+  return tile_known && !tile_fits;
+}
+template <class Table>
+bool needs_padded_lengths(const BwdArgs& a, int hdim_q, int hdim_v) {
+  return needs_padded_lengths<Table>(a.fwd, hdim_q, hdim_v);
+}
+template <class Table>
+bool needs_padded_lengths(const KvcacheArgs&, int, int) {
+  return true;
+}
+
+// The head dims to build for `w`: its own when some compiled instance has them (so the matrix
+// lists them); else, for multiples of 8 and an operation whose kernels pad head dims, the
+// smallest compiled head dims above them, run padded, or failing that the next multiples of
+// 32, which fa2's tiles come in (fa2 is the pipeline that pads head dims; fa3 runs exact
+// multiples of 64 only).
 template <class Args>
 Suggestion suggest(const Args& a, int cc) {
   using Table = typename TableOf<Args>::type;
   const auto w = a.traits();
-  const FwdArgs& f = forward_of(a);
   int hdim_q = w.hdim_q, hdim_v = w.hdim_v;
   bool exact_compiled = false, covered = false;
   for (int i = 0; i < Table::count(); ++i) {
@@ -271,14 +385,18 @@ Suggestion suggest(const Args& a, int cc) {
     }
   }
   Suggestion s;
-  const bool paddable = multiple_of_8(w.hdim_q) && multiple_of_8(w.hdim_v);
+  const bool paddable =
+      Table::kPadsHeadDims && multiple_of_8(w.hdim_q) && multiple_of_8(w.hdim_v);
   if (exact_compiled || !paddable) {
     hdim_q = w.hdim_q;
     hdim_v = w.hdim_v;
     if (!exact_compiled) {
-      s.note = "head dims that are not multiples of 8 need an instance of exactly those head "
-               "dims: instances.yaml's matrix.hdim must list [" + std::to_string(hdim_q) + ", " +
-               std::to_string(hdim_v) + "], if its pipeline's tiles allow them";
+      const std::string why =
+          Table::kPadsHeadDims
+              ? "head dims that are not multiples of 8 need an instance of exactly those head dims"
+              : Table::kind() + std::string("instances run exactly their own head dims");
+      s.note = why + ": instances.yaml's matrix.hdim must list [" + std::to_string(hdim_q) +
+               ", " + std::to_string(hdim_v) + "], if its pipeline's tiles allow them";
     }
   } else if (!covered) {
     hdim_q = round_up(w.hdim_q, 32);
@@ -291,17 +409,7 @@ Suggestion suggest(const Args& a, int cc) {
 
   // `pad` only where no unpadded instance could serve: without it the filter selects both
   // variants, and the padded one covers every length.
-  bool pad = f.mode != Mode::kBatch || f.seqused_q != nullptr || f.seqused_k != nullptr;
-  if (!pad) {
-    bool tile_known = false, tile_fits = false;
-    for (int i = 0; i < Table::count(); ++i) {
-      const auto& e = Table::entries()[i];
-      if (e.traits.hdim_q != hdim_q || e.traits.hdim_v != hdim_v) continue;
-      tile_known = true;
-      tile_fits = tile_fits || (f.seqlen_q % e.block_m == 0 && f.seqlen_k % e.block_n == 0);
-    }
-    pad = tile_known && !tile_fits;
-  }
+  const bool pad = needs_padded_lengths<Table>(a, hdim_q, hdim_v);
 
   std::ostringstream filter;
   filter << filter_op(w) << token(w.dtype) << ",hdim" << hdim_q;
@@ -328,6 +436,11 @@ int shared_traits(const BwdTraits& t, const BwdTraits& w) {
          (t.mask == w.mask) + (t.bias == w.bias) + (t.mode == w.mode) + (t.dbias == w.dbias) +
          (t.dropout == w.dropout) + (t.softcap == w.softcap);
 }
+int shared_traits(const KvcacheTraits& t, const KvcacheTraits& w) {
+  return (t.dtype == w.dtype) + (t.hdim_q == w.hdim_q) + (t.hdim_v == w.hdim_v) +
+         (t.mask == w.mask) + (t.bias == w.bias) + (t.paged == w.paged) +
+         (t.softcap == w.softcap);
+}
 
 template <class Args, class Entry = typename TableOf<Args>::type::Entry>
 std::vector<const Entry*> nearest(const Args& a, int cc, size_t count) {
@@ -353,7 +466,8 @@ std::string miss_message(const Args& a, int cc, Stage furthest) {
   using Table = typename TableOf<Args>::type;
   const auto w = a.traits();
   std::ostringstream s;
-  s << "no compiled fmha " << (Table::op() == std::string("fwd") ? "" : "bwd ") << "instance runs " << describe(w) << " on this GPU (" << sm(cc) << "): ";
+  s << "no compiled fmha " << Table::kind() << "instance runs " << describe(w) << " on this GPU ("
+    << sm(cc) << "): ";
   switch (furthest) {
     case Stage::kTraits: s << "no instance has these traits"; break;
     case Stage::kHeadDims:
@@ -401,14 +515,16 @@ int pipeline_rank(const char* pipeline) {
 // Why `chosen` precedes `other` in the table: the first rule of the generator's order of
 // preference (generator/dispatch.py, PREFERENCE) that tells them apart. Empty when that rule
 // does not favour `chosen`, i.e. when the generator ranks by something this does not mirror.
-// The forward's last trait rule: an instance without the log-sum-exp store first. The backward
-// has no such trait.
-bool lse_differs(const FwdTraits& c, const FwdTraits& o) { return c.lse != o.lse; }
-bool lse_differs(const BwdTraits&, const BwdTraits&) { return false; }
-std::string lse_rank_reason(const FwdTraits& c, const FwdTraits&) {
+// The forward's last trait rule: an instance without the log-sum-exp store first; nothing
+// where it does not tell the two apart. The other operations have no such trait.
+template <class Traits>
+std::optional<std::string> lse_rank_reason(const Traits&, const Traits&) {
+  return std::nullopt;
+}
+std::optional<std::string> lse_rank_reason(const FwdTraits& c, const FwdTraits& o) {
+  if (c.lse == o.lse) return std::nullopt;
   return c.lse ? "" : "skips the log-sum-exp store the problem does not ask for";
 }
-std::string lse_rank_reason(const BwdTraits&, const BwdTraits&) { return ""; }
 
 template <class Entry>
 std::string rank_reason(const Entry& chosen, const Entry& other) {
@@ -442,7 +558,7 @@ std::string rank_reason(const Entry& chosen, const Entry& other) {
     return "tightest padded head dims: " + extent(c.hdim_q, c.hdim_v) + " before " +
            extent(o.hdim_q, o.hdim_v);
   }
-  if (lse_differs(c, o)) return lse_rank_reason(c, o);
+  if (const std::optional<std::string> why = lse_rank_reason(c, o)) return *why;
   const int chosen_area = chosen.block_m * chosen.block_n;
   const int other_area = other.block_m * other.block_n;
   if (chosen_area != other_area) {
@@ -454,7 +570,8 @@ std::string rank_reason(const Entry& chosen, const Entry& other) {
 }
 
 // A problem's value on one trait a PipelineGap names, as the generator spells it:
-// "bias=elementwise", "hdim=120x120". The traits both operations have, then each one's own.
+// "bias=elementwise", "hdim=120x120". The traits every operation has, then those of the
+// forward and the backward, then each one's own.
 template <class Traits>
 std::string common_trait_value(const std::string& trait, const Traits& t) {
   if (trait == "dtype") return token(t.dtype);
@@ -463,20 +580,29 @@ std::string common_trait_value(const std::string& trait, const Traits& t) {
   if (trait == "hdim_v") return std::to_string(t.hdim_v);
   if (trait == "mask") return token(t.mask);
   if (trait == "bias") return token(t.bias);
-  if (trait == "mode") return token(t.mode);
-  if (trait == "dropout") return token(t.dropout);
   if (trait == "softcap") return token(t.softcap);
   return "";
 }
+template <class Traits>
+std::string fwd_bwd_trait_value(const std::string& trait, const Traits& t) {
+  if (trait == "mode") return token(t.mode);
+  if (trait == "dropout") return token(t.dropout);
+  return common_trait_value(trait, t);
+}
 std::string trait_text(const std::string& trait, const FwdTraits& t) {
-  std::string value = common_trait_value(trait, t);
+  std::string value = fwd_bwd_trait_value(trait, t);
   if (trait == "vlayout") value = token(t.vlayout);
   else if (trait == "lse") value = token(t.lse);
   return trait + "=" + value;
 }
 std::string trait_text(const std::string& trait, const BwdTraits& t) {
-  std::string value = common_trait_value(trait, t);
+  std::string value = fwd_bwd_trait_value(trait, t);
   if (trait == "dbias") value = token(t.dbias);
+  return trait + "=" + value;
+}
+std::string trait_text(const std::string& trait, const KvcacheTraits& t) {
+  std::string value = common_trait_value(trait, t);
+  if (trait == "paged") value = token(t.paged);
   return trait + "=" + value;
 }
 
@@ -536,11 +662,9 @@ Status find_in_table(const std::string& name, const Args& args, int cc, const En
     return {Status::Code::kInvalidArgument,
             "instance " + name + " cannot run this problem: " + reason(stage, e, args, wanted, cc)};
   }
-  const bool fwd = Table::op() == std::string("fwd");
-  return {Status::Code::kNoInstance, "no compiled " + std::string(fwd ? "" : "bwd ") +
+  return {Status::Code::kNoInstance, "no compiled " + std::string(Table::kind()) +
                                          "instance is called '" + name + "' (fmha::" +
-                                         (fwd ? "instances" : "bwd_instances") +
-                                         "() lists them)"};
+                                         Table::listing() + "() lists them)"};
 }
 
 template <class Args>
@@ -548,7 +672,6 @@ std::string explain_in_table(const Args& args, int cc) {
   using Table = typename TableOf<Args>::type;
   using Entry = typename Table::Entry;
   const auto wanted = args.traits();
-  const FwdArgs& f = forward_of(args);
   std::vector<const Entry*> runs, near_misses;
   Stage furthest = Stage::kTraits;
   for (int i = 0; i < Table::count(); ++i) {
@@ -559,11 +682,8 @@ std::string explain_in_table(const Args& args, int cc) {
     furthest = std::max(furthest, stage);
   }
   std::ostringstream s;
-  s << (Table::op() == std::string("fwd") ? "Problem: " : "Backward problem: ")
-    << describe(wanted) << "; " << token(f.mode) << " mode, seqlen_q=" << f.seqlen_q
-    << " seqlen_k=" << f.seqlen_k;
-  if (f.seqused_q != nullptr || f.seqused_k != nullptr) s << " (seqused_q/seqused_k given)";
-  s << "; this GPU is " << sm(cc) << ".\n";
+  s << Table::problem() << ": " << describe(wanted) << "; " << describe_lengths(args)
+    << "; this GPU is " << sm(cc) << ".\n";
   if (runs.empty()) {
     s << miss_message(args, cc, furthest) << "\n";
     return s.str();
@@ -633,6 +753,9 @@ Status select_instance(const FwdArgs& args, int cc, const InstanceEntry** chosen
 Status select_instance(const BwdArgs& args, int cc, const BwdInstanceEntry** chosen) {
   return select_in_table(args, cc, chosen);
 }
+Status select_instance(const KvcacheArgs& args, int cc, const KvcacheInstanceEntry** chosen) {
+  return select_in_table(args, cc, chosen);
+}
 
 Status find_instance(const std::string& name, const FwdArgs& args, int cc,
                      const InstanceEntry** chosen) {
@@ -642,11 +765,21 @@ Status find_instance(const std::string& name, const BwdArgs& args, int cc,
                      const BwdInstanceEntry** chosen) {
   return find_in_table(name, args, cc, chosen);
 }
+Status find_instance(const std::string& name, const KvcacheArgs& args, int cc,
+                     const KvcacheInstanceEntry** chosen) {
+  return find_in_table(name, args, cc, chosen);
+}
 
 std::string explain_selection(const FwdArgs& args, int cc) { return explain_in_table(args, cc); }
 std::string explain_selection(const BwdArgs& args, int cc) { return explain_in_table(args, cc); }
+std::string explain_selection(const KvcacheArgs& args, int cc) {
+  return explain_in_table(args, cc);
+}
 
 InstanceInfo to_info(const InstanceEntry& e) { return info_of<InstanceInfo>(e); }
 BwdInstanceInfo to_info(const BwdInstanceEntry& e) { return info_of<BwdInstanceInfo>(e); }
+KvcacheInstanceInfo to_info(const KvcacheInstanceEntry& e) {
+  return info_of<KvcacheInstanceInfo>(e);
+}
 
 }  // namespace fmha::detail

@@ -1,6 +1,7 @@
-// Instance selection, for each operation's table (fwd, bwd): the functional match on a problem's traits and head dims, the device's
-// architecture, then the instance's own constraints (tile divisibility), over the generator's
-// order of preference (the table is sorted). generator/dispatch.py mirrors the rule.
+// Instance selection, for each operation's table (fwd, bwd, kvcache): the functional match on a
+// problem's traits and head dims, the device's architecture, then the instance's own
+// constraints (tile divisibility), over the generator's order of preference (the table is
+// sorted). generator/dispatch.py mirrors the rule.
 #pragma once
 
 #include "fmha/fmha.h"
@@ -17,6 +18,7 @@ Status current_device_cc(int* cc);
 // naming the traits asked for, the nearest compiled instances and the filter that builds one.
 Status select_instance(const FwdArgs& args, int cc, const InstanceEntry** chosen);
 Status select_instance(const BwdArgs& args, int cc, const BwdInstanceEntry** chosen);
+Status select_instance(const KvcacheArgs& args, int cc, const KvcacheInstanceEntry** chosen);
 
 // The entry called `name`, if it can run `args` on a device of compute capability `cc`; if it
 // cannot, the status names the condition that fails.
@@ -24,6 +26,8 @@ Status find_instance(const std::string& name, const FwdArgs& args, int cc,
                      const InstanceEntry** chosen);
 Status find_instance(const std::string& name, const BwdArgs& args, int cc,
                      const BwdInstanceEntry** chosen);
+Status find_instance(const std::string& name, const KvcacheArgs& args, int cc,
+                     const KvcacheInstanceEntry** chosen);
 
 // select_instance() in words: the chosen entry, why it ranks before every other entry that
 // could run `args` and, when an older pipeline runs it, the rules of instances.yaml that leave
@@ -31,8 +35,10 @@ Status find_instance(const std::string& name, const BwdArgs& args, int cc,
 // builds one.
 std::string explain_selection(const FwdArgs& args, int cc);
 std::string explain_selection(const BwdArgs& args, int cc);
+std::string explain_selection(const KvcacheArgs& args, int cc);
 
 InstanceInfo to_info(const InstanceEntry& entry);
 BwdInstanceInfo to_info(const BwdInstanceEntry& entry);
+KvcacheInstanceInfo to_info(const KvcacheInstanceEntry& entry);
 
 }  // namespace fmha::detail

@@ -1,8 +1,9 @@
 // The table of compiled instances, as the generator renders it (build/gen/dispatch_table.cpp).
 //
 // Internal to libfmha: the dispatcher (runtime/src/dispatcher.cpp) reads it, the generated
-// dispatch table defines it, and each generated instance TU defines one LaunchFn. This header
-// includes only declarations, so the dispatch TU stays a light host-compiler TU.
+// dispatch table defines it (one table per operation: fwd, bwd, kvcache), and each generated
+// instance TU defines its entry's functions. This header includes only declarations, so the
+// dispatch TU stays a light host-compiler TU.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -113,5 +114,43 @@ struct BwdPipelineGap {
 };
 extern const BwdPipelineGap* const kBwdPipelineGaps;
 extern const int kNumBwdPipelineGaps;
+
+// The KV-cache instances, as the generator renders them from the kvcache operation's matrix.
+// `launch` runs an instance's kernels in order on the stream (appending k_new/v_new to the
+// cache, attention per key split, the combination of the splits) and `workspace` sizes the
+// scratch they share on the current device.
+using KvcacheLaunchFn = cudaError_t (*)(const KvcacheArgs& args, cudaStream_t stream);
+using KvcacheWorkspaceFn = size_t (*)(const KvcacheArgs& args);
+
+struct KvcacheInstanceEntry {
+  const char* name;
+  KvcacheTraits traits;
+  const char* pipeline;
+  const char* arch;
+  int arch_cc;
+  bool arch_exact;
+  int block_m;      // query rows per CTA: the query tokens times the query heads of a K/V head
+  int block_n;      // keys per step of the loop over the cache
+  bool pad_seqlen;  // as InstanceEntry's; true for every kvcache instance (the cache lengths
+                    // live on the device)
+  bool pad_hdim;
+  KvcacheLaunchFn launch;
+  KvcacheWorkspaceFn workspace;
+};
+
+// kNumKvcacheInstances rows (a pointer, as a selection may have none).
+extern const KvcacheInstanceEntry* const kKvcacheInstances;
+extern const int kNumKvcacheInstances;
+
+// PipelineGap for KV-cache attention's traits.
+struct KvcachePipelineGap {
+  const char* pipeline;
+  const char* arch;
+  const char* traits;
+  const char* reason;
+  bool (*matches)(const KvcacheTraits& traits);
+};
+extern const KvcachePipelineGap* const kKvcachePipelineGaps;
+extern const int kNumKvcachePipelineGaps;
 
 }  // namespace fmha::detail
