@@ -295,6 +295,95 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_siz
 
 
 # ---------------------------------------------------------------------------------------------
+# The KV-cache reference (fmha.fwd_kvcache).
+# ---------------------------------------------------------------------------------------------
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+           interleaved: bool) -> torch.Tensor:
+    """x (batch, seqlen, heads, d) rotated at positions (batch, seqlen) by the rows of cos and
+    sin (seqlen_rotary, rotary_dim / 2): pairs (2j, 2j + 1) when interleaved (GPT-J), else
+    (j, j + rotary_dim / 2) (GPT-NeoX); dims past rotary_dim pass through. Computed in float64
+    and rounded once to x's dtype, as the kernel rounds its fp32 result once."""
+    half = cos.shape[1]
+    c = cos[positions].unsqueeze(2).double()  # (batch, seqlen, 1, half)
+    s_ = sin[positions].unsqueeze(2).double()
+    dtype, x = x.dtype, x.double()
+    out = x.clone()
+    if interleaved:
+        first, second = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        out[..., 0:2 * half:2] = first * c - second * s_
+        out[..., 1:2 * half:2] = second * c + first * s_
+    else:
+        first, second = x[..., :half], x[..., half:2 * half]
+        out[..., :half] = first * c - second * s_
+        out[..., half:2 * half] = second * c + first * s_
+    return out.to(dtype)
+
+
+def gather_cache(cache: torch.Tensor, batch: int, *, block_table=None,
+                 cache_batch_idx=None) -> torch.Tensor:
+    """The (batch, seqlen_cache, heads, d) view of each sequence's cache: its pages in
+    block_table's order, or its row cache_batch_idx[b] (b without it)."""
+    if block_table is not None:
+        pages = cache[block_table.long()]  # (batch, pages, page_size, heads, d)
+        return pages.reshape(batch, -1, *cache.shape[2:])
+    rows = torch.arange(batch) if cache_batch_idx is None else cache_batch_idx.long().cpu()
+    return cache[rows.to(cache.device)]
+
+
+def kvcache_reference(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
+                      cache_batch_idx=None, rotary_cos=None, rotary_sin=None,
+                      rotary_interleaved=False, causal=False, window_size=(-1, -1),
+                      softcap=0.0, alibi_slopes=None, softmax_scale=None,
+                      compute_dtype=torch.float64):
+    """fmha.fwd_kvcache's semantics in plain torch: returns (out, lse, k_cache, v_cache), the
+    caches as the call leaves them (new k rotated in the input dtype, then written). Attention
+    is attention_reference() over each sequence's first cache_seqlens[b] + seqlen_new keys,
+    aligned bottom-right, with q rotated at cache_seqlens + i under a mask and at cache_seqlens
+    without one; compute_dtype as there."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    batch, seqlen_q = q.shape[:2]
+    lengths = cache_seqlens.long().cpu()
+    seqlen_new = 0 if k is None else k.shape[1]
+    keys = gather_cache(k_cache, batch, block_table=block_table, cache_batch_idx=cache_batch_idx)
+    values = gather_cache(v_cache, batch, block_table=block_table,
+                          cache_batch_idx=cache_batch_idx)
+    capacity = keys.shape[1]
+    if k is not None:
+        if rotary_cos is not None:
+            positions = (lengths[:, None] + torch.arange(seqlen_new)).clamp(max=capacity - 1)
+            k = rotary(k, rotary_cos, rotary_sin, positions.to(k.device), rotary_interleaved)
+            masked = causal or tuple(window_size) != (-1, -1)
+            q_positions = lengths[:, None] + (torch.arange(seqlen_q) if masked else 0)
+            q = rotary(q, rotary_cos, rotary_sin,
+                       q_positions.expand(batch, seqlen_q).to(q.device), rotary_interleaved)
+        for b in range(batch):
+            n = max(0, min(seqlen_new, capacity - int(lengths[b])))
+            keys[b, lengths[b]:lengths[b] + n] = k[b, :n]
+            values[b, lengths[b]:lengths[b] + n] = v[b, :n]
+        # Write the appended rows back where the call writes them.
+        if block_table is not None:
+            page_size = k_cache.shape[1]
+            for b in range(batch):
+                n = max(0, min(seqlen_new, capacity - int(lengths[b])))
+                for t in range(int(lengths[b]), int(lengths[b]) + n):
+                    page = int(block_table[b, t // page_size])
+                    k_cache[page, t % page_size] = keys[b, t]
+                    v_cache[page, t % page_size] = values[b, t]
+        else:
+            rows = torch.arange(batch) if cache_batch_idx is None else cache_batch_idx.long().cpu()
+            for b in range(batch):
+                k_cache[int(rows[b])] = keys[b]
+                v_cache[int(rows[b])] = values[b]
+    used = (lengths + seqlen_new).clamp(max=capacity)
+    out, lse = attention_reference(
+        q, keys, values, causal=causal, window_size=window_size, mask_align="bottom_right",
+        alibi_slopes=alibi_slopes, softcap=softcap, softmax_scale=softmax_scale,
+        seqused_k=used.to(q.device), compute_dtype=compute_dtype)
+    return out, lse, k_cache, v_cache
+
+
+# ---------------------------------------------------------------------------------------------
 # The backward reference.
 # ---------------------------------------------------------------------------------------------
 

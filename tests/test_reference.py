@@ -1078,3 +1078,95 @@ UNSEEN_KEYS = R.Spec(torch.float16, 32, 32, hq=2, hk=1, b=2, sq=4, sk=9, causal=
 def test_check_bwd_rejects_what_a_faulty_kernel_returns(spec, spoil, match):
     with pytest.raises(AssertionError, match=match):
         R.check_bwd(FakeFmha(spoil), spec, device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# The KV-cache reference (fmha.fwd_kvcache).
+# ---------------------------------------------------------------------------------------------
+
+def test_rotary_matches_complex_multiplication():
+    """GPT-J pairs (2j, 2j + 1) and GPT-NeoX pairs (j, j + r/2) are complex numbers rotated by
+    the angle of their pair; dims past rotary_dim pass through."""
+    x = rand(2, 3, 2, 10)
+    angles = rand(8, 3, seed=5)
+    positions = torch.tensor([[0, 4, 7], [1, 2, 3]])
+    theta = angles[positions].unsqueeze(2)
+    rot = torch.polar(torch.ones_like(theta), theta)
+    gptj = R.rotary(x, angles.cos(), angles.sin(), positions, interleaved=True)
+    want = torch.view_as_real(torch.view_as_complex(x[..., :6].reshape(2, 3, 2, 3, 2).contiguous())
+                              * rot).reshape(2, 3, 2, 6)
+    assert torch.allclose(gptj[..., :6], want) and torch.equal(gptj[..., 6:], x[..., 6:])
+    neox = R.rotary(x, angles.cos(), angles.sin(), positions, interleaved=False)
+    z = torch.complex(x[..., :3], x[..., 3:6]) * rot
+    assert torch.allclose(neox[..., :3], z.real) and torch.allclose(neox[..., 3:6], z.imag)
+    assert torch.equal(neox[..., 6:], x[..., 6:])
+
+
+def _kvcache_case(paged: bool, seed=0):
+    b, sq, hq, hk, d, page, pages = 3, 2, 4, 2, 8, 4, 5
+    q = rand(b, sq, hq, d, seed=seed)
+    contiguous_k = rand(b, page * pages, hk, d, seed=seed + 1)
+    contiguous_v = rand(b, page * pages, hk, d, seed=seed + 2)
+    kw = dict(cache_seqlens=torch.tensor([0, 7, 18], dtype=torch.int32),
+              k=rand(b, sq, hk, d, seed=seed + 3), v=rand(b, sq, hk, d, seed=seed + 4))
+    if not paged:
+        return q, contiguous_k, contiguous_v, kw
+    # The same caches cut into pages and stored in a shuffled order.
+    order = torch.randperm(b * pages, generator=torch.Generator().manual_seed(seed))
+    k_pages = torch.empty(b * pages, page, hk, d, dtype=f64)
+    v_pages = torch.empty_like(k_pages)
+    k_pages[order] = contiguous_k.reshape(b * pages, page, hk, d)
+    v_pages[order] = contiguous_v.reshape(b * pages, page, hk, d)
+    kw["block_table"] = order.view(b, pages).to(torch.int32)
+    return q, k_pages, v_pages, kw
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_paged_is_the_contiguous_cache(causal):
+    q, k, v, kw = _kvcache_case(paged=False)
+    out, lse, k_after, _ = R.kvcache_reference(q, k, v, causal=causal, **kw)
+    qp, kp, vp, kwp = _kvcache_case(paged=True)
+    out_p, lse_p, kp_after, _ = R.kvcache_reference(qp, kp, vp, causal=causal, **kwp)
+    assert torch.equal(out, out_p) and torch.equal(lse, lse_p)
+    table = kwp["block_table"].long()
+    assert torch.equal(kp_after[table].reshape(k_after.shape), k_after)
+
+
+def test_kvcache_appends_then_attends_bottom_right():
+    """The new keys land at cache_seqlens[b] and the query tokens are the last positions: the
+    same as attention_reference over the first cache_seqlens + seqlen_new keys."""
+    q, k, v, kw = _kvcache_case(paged=False)
+    out, lse, k_after, v_after = R.kvcache_reference(q, k, v, causal=True, **kw)
+    for b, n in enumerate(kw["cache_seqlens"].tolist()):
+        assert torch.equal(k_after[b, n:n + 2], kw["k"][b])
+        assert torch.equal(k_after[b, :n], k[b, :n]) and torch.equal(k_after[b, n + 2:], k[b, n + 2:])
+        want, want_lse = R.attention_reference(q[b:b + 1], k_after[b:b + 1, :n + 2],
+                                               v_after[b:b + 1, :n + 2], causal=True,
+                                               mask_align="bottom_right")
+        assert torch.allclose(out[b:b + 1], want) and torch.allclose(lse[b:b + 1], want_lse)
+
+
+def test_kvcache_rotates_q_per_token_only_under_a_mask():
+    q, k, v, kw = _kvcache_case(paged=False)
+    angles = rand(32, 4, seed=9)
+    kw.update(rotary_cos=angles.cos(), rotary_sin=angles.sin())
+    lengths = kw["cache_seqlens"].long()
+    for causal, steps in ((True, torch.arange(2)), (False, torch.zeros(2, dtype=torch.long))):
+        out, _, k_after, _ = R.kvcache_reference(q, k, v, causal=causal, **kw)
+        positions = lengths[:, None] + steps
+        q_rot = R.rotary(q, angles.cos(), angles.sin(), positions, False)
+        k_rot = R.rotary(kw["k"], angles.cos(), angles.sin(), lengths[:, None] + torch.arange(2),
+                         False)
+        for b, n in enumerate(lengths.tolist()):
+            assert torch.equal(k_after[b, n:n + 2], k_rot[b])
+        want, _ = R.attention_reference(q_rot, k_after, _appended(v, kw), causal=causal,
+                                        mask_align="bottom_right", seqused_k=lengths + 2)
+        assert torch.allclose(out, want)
+
+
+def _appended(v, kw):
+    """The contiguous cache v with kw's new values written at each sequence's length."""
+    out = v.clone()
+    for b, n in enumerate(kw["cache_seqlens"].tolist()):
+        out[b, n:n + 2] = kw["v"][b]
+    return out

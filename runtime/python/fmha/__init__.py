@@ -22,6 +22,13 @@ its out and log-sum-exp, and the gradient of out:
     out, lse = fmha.fwd(q, k, v, causal=True, return_lse=True)
     dq, dk, dv = fmha.bwd(dout, q, k, v, out, lse, causal=True)
 
+Serving: attention against a KV cache (decode and chunked prefill), with FlashAttention's
+flash_attn_with_kvcache conventions; the lengths live on the GPU, so a step replays from a CUDA
+graph:
+
+    out = fmha.fwd_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
+                           block_table=pages, rotary_cos=cos, rotary_sin=sin, causal=True)
+
 The kernels come from instances.yaml through ``python -m generator``; a problem that no compiled
 instance fits raises :class:`MissingInstanceError`, whose message names the filter that builds one.
 """
@@ -36,6 +43,7 @@ from fmha._api import (
     select,
 )
 from fmha._bwd import bwd, bwd_instances, explain_bwd, select_bwd
+from fmha._kvcache import explain_kvcache, fwd_kvcache, kvcache_instances, select_kvcache
 
 __all__ = [
     "MissingInstanceError",
@@ -45,8 +53,12 @@ __all__ = [
     "dropout_mask",
     "explain",
     "explain_bwd",
+    "explain_kvcache",
     "fwd",
+    "fwd_kvcache",
     "instances",
+    "kvcache_instances",
     "select",
     "select_bwd",
+    "select_kvcache",
 ]

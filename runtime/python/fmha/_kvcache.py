@@ -1,0 +1,382 @@
+"""fmha.fwd_kvcache: attention against a KV cache (decode, chunked prefill), after
+FlashAttention's flash_attn_with_kvcache.
+
+A decode step runs for microseconds on the GPU, so the host path is a plan per call signature,
+as fmha.fwd's (fmha._plans): the first call of a signature runs every check and keeps the
+KvcacheArgs it built and the workspace size; a later call allocates out (and the log-sum-exp)
+and the workspace, reads its tensors' pointers and crosses into C++ once (KvcacheArgs.run).
+The lengths live on the GPU (cache_seqlens), so a captured CUDA graph replays a step with new
+lengths and new tokens without host work.
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+from fmha import _C, _plans
+from fmha._api import _raise_for
+from fmha._checks import (
+    DTYPE_CODES,
+    INT_LIMIT,
+    ROW_PIECE,
+    check_alignment,
+    check_devices,
+    check_instance,
+    kernel_strides,
+)
+
+_API = "fwd_kvcache"
+
+
+def _fail(message: str) -> None:
+    raise ValueError(f"fmha.{_API}: {message}")
+
+
+def _check_tensor(name: str, t, ndim: int, dtype=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"fmha.{_API}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        _fail(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        _fail(f"{name} must be {dtype}, got {t.dtype}")
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    """The head dim contiguous and every other stride a multiple of 8 elements: rows move in
+    16-byte pieces (what the C++ checks ask too)."""
+    strides = kernel_strides(t)
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        _fail(f"{name} must have its last (head) dimension contiguous, got strides "
+              f"{tuple(t.stride())}; pass {name}.contiguous()")
+    if any(s % ROW_PIECE for s in strides[:-1]):
+        _fail(f"{name} has strides {tuple(t.stride())}; every one but the head dim's must be a "
+              f"multiple of {ROW_PIECE} elements; pass {name}.contiguous()")
+
+
+def _check_index(name: str, t, shape: tuple) -> None:
+    _check_tensor(name, t, len(shape), torch.int32)
+    if tuple(t.shape) != shape:
+        _fail(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        _fail(f"{name} must be contiguous in its last dimension; pass {name}.contiguous()")
+
+
+def _mask(causal, window_size) -> tuple:
+    if not isinstance(causal, bool):
+        raise TypeError(f"fmha.{_API}: causal must be a bool, got {type(causal).__name__}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in window_size)):
+        raise TypeError(f"fmha.{_API}: window_size must be a (left, right) pair of ints, got "
+                        f"{window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1 or left >= INT_LIMIT or right >= INT_LIMIT:
+        _fail(f"window_size entries must be -1 (unbounded) or in [0, 2**31), got "
+              f"{tuple(window_size)}")
+    if causal and right > 0:
+        _fail(f"causal=True sees no key to the right, so window_size's right must be 0 or -1, "
+              f"got {tuple(window_size)}")
+    if left == -1 and right == -1:
+        return (_C.MASK_CAUSAL if causal else _C.MASK_NONE), -1, -1
+    return _C.MASK_WINDOW, left, 0 if causal else right
+
+
+class _KvcachePlan:
+    """A checked call signature: its KvcacheArgs (sizes, strides, options), the shapes of its
+    outputs and its workspace's size, on its device."""
+
+    __slots__ = ("args", "out_shape", "lse_shape", "workspace_bytes", "device")
+
+    def __init__(self, args, out_shape, lse_shape, workspace_bytes: int, device: int):
+        self.args = args
+        self.out_shape = out_shape
+        self.lse_shape = lse_shape
+        self.workspace_bytes = workspace_bytes
+        self.device = device
+
+    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+            rotary_cos, rotary_sin, alibi_slopes, instance):
+        out = q.new_empty(self.out_shape)
+        lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
+        workspace = q.new_empty(self.workspace_bytes, dtype=torch.uint8) \
+            if self.workspace_bytes else None
+        ptr = _pointer
+        call = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), ptr(k), ptr(v),
+                out.data_ptr(), ptr(lse), cache_seqlens.data_ptr(), ptr(cache_batch_idx),
+                ptr(block_table), ptr(rotary_cos), ptr(rotary_sin), ptr(alibi_slopes),
+                ptr(workspace), torch._C._cuda_getCurrentRawStream(self.device), instance)
+        if torch._C._cuda_getDevice() == self.device:
+            failed = self.args.run(*call)
+        else:
+            with torch.cuda.device(self.device):  # the dispatcher picks by the current device
+                failed = self.args.run(*call)
+        if failed is not None:
+            _raise_for(*failed)
+        return out, lse
+
+
+def _pointer(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _call_key(*operands) -> Optional[tuple]:
+    """The signature of a call whose operands are tensors (or None) and hashable options, or
+    None for any other call, which then runs every check and raises what they find."""
+    key = []
+    for x in operands:
+        if isinstance(x, torch.Tensor):
+            key.append((x.shape, x.stride(), x.dtype, x.get_device()))
+        elif x is None or isinstance(x, (bool, int, float)):
+            key.append((type(x), x))  # type too: True and 1 pass different checks
+        elif isinstance(x, tuple) and all(type(e) is int for e in x):
+            key.append(x)
+        else:
+            return None
+    return tuple(key)
+
+
+def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                rotary_cos, rotary_sin, rotary_interleaved, causal, window_size, softcap,
+                alibi_slopes, softmax_scale, num_splits, return_lse):
+    """Every check of a call, then its KvcacheArgs (pointers left 0) and output shapes."""
+    _check_tensor("q", q, 4)
+    if q.dtype not in DTYPE_CODES:
+        _fail(f"q must be float16 or bfloat16, got {q.dtype}")
+    batch, seqlen_q, nhead_q, hdim_q = q.shape
+    _check_tensor("k_cache", k_cache, 4, q.dtype)
+    _check_tensor("v_cache", v_cache, 4, q.dtype)
+    paged = block_table is not None
+    batch_cache, rows_cache, nhead_k, hdim_k = k_cache.shape
+    hdim_v = v_cache.shape[3]
+    if tuple(v_cache.shape[:3]) != (batch_cache, rows_cache, nhead_k):
+        _fail(f"v_cache's shape {tuple(v_cache.shape)} must match k_cache's "
+              f"{tuple(k_cache.shape)} in all but the head dim")
+    if hdim_k != hdim_q:
+        _fail(f"k_cache's head dim {hdim_k} must equal q's {hdim_q}")
+    if batch == 0 or seqlen_q == 0 or nhead_q == 0:
+        _fail(f"q must have a non-empty batch, sequence and head dimension, got shape "
+              f"{tuple(q.shape)}")
+    if nhead_k == 0 or nhead_q % nhead_k:
+        _fail(f"q's {nhead_q} heads must be a multiple of the cache's {nhead_k} (MQA/GQA)")
+    for name, d in (("q", hdim_q), ("v_cache", hdim_v)):
+        if d == 0 or d % ROW_PIECE:
+            _fail(f"{name}'s head dim must be a positive multiple of {ROW_PIECE}, got {d}")
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        _fail("k and v are appended together: pass both or neither")
+    if k is not None:
+        _check_tensor("k", k, 4, q.dtype)
+        _check_tensor("v", v, 4, q.dtype)
+        seqlen_new = k.shape[1]
+        if tuple(k.shape) != (batch, seqlen_new, nhead_k, hdim_q):
+            _fail(f"k must have shape (batch, seqlen_new, nheads_k, headdim) = "
+                  f"{(batch, seqlen_new, nhead_k, hdim_q)}, got {tuple(k.shape)}")
+        if tuple(v.shape) != (batch, seqlen_new, nhead_k, hdim_v):
+            _fail(f"v must have shape {(batch, seqlen_new, nhead_k, hdim_v)}, got "
+                  f"{tuple(v.shape)}")
+    _check_index("cache_seqlens", cache_seqlens, (batch,))
+    if paged:
+        if cache_batch_idx is not None:
+            _fail("cache_batch_idx selects rows of a contiguous cache; a paged cache is "
+                  "addressed through block_table")
+        _check_tensor("block_table", block_table, 2, torch.int32)
+        if block_table.shape[0] != batch or block_table.shape[1] == 0:
+            _fail(f"block_table must have shape (batch, pages_per_sequence) with batch {batch} "
+                  f"and at least one page, got {tuple(block_table.shape)}")
+        _check_index("block_table", block_table, tuple(block_table.shape))
+        page_size = rows_cache
+        seqlen_cache = block_table.shape[1] * page_size
+    else:
+        page_size = 0
+        seqlen_cache = rows_cache
+        if cache_batch_idx is not None:
+            _check_index("cache_batch_idx", cache_batch_idx, (batch,))
+        elif batch_cache < batch:
+            _fail(f"the cache holds {batch_cache} sequences, q {batch}; pass cache_batch_idx "
+                  "to map sequences to cache rows")
+    if seqlen_cache >= INT_LIMIT:
+        _fail(f"a sequence's cache holds {seqlen_cache} keys; at most 2**31 - 1")
+    mask, window_left, window_right = _mask(causal, window_size)
+    rotary_dim = 0
+    seqlen_rotary = 0
+    if (rotary_cos is None) != (rotary_sin is None):
+        _fail("rotary_cos and rotary_sin go together: pass both or neither")
+    if rotary_cos is not None:
+        if k is None:
+            _fail("rotary embeddings rotate the appended k (and q): pass k and v")
+        _check_tensor("rotary_cos", rotary_cos, 2, q.dtype)
+        _check_tensor("rotary_sin", rotary_sin, 2, q.dtype)
+        if rotary_cos.shape != rotary_sin.shape:
+            _fail(f"rotary_cos {tuple(rotary_cos.shape)} and rotary_sin "
+                  f"{tuple(rotary_sin.shape)} must have one shape")
+        seqlen_rotary, half = rotary_cos.shape
+        rotary_dim = 2 * half
+        if rotary_dim == 0 or rotary_dim > hdim_q:
+            _fail(f"rotary_cos must have shape (seqlen_rotary, rotary_dim / 2) with 0 < rotary_dim "
+                  f"<= headdim {hdim_q}, got {tuple(rotary_cos.shape)}")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not t.is_contiguous():
+                _fail(f"{name} must be contiguous; pass {name}.contiguous()")
+    if not isinstance(rotary_interleaved, bool):
+        raise TypeError(f"fmha.{_API}: rotary_interleaved must be a bool")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(hdim_q)
+    elif not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
+        raise TypeError(f"fmha.{_API}: softmax_scale must be a float or None")
+    elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        _fail(f"softmax_scale must be finite and positive, got {softmax_scale}")
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
+        raise TypeError(f"fmha.{_API}: softcap must be a float")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        _fail(f"softcap must be finite and non-negative (0: off), got {softcap}")
+    if alibi_slopes is not None:
+        _check_tensor("alibi_slopes", alibi_slopes, alibi_slopes.dim(), torch.float32)
+        if tuple(alibi_slopes.shape) not in ((nhead_q,), (batch, nhead_q)):
+            _fail(f"alibi_slopes must have shape ({nhead_q},) or ({batch}, {nhead_q}), got "
+                  f"{tuple(alibi_slopes.shape)}")
+        if alibi_slopes.stride(-1) != 1:
+            _fail("alibi_slopes must be contiguous in its last dimension")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
+        raise TypeError(f"fmha.{_API}: num_splits must be an int >= 0 (0: chosen from the "
+                        f"shapes), got {num_splits!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"fmha.{_API}: return_lse must be a bool")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is not None:
+            _check_rows(name, t)
+    check_devices(api=_API, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                  cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                  block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                  alibi_slopes=alibi_slopes)
+
+    a = _C.KvcacheArgs()
+    a.dtype = DTYPE_CODES[q.dtype]
+    a.batch, a.seqlen_q, a.nhead_q, a.hdim_q = batch, seqlen_q, nhead_q, hdim_q
+    a.seqlen_new, a.seqlen_cache, a.batch_cache = seqlen_new, seqlen_cache, batch_cache
+    a.nhead_k, a.hdim_v = nhead_k, hdim_v
+    a.q_batch_stride, a.q_seq_stride, a.q_head_stride = kernel_strides(q)[:3]
+    a.k_cache_batch_stride, a.k_cache_seq_stride, a.k_cache_head_stride = k_cache.stride()[:3]
+    a.v_cache_batch_stride, a.v_cache_seq_stride, a.v_cache_head_stride = v_cache.stride()[:3]
+    if k is not None:
+        a.k_new_batch_stride, a.k_new_seq_stride, a.k_new_head_stride = kernel_strides(k)[:3]
+        a.v_new_batch_stride, a.v_new_seq_stride, a.v_new_head_stride = kernel_strides(v)[:3]
+    out_shape = (batch, seqlen_q, nhead_q, hdim_v)
+    a.o_batch_stride = seqlen_q * nhead_q * hdim_v
+    a.o_seq_stride, a.o_head_stride = nhead_q * hdim_v, hdim_v
+    lse_shape = (batch, nhead_q, seqlen_q) if return_lse else None
+    a.lse_batch_stride, a.lse_head_stride = nhead_q * seqlen_q, seqlen_q
+    if paged:
+        a.block_table_batch_stride = block_table.stride(0)
+        a.page_size = page_size
+    a.rotary_dim, a.seqlen_rotary, a.rotary_interleaved = rotary_dim, seqlen_rotary, \
+        rotary_interleaved
+    a.softmax_scale = float(softmax_scale)
+    a.mask, a.window_left, a.window_right = mask, window_left, window_right
+    if alibi_slopes is not None:
+        a.bias = _C.BIAS_ALIBI
+        a.alibi_batch_stride = nhead_q if alibi_slopes.dim() == 2 else 0
+    a.softcap = float(softcap)
+    a.num_splits = num_splits
+    return a, out_shape, lse_shape
+
+
+# Pointers a described call passes so that the C++ checks see which optional operands it has.
+_PRESENT = 16
+
+
+def _mark_present(a, **optional) -> None:
+    for name, t in optional.items():
+        if t is not None:
+            setattr(a, name, _PRESENT)
+
+
+_PLANS = _plans.PlanTable()
+
+
+def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
+                cache_batch_idx=None, rotary_cos=None, rotary_sin=None,
+                rotary_interleaved=False, causal=False, window_size=(-1, -1), softcap=0.0,
+                alibi_slopes=None, softmax_scale=None, num_splits=0, return_lse=False,
+                instance=None):
+    """Attention of q against a KV cache, FlashAttention's flash_attn_with_kvcache.
+
+    q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch_cache, seqlen_cache,
+    nheads_k, headdim), or with block_table paged: (num_pages, page_size, nheads_k, headdim),
+    any page size. k, v (optional): (batch, seqlen_new, nheads_k, headdim), written into the
+    cache in place at positions cache_seqlens[b] .. + seqlen_new - 1 before attention (rotated
+    by rotary_cos/rotary_sin, (seqlen_rotary, rotary_dim / 2), when given: k at its position,
+    q at cache_seqlens + i under a mask, else at cache_seqlens). cache_seqlens: int32 (batch,)
+    on the GPU, the keys cached before the call; sequence b attends to cache_seqlens[b] +
+    seqlen_new keys (never past the cache's end). causal and window_size align the query tokens
+    with the last keys (bottom-right). num_splits: key splits per sequence and K/V head, 0 to
+    choose from the shapes and the GPU. Returns out (batch, seqlen_q, nheads, headdim), and
+    with return_lse the log-sum-exp (batch, nheads, seqlen_q) in fp32.
+    """
+    check_instance(instance, _API)
+    key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
+                    rotary_cos, rotary_sin, alibi_slopes, rotary_interleaved, causal,
+                    window_size, softcap, softmax_scale, num_splits, return_lse)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        args, out_shape, lse_shape = _build_args(
+            q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos,
+            rotary_sin, rotary_interleaved, causal, window_size, softcap, alibi_slopes,
+            softmax_scale, num_splits, return_lse)
+        check_alignment(_API, q=q, k_cache=k_cache, v_cache=v_cache,
+                        **({} if k is None else {"k": k, "v": v}))
+        device = q.get_device()
+        with torch.cuda.device(device):
+            # The workspace's size depends on the instance (its tile) and on which optional
+            # operands the call has; run() sets every pointer from the call's tensors.
+            _mark_present(args, k_new=k, v_new=v, block_table=block_table,
+                          rotary_cos=rotary_cos, alibi_slopes=alibi_slopes)
+            code, message, workspace_bytes = _C.kvcache_workspace_size(args)
+            _raise_for(code, message)
+        args.workspace_bytes = workspace_bytes
+        plan = _KvcachePlan(args, out_shape, lse_shape, workspace_bytes, device)
+        if key is not None:
+            _PLANS.put(key, plan)
+    out, lse = plan.run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                        rotary_cos, rotary_sin, alibi_slopes, instance)
+    return (out, lse) if return_lse else out
+
+
+def _described(q, k_cache, v_cache, k, v, options: dict):
+    options = dict(options)
+    cache_seqlens = options.pop("cache_seqlens")
+    defaults = dict(block_table=None, cache_batch_idx=None, rotary_cos=None, rotary_sin=None,
+                    rotary_interleaved=False, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, softmax_scale=None, num_splits=0, return_lse=False)
+    unknown = set(options) - set(defaults)
+    if unknown:
+        raise TypeError(f"fmha.{_API}: unexpected options {sorted(unknown)}")
+    o = {**defaults, **options}
+    args, _, _ = _build_args(q, k_cache, v_cache, k, v, cache_seqlens, o["cache_batch_idx"],
+                             o["block_table"], o["rotary_cos"], o["rotary_sin"],
+                             o["rotary_interleaved"], o["causal"], o["window_size"],
+                             o["softcap"], o["alibi_slopes"], o["softmax_scale"],
+                             o["num_splits"], o["return_lse"])
+    _mark_present(args, k_new=k, v_new=v, block_table=o["block_table"],
+                  rotary_cos=o["rotary_cos"], alibi_slopes=o["alibi_slopes"])
+    return args
+
+
+def select_kvcache(q, k_cache, v_cache, k=None, v=None, **options) -> dict:
+    """The instance fwd_kvcache would run for this call, without running it."""
+    with torch.cuda.device(q.get_device()):
+        code, message, chosen = _C.select_kvcache(_described(q, k_cache, v_cache, k, v, options))
+    _raise_for(code, message)
+    return chosen
+
+
+def explain_kvcache(q, k_cache, v_cache, k=None, v=None, **options) -> str:
+    """Why fwd_kvcache picks what it picks for this call, in words."""
+    with torch.cuda.device(q.get_device()):
+        code, message, text = _C.explain_kvcache(_described(q, k_cache, v_cache, k, v, options))
+    _raise_for(code, message)
+    return text
+
+
+def kvcache_instances() -> list[dict]:
+    """Every compiled KV-cache instance, in the dispatcher's order of preference."""
+    return _C.kvcache_instances()

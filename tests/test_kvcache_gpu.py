@@ -1,0 +1,199 @@
+"""GPU correctness of every compiled KV-cache instance (fmha.fwd_kvcache) against the float64
+reference (tests/reference.py's kvcache_reference), on fresh random inputs and a poisoned
+allocator: decode (one query token) and several query tokens, MQA/GQA/MHA, contiguous caches
+(with cache_batch_idx) and paged ones (pages of 7 to 256 tokens in shuffled order), empty and
+full caches, k/v appended in place with and without rotary (both layouts), forced and chosen
+key splits, and each instance's own mask, ALiBi and soft-cap. The cache the call leaves is
+checked too: appended rows as the reference rotates them, every other row untouched."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+
+from gpu_support import device_cc, import_fmha, runs_here
+from reference import DTYPES, compare, kvcache_reference, poison_allocator, ulp
+
+torch, fmha = import_fmha()
+if not hasattr(fmha, "fwd_kvcache"):
+    pytest.skip("this fmha build predates fwd_kvcache; rebuild it", allow_module_level=True)
+
+CC = device_cc(torch)
+INSTANCES = [i for i in fmha.kvcache_instances() if runs_here(i, CC)]
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    seqlen_q: int
+    nhead_q: int
+    nhead_k: int
+    capacity: int           # keys a sequence's cache holds
+    lengths: tuple          # cache_seqlens, before the append
+    seqlen_new: int = 0     # k/v appended
+    rotary: Optional[str] = None  # None, "neox" or "gptj" (interleaved)
+    rotary_fraction: float = 1.0  # rotary_dim / headdim
+    num_splits: int = 0
+    page_size: int = 0      # paged instances' page size (contiguous ones take the capacity)
+    batch_idx: bool = False  # contiguous instances: map sequences to shuffled cache rows
+
+    def describe(self) -> str:
+        return (f"b{self.batch} sq{self.seqlen_q} h{self.nhead_q}/{self.nhead_k} "
+                f"cap{self.capacity} len{list(self.lengths)} new{self.seqlen_new} "
+                f"rot={self.rotary} splits={self.num_splits} page={self.page_size}")
+
+
+CASES = (
+    # Decode, GQA 8:1: an empty cache, one key, a long one; splits chosen.
+    Case(3, 1, 8, 1, 512, (0, 1, 300), page_size=16),
+    # Decode with the new token appended and rotated (GPT-NeoX, half the head dim), 3 splits.
+    Case(2, 1, 8, 2, 384, (17, 250), seqlen_new=1, rotary="neox", rotary_fraction=0.5,
+         num_splits=3, page_size=64, batch_idx=True),
+    # Several query tokens (speculative decoding, chunked prefill), MHA, interleaved rotary.
+    Case(3, 5, 4, 4, 640, (0, 100, 377), seqlen_new=5, rotary="gptj", num_splits=1,
+         page_size=7),
+    # 28 packed rows (two row blocks), a cache filled to its last key by the append.
+    Case(2, 7, 8, 2, 320, (313, 64), seqlen_new=7, page_size=256, batch_idx=True),
+    # Long caches: many splits from the heuristic.
+    Case(2, 1, 16, 2, 4096, (4000, 1234), page_size=16),
+    # More splits than a short sequence has key tiles: idle splits.
+    Case(2, 3, 2, 1, 1024, (5, 1000), seqlen_new=3, rotary="neox", num_splits=9, page_size=64),
+)
+
+MASK_WINDOWS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)),
+                "window": (False, (37, 0))}
+SOFTCAP = 5.0
+
+
+def _inputs(inst: dict, case: Case, gen: torch.Generator):
+    dtype = DTYPES[inst["dtype"]]
+    d, dv = inst["hdim_q"], inst["hdim_v"]
+    dev = "cuda"
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=dev).to(dtype)
+
+    b, hk = case.batch, case.nhead_k
+    kw = {}
+    if inst["paged"]:
+        pages_per_seq = math.ceil(case.capacity / case.page_size)
+        num_pages = b * pages_per_seq + 3  # spare pages no sequence owns
+        k_cache = randn(num_pages, case.page_size, hk, d)
+        v_cache = randn(num_pages, case.page_size, hk, dv)
+        order = torch.randperm(num_pages, generator=gen, device=dev)[:b * pages_per_seq]
+        kw["block_table"] = order.view(b, pages_per_seq).to(torch.int32)
+        capacity = pages_per_seq * case.page_size
+    else:
+        rows = b + 2 if case.batch_idx else b
+        k_cache = randn(rows, case.capacity, hk, d)
+        v_cache = randn(rows, case.capacity, hk, dv)
+        if case.batch_idx:
+            kw["cache_batch_idx"] = torch.randperm(rows, generator=gen, device=dev)[:b].to(
+                torch.int32)
+        capacity = case.capacity
+    assert all(n + case.seqlen_new <= capacity for n in case.lengths), case
+    kw["cache_seqlens"] = torch.tensor(case.lengths, dtype=torch.int32, device=dev)
+    q = randn(b, case.seqlen_q, case.nhead_q, d)
+    if case.seqlen_new:
+        kw["k"] = randn(b, case.seqlen_new, hk, d)
+        kw["v"] = randn(b, case.seqlen_new, hk, dv)
+    if case.rotary:
+        rotary_dim = int(d * case.rotary_fraction) // 2 * 2
+        angles = torch.rand(capacity, rotary_dim // 2, generator=gen, device=dev) * 2 * math.pi
+        kw["rotary_cos"] = angles.cos().to(dtype)
+        kw["rotary_sin"] = angles.sin().to(dtype)
+        kw["rotary_interleaved"] = case.rotary == "gptj"
+    causal, window = MASK_WINDOWS[inst["mask"]]
+    kw["causal"], kw["window_size"] = causal, window
+    if inst["bias"] == "alibi":
+        kw["alibi_slopes"] = torch.rand(case.nhead_q, generator=gen, device=dev) * 0.3
+    if inst["softcap"]:
+        kw["softcap"] = SOFTCAP
+    return q, k_cache, v_cache, kw
+
+
+def _check(inst: dict, case: Case, instance: Optional[str], seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k_cache, v_cache, kw = _inputs(inst, case, gen)
+    dtype = q.dtype
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    new = {name: kw.pop(name) for name in ("k", "v") if name in kw}
+    truth, truth_lse, want_k, want_v = kvcache_reference(
+        q, before_k, before_v, new.get("k"), new.get("v"), **kw)
+    lowp, _, _, _ = kvcache_reference(q, before_k, before_v, new.get("k"), new.get("v"), **kw,
+                                      compute_dtype=dtype)
+    out_shape = (case.batch, case.seqlen_q, case.nhead_q, inst["hdim_v"])
+    poison_allocator([(out_shape, dtype), ((case.batch, case.nhead_q, case.seqlen_q),
+                                           torch.float32)], q.device)
+    out, lse = fmha.fwd_kvcache(q, k_cache, v_cache, new.get("k"), new.get("v"), **kw,
+                                num_splits=case.num_splits, return_lse=True, instance=instance)
+    torch.cuda.synchronize()
+    what = f"{instance or 'dispatcher'} [{case.describe()}]"
+    compare(out, truth, lowp, dtype=dtype, lse=lse, ref_lse=truth_lse, what=what)
+    # The cache: appended rows within one rounding of the reference's (the kernel rotates in
+    # fp32, the reference in float64, each rounding once), every other row bitwise untouched.
+    for name, got, want in (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)):
+        changed = (want != before_k if name == "k_cache" else want != before_v)
+        same = ~changed.any(-1, keepdim=True).expand_as(want)
+        assert torch.equal(got[same], want[same]), f"{what}: {name} rows outside the append moved"
+        diff = (got.double() - want.double()).abs().max().item()
+        assert diff <= 2 * ulp(want.double().abs().max().item(), dtype), (
+            f"{what}: {name} appended rows off by {diff}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_index", range(len(CASES)))
+@pytest.mark.parametrize("inst", INSTANCES, ids=lambda i: i["name"])
+def test_instance(inst, case_index):
+    case = CASES[case_index]
+    _check(inst, case, inst["name"], seed=case_index)
+
+
+@pytest.mark.gpu
+def test_dispatcher_and_explain():
+    """Without `instance` the dispatcher picks a fitting instance, which select_kvcache names
+    and explain_kvcache describes."""
+    if not INSTANCES:
+        pytest.skip("no kvcache instance runs on this GPU")
+    inst = INSTANCES[0]
+    case = CASES[1]
+    _check(inst, case, None, seed=7)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k_cache, v_cache, kw = _inputs(inst, case, gen)
+    chosen = fmha.select_kvcache(q, k_cache, v_cache, **kw)
+    assert chosen["name"] in {i["name"] for i in INSTANCES}
+    text = fmha.explain_kvcache(q, k_cache, v_cache, **kw)
+    assert chosen["name"] in text
+
+
+@pytest.mark.gpu
+def test_graph_replay_with_new_lengths():
+    """A decode step captured in a CUDA graph replays with new lengths and tokens in place."""
+    if not INSTANCES:
+        pytest.skip("no kvcache instance runs on this GPU")
+    inst = next((i for i in INSTANCES if i["mask"] == "causal"), INSTANCES[0])
+    case = Case(2, 1, 8, 2, 512, (100, 7), seqlen_new=1, rotary="neox", page_size=16)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k_cache, v_cache, kw = _inputs(inst, case, gen)
+    k_new, v_new = kw.pop("k"), kw.pop("v")
+    fmha.fwd_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, **kw)  # plan, warm-up
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        out = fmha.fwd_kvcache(q, k_cache, v_cache, k_new, v_new, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    for step, lengths in enumerate(((300, 12), (0, 511))):
+        q.copy_(torch.randn(q.shape, generator=gen, device="cuda"))
+        k_new.copy_(torch.randn(k_new.shape, generator=gen, device="cuda"))
+        kw["cache_seqlens"].copy_(torch.tensor(lengths, dtype=torch.int32))
+        before_k, before_v = k_cache.clone(), v_cache.clone()
+        truth, _, _, _ = kvcache_reference(q, before_k, before_v, k_new, v_new, **kw)
+        lowp, _, _, _ = kvcache_reference(q, before_k, before_v, k_new, v_new, **kw,
+                                          compute_dtype=q.dtype)
+        graph.replay()
+        torch.cuda.synchronize()
+        compare(out, truth, lowp, dtype=q.dtype, what=f"graph replay {step} {lengths}")
