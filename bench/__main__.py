@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
+from bench import decode
 from fmha.timing import graph_median_ms, host_us, interleaved_medians
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,6 +89,18 @@ def parse_args(argv):
     p.add_argument("--graph", action="store_true",
                    help="also time fmha replayed from a CUDA graph (column fmha_graph): no "
                         "host work between calls, so fmha/fmha_graph below 1 is host-bound")
+    p.add_argument("--decode", action="store_true",
+                   help="time one decode step of fmha.fwd_kvcache against SDPA instead (GB/s "
+                        "against the device's copy bandwidth; bench/decode.py)")
+    p.add_argument("--batches", type=csv(int), default=[1, 8, 64],
+                   help="with --decode: batch sizes")
+    p.add_argument("--cache-lens", type=csv(int), default=[1024, 8192, 32768, 131072],
+                   help="with --decode: cached keys per sequence")
+    p.add_argument("--gqa", type=csv(int), default=[8, 4],
+                   help="with --decode: query heads per K/V head")
+    p.add_argument("--kv-heads", type=int, default=8, help="with --decode: K/V heads")
+    p.add_argument("--pages", type=csv(int), default=[16, 64, 256],
+                   help="with --decode: page sizes of the paged caches (0: none)")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
     unknown = set(args.dtypes) - set(DTYPES)
@@ -399,6 +412,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("python -m bench: needs a CUDA GPU")
     causal_values = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    if args.decode:
+        return main_decode(args)
     if args.bwd:
         return main_backward(args, causal_values)
     rows = []
@@ -461,6 +476,33 @@ def main_backward(args, causal_values):
           "included:")
     print("  " + ", ".join(f"{name} {mib:.0f}" if isinstance(mib, float) else f"{name}: {mib}"
                            for name, mib in memory.items()))
+
+
+def main_decode(args):
+    """python -m bench --decode: GB/s of one decode step, head dims --hdims, on the grid of
+    --batches x --cache-lens x --gqa (query heads per K/V head, --kv-heads K/V heads)."""
+    copy_gbs = decode.copy_bandwidth_gbs(args)
+    rows = []
+    for dt in args.dtypes:
+        for d in args.hdims:
+            for group in args.gqa:
+                for batch in args.batches:
+                    for cache_len in args.cache_lens:
+                        rows.append(decode.run_decode_case(
+                            DTYPES[dt], head_dims(d)[0], group * args.kv_heads, args.kv_heads,
+                            batch, cache_len, args))
+                        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    host = decode.host_costs(DTYPES[args.dtypes[0]], args)
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "copy_gbs": copy_gbs, "host_us_per_call": host}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "decode_rows": rows}, f, indent=1)
+    print(f"{info['gpu']}, torch {info['torch']}; decode GB/s (K/V read once, plus q and out), "
+          f"medians; device-to-device copy {copy_gbs:.0f} GB/s")
+    print(decode.format_rows(rows, copy_gbs))
+    print("host time per call, us (b1 h8/1 d128 L1024): " +
+          ", ".join(f"{name} {us:.1f}" for name, us in host.items()))
 
 
 if __name__ == "__main__":

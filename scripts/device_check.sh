@@ -2,6 +2,7 @@
 # One call on a lent GPU machine: check and time a build tree made elsewhere.
 #
 #   bash scripts/device_check.sh [BUILD_DIR] [all|test|bench|bwd]
+#   bash scripts/device_check.sh [BUILD_DIR] kvcache
 #   bash scripts/device_check.sh [BUILD_DIR] reliability
 #   bash scripts/device_check.sh [BUILD_DIR] sanitize [all|memcheck|racecheck]
 #
@@ -10,9 +11,11 @@
 # trait). `test` runs both examples with validation for every feature and the GPU tests, forward
 # and backward; `bench` the forward's benchmark; `bwd` the backward's examples and tests alone
 # and the backward's benchmark (`python -m bench --bwd --deterministic`); `all` is test, bench
-# and the backward's benchmark. Logs, bench.json, bench-bwd.json and the property-test report
-# go to $OUT (default /tmp/fmha-out); the benchmark tables print last. FMHA_BENCH_ARGS adds
-# arguments to both `python -m bench` runs. `reliability` runs
+# and the backward's benchmark; `kvcache` the KV-cache tests (every compiled kvcache instance),
+# the integrations' GPU tests and `python -m bench --decode` (bf16, d128). Logs, bench.json,
+# bench-bwd.json, bench-decode.json and the property-test report go to $OUT (default
+# /tmp/fmha-out); the benchmark tables print last. FMHA_BENCH_ARGS adds arguments to every
+# `python -m bench` run. `reliability` runs
 # tests/test_reliability_gpu.py (big tensors, streams, CUDA graphs, NaN/Inf; about a minute);
 # `sanitize` runs scripts/sanitize.sh (compute-sanitizer memcheck over every instance and
 # racecheck over a covering subset; its summary prints last). Neither is part of `all`.
@@ -78,6 +81,13 @@ if [[ $mode == all || $mode == test || $mode == bwd ]]; then
   python3 -m pytest tests/test_bwd_gpu.py -q -p no:cacheprovider \
     2>&1 | tee "$out/pytest_bwd_gpu.log" | tail -n 25
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if [[ $mode == kvcache ]]; then
+  python3 -m pytest tests/test_kvcache_gpu.py tests/test_kvcache_api.py tests/test_integrations_gpu.py \
+    -q -p no:cacheprovider 2>&1 | tee "$out/pytest_kvcache.log" | tail -n 30
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  python3 -m bench --decode --dtypes bf16 --hdims 128 --json "$out/bench-decode.json" \
+    ${FMHA_BENCH_ARGS:-} 2>"$out/bench_decode_rows.log" | tee "$out/bench-decode.txt" || status=1
 fi
 if [[ $mode == reliability ]]; then
   python3 -m pytest tests/test_reliability_gpu.py -q -p no:cacheprovider -rs \

@@ -1,0 +1,131 @@
+"""python -m bench --decode: one decode step (one query token per sequence against a full KV
+cache) of fmha.fwd_kvcache against torch SDPA's backends on the same shapes.
+
+Decode reads every cached key and value once and does little arithmetic on them, so the
+measure is bandwidth: bytes = K and V of every sequence (batch * cache_len * nheads_k * 2 *
+headdim * 2) plus q and out, over the median GPU time of back-to-back calls (fmha.timing). The
+yardstick is the device-to-device copy bandwidth measured in the same run (torch's copy_ of a
+1 GiB buffer, counting the bytes read and written). fmha runs a contiguous cache and paged
+caches (--pages); SDPA has no paged cache and runs the contiguous one, (b, h, 1, d) against
+(b, h_k, L, d) with enable_gqa, with each backend that accepts it (the best one's time is the
+row's sdpa column). Host time per call is measured apart on the smallest shape (fmha.timing's
+host_us), for fmha and for SDPA's default choice.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fmha
+from fmha.timing import host_us, interleaved_medians, median_ms
+
+SDPA_DECODE_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                        "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def copy_bandwidth_gbs(args) -> float:
+    """Device-to-device copy of 1 GiB, bytes read plus bytes written per second."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), args.warmup_ms, args.repeat_ms)
+    return 2 * src.numel() / ms * 1e-6
+
+
+def _cache(batch, cache_len, nhead_k, d, dtype, page_size):
+    """(k_cache, v_cache, block_table) of full caches: contiguous without page_size, else pages
+    in shuffled order (a real allocator's pages are anywhere)."""
+    if not page_size:
+        k = torch.randn(batch, cache_len, nhead_k, d, device="cuda", dtype=dtype)
+        return k, torch.randn_like(k), None
+    pages = cache_len // page_size
+    k = torch.randn(batch * pages, page_size, nhead_k, d, device="cuda", dtype=dtype)
+    table = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
+    return k, torch.randn_like(k), table
+
+
+def _sdpa_calls(row, q, k_cache, v_cache):
+    """Each SDPA backend that accepts the decode shape, as a call on (b, h, s, d) tensors."""
+    qt = q.transpose(1, 2)
+    kt, vt = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    calls = {}
+    for name, backend in SDPA_DECODE_BACKENDS.items():
+        def call(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        try:
+            call()
+            calls[f"sdpa_{name}"] = call
+        except RuntimeError as err:
+            row[f"sdpa_{name}_error"] = str(err).splitlines()[0]
+    return calls
+
+
+def run_decode_case(dtype, d, nhead_q, nhead_k, batch, cache_len, args):
+    row = {"dtype": str(dtype).removeprefix("torch."), "hdim": d, "heads": f"{nhead_q}/{nhead_k}",
+           "batch": batch, "cache_len": cache_len}
+    q = torch.randn(batch, 1, nhead_q, d, device="cuda", dtype=dtype)
+    lengths = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+    calls = {}
+    # Every layout's cache is alive while the row's calls take turns: past ~80% of the free
+    # memory (b64 x 128k keys is 34 GB a layout at d128) the row keeps the contiguous one.
+    element = torch.finfo(dtype).bits // 8
+    cache_bytes = 2 * element * batch * cache_len * nhead_k * d
+    layouts = [0, *[p for p in args.pages if p]]
+    if cache_bytes * len(layouts) > 0.8 * torch.cuda.mem_get_info()[0]:
+        row["paged_skipped"] = "memory"
+        layouts = [0]
+    for page_size in layouts:
+        if page_size and cache_len % page_size:
+            continue
+        k_cache, v_cache, table = _cache(batch, cache_len, nhead_k, d, dtype, page_size)
+        name = f"fmha_paged{page_size}" if page_size else "fmha"
+        try:
+            call = (lambda k_cache=k_cache, v_cache=v_cache, table=table: fmha.fwd_kvcache(
+                q, k_cache, v_cache, cache_seqlens=lengths, block_table=table))
+            call()
+            calls[name] = call
+            if not page_size:
+                row["instance"] = fmha.select_kvcache(q, k_cache, v_cache,
+                                                      cache_seqlens=lengths)["name"]
+                calls.update(_sdpa_calls(row, q, k_cache, v_cache))
+        except ValueError as err:  # not in this build
+            row[f"{name}_error"] = str(err).splitlines()[0]
+    medians = interleaved_medians(calls, args.warmup_ms, args.repeat_ms, args.rounds)
+    bytes_moved = cache_bytes + 2 * element * batch * nhead_q * d
+    for name, ms in medians.items():
+        row[name] = bytes_moved / ms * 1e-6  # GB/s
+    sdpa = {n: v for n, v in row.items() if n.startswith("sdpa_") and isinstance(v, float)}
+    if sdpa:
+        best = max(sdpa, key=sdpa.get)
+        row["sdpa_best"] = best.removeprefix("sdpa_")
+        row["sdpa"] = sdpa[best]
+    return row
+
+
+def host_costs(dtype, args) -> dict:
+    """Host microseconds per call on a small decode shape (GPU work shorter than host work)."""
+    q = torch.randn(1, 1, 8, 128, device="cuda", dtype=dtype)
+    k_cache = torch.randn(1, 1024, 1, 128, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    lengths = torch.full((1,), 1024, dtype=torch.int32, device="cuda")
+    costs = {"fmha": host_us(lambda: fmha.fwd_kvcache(q, k_cache, v_cache, cache_seqlens=lengths))}
+    qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    costs["sdpa"] = host_us(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+    return costs
+
+
+def format_rows(rows, copy_gbs) -> str:
+    columns = ["fmha", *sorted({k for r in rows for k in r if k.startswith("fmha_paged")
+                                and not k.endswith("_error")}), "sdpa"]
+    header = f"{'case':>30} " + " ".join(f"{c:>13}" for c in columns) + \
+        f" {'fmha/copy':>9} {'fmha/sdpa':>9}  sdpa backend"
+    lines = [header]
+    for r in rows:
+        case = f"{r['dtype']} d{r['hdim']} h{r['heads']} b{r['batch']} L{r['cache_len']}"
+        cells = " ".join(f"{r[c]:13.0f}" if isinstance(r.get(c), float) else f"{'-':>13}"
+                         for c in columns)
+        fmha_gbs = r.get("fmha")
+        of_copy = f"{fmha_gbs / copy_gbs:9.2f}" if fmha_gbs else f"{'-':>9}"
+        vs = f"{fmha_gbs / r['sdpa']:8.2f}x" if fmha_gbs and r.get("sdpa") else f"{'-':>9}"
+        lines.append(f"{case:>30} {cells} {of_copy} {vs}  {r.get('sdpa_best', '-')}")
+    return "\n".join(lines)
