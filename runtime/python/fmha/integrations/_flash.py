@@ -1,0 +1,132 @@
+"""FlashAttention-2's calling conventions on top of fmha.fwd, for the integrations.
+
+Libraries written for FlashAttention hand attention a padded batch, (batch, seqlen, heads,
+head_dim), with a 2D padding mask, or sequences packed into one row; their causal mask is
+aligned bottom-right (the last query sees every key, as in a decode step against a KV cache)
+and their sliding window counts the query's own token. flash_attention() turns that into one
+fmha.fwd call: the tokens the mask keeps packed into fmha.fwd's group (varlen) mode with
+cu_seqlens, head dims padded to what the kernels take, and the output laid back out as the
+caller's batch. Plain torch: no other library is imported here.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+import fmha
+
+# fmha.fwd takes head dims that are multiples of 8 (its kernels move rows in 16-byte pieces).
+HEAD_DIM_MULTIPLE = 8
+
+
+class Packed(NamedTuple):
+    """The tokens of a padded (batch, seqlen) batch that fmha.fwd's group mode runs."""
+
+    indices: torch.Tensor  # int64 (tokens,): their positions in the flattened batch * seqlen
+    cu_seqlens: torch.Tensor  # int32 (batch + 1,): where each sequence's tokens start, then the end
+    max_seqlen: int
+
+
+def pack_padding_mask(padding_mask: torch.Tensor) -> Packed:
+    """The tokens that a (batch, seqlen) padding mask keeps (nonzero: a token, 0: padding), in
+    order. Reads the longest length back to the host: fmha.fwd takes it as an int."""
+    lengths = padding_mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(padding_mask.flatten()).flatten()
+    cu_seqlens = F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
+    return Packed(indices, cu_seqlens, int(lengths.max()))
+
+
+def pack_positions(position_ids: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
+    """(cu_seqlens, max_seqlen) of the sequences packed into one row (padding-free batches),
+    told apart by their position ids, each sequence's counting up from the row's smallest;
+    None where the row holds one sequence. Reads from the device twice: where the sequences
+    start, and the longest one."""
+    positions = position_ids.flatten()
+    starts = torch.nonzero(positions == positions.min()).flatten()
+    if starts.numel() <= 1:
+        return None
+    cu_seqlens = torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
+    return cu_seqlens, int(cu_seqlens.diff().max())
+
+
+def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """(batch, seqlen, ...) -> (tokens, ...): the tokens at `indices` of the flattened batch."""
+    return x.reshape(-1, *x.shape[2:]).index_select(0, indices)
+
+
+def scatter_tokens(x: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """gather_tokens undone: (tokens, ...) -> (batch, seqlen, ...), zeros where no token is."""
+    out = x.new_zeros(batch * seqlen, *x.shape[1:]).index_copy(0, indices, x)
+    return out.view(batch, seqlen, *x.shape[1:])
+
+
+def pad_head_dim(x: torch.Tensor) -> torch.Tensor:
+    """x with its last (head) dim zero-padded to a multiple of HEAD_DIM_MULTIPLE. Zeros change
+    no dot product of q and k, and give output columns of zeros, which the caller drops."""
+    missing = -x.shape[-1] % HEAD_DIM_MULTIPLE
+    return F.pad(x, (0, missing)) if missing else x
+
+
+def window_size(sliding_window: Optional[int], causal: bool, seqlen_k: int) -> tuple[int, int]:
+    """fmha.fwd's window_size for a sliding window of `sliding_window` keys, the query's own
+    included (transformers' and FlashAttention's count): a query sees the sliding_window - 1
+    keys before it (and as many after it when not causal). None, or a window no shorter than
+    the keys, bounds nothing: (-1, -1), which runs on the instances without a window."""
+    if sliding_window is None or seqlen_k <= sliding_window:
+        return -1, -1
+    return sliding_window - 1, 0 if causal else sliding_window - 1
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                    softmax_scale: Optional[float] = None, sliding_window: Optional[int] = None,
+                    softcap: float = 0.0, dropout_p: float = 0.0,
+                    padding_mask: Optional[torch.Tensor] = None,
+                    cu_seqlens_q: Optional[torch.Tensor] = None,
+                    cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
+                    max_seqlen_k: int = 0) -> torch.Tensor:
+    """Attention of a padded batch in FlashAttention-2's conventions, on fmha.fwd.
+
+    q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads_k, head_dim[_v]), any
+    head dims (padded here to multiples of 8); returns (batch, seqlen_q, heads, head_dim_v).
+    causal: bottom-right aligned, per sequence. softmax_scale defaults to 1/sqrt(head_dim).
+
+    padding_mask: (batch, seqlen) of the keys, nonzero for a token; the queries are the last
+    seqlen_q positions of each row (left padding, or a decode step). A mask shorter than the
+    keys leaves out the key slots past it (a static KV cache's unwritten ones). The rows of
+    padding queries are zeros. cu_seqlens_q/cu_seqlens_k (int32, sequences + 1) and
+    max_seqlen_q/max_seqlen_k instead: sequences packed back to back along the rows, every
+    token a sequence's (padding-free batches).
+    """
+    batch, seqlen_q = q.shape[:2]
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    if padding_mask is not None and k.shape[1] > padding_mask.shape[1]:
+        k, v = k[:, :padding_mask.shape[1]], v[:, :padding_mask.shape[1]]
+    options = dict(
+        causal=causal, mask_align="bottom_right", softcap=softcap, dropout_p=dropout_p,
+        softmax_scale=head_dim ** -0.5 if softmax_scale is None else softmax_scale,
+        window_size=window_size(sliding_window, causal, k.shape[1]))
+    q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
+
+    if padding_mask is not None:
+        keys = pack_padding_mask(padding_mask)
+        if seqlen_q == k.shape[1]:
+            queries = keys
+        elif seqlen_q == 1:  # a decode step: each row's one query, no search for it
+            queries = Packed(torch.arange(batch, device=q.device),
+                             torch.arange(batch + 1, dtype=torch.int32, device=q.device), 1)
+        else:
+            queries = pack_padding_mask(padding_mask[:, -seqlen_q:])
+        out = fmha.fwd(gather_tokens(q, queries.indices), gather_tokens(k, keys.indices),
+                       gather_tokens(v, keys.indices), cu_seqlens_q=queries.cu_seqlens,
+                       cu_seqlens_k=keys.cu_seqlens, max_seqlen_q=queries.max_seqlen,
+                       max_seqlen_k=keys.max_seqlen, **options)
+        out = scatter_tokens(out, queries.indices, batch, seqlen_q)
+    elif cu_seqlens_q is not None:
+        out = fmha.fwd(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **options)
+        out = out.view(batch, seqlen_q, *out.shape[1:])
+    else:
+        out = fmha.fwd(q, k, v, **options)
+    return out[..., :head_dim_v] if out.shape[-1] != head_dim_v else out

@@ -1,0 +1,145 @@
+"""fmha as a transformers attention implementation: attn_implementation="fmha".
+
+    import fmha.integrations.transformers
+    fmha.integrations.transformers.register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="fmha",
+                                             dtype=torch.bfloat16).cuda()
+    model.set_attn_implementation("fmha")          # or switch a model already loaded
+
+register() adds attention_forward to transformers' AttentionInterface and padding_mask to its
+AttentionMaskInterface, the pair transformers' flash_attention_2 has: the model's mask
+functions build only the 2D padding mask of the keys (None when nothing is padded), and
+attention_forward packs the tokens it keeps into fmha.fwd's group (varlen) mode, with the
+causal mask aligned bottom-right per sequence, so a left-padded batch, a prefill and the
+decode steps of generate() (one query against the KV cache) all run one fmha.fwd call per
+layer. What the attention module asks for is passed on: its scaling, sliding window,
+soft-capping, MQA/GQA (K/V with fewer heads) and, in training, dropout (fmha.fwd's, whose
+backward autograd runs). Head dims that are not multiples of 8 are zero-padded here. Sequences
+packed into one row (padding-free training) are told apart as flash_attention_2 does: by the
+cu_seq_lens_q/cu_seq_lens_k and max_length_q/max_length_k arguments, or by position ids that
+restart. A problem no compiled instance serves (a sliding window, soft-capping or dropout in a
+build without them) raises fmha.MissingInstanceError naming the filter that builds one.
+
+Written against transformers 5.24 and run on 5.17; needs 4.53 or newer, which added
+AttentionMaskInterface (register() raises ImportError saying so on an older one).
+transformers is imported by register() alone: the functions here are plain torch. Where
+versions differ: 5.x passes the mask functions q_length and q_offset, from which padding_mask
+marks a static cache's written slots; 4.x passes cache_position instead, which it does not
+read, and its generate() (4.53's, as read) keeps the 2D attention mask, which marks them.
+"""
+
+from importlib import metadata
+from typing import Optional
+
+import torch
+
+from fmha.integrations._flash import flash_attention, pack_positions
+
+# The name models take as attn_implementation once register() ran.
+NAME = "fmha"
+
+# transformers 4.53 added AttentionMaskInterface, through which the model's masks reach us as a
+# 2D padding mask (AttentionInterface itself is older).
+MIN_TRANSFORMERS = "4.53"
+
+
+def register() -> None:
+    """Registers fmha with transformers as attn_implementation="fmha": attention_forward with
+    its AttentionInterface, padding_mask with its AttentionMaskInterface. Raises ImportError
+    where transformers is missing or older than MIN_TRANSFORMERS."""
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+    except ImportError as exc:
+        try:
+            found = f"transformers {metadata.version('transformers')} is installed"
+        except metadata.PackageNotFoundError:
+            found = "transformers is not installed"
+        raise ImportError(
+            f"fmha.integrations.transformers needs transformers >= {MIN_TRANSFORMERS} (its "
+            f"AttentionInterface and AttentionMaskInterface); {found}: pip install "
+            f"'transformers>={MIN_TRANSFORMERS}'") from exc
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, padding_mask)
+
+
+def padding_mask(batch_size: int, kv_length: int, attention_mask: Optional[torch.Tensor] = None,
+                 q_length: Optional[int] = None, q_offset=0, mask_function=None, device=None,
+                 **kwargs) -> Optional[torch.Tensor]:
+    """The mask attention_forward gets from the model's mask functions: a bool (batch, keys)
+    padding mask of the layer's keys, or None where every key is a token.
+
+    flash_attention_2's (transformers.masking_utils.flash_attention_mask): the last kv_length
+    columns of the model's 2D mask (a sliding-window layer's cache holds the last keys only),
+    None where that is all ones. A mask shorter than kv_length stays as it is: a static
+    cache's slots past it are unwritten, and attention_forward leaves them out.
+
+    generate() keeps that mask for a static cache only for implementations named flash*, and
+    drops it where nothing is padded. Then a causal mask (mask_function hides key 1 from query
+    0: self-attention, not an encoder's or cross-attention's) over more keys than the tokens
+    written once this step is, q_offset + q_length (transformers 5.x passes both), is a static
+    cache's: the mask becomes all ones over the written slots. That reads a static layer's
+    offset, a tensor, back to the host: once per forward, not per layer. kwargs: the rest of
+    what transformers passes.
+    """
+    if attention_mask is None:
+        if q_length is None or mask_function is None or mask_function(0, 0, 0, 1):
+            return None
+        written = int(q_offset) + q_length
+        if written >= kv_length:
+            return None
+        return torch.ones(batch_size, written, dtype=torch.bool, device=device)
+    attention_mask = attention_mask[:, -kv_length:]
+    if attention_mask.shape[1] == kv_length and attention_mask.all():
+        return None
+    return attention_mask
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                      dropout: float = 0.0, scaling: Optional[float] = None,
+                      sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                      is_causal: Optional[bool] = None, s_aux: Optional[torch.Tensor] = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention call on fmha.fwd: query (batch, heads, seqlen_q, head_dim), key
+    and value (batch, heads_k, seqlen_k, head_dim) as the attention module has them (the KV
+    cache's keys included), attention_mask what padding_mask made. Returns (output (batch,
+    seqlen_q, heads, head_dim_v), None): no attention weights, as flash_attention_2.
+
+    is_causal defaults to the module's. Under torch.autocast, float32 queries and keys (a
+    float32 model's rotary embedding makes them) run in the autocast dtype."""
+    if s_aux is not None:
+        raise NotImplementedError(
+            "fmha: attention sinks (s_aux) have no fmha kernel; run this model with "
+            "attn_implementation='sdpa' or 'eager'")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"fmha: attention_mask must be the 2D padding mask that fmha's mask function makes, "
+            f"got {attention_mask.dim()} dimensions; a mask built outside the model's mask "
+            "functions (e.g. a 4D mask passed in) needs attn_implementation='sdpa' or 'eager'")
+    causal = module.is_causal if is_causal is None else is_causal
+    # The kernels take (batch, seqlen, heads, head_dim): views of the modules' layout.
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    device_type = q.device.type
+    if q.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+
+    packed = {}
+    cu_seq_lens_q, cu_seq_lens_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
+        packed = dict(cu_seqlens_q=cu_seq_lens_q.to(torch.int32),
+                      cu_seqlens_k=cu_seq_lens_k.to(torch.int32),
+                      max_seqlen_q=int(kwargs["max_length_q"]),
+                      max_seqlen_k=int(kwargs["max_length_k"]))
+    elif (attention_mask is None and q.shape[0] == 1 and q.shape[1] > 1
+          and q.shape[1] == k.shape[1] and kwargs.get("position_ids") is not None):
+        sequences = pack_positions(kwargs["position_ids"])
+        if sequences is not None:
+            cu_seqlens, max_seqlen = sequences
+            packed = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                          max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+
+    out = flash_attention(q, k, v, causal=causal, softmax_scale=scaling,
+                          sliding_window=sliding_window, softcap=softcap or 0.0,
+                          dropout_p=dropout, padding_mask=attention_mask, **packed)
+    return out, None
