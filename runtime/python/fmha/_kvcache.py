@@ -341,9 +341,7 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
     return (out, lse) if return_lse else out
 
 
-def _described(q, k_cache, v_cache, k, v, options: dict):
-    options = dict(options)
-    cache_seqlens = options.pop("cache_seqlens")
+def _described(q, k_cache, v_cache, k, v, cache_seqlens, options: dict):
     defaults = dict(block_table=None, cache_batch_idx=None, rotary_cos=None, rotary_sin=None,
                     rotary_interleaved=False, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, softmax_scale=None, num_splits=0, return_lse=False)
@@ -361,18 +359,20 @@ def _described(q, k_cache, v_cache, k, v, options: dict):
     return args
 
 
-def select_kvcache(q, k_cache, v_cache, k=None, v=None, **options) -> dict:
+def select_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, **options) -> dict:
     """The instance fwd_kvcache would run for this call, without running it."""
+    args = _described(q, k_cache, v_cache, k, v, cache_seqlens, options)
     with torch.cuda.device(q.get_device()):
-        code, message, chosen = _C.select_kvcache(_described(q, k_cache, v_cache, k, v, options))
+        code, message, chosen = _C.select_kvcache(args)
     _raise_for(code, message)
     return chosen
 
 
-def explain_kvcache(q, k_cache, v_cache, k=None, v=None, **options) -> str:
+def explain_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, **options) -> str:
     """Why fwd_kvcache picks what it picks for this call, in words."""
+    args = _described(q, k_cache, v_cache, k, v, cache_seqlens, options)
     with torch.cuda.device(q.get_device()):
-        code, message, text = _C.explain_kvcache(_described(q, k_cache, v_cache, k, v, options))
+        code, message, text = _C.explain_kvcache(args)
     _raise_for(code, message)
     return text
 
