@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# With the default preset (lse, no bias, no dropout, no softcap, row-major V): one batch-mode
-# instance per operation, pipeline, arch and padding variant: the forward's fa2 unpadded and
-# fully padded for sm80, fa3 (padded) and fa2's fully padded fallback for sm90a; the
-# backward's likewise; and KV-cache attention (which has no mode) on a contiguous and a paged
-# cache, for sm80 and sm90a.
+# With the extended preset (lse, no bias, no dropout, no softcap, row-major V; the default's
+# traits plus KV-cache attention): one batch-mode instance per operation, pipeline, arch and
+# padding variant: the forward's fa2 unpadded and fully padded for sm80, fa3 (padded) and fa2's
+# fully padded fallback for sm90a; the backward's likewise; and KV-cache attention (which has
+# no mode) on a contiguous and a paged cache, for sm80 and sm90a.
+PRESET = "extended"
 FILTER = "fp16,hdim64,mask=none,mode=batch|kvcache"
 TUS = 12
 
@@ -34,7 +35,8 @@ pytestmark = pytest.mark.skipif(
 def configure(build, *options):
     """cmake configure of the test subset, with `options` (-D...) on top."""
     return subprocess.run(
-        ["cmake", "-S", REPO, "-B", build, "-G", "Ninja", f"-DFMHA_FILTER={FILTER}",
+        ["cmake", "-S", REPO, "-B", build, "-G", "Ninja", f"-DFMHA_PRESET={PRESET}",
+         f"-DFMHA_FILTER={FILTER}",
          "-DFMHA_ARCHS=80;90a", "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
          f"-DPython3_EXECUTABLE={sys.executable}", *options],
         capture_output=True, text=True)
@@ -122,8 +124,9 @@ def _gpu_targets() -> list:
 def test_auto_targets_are_the_gpus_or_both(tmp_path):
     """FMHA_ARCHS=auto, pip install's default: the build machine's GPUs, else sm80 and sm90a."""
     result = subprocess.run(
-        ["cmake", "-S", REPO, "-B", tmp_path, "-G", "Ninja", f"-DFMHA_FILTER={FILTER},fa2",
-         "-DFMHA_ARCHS=auto", "-DFMHA_COMPILER_LAUNCHER=none", "-DFMHA_BUILD_PYTHON=OFF",
+        ["cmake", "-S", REPO, "-B", tmp_path, "-G", "Ninja", f"-DFMHA_PRESET={PRESET}",
+         f"-DFMHA_FILTER={FILTER},fa2", "-DFMHA_ARCHS=auto", "-DFMHA_COMPILER_LAUNCHER=none",
+         "-DFMHA_BUILD_PYTHON=OFF",
          f"-DPython3_EXECUTABLE={sys.executable}"],
         capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
