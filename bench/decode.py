@@ -117,7 +117,7 @@ def host_costs(dtype, args) -> dict:
 def format_rows(rows, copy_gbs) -> str:
     columns = ["fmha", *sorted({k for r in rows for k in r if k.startswith("fmha_paged")
                                 and not k.endswith("_error")}), "sdpa"]
-    header = f"{'case':>30} " + " ".join(f"{c:>13}" for c in columns) + \
+    header = f"{'case':>34} " + " ".join(f"{c:>13}" for c in columns) + \
         f" {'fmha/copy':>9} {'fmha/sdpa':>9}  sdpa backend"
     lines = [header]
     for r in rows:
@@ -127,5 +127,5 @@ def format_rows(rows, copy_gbs) -> str:
         fmha_gbs = r.get("fmha")
         of_copy = f"{fmha_gbs / copy_gbs:9.2f}" if fmha_gbs else f"{'-':>9}"
         vs = f"{fmha_gbs / r['sdpa']:8.2f}x" if fmha_gbs and r.get("sdpa") else f"{'-':>9}"
-        lines.append(f"{case:>30} {cells} {of_copy} {vs}  {r.get('sdpa_best', '-')}")
+        lines.append(f"{case:>34} {cells} {of_copy} {vs}  {r.get('sdpa_best', '-')}")
     return "\n".join(lines)
