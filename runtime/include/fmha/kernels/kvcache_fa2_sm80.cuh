@@ -86,7 +86,7 @@ struct KvcacheParams {
   float* o_partial;    // (num_splits, batch, nhead_q, seqlen_q, hdim_v), when num_splits > 1
   float* lse_partial;  // (num_splits, batch, nhead_q, seqlen_q)
 
-  int batch, seqlen_q, seqlen_new, seqlen_cache, nhead_q, nhead_k, group, hdim_q, hdim_v;
+  int batch, seqlen_q, seqlen_new, seqlen_cache, nhead_q, nhead_k, group;  // head dims: Cfg's
   int rows;      // packed query rows per (sequence, K/V head): seqlen_q * group
   int m_blocks;  // CTAs of kBlockM packed rows per (sequence, K/V head)
   int num_splits;
@@ -713,8 +713,6 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   p.nhead_q = a.nhead_q;
   p.nhead_k = a.nhead_k;
   p.group = a.nhead_q / a.nhead_k;
-  p.hdim_q = a.hdim_q;
-  p.hdim_v = a.hdim_v;
   p.rows = a.seqlen_q * p.group;
   p.m_blocks = (p.rows + Cfg::kBlockM - 1) / Cfg::kBlockM;
   p.num_splits = kvcache_num_splits<Cfg>(a);
