@@ -72,6 +72,12 @@ struct KvcacheConfig {
   // The warps' merge reuses the ring: fp32 O and log-sum-exp of each warp's 16 rows.
   static constexpr int kMergeBytes = kNumWarps * kBlockM * (kHeadDimV + 1) * 4;
   static_assert(kMergeBytes <= kRingBytes, "the warps' merge must fit the K/V ring");
+  // As many CTAs an SM as its shared memory holds (2 at d128 on sm90a, 4 at d64), which caps
+  // the registers: decode streams keys, and bytes in flight scale with CTAs. Not when paged:
+  // the block-table prefetch needs 208 registers at d128, and capped it spilled and read 22%
+  // less (docs/perf-notes.md v14).
+  static constexpr int kMinCtasPerSm =
+      kPaged ? 1 : std::min(kSmemLimit / (kSmemBytes + 1024), 65536 / (kThreads * 64));
 };
 
 // What the kernels read, derived once per call on the host.
@@ -245,45 +251,97 @@ __global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_consta
 
 // ---- attention ----------------------------------------------------------------------------
 
-// Copies key rows [key0, key0 + kBlockN) of one cache into a ring stage, 16 bytes per cp.async;
-// rows past `keys` are zero-filled (masked anyway, and zero V rows keep 0 * garbage from
-// becoming NaN). Where the CTA's threads divide a row's chunks (d64/d128/d256), thread t copies
-// chunk t % kChunks of rows t / kChunks + i * kRowStep, its page looked up once per row;
-// otherwise (d96, d192) the chunk changes from row to row.
-template <class Cfg, class Tile>
-__device__ __forceinline__ void load_cache_tile(uint32_t smem_tile, const typename Cfg::Element* cache,
-                                                const KvcacheParams& p, int64_t batch_stride,
-                                                int64_t seq_stride, int64_t head_stride,
-                                                int batch, int head, int key0, int keys) {
-  constexpr int kChunks = Tile::kChunks;
+// The rows of a key tile one thread copies, 16 bytes per cp.async: copy i is chunk
+// (t + i * kThreads) % kChunks of row (t + i * kThreads) / kChunks. K and V tiles have the same
+// chunks (hdim_q == hdim_v), so one set of block-table entries serves both.
+//
+// A paged tile's entries are fetched into registers one step before the copies that use them,
+// so the copies issue without waiting on the table (at 16-token pages a 64-key tile spans 4
+// pages, and a table read before each copy held the paged decode at 55-75% of the contiguous
+// one's bandwidth, docs/perf-notes.md v14). Up to d128 that is at most 8 registers; d192 and
+// d256 copy 12 and 16 rows a thread at 200+ registers already, so they read the table in place.
+template <class Cfg>
+struct TileCopies {
+  static constexpr int kChunks = Cfg::KTile::kChunks;
+  static constexpr int kCount = Cfg::kBlockN * kChunks / Cfg::kThreads;
+  static constexpr bool kPrefetchPages = Cfg::kPaged && kCount <= 8;
+  // Rows between one copy and the next where the threads divide a row's chunks (d64, d128,
+  // d256: the chunk stays the same), else 0 (d96, d192).
+  static constexpr int kRowStep = Cfg::kThreads % kChunks == 0 ? Cfg::kThreads / kChunks : 0;
+  static constexpr int kPageSlots = kPrefetchPages ? kCount : 1;
   static_assert(Cfg::kBlockN * kChunks % Cfg::kThreads == 0,
                 "a key tile must split evenly over the CTA's threads");
-  auto copy = [&](int row, int chunk) {
+  static_assert(Cfg::KTile::kChunks == Cfg::VTile::kChunks, "kvcache: hdim_q == hdim_v");
+  __device__ __forceinline__ static int row(int i) {
+    return (static_cast<int>(threadIdx.x) + i * Cfg::kThreads) / kChunks;
+  }
+  __device__ __forceinline__ static int chunk(int i) {
+    return (static_cast<int>(threadIdx.x) + i * Cfg::kThreads) % kChunks;
+  }
+};
+
+// The block-table entries of the rows this thread copies of key tile n_block (0 past the
+// sequence's keys).
+template <class Cfg>
+__device__ __forceinline__ void fetch_pages(int (&pages)[TileCopies<Cfg>::kPageSlots],
+                                            const KvcacheParams& p, int batch, int n_block,
+                                            int keys) {
+  const int32_t* table = p.block_table + batch * p.block_table_batch_stride;
+#pragma unroll
+  for (int i = 0; i < TileCopies<Cfg>::kPageSlots; ++i) {
+    const int key = n_block * Cfg::kBlockN + TileCopies<Cfg>::row(i);
+    pages[i] = key < keys ? __ldg(table + key / p.page_size) : 0;
+  }
+}
+
+// Copies key rows [n_block * kBlockN, + kBlockN) of one cache into a ring stage: the rows of
+// cache row `cache_index` when contiguous, of the pages in `pages` (or the table) when paged.
+// Rows past `keys` are zero-filled (masked anyway, and zero V rows keep 0 * garbage from
+// becoming NaN).
+template <class Cfg, class Tile>
+__device__ __forceinline__ void load_cache_tile(uint32_t smem_tile, const typename Cfg::Element* cache,
+                                                const int (&pages)[TileCopies<Cfg>::kPageSlots],
+                                                const KvcacheParams& p, int64_t batch_stride,
+                                                int64_t seq_stride, int64_t head_stride,
+                                                int batch, int cache_index, int head,
+                                                int n_block, int keys) {
+  using Copies = TileCopies<Cfg>;
+  const auto* head_cache =
+      cache + head * head_stride + (Cfg::kPaged ? 0 : cache_index * batch_stride);
+  const int key0 = n_block * Cfg::kBlockN;
+  // Contiguous rows step by a fixed stride: one pointer walks them (a 64-bit product per row,
+  // which the compiler hoists out of the key loop, took d128 from 156 to 220 registers).
+  const auto* walk = head_cache + (key0 + Copies::row(0)) * seq_stride + Copies::chunk(0) * 8;
+  const int64_t walk_step = static_cast<int64_t>(Copies::kRowStep) * seq_stride;
+#pragma unroll
+  for (int i = 0; i < Copies::kCount; ++i) {
+    const int row = Copies::row(i);
     const int key = key0 + row;
     const bool valid = key < keys;
-    const auto* src = valid ? cache_row<Cfg::kPaged>(cache, p, batch_stride, seq_stride,
-                                                     head_stride, batch, head, key) + chunk * 8
-                            : cache;
-    sm80::cp_async_16(smem_tile + Tile::offset(row, chunk), src, valid ? 16 : 0);
-  };
-  if constexpr (Cfg::kThreads % kChunks == 0) {
-    constexpr int kRowStep = Cfg::kThreads / kChunks;
-#pragma unroll
-    for (int i = 0; i < Cfg::kBlockN / kRowStep; ++i) {
-      copy(threadIdx.x / kChunks + i * kRowStep, threadIdx.x % kChunks);
+    const typename Cfg::Element* src;
+    if constexpr (Cfg::kPaged) {
+      const int page =
+          Copies::kPrefetchPages
+              ? pages[i]
+              : (valid ? __ldg(p.block_table + batch * p.block_table_batch_stride +
+                               key / p.page_size)
+                       : 0);
+      src = head_cache + page * batch_stride + static_cast<int64_t>(key % p.page_size) * seq_stride +
+            Copies::chunk(i) * 8;
+    } else if constexpr (Copies::kRowStep > 0) {
+      src = walk;
+      walk += walk_step;
+    } else {
+      src = head_cache + static_cast<int64_t>(key) * seq_stride + Copies::chunk(i) * 8;
     }
-  } else {
-#pragma unroll
-    for (int i = 0; i < Cfg::kBlockN * kChunks / Cfg::kThreads; ++i) {
-      const int idx = threadIdx.x + i * Cfg::kThreads;
-      copy(idx / kChunks, idx % kChunks);
-    }
+    sm80::cp_async_16(smem_tile + Tile::offset(row, Copies::chunk(i)), valid ? src : cache,
+                      valid ? 16 : 0);
   }
 }
 
 // Grid: (m_blocks * num_splits, nhead_k, batch).
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads) kvcache_kernel(const __grid_constant__ KvcacheParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_kernel(const __grid_constant__ KvcacheParams p) {
   using Element = typename Cfg::Element;
   using QTile = typename Cfg::QTile;
   using KTile = typename Cfg::KTile;
@@ -344,21 +402,31 @@ __global__ void __launch_bounds__(Cfg::kThreads) kvcache_kernel(const __grid_con
       sm80::cp_async_16(s_q + QTile::offset(r, chunk), valid ? src : q, valid ? 16 : 0);
     }
   }
+  const int cache_index =
+      !Cfg::kPaged && p.cache_batch_idx != nullptr ? p.cache_batch_idx[batch] : batch;
+  int pages[TileCopies<Cfg>::kPageSlots] = {};  // the next tile's block-table entries
   auto load_kv = [&](int n_block, int stage) {
-    load_cache_tile<Cfg, KTile>(s_k + stage * KTile::kBytes, k_cache, p, p.kc_batch_stride,
-                                p.kc_seq_stride, p.kc_head_stride, batch, kv_head,
-                                n_block * kBlockN, keys);
-    load_cache_tile<Cfg, VTile>(s_v + stage * VTile::kBytes, v_cache, p, p.vc_batch_stride,
-                                p.vc_seq_stride, p.vc_head_stride, batch, kv_head,
-                                n_block * kBlockN, keys);
+    load_cache_tile<Cfg, KTile>(s_k + stage * KTile::kBytes, k_cache, pages, p, p.kc_batch_stride,
+                                p.kc_seq_stride, p.kc_head_stride, batch, cache_index, kv_head,
+                                n_block, keys);
+    load_cache_tile<Cfg, VTile>(s_v + stage * VTile::kBytes, v_cache, pages, p, p.vc_batch_stride,
+                                p.vc_seq_stride, p.vc_head_stride, batch, cache_index, kv_head,
+                                n_block, keys);
+  };
+  auto prefetch_pages = [&](int step) {
+    if constexpr (TileCopies<Cfg>::kPrefetchPages) {
+      if (step < n_steps) fetch_pages<Cfg>(pages, p, batch, n_begin + step, keys);
+    }
   };
   // Prologue: kStages - 1 tiles in flight (Q joins the first group). One commit group per
   // tile, empty where there is none, so the wait counts stay uniform.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
+    prefetch_pages(s);
     if (s < n_steps) load_kv(n_begin + s, s);
     sm80::cp_async_commit();
   }
+  prefetch_pages(kStages - 1);
 
   // Per-lane ldmatrix bases (SmemTile::step): Q and row-major V, lanes 0-15 rows 0-15 at the
   // low chunk, 16-31 at the high one; K, lanes 8i..8i+7 matrix i (rows +0/+8, chunk lo/hi).
@@ -403,6 +471,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) kvcache_kernel(const __grid_con
     __syncthreads();  // ...for every thread, and every warp is done with the stage reloaded next
     if (it + kStages - 1 < n_steps) load_kv(n_block + kStages - 1, (it + kStages - 1) % kStages);
     sm80::cp_async_commit();
+    prefetch_pages(it + kStages);  // lands while this step computes
     if constexpr (Cfg::kQInRegisters) {
       if (it == 0) {
 #pragma unroll
@@ -631,23 +700,38 @@ __global__ void __launch_bounds__(128) kvcache_combine_kernel(const __grid_const
                                            : lse_max + __logf(weight_sum);
   auto* o = static_cast<Element*>(p.o) + batch * p.o_batch_stride + token * p.o_seq_stride +
             head * p.o_head_stride;
-  // Each lane owns columns 4 * (lane + 32 j) .. + 3: 16-byte loads of the fp32 partials.
+  // Each lane owns columns 4 * (lane + 32 j) .. + 3: 16-byte loads of the fp32 partials. Lane
+  // i holds the weight of split s0 + i and passes it round by shuffle, so the loop over the
+  // splits reads nothing but the partials, 8 of them in flight: a loop that read each
+  // split's log-sum-exp before its partial waited on one L2 round trip per split: 21 us
+  // against 17 for a decode step of 32 splits (docs/perf-notes.md v14).
   static_assert(kDimV % 4 == 0, "combine reads O in float4s");
-  for (int c = lane * 4; c < kDimV; c += 128) {
+  // Every lane runs every pass (the shuffles need the whole warp); below d128 the lanes past
+  // the head dim only pass weights on.
+  for (int c0 = 0; c0 < kDimV; c0 += 128) {
+    const int c = c0 + lane * 4;
+    const bool owns = c < kDimV;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (lse_max != -INFINITY) {
-      for (int s = 0; s < p.num_splits; ++s) {
-        const float l = p.lse_partial[s * split_stride + row];
-        if (l == -INFINITY) continue;  // an empty split: its zeros add nothing
-        const float weight = __expf(l - lse);
-        const float4 part =
-            *reinterpret_cast<const float4*>(p.o_partial + (s * split_stride + row) * kDimV + c);
-        acc.x += weight * part.x;
-        acc.y += weight * part.y;
-        acc.z += weight * part.z;
-        acc.w += weight * part.w;
+    for (int s0 = 0; s0 < p.num_splits; s0 += 32) {
+      // An empty split (log-sum-exp -inf, partial output zeros) weighs 0.
+      const float l = s0 + lane < p.num_splits ? p.lse_partial[(s0 + lane) * split_stride + row]
+                                               : -INFINITY;
+      const float weight = l == -INFINITY ? 0.f : __expf(l - lse);
+      const int count = min(32, p.num_splits - s0);
+      const float* part = p.o_partial + (s0 * split_stride + row) * kDimV + (owns ? c : 0);
+#pragma unroll 8
+      for (int j = 0; j < count; ++j) {
+        const float w = __shfl_sync(0xffffffff, weight, j);
+        if (owns) {
+          const float4 x = *reinterpret_cast<const float4*>(part + j * split_stride * kDimV);
+          acc.x += w * x.x;
+          acc.y += w * x.y;
+          acc.z += w * x.z;
+          acc.w += w * x.w;
+        }
       }
     }
+    if (!owns) continue;
     if (nan) acc = make_float4(NAN, NAN, NAN, NAN);
     o[c] = static_cast<Element>(acc.x);
     o[c + 1] = static_cast<Element>(acc.y);
@@ -661,24 +745,54 @@ __global__ void __launch_bounds__(128) kvcache_combine_kernel(const __grid_const
 
 // ---- host --------------------------------------------------------------------------------
 
-// Splits per (sequence, K/V head, row block): args.num_splits when given, else enough CTAs to
-// fill every SM as many times as its shared memory allows, as long as each split keeps at least
-// kMinTilesPerSplit key tiles (fewer would spend more on the prologue and the merge than on
-// streaming keys). Capped at kMaxSplits, which bounds the combine's reads.
+// Past 48 KB a kernel must opt in to dynamic shared memory, once per device (before a launch,
+// and before the occupancy query, which counts only what the kernel is allowed).
+template <class Cfg>
+cudaError_t allow_kvcache_smem() {
+  if constexpr (Cfg::kSmemBytes > 48 * 1024) {
+    static std::atomic<uint64_t> smem_raised{0};
+    return allow_dynamic_smem(reinterpret_cast<const void*>(kvcache_kernel<Cfg>),
+                              Cfg::kSmemBytes, smem_raised);
+  }
+  return cudaSuccess;
+}
+
+// Splits per (sequence, K/V head, row block): args.num_splits when given, else the count whose
+// CTAs fill the GPU's slots (SMs x the attention kernel's CTAs per SM) in the most even waves.
+// Decode is bound by bytes in flight, so a last wave that holds few CTAs runs at their few
+// SMs' share of the bandwidth: batch 64 x 8 K/V heads is 512 CTAs for the H100's 396 d128
+// slots, 1.29 waves, where 3 splits make 3.88. Each split keeps at least kMinTilesPerSplit
+// key tiles (fewer would spend more on the prologue and the merge than on streaming keys);
+// kMaxSplits bounds the combine's reads. Ties go to fewer splits (less partial output).
 template <class Cfg>
 int kvcache_num_splits(const KvcacheArgs& a) {
   constexpr int kMinTilesPerSplit = 4;
   constexpr int kMaxSplits = 128;
   const int key_tiles = (a.seqlen_cache + Cfg::kBlockN - 1) / Cfg::kBlockN;
-  const int most = std::max(1, std::min(kMaxSplits, key_tiles / kMinTilesPerSplit));
   if (a.num_splits > 0) return std::min(a.num_splits, std::max(1, key_tiles));
+  const int most = std::max(1, std::min(kMaxSplits, key_tiles / kMinTilesPerSplit));
   const int64_t rows = static_cast<int64_t>(a.seqlen_q) * (a.nhead_q / a.nhead_k);
   const int64_t units = static_cast<int64_t>(a.batch) * a.nhead_k *
                         ((rows + Cfg::kBlockM - 1) / Cfg::kBlockM);
-  const int per_sm = std::max(1, shared_memory_per_multiprocessor() / (Cfg::kSmemBytes + 1024));
-  const int64_t slots = static_cast<int64_t>(multiprocessor_count()) * per_sm;
-  if (units >= slots) return 1;
-  return static_cast<int>(std::min<int64_t>(most, (slots + units - 1) / units));
+  static std::atomic<int> ctas_per_sm[kMaxCachedDevices] = {};
+  const int per_sm =
+      allow_kvcache_smem<Cfg>() != cudaSuccess
+          ? 1
+          : std::max(1, cached_occupancy(reinterpret_cast<const void*>(kvcache_kernel<Cfg>),
+                                         Cfg::kThreads, Cfg::kSmemBytes, ctas_per_sm));
+  const int64_t slots = std::max<int64_t>(1, static_cast<int64_t>(multiprocessor_count()) * per_sm);
+  int best = 1;
+  double best_fill = 0.0;
+  for (int splits = 1; splits <= most; ++splits) {
+    const int64_t ctas = units * splits;
+    const int64_t waves = (ctas + slots - 1) / slots;
+    const double fill = static_cast<double>(ctas) / static_cast<double>(waves * slots);
+    if (fill > best_fill) {
+      best = splits;
+      best_fill = fill;
+    }
+  }
+  return best;
 }
 
 inline size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -785,13 +899,8 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
     }
   }
 
+  if (const cudaError_t err = allow_kvcache_smem<Cfg>(); err != cudaSuccess) return err;
   auto* kernel = kvcache_kernel<Cfg>;
-  if (Cfg::kSmemBytes > 48 * 1024) {  // past 48 KB a kernel must opt in to dynamic smem
-    static std::atomic<uint64_t> smem_raised{0};
-    const cudaError_t err =
-        allow_dynamic_smem(reinterpret_cast<const void*>(kernel), Cfg::kSmemBytes, smem_raised);
-    if (err != cudaSuccess) return err;
-  }
   const dim3 grid(static_cast<unsigned>(p.m_blocks * p.num_splits), a.nhead_k, a.batch);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
