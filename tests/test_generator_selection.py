@@ -216,7 +216,7 @@ def test_repository_presets_parse_and_select():
                                                                 name).instances)
                           for op in ("fwd", "bwd", "kvcache"))
               for name in config.presets}
-    assert counts == {"default": (56, 56, 0), "extended": (276, 276, 144),
+    assert counts == {"default": (56, 56, 32), "extended": (276, 276, 144),
                       "minimal": (4, 4, 4), "flash_attn": (2040, 2040, 576),
                       "pytorch": (448, 672, 0), "coverage": (592, 392, 208),
                       "all": (10104, 4056, 576)}
