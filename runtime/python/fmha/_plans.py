@@ -148,7 +148,7 @@ def _varlen_sizes_pass(q, k, v, max_seqlen_q, max_seqlen_k) -> bool:
             and max_seqlen_q >= 0 and max_seqlen_k >= 0)
 
 
-def _is_real(x) -> bool:
+def is_real(x) -> bool:
     # Exact types: a bool equals 0 or 1 and would match a plan made for an int or a float.
     return x.__class__ is float or x.__class__ is int
 
@@ -171,9 +171,9 @@ def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
         return None
     if not (causal is True or causal is False) or not (return_lse is True or return_lse is False):
         return None
-    if not (softmax_scale is None or _is_real(softmax_scale)) or not _is_real(softcap):
+    if not (softmax_scale is None or is_real(softmax_scale)) or not is_real(softcap):
         return None
-    if not _is_real(dropout_p) or mask_align.__class__ is not str:
+    if not is_real(dropout_p) or mask_align.__class__ is not str:
         return None
     if not (window_size.__class__ is tuple and len(window_size) == 2
             and window_size[0].__class__ is int and window_size[1].__class__ is int):
