@@ -3,24 +3,32 @@ cache) of fmha.fwd_kvcache against torch SDPA's backends on the same shapes.
 
 Decode reads every cached key and value once and does little arithmetic on them, so the
 measure is bandwidth: bytes = K and V of every sequence (batch * cache_len * nheads_k * 2 *
-headdim * 2) plus q and out, over the median GPU time of back-to-back calls (fmha.timing). The
-yardstick is the device-to-device copy bandwidth measured in the same run (torch's copy_ of a
-1 GiB buffer, counting the bytes read and written). fmha runs a contiguous cache and paged
-caches (--pages); SDPA has no paged cache and runs the contiguous one, (b, h, 1, d) against
-(b, h_k, L, d) with enable_gqa, with each backend that accepts it (the best one's time is the
-row's sdpa column). Host time per call is measured apart on the smallest shape (fmha.timing's
-host_us), for fmha and for SDPA's default choice.
+headdim * 2) plus q and out, over the median GPU time of a call replayed from a CUDA graph
+(fmha.timing.capture_graph; a serving loop captures its decode steps, and eager calls at small
+shapes would time the host, not the kernels). The yardstick is the device-to-device copy
+bandwidth measured in the same run (torch's copy_ of a 1 GiB buffer, counting the bytes read
+and written). fmha runs a contiguous cache and paged caches (--pages); SDPA has no paged cache
+and runs the contiguous one, (b, h, 1, d) against (b, h_k, L, d) with enable_gqa, with each
+backend that accepts it (the best one's time is the row's sdpa column). Host time per call is
+measured apart, eagerly, on the smallest shape (fmha.timing's host_us), for fmha and for SDPA's
+default choice.
 """
+
+import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
-from fmha.timing import host_us, interleaved_medians, median_ms
+from fmha.timing import capture_graph, host_us, interleaved_medians, median_ms
 
 SDPA_DECODE_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+# Calls per captured graph: enough that the replay's own launch (a few us) is a small part.
+GRAPH_CALLS = 20
 
 
 def copy_bandwidth_gbs(args) -> float:
@@ -90,7 +98,16 @@ def run_decode_case(dtype, d, nhead_q, nhead_k, batch, cache_len, args):
                 calls.update(_sdpa_calls(row, q, k_cache, v_cache))
         except ValueError as err:  # not in this build
             row[f"{name}_error"] = str(err).splitlines()[0]
-    medians = interleaved_medians(calls, args.warmup_ms, args.repeat_ms, args.rounds)
+    # Each call replays from a CUDA graph of GRAPH_CALLS calls, as a serving loop runs decode:
+    # back-to-back eager calls would time the host (about 30 us a call) at small shapes.
+    replays = {}
+    for name, call in calls.items():
+        try:
+            replays[name] = capture_graph(call, GRAPH_CALLS).replay
+        except RuntimeError as err:  # a backend that cannot be captured (or memory)
+            row[f"{name}_error"] = "graph capture: " + str(err).splitlines()[0]
+    medians = {name: ms / GRAPH_CALLS for name, ms in interleaved_medians(
+        replays, args.warmup_ms, args.repeat_ms, args.rounds).items()}
     bytes_moved = cache_bytes + 2 * element * batch * nhead_q * d
     for name, ms in medians.items():
         row[name] = bytes_moved / ms * 1e-6  # GB/s
@@ -102,16 +119,22 @@ def run_decode_case(dtype, d, nhead_q, nhead_k, batch, cache_len, args):
     return row
 
 
-def host_costs(dtype, args) -> dict:
-    """Host microseconds per call on a small decode shape (GPU work shorter than host work)."""
+def host_costs(dtype, args, rounds: int = 5) -> dict:
+    """Host microseconds per call on a small decode shape (GPU work shorter than host work):
+    the median of `rounds` rounds that take fmha and SDPA in turn, since a slow stretch of the
+    host moves one reading by several microseconds (bench/__main__.py measure_host_us)."""
     q = torch.randn(1, 1, 8, 128, device="cuda", dtype=dtype)
     k_cache = torch.randn(1, 1024, 1, 128, device="cuda", dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     lengths = torch.full((1,), 1024, dtype=torch.int32, device="cuda")
-    costs = {"fmha": host_us(lambda: fmha.fwd_kvcache(q, k_cache, v_cache, cache_seqlens=lengths))}
     qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    costs["sdpa"] = host_us(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
-    return costs
+    calls = {"fmha": lambda: fmha.fwd_kvcache(q, k_cache, v_cache, cache_seqlens=lengths),
+             "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)}
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name].append(host_us(call))
+    return {name: statistics.median(us) for name, us in times.items()}
 
 
 def format_rows(rows, copy_gbs) -> str:

@@ -72,14 +72,12 @@ def event_times_ms(fn, calls: int) -> list:
     return [start.elapsed_time(stop) for start, stop in events]
 
 
-def graph_median_ms(fn, calls: int = 20, warmup_ms: float = 100.0,
-                    repeat_ms: float = 200.0) -> float:
-    """Median milliseconds of one `fn()` call's GPU work replayed from a CUDA graph of `calls`
-    calls: no host work between the calls at all, the yardstick for median_ms on problems
-    whose kernels are shorter than a call's host time."""
+def capture_graph(fn, calls: int = 20) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of `calls` calls of `fn()`, warmed up off the capturing stream first (as
+    capture needs): replaying it runs their GPU work with no host work between the calls."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # capture needs its warm-up off the capturing stream
+    with torch.cuda.stream(side):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(side)
@@ -87,7 +85,15 @@ def graph_median_ms(fn, calls: int = 20, warmup_ms: float = 100.0,
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return median_ms(graph.replay, warmup_ms, repeat_ms) / calls
+    return graph
+
+
+def graph_median_ms(fn, calls: int = 20, warmup_ms: float = 100.0,
+                    repeat_ms: float = 200.0) -> float:
+    """Median milliseconds of one `fn()` call's GPU work replayed from a CUDA graph of `calls`
+    calls: no host work between the calls at all, the yardstick for median_ms on problems
+    whose kernels are shorter than a call's host time."""
+    return median_ms(capture_graph(fn, calls).replay, warmup_ms, repeat_ms) / calls
 
 
 def host_us(fn, warmup: int = 20, repeat: int = 200) -> float:
