@@ -41,6 +41,16 @@ def reference_fwd(q, k, v, causal=False, softmax_scale=None, *, return_lse=False
     return (out, lse.float()) if return_lse else out
 
 
+def reference_fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, **options):
+    """fmha.fwd_kvcache's signature on the float64 reference, in q's dtype; every call is
+    recorded in reference_fwd.calls, marked kvcache=True."""
+    reference_fwd.calls.append(dict(q=q, k=k_cache, v=v_cache, cache_seqlens=cache_seqlens,
+                                    kvcache=True, **options))
+    out, _, _, _ = R.kvcache_reference(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                       **options)
+    return out.to(q.dtype)
+
+
 def reference_bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, *,
                   deterministic=False, **options):
     """fmha.bwd's signature on the reference's gradients (autograd in float64), in q's dtype.
@@ -57,9 +67,11 @@ def reference_bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, *,
 
 @pytest.fixture
 def kernels(monkeypatch):
-    """fmha.fwd and fmha.bwd as the float64 reference; reference_fwd.calls lists the calls."""
+    """fmha.fwd, fmha.fwd_kvcache and fmha.bwd as the float64 reference; reference_fwd.calls
+    lists the calls."""
     reference_fwd.calls = []
     monkeypatch.setattr(fmha, "fwd", reference_fwd)
+    monkeypatch.setattr(fmha, "fwd_kvcache", reference_fwd_kvcache)
     monkeypatch.setattr(fmha, "bwd", reference_bwd)
     return reference_fwd.calls
 
@@ -196,10 +208,38 @@ def test_padding_rows_of_a_prefill_are_zero(kernels):
 
 
 def test_no_mask_runs_batch_mode_aligned_bottom_right(kernels):
-    q, k, v = qkv(seqlen_q=3, seqlen_k=7)
+    q, k, v = qkv(seqlen_q=_flash.DECODE_MAX_QUERIES + 1, seqlen_k=40)
     out = _flash.flash_attention(q, k, v, causal=True)
     torch.testing.assert_close(out, expected_rows(q, k, v), rtol=0, atol=ATOL)
-    assert "cu_seqlens_q" not in kernels[0]
+    assert "cu_seqlens_q" not in kernels[0] and "kvcache" not in kernels[0]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_decode_without_padding_runs_the_kvcache_kernel(kernels, causal, seqlen_q):
+    q, k, v = qkv(seqlen_q=seqlen_q, seqlen_k=9)
+    out = _flash.flash_attention(q, k, v, causal=causal, sliding_window=5, softcap=3.0)
+    expected = expected_rows(q, k, v, causal=causal, sliding_window=5, softcap=3.0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=ATOL)
+    (call,) = kernels
+    assert call["kvcache"] and call["cache_seqlens"].tolist() == [9, 9, 9]
+    assert call["window_size"] == ((4, 0) if causal else (4, 4))
+
+
+def test_decode_falls_back_to_fwd_without_a_kvcache_instance(kernels, monkeypatch):
+    def missing(*args, **options):
+        raise fmha.MissingInstanceError("no kvcache instance; build with --filter kvcache")
+    monkeypatch.setattr(fmha, "fwd_kvcache", missing)
+    q, k, v = qkv(seqlen_q=1, seqlen_k=9)
+    out = _flash.flash_attention(q, k, v, causal=True)
+    torch.testing.assert_close(out, expected_rows(q, k, v), rtol=0, atol=ATOL)
+    assert "kvcache" not in kernels[0]
+
+
+def test_decode_that_needs_a_backward_runs_fwd(kernels):
+    q, k, v = (t.requires_grad_() for t in qkv(seqlen_q=1, seqlen_k=9))
+    _flash.flash_attention(q, k, v, causal=True)
+    assert "kvcache" not in kernels[0]
 
 
 def test_not_causal(kernels):

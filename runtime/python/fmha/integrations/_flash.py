@@ -19,6 +19,12 @@ import fmha
 # fmha.fwd takes head dims that are multiples of 8 (its kernels move rows in 16-byte pieces).
 HEAD_DIM_MULTIPLE = 8
 
+# Query tokens per sequence up to which an unpadded call against more keys (a decode step, or a
+# few speculative tokens) runs fmha.fwd_kvcache: its split-KV kernel packs the query heads of
+# one K/V head into a 16-row tile and spreads the keys over the SMs, where fmha.fwd's 128- or
+# 192-row query tiles would run one mostly empty CTA per head.
+DECODE_MAX_QUERIES = 16
+
 
 class Packed(NamedTuple):
     """The tokens of a padded (batch, seqlen) batch that fmha.fwd's group mode runs."""
@@ -78,6 +84,32 @@ def window_size(sliding_window: Optional[int], causal: bool, seqlen_k: int) -> t
     return sliding_window - 1, 0 if causal else sliding_window - 1
 
 
+def _decodes(q, k, v, padding_mask, cu_seqlens_q, dropout_p) -> bool:
+    """Whether flash_attention runs this call on fmha.fwd_kvcache (DECODE_MAX_QUERIES): no
+    padding or packing, no dropout, one head dim, and nothing that needs a backward."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    return (padding_mask is None and cu_seqlens_q is None and dropout_p == 0.0
+            and seqlen_q <= DECODE_MAX_QUERIES and seqlen_q < seqlen_k
+            and q.shape[-1] == v.shape[-1]
+            and not (torch.is_grad_enabled()
+                     and (q.requires_grad or k.requires_grad or v.requires_grad)))
+
+
+# The last decode call's cache lengths: every layer of a step has the same batch and keys, so a
+# step fills one (a fill kernel) and its other layers reuse it.
+_lengths = {}
+
+
+def _cache_lengths(batch: int, keys: int, device: torch.device) -> torch.Tensor:
+    key = (batch, keys, device)
+    lengths = _lengths.get(key)
+    if lengths is None:
+        lengths = torch.full((batch,), keys, dtype=torch.int32, device=device)
+        _lengths.clear()
+        _lengths[key] = lengths
+    return lengths
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                     softmax_scale: Optional[float] = None, sliding_window: Optional[int] = None,
                     softcap: float = 0.0, dropout_p: float = 0.0,
@@ -108,6 +140,17 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         window_size=window_size(sliding_window, causal, k.shape[1]))
     q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
 
+    if _decodes(q, k, v, padding_mask, cu_seqlens_q, dropout_p):
+        # k and v are the whole cache (the step's tokens appended by the caller): attend to all
+        # of it, the queries aligned with its last keys.
+        try:
+            out = fmha.fwd_kvcache(
+                q, k, v, cache_seqlens=_cache_lengths(batch, k.shape[1], q.device),
+                causal=causal, window_size=options["window_size"], softcap=softcap,
+                softmax_scale=options["softmax_scale"])
+            return out[..., :head_dim_v] if out.shape[-1] != head_dim_v else out
+        except fmha.MissingInstanceError:  # a build without this kvcache instance
+            pass
     if padding_mask is not None:
         keys = pack_padding_mask(padding_mask)
         if seqlen_q == k.shape[1]:
