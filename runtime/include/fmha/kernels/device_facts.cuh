@@ -43,28 +43,6 @@ inline int shared_memory_per_multiprocessor() {
   return cached_device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, bytes);
 }
 
-// How many CTAs of `kernel` (with `threads` threads and `smem_bytes` of dynamic shared memory)
-// one multiprocessor of the current device holds at once, asked once per device (the caller's
-// `cache`, a static of its own), or 0 when it cannot be read. The kernel must already be
-// allowed `smem_bytes` (allow_dynamic_smem) where that is past 48 KB.
-inline int cached_occupancy(const void* kernel, int threads, int smem_bytes,
-                            std::atomic<int> (&cache)[kMaxCachedDevices]) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  const bool cacheable = device >= 0 && device < kMaxCachedDevices;
-  if (cacheable) {
-    const int value = cache[device].load(std::memory_order_relaxed);
-    if (value > 0) return value;
-  }
-  int value = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&value, kernel, threads, smem_bytes) !=
-      cudaSuccess) {
-    return 0;
-  }
-  if (cacheable) cache[device].store(value, std::memory_order_relaxed);
-  return value;
-}
-
 // Raises `kernel`'s dynamic shared-memory limit to `bytes` on the current device, once per
 // device: `raised` is the kernel's own record (a static of its launcher, one bit per device),
 // since the limit is a property of the kernel on a device.

@@ -745,8 +745,7 @@ __global__ void __launch_bounds__(128) kvcache_combine_kernel(const __grid_const
 
 // ---- host --------------------------------------------------------------------------------
 
-// Past 48 KB a kernel must opt in to dynamic shared memory, once per device (before a launch,
-// and before the occupancy query, which counts only what the kernel is allowed).
+// Past 48 KB a kernel must opt in to dynamic shared memory, once per device.
 template <class Cfg>
 cudaError_t allow_kvcache_smem() {
   if constexpr (Cfg::kSmemBytes > 48 * 1024) {
@@ -757,42 +756,31 @@ cudaError_t allow_kvcache_smem() {
   return cudaSuccess;
 }
 
-// Splits per (sequence, K/V head, row block): args.num_splits when given, else the count whose
-// CTAs fill the GPU's slots (SMs x the attention kernel's CTAs per SM) in the most even waves.
-// Decode is bound by bytes in flight, so a last wave that holds few CTAs runs at their few
-// SMs' share of the bandwidth: batch 64 x 8 K/V heads is 512 CTAs for the H100's 396 d128
-// slots, 1.29 waves, where 3 splits make 3.88. Each split keeps at least kMinTilesPerSplit
-// key tiles (fewer would spend more on the prologue and the merge than on streaming keys);
-// kMaxSplits bounds the combine's reads. Ties go to fewer splits (less partial output).
+// Splits per (sequence, K/V head, row block): args.num_splits when given, else as many as put
+// one CTA on each SM (two when paged), and one split where the sequences and heads alone fill
+// that. Measured on an H100 (bf16 d128, 8 K/V heads, batch 1-16 x 8k-128k keys, counts from 1
+// to 128): on a contiguous cache the best count made 128 CTAs on the 132 SMs in every case,
+// e.g. batch 1 x 8k keys 2357 GB/s at 16 splits against 1972 at 17 (136 CTAs: some SMs take
+// two) and 2031 at the 32 that filled both CTA slots of every SM; one CTA an SM keeps enough
+// bytes in flight, and more splits only add prologues and fp32 partial outputs. A paged CTA
+// waits on its block table too, and at one CTA an SM read 15-23% less than at two
+// (docs/perf-notes.md v14). Each split keeps at least kMinTilesPerSplit key tiles (fewer would
+// spend more on the prologue and the merge than on streaming keys); kMaxSplits bounds the
+// combine's reads.
 template <class Cfg>
 int kvcache_num_splits(const KvcacheArgs& a) {
   constexpr int kMinTilesPerSplit = 4;
   constexpr int kMaxSplits = 128;
+  constexpr int kCtasPerSm = Cfg::kPaged ? 2 : 1;
   const int key_tiles = (a.seqlen_cache + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (a.num_splits > 0) return std::min(a.num_splits, std::max(1, key_tiles));
   const int most = std::max(1, std::min(kMaxSplits, key_tiles / kMinTilesPerSplit));
   const int64_t rows = static_cast<int64_t>(a.seqlen_q) * (a.nhead_q / a.nhead_k);
   const int64_t units = static_cast<int64_t>(a.batch) * a.nhead_k *
                         ((rows + Cfg::kBlockM - 1) / Cfg::kBlockM);
-  static std::atomic<int> ctas_per_sm[kMaxCachedDevices] = {};
-  const int per_sm =
-      allow_kvcache_smem<Cfg>() != cudaSuccess
-          ? 1
-          : std::max(1, cached_occupancy(reinterpret_cast<const void*>(kvcache_kernel<Cfg>),
-                                         Cfg::kThreads, Cfg::kSmemBytes, ctas_per_sm));
-  const int64_t slots = std::max<int64_t>(1, static_cast<int64_t>(multiprocessor_count()) * per_sm);
-  int best = 1;
-  double best_fill = 0.0;
-  for (int splits = 1; splits <= most; ++splits) {
-    const int64_t ctas = units * splits;
-    const int64_t waves = (ctas + slots - 1) / slots;
-    const double fill = static_cast<double>(ctas) / static_cast<double>(waves * slots);
-    if (fill > best_fill) {
-      best = splits;
-      best_fill = fill;
-    }
-  }
-  return best;
+  const int64_t ctas = static_cast<int64_t>(std::max(1, multiprocessor_count())) * kCtasPerSm;
+  if (units >= ctas) return 1;
+  return static_cast<int>(std::min<int64_t>(most, ctas / units));
 }
 
 inline size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
