@@ -578,7 +578,9 @@ def test_repository_kvcache_matrix():
     for instance in kvcache:
         point = instance.point
         assert point.pipeline.token == "fa2" and point.pad_seqlen and not point.pad_hdim
-        assert instance.tile == Tile(16, 64, 4, 2)
+        # Three stages but where they would pass A100's shared memory (d256: 200 KB).
+        a100_d256 = point.arch.token == "sm80" and point.traits.hdim_q == 256
+        assert instance.tile == Tile(16, 64, 4, 2 if a100_d256 else 3)
     # One pipeline: nothing falls back, so no gaps.
     assert not [gap for gap in catalog.gaps if gap.op.token == "kvcache"]
 
