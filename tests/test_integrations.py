@@ -242,6 +242,13 @@ def test_decode_that_needs_a_backward_runs_fwd(kernels):
     assert "kvcache" not in kernels[0]
 
 
+def test_decode_under_torch_compile_runs_fwd(kernels, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    q, k, v = qkv(seqlen_q=1, seqlen_k=9)
+    _flash.flash_attention(q, k, v, causal=True)
+    assert "kvcache" not in kernels[0]
+
+
 def test_not_causal(kernels):
     q, k, v = qkv(seqlen_q=3)
     mask = left_padded([7, 4, 6], 7)

@@ -86,9 +86,11 @@ def window_size(sliding_window: Optional[int], causal: bool, seqlen_k: int) -> t
 
 def _decodes(q, k, v, padding_mask, cu_seqlens_q, dropout_p) -> bool:
     """Whether flash_attention runs this call on fmha.fwd_kvcache (DECODE_MAX_QUERIES): no
-    padding or packing, no dropout, one head dim, and nothing that needs a backward."""
+    padding or packing, no dropout, one head dim, nothing that needs a backward, and not under
+    torch.compile (fwd_kvcache is no torch.library op yet; fmha.fwd is)."""
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    return (padding_mask is None and cu_seqlens_q is None and dropout_p == 0.0
+    return (not torch.compiler.is_compiling()
+            and padding_mask is None and cu_seqlens_q is None and dropout_p == 0.0
             and seqlen_q <= DECODE_MAX_QUERIES and seqlen_q < seqlen_k
             and q.shape[-1] == v.shape[-1]
             and not (torch.is_grad_enabled()
