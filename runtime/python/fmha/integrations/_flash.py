@@ -9,6 +9,7 @@ cu_seqlens, head dims padded to what the kernels take, and the output laid back 
 caller's batch. Plain torch: no other library is imported here.
 """
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -97,19 +98,11 @@ def _decodes(q, k, v, padding_mask, cu_seqlens_q, dropout_p) -> bool:
                      and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 
-# The last decode call's cache lengths: every layer of a step has the same batch and keys, so a
-# step fills one (a fill kernel) and its other layers reuse it.
-_lengths = {}
-
-
+@functools.lru_cache(maxsize=1)
 def _cache_lengths(batch: int, keys: int, device: torch.device) -> torch.Tensor:
-    key = (batch, keys, device)
-    lengths = _lengths.get(key)
-    if lengths is None:
-        lengths = torch.full((batch,), keys, dtype=torch.int32, device=device)
-        _lengths.clear()
-        _lengths[key] = lengths
-    return lengths
+    """The last decode call's cache lengths: every layer of a step has the same batch and keys,
+    so a step fills one (a fill kernel) and its other layers reuse it."""
+    return torch.full((batch,), keys, dtype=torch.int32, device=device)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
