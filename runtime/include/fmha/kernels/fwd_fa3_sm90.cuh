@@ -50,6 +50,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "fmha/fmha.h"
+#include "fmha/kernels/cached_kv_sm90.cuh"
 #include "fmha/kernels/device_facts.cuh"
 #include "fmha/kernels/fwd_params.cuh"
 #include "fmha/kernels/mask.cuh"
@@ -72,6 +73,10 @@ struct FwdConfig {
   static constexpr MaskType kMask = kMask_;
   static constexpr Mode kMode = kMode_;
   static constexpr bool kLse = kLse_;
+  // K and V are the call's own tensors, loaded a whole key tile a box; KvcacheConfig
+  // (kvcache_fa3_sm90.cuh) reads them from a KV cache instead (cached_kv_sm90.cuh).
+  static constexpr bool kCachedKv = false;
+  static constexpr bool kPaged = false;
 
   static_assert(kBias_ == BiasType::kNone && !kDropout_ && !kSoftcap_,
                 "fa3 has no bias, dropout or soft-cap yet: those instances are fa2");
@@ -375,8 +380,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   if (threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(kp.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
+    if constexpr (Cfg::kCachedKv) {
+      cute::prefetch_tma_descriptor(&kp.cache.k_map);
+      cute::prefetch_tma_descriptor(&kp.cache.v_map);
+    } else {
+      cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
+    }
     cute::prefetch_tma_descriptor(kp.tma_o.get_tma_descriptor());
 #pragma unroll
     for (int w = 0; w < kWarpgroups; ++w) shared.q_full[w].init(/*arrival_count=*/1);
@@ -418,57 +428,86 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor gQ = local_tile(domain_offset(make_coord(static_cast<int>(seq.q_start), _0{}), mQ),
                              Shape<_64, typename Cfg::DimQK>{},
                              make_coord(_, _0{}));  // (64, d, 64-row block)
-      Tensor mK = kp.tma_k.get_tma_tensor(kp.k_shape)(_, _, kv_head, batch_coord);
-      Tensor gK = local_tile(domain_offset(make_coord(static_cast<int>(seq.k_start), _0{}), mK),
-                             Shape<typename Cfg::BlockN, typename Cfg::DimQK>{},
-                             make_coord(_, _0{}));
-      Tensor mV = kp.tma_v.get_tma_tensor(kp.v_shape)(_, _, kv_head, batch_coord);
-      Tensor gV = local_tile(domain_offset(make_coord(static_cast<int>(seq.k_start), _0{}), mV),
-                             Shape<typename Cfg::BlockN, typename Cfg::DimV>{},
-                             make_coord(_, _0{}));
-      auto k_part = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                  group_modes<0, 2>(gK));  // (TMA, key tile), (TMA, stage)
-      auto v_part = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                  group_modes<0, 2>(gV));
 
-      auto load_k = [&](int n_block) {
-        k_pipe.producer_acquire(write_k);
-        if (lane == 0) {
-          copy(kp.tma_k.with(*k_pipe.producer_get_barrier(write_k), 0), get<0>(k_part)(_, n_block),
-               get<1>(k_part)(_, write_k.index()));
-        }
-        ++write_k;
-      };
-      auto load_v = [&](int n_block) {
-        v_pipe.producer_acquire(write_v);
-        if (lane == 0) {
-          copy(kp.tma_v.with(*v_pipe.producer_get_barrier(write_v), 0), get<0>(v_part)(_, n_block),
-               get<1>(v_part)(_, write_v.index()));
-        }
-        ++write_v;
-      };
-
-      // The first K tile does not wait for the consumers. Each warpgroup's Q rows load once it
-      // has freed them: past its last QK^T of the previous tile (and, with O staged over Q,
-      // past that tile's O store).
-      load_k(n_end - 1);
+      // The tile's loads in the order the consumers take them, whatever K and V come from.
+      auto produce = [&](auto&& load_k, auto&& load_v) {
+        // The first K tile does not wait for the consumers. Each warpgroup's Q rows load once
+        // it has freed them: past its last QK^T of the previous tile (and, with O staged over
+        // Q, past that tile's O store).
+        load_k(n_end - 1);
 #pragma unroll
-      for (int w = 0; w < kWarpgroups; ++w) {
-        barrier_sync(Barrier::kQueryEmptyFirst + w, 128 + 32);
-        if (lane == 0) {
-          auto q_part = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(query_rows(w)),
-                                      group_modes<0, 2>(gQ));
-          shared.q_full[w].arrive_and_expect_tx(Cfg::kQBytes);
-          copy(kp.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full[w]), 0),
-               get<0>(q_part)(_, tile.m_block * kWarpgroups + w), get<1>(q_part));
+        for (int w = 0; w < kWarpgroups; ++w) {
+          barrier_sync(Barrier::kQueryEmptyFirst + w, 128 + 32);
+          if (lane == 0) {
+            auto q_part = tma_partition(kp.tma_q, _0{}, Layout<_1>{},
+                                        group_modes<0, 2>(query_rows(w)), group_modes<0, 2>(gQ));
+            shared.q_full[w].arrive_and_expect_tx(Cfg::kQBytes);
+            copy(kp.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full[w]), 0),
+                 get<0>(q_part)(_, tile.m_block * kWarpgroups + w), get<1>(q_part));
+          }
         }
+        // The consumers take K of step j+1 before V of step j (their GEMM order).
+        for (int n_block = n_end - 1; n_block > n_begin; --n_block) {
+          load_k(n_block - 1);
+          load_v(n_block);
+        }
+        load_v(n_begin);
+      };
+
+      if constexpr (Cfg::kCachedKv) {
+        const CachedKv& cache = kp.cache;
+        // A tile's boxes, each from its page (cached_kv_sm90.cuh): the table is read before
+        // the stage is free, so its latency hides behind the wait.
+        auto load_cached = [&](auto& pipe, auto& state, const CUtensorMap& map, auto& smem,
+                               auto head_dim, int n_block) {
+          const int2 source =
+              cache.template box_source<Cfg::kPaged, kBlockN>(tile.batch, n_block * kBlockN, lane);
+          pipe.producer_acquire(state);
+          const int stage = state.index();
+          cache.template load<kBlockN, decltype(head_dim)::value>(
+              map, *pipe.producer_get_barrier(state),
+              [&](int row, int col) { return raw_pointer_cast(&smem(row, col, stage)); }, source,
+              kv_head, lane);
+          ++state;
+        };
+        produce(
+            [&](int n_block) {
+              load_cached(k_pipe, write_k, cache.k_map, sK, typename Cfg::DimQK{}, n_block);
+            },
+            [&](int n_block) {
+              load_cached(v_pipe, write_v, cache.v_map, sV, typename Cfg::DimV{}, n_block);
+            });
+      } else {
+        Tensor mK = kp.tma_k.get_tma_tensor(kp.k_shape)(_, _, kv_head, batch_coord);
+        Tensor gK = local_tile(domain_offset(make_coord(static_cast<int>(seq.k_start), _0{}), mK),
+                               Shape<typename Cfg::BlockN, typename Cfg::DimQK>{},
+                               make_coord(_, _0{}));
+        Tensor mV = kp.tma_v.get_tma_tensor(kp.v_shape)(_, _, kv_head, batch_coord);
+        Tensor gV = local_tile(domain_offset(make_coord(static_cast<int>(seq.k_start), _0{}), mV),
+                               Shape<typename Cfg::BlockN, typename Cfg::DimV>{},
+                               make_coord(_, _0{}));
+        auto k_part = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(gK));  // (TMA, key tile), (TMA, stage)
+        auto v_part = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(gV));
+        produce(
+            [&](int n_block) {
+              k_pipe.producer_acquire(write_k);
+              if (lane == 0) {
+                copy(kp.tma_k.with(*k_pipe.producer_get_barrier(write_k), 0),
+                     get<0>(k_part)(_, n_block), get<1>(k_part)(_, write_k.index()));
+              }
+              ++write_k;
+            },
+            [&](int n_block) {
+              v_pipe.producer_acquire(write_v);
+              if (lane == 0) {
+                copy(kp.tma_v.with(*v_pipe.producer_get_barrier(write_v), 0),
+                     get<0>(v_part)(_, n_block), get<1>(v_part)(_, write_v.index()));
+              }
+              ++write_v;
+            });
       }
-      // The consumers take K of step j+1 before V of step j (their GEMM order).
-      for (int n_block = n_end - 1; n_block > n_begin; --n_block) {
-        load_k(n_block - 1);
-        load_v(n_block);
-      }
-      load_v(n_begin);
     }
     return;
   }
@@ -829,8 +868,6 @@ cudaError_t make_kernel_params(const FwdArgs& args, typename Cfg::KernelParams& 
                                     tma_stride(kGroup ? 0 : batch_stride));
   };
   kp.q_shape = shape(rows_q, args.hdim_q, args.nhead_q);
-  kp.k_shape = shape(rows_k, args.hdim_q, args.nhead_k);
-  kp.v_shape = shape(rows_k, args.hdim_v, args.nhead_k);
   kp.o_shape = shape(rows_q, args.hdim_v, args.nhead_q);
   auto gmem = [](const void* ptr, auto shape, auto stride) {
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), make_layout(shape, stride));
@@ -839,16 +876,19 @@ cudaError_t make_kernel_params(const FwdArgs& args, typename Cfg::KernelParams& 
                            gmem(args.q, kp.q_shape,
                                 stride(args.q_seq_stride, args.q_head_stride, args.q_batch_stride)),
                            typename Cfg::SmemLayoutQ{}, Shape<_64, typename Cfg::DimQK>{}, _1{});
-  kp.tma_k = make_tma_copy(SM90_TMA_LOAD{},
-                           gmem(args.k, kp.k_shape,
-                                stride(args.k_seq_stride, args.k_head_stride, args.k_batch_stride)),
-                           take<0, 2>(typename Cfg::SmemLayoutK{}),
-                           Shape<typename Cfg::BlockN, typename Cfg::DimQK>{}, _1{});
-  kp.tma_v = make_tma_copy(SM90_TMA_LOAD{},
-                           gmem(args.v, kp.v_shape,
-                                stride(args.v_seq_stride, args.v_head_stride, args.v_batch_stride)),
-                           take<0, 2>(typename Cfg::SmemLayoutV{}),
-                           Shape<typename Cfg::BlockN, typename Cfg::DimV>{}, _1{});
+  // A KV cache's maps are its launcher's (kvcache_fa3_sm90.cuh).
+  if constexpr (!Cfg::kCachedKv) {
+    kp.k_shape = shape(rows_k, args.hdim_q, args.nhead_k);
+    kp.v_shape = shape(rows_k, args.hdim_v, args.nhead_k);
+    const auto k_stride = stride(args.k_seq_stride, args.k_head_stride, args.k_batch_stride);
+    const auto v_stride = stride(args.v_seq_stride, args.v_head_stride, args.v_batch_stride);
+    kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(args.k, kp.k_shape, k_stride),
+                             take<0, 2>(typename Cfg::SmemLayoutK{}),
+                             Shape<typename Cfg::BlockN, typename Cfg::DimQK>{}, _1{});
+    kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(args.v, kp.v_shape, v_stride),
+                             take<0, 2>(typename Cfg::SmemLayoutV{}),
+                             Shape<typename Cfg::BlockN, typename Cfg::DimV>{}, _1{});
+  }
   kp.tma_o = make_tma_copy(
       SM90_TMA_STORE{},
       make_tensor(make_gmem_ptr(static_cast<Element*>(args.o)),
@@ -858,15 +898,13 @@ cudaError_t make_kernel_params(const FwdArgs& args, typename Cfg::KernelParams& 
   return cudaSuccess;
 }
 
+// One persistent CTA per SM (each takes ~all of its shared memory), looping over the tiles.
 template <class Cfg>
-cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
-  typename Cfg::KernelParams kp;
-  if (const cudaError_t err = make_kernel_params<Cfg>(args, kp); err != cudaSuccess) return err;
-  // One CTA per SM (each takes ~all of its shared memory), looping over the tiles.
+cudaError_t launch_fwd_kernel(const typename Cfg::KernelParams& kp, int64_t batch_heads,
+                              cudaStream_t stream) {
   const int sms = multiprocessor_count();
   if (sms <= 0) return cudaErrorInvalidDevice;
-  const int64_t units =
-      work_units<Cfg>(kp.p.m_blocks, static_cast<int64_t>(args.batch) * args.nhead_q);
+  const int64_t units = work_units<Cfg>(kp.p.m_blocks, batch_heads);
   const int grid = static_cast<int>(units < sms ? units : sms);
   auto* kernel = fwd_kernel<Cfg>;
   static std::atomic<uint64_t> smem_raised{0};
@@ -875,6 +913,13 @@ cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
   return cudaGetLastError();
+}
+
+template <class Cfg>
+cudaError_t launch_fwd(const FwdArgs& args, cudaStream_t stream) {
+  typename Cfg::KernelParams kp;
+  if (const cudaError_t err = make_kernel_params<Cfg>(args, kp); err != cudaSuccess) return err;
+  return launch_fwd_kernel<Cfg>(kp, static_cast<int64_t>(args.batch) * args.nhead_q, stream);
 }
 
 }  // namespace fmha::fa3

@@ -33,6 +33,9 @@ struct FwdParams {
   const int32_t* cu_seqlens_k;
   const int32_t* seqused_q;
   const int32_t* seqused_k;
+  // Keys a call appends past seqused_k[b] (fwd_kvcache's k_new, written into the cache before
+  // the attention kernel runs); 0 for fmha::fwd.
+  int keys_appended;
 
   bool bottom_right;
   int window_left;
@@ -135,7 +138,11 @@ __device__ __forceinline__ SequenceExtent sequence_extent(const FwdParams& p, in
     s.seqlen_k = p.cu_seqlens_k[batch + 1] - static_cast<int>(s.k_start);
   }
   if (p.seqused_q != nullptr) s.seqlen_q = p.seqused_q[batch];
-  if (p.seqused_k != nullptr) s.seqlen_k = p.seqused_k[batch];
+  if (p.seqused_k != nullptr) {
+    s.seqlen_k = p.seqused_k[batch] + p.keys_appended;
+    // Never past the K/V rows (a KV cache's end: past it nothing was written).
+    if constexpr (kMode == Mode::kBatch) s.seqlen_k = min(s.seqlen_k, p.seqlen_k);
+  }
   return s;
 }
 

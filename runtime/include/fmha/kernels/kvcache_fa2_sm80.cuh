@@ -798,8 +798,9 @@ size_t kvcache_workspace_bytes(const KvcacheArgs& a) {
   return bytes;
 }
 
-template <class Cfg>
-cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
+// The fields of KvcacheParams that every kvcache pipeline's append step and this one's
+// attention read as the call gives them.
+inline KvcacheParams kvcache_params(const KvcacheArgs& a) {
   KvcacheParams p{};
   p.q = a.q;
   p.k_cache = a.k_cache;
@@ -816,8 +817,6 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   p.nhead_k = a.nhead_k;
   p.group = a.nhead_q / a.nhead_k;
   p.rows = a.seqlen_q * p.group;
-  p.m_blocks = (p.rows + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  p.num_splits = kvcache_num_splits<Cfg>(a);
   p.q_batch_stride = a.q_batch_stride;
   p.q_seq_stride = a.q_seq_stride;
   p.q_head_stride = a.q_head_stride;
@@ -852,12 +851,42 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   p.scale = a.softmax_scale;
   p.softcap = a.softcap;
   p.softcap_scale = a.softcap > 0.f ? a.softmax_scale / a.softcap : 0.f;
-  p.softmax_mul = Cfg::kLogitsInScores ? static_cast<float>(M_LOG2E)
-                                       : a.softmax_scale * static_cast<float>(M_LOG2E);
   p.window_left = a.window_left;
   p.window_right = a.window_right;
   p.alibi_slopes = a.alibi_slopes;
   p.alibi_batch_stride = a.alibi_batch_stride;
+  return p;
+}
+
+// The append step, when the call appends k_new/v_new or rotates q: the new keys and values go
+// into the cache, and a rotated q into p.q_rotated, which p.q then points to. Cfg gives the
+// element type, the head dims and kPaged; any kvcache pipeline's attention runs after it.
+template <class Cfg>
+cudaError_t launch_append(KvcacheParams& p, cudaStream_t stream) {
+  if (p.seqlen_new == 0 && p.q_rotated == nullptr) return cudaSuccess;
+  const int64_t items =
+      static_cast<int64_t>(p.seqlen_new) * p.nhead_k * (Cfg::kHeadDimQK + Cfg::kHeadDimV) / 8 +
+      (p.q_rotated != nullptr ? static_cast<int64_t>(p.seqlen_q) * p.nhead_q * Cfg::kHeadDimQK / 8
+                              : 0);
+  const dim3 grid(static_cast<unsigned>((items + 127) / 128), p.batch);
+  kvcache_append_kernel<Cfg><<<grid, 128, 0, stream>>>(p);
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  if (p.q_rotated != nullptr) {
+    p.q = p.q_rotated;
+    p.q_batch_stride = static_cast<int64_t>(p.seqlen_q) * p.nhead_q * Cfg::kHeadDimQK;
+    p.q_seq_stride = static_cast<int64_t>(p.nhead_q) * Cfg::kHeadDimQK;
+    p.q_head_stride = Cfg::kHeadDimQK;
+  }
+  return cudaSuccess;
+}
+
+template <class Cfg>
+cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
+  KvcacheParams p = kvcache_params(a);
+  p.m_blocks = (p.rows + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  p.num_splits = kvcache_num_splits<Cfg>(a);
+  p.softmax_mul = Cfg::kLogitsInScores ? static_cast<float>(M_LOG2E)
+                                       : a.softmax_scale * static_cast<float>(M_LOG2E);
 
   // The workspace, in kvcache_workspace_bytes()'s order.
   auto* workspace = static_cast<unsigned char*>(a.workspace);
@@ -869,23 +898,7 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
     workspace += round_up_256(p.num_splits * rows * sizeof(float));
   }
   if (a.rotary_dim > 0) p.q_rotated = workspace;
-
-  if (p.seqlen_new > 0 || p.q_rotated != nullptr) {
-    const int64_t items =
-        static_cast<int64_t>(p.seqlen_new) * a.nhead_k * (Cfg::kHeadDimQK + Cfg::kHeadDimV) / 8 +
-        (p.q_rotated != nullptr ? static_cast<int64_t>(a.seqlen_q) * a.nhead_q * Cfg::kHeadDimQK / 8
-                                : 0);
-    const dim3 grid(static_cast<unsigned>((items + 127) / 128), a.batch);
-    kvcache_append_kernel<Cfg><<<grid, 128, 0, stream>>>(p);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-    if (p.q_rotated != nullptr) {
-      p.q = p.q_rotated;
-      p.q_batch_stride = static_cast<int64_t>(a.seqlen_q) * a.nhead_q * Cfg::kHeadDimQK;
-      p.q_seq_stride = static_cast<int64_t>(a.nhead_q) * Cfg::kHeadDimQK;
-      p.q_head_stride = Cfg::kHeadDimQK;
-    }
-  }
+  if (const cudaError_t err = launch_append<Cfg>(p, stream); err != cudaSuccess) return err;
 
   if (const cudaError_t err = allow_kvcache_smem<Cfg>(); err != cudaSuccess) return err;
   auto* kernel = kvcache_kernel<Cfg>;

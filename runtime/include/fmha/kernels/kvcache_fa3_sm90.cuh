@@ -1,0 +1,131 @@
+// KV-cache attention for many query tokens (chunked prefill) on the fa3 forward pipeline
+// (sm90a): fwd_kvcache's calls of at least a tile of query tokens, whose arithmetic the decode
+// kernel (kvcache_fa2_sm80.cuh, 16 packed rows on mma.sync) would run far below the tensor
+// cores' rate.
+//
+// Two kernels on one stream:
+//   append (when k_new or rotary tables are given): the decode pipeline's, unchanged: k_new and
+//     v_new into the cache, rotated, and the rotated q into the workspace;
+//   attention: fwd_fa3_sm90.cuh's persistent kernel in batch mode, with K and V read from the
+//     cache by TMA, page by page (cached_kv_sm90.cuh), each sequence's keys counted from
+//     cache_seqlens plus the appended tokens, and the causal mask (or window) aligned
+//     bottom-right, so query token i sits at key cache_seqlens[b] + seqlen_new - seqlen_q + i.
+// Traits: what the fa3 forward has (no mask, causal, sliding windows; fp16/bf16; head dims of
+// whole swizzle atoms); ALiBi and soft-capping calls run the decode pipeline (instances.yaml).
+#pragma once
+
+#include "fmha/kernels/fwd_fa3_sm90.cuh"
+#include "fmha/kernels/kvcache_fa2_sm80.cuh"
+
+namespace fmha::fa3 {
+
+template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
+          int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, bool kPaged_,
+          bool kSoftcap_, bool kPadSeqlen_, bool kPadHdim_, int kSmemLimit_>
+struct KvcacheConfig
+    : FwdConfig<Element_, kHeadDimQK_, kHeadDimV_, kBlockM_, kBlockN_, kNumWarps_, kStages_,
+                kMask_, kBias_, VLayout::kRowMajor, Mode::kBatch, /*kLse=*/true,
+                /*kDropout=*/false, kSoftcap_, kPadSeqlen_, kPadHdim_, kSmemLimit_> {
+  using Base = FwdConfig<Element_, kHeadDimQK_, kHeadDimV_, kBlockM_, kBlockN_, kNumWarps_,
+                         kStages_, kMask_, kBias_, VLayout::kRowMajor, Mode::kBatch, true, false,
+                         kSoftcap_, kPadSeqlen_, kPadHdim_, kSmemLimit_>;
+  static constexpr bool kCachedKv = true;
+  static constexpr bool kPaged = kPaged_;
+
+  // What the decode pipeline's append kernel reads of a config.
+  struct Append {
+    using Element = Element_;
+    static constexpr int kHeadDimQK = kHeadDimQK_;
+    static constexpr int kHeadDimV = kHeadDimV_;
+    static constexpr bool kPaged = kPaged_;
+  };
+
+  // The forward's parameters with the cache's tensor maps in place of K's and V's.
+  struct KernelParams {
+    FwdParams p;
+    typename Base::TmaLoadQ tma_q;
+    typename Base::TmaStoreO tma_o;
+    typename Base::GmemShape q_shape, o_shape;
+    int total_tiles;
+    bool spread_heads;
+    CachedKv cache;
+  };
+};
+
+// The rotated q's bytes when the call rotates it; the attention needs no scratch of its own.
+template <class Cfg>
+size_t kvcache_workspace_bytes(const KvcacheArgs& a) {
+  if (a.rotary_dim == 0) return 0;
+  return fa2::round_up_256(static_cast<size_t>(a.batch) * a.nhead_q * a.seqlen_q *
+                           Cfg::kHeadDimQK * 2);
+}
+
+template <class Cfg>
+cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
+  using Element = typename Cfg::Element;
+  const int box_rows = cache_box_rows<Cfg::kBlockN>(a.page_size);
+  // The dispatcher runs this pipeline on pages of multiples of 8 keys only.
+  if (box_rows == 0) return cudaErrorInvalidValue;
+
+  fa2::KvcacheParams append = fa2::kvcache_params(a);
+  if (a.rotary_dim > 0) append.q_rotated = a.workspace;
+  if (const cudaError_t err = fa2::launch_append<typename Cfg::Append>(append, stream);
+      err != cudaSuccess) {
+    return err;
+  }
+
+  // The attention as the forward sees it: batch mode over the cache's rows, the lengths on
+  // the device.
+  FwdArgs f;
+  f.dtype = a.dtype;
+  f.q = append.q;
+  f.o = a.o;
+  f.lse = a.lse;
+  f.batch = a.batch;
+  f.seqlen_q = a.seqlen_q;
+  f.seqlen_k = a.seqlen_cache;
+  f.nhead_q = a.nhead_q;
+  f.nhead_k = a.nhead_k;
+  f.hdim_q = a.hdim_q;
+  f.hdim_v = a.hdim_v;
+  f.q_batch_stride = append.q_batch_stride;
+  f.q_seq_stride = append.q_seq_stride;
+  f.q_head_stride = append.q_head_stride;
+  f.o_batch_stride = a.o_batch_stride;
+  f.o_seq_stride = a.o_seq_stride;
+  f.o_head_stride = a.o_head_stride;
+  f.lse_batch_stride = a.lse_batch_stride;
+  f.lse_head_stride = a.lse_head_stride;
+  f.mode = Mode::kBatch;
+  f.seqused_k = a.cache_seqlens;
+  f.mask = a.mask;
+  f.mask_align = MaskAlign::kBottomRight;
+  f.window_left = a.window_left;
+  f.window_right = a.window_right;
+  f.softmax_scale = a.softmax_scale;
+
+  typename Cfg::KernelParams kp;
+  if (const cudaError_t err = make_kernel_params<Cfg>(f, kp); err != cudaSuccess) return err;
+  kp.p.keys_appended = append.seqlen_new;
+
+  const bool paged = a.block_table != nullptr;
+  CachedKv& cache = kp.cache;
+  cache.block_table = a.block_table;
+  cache.cache_batch_idx = a.cache_batch_idx;
+  cache.block_table_batch_stride = a.block_table_batch_stride;
+  cache.page_size = paged ? a.page_size : a.seqlen_cache;
+  cache.pages_per_seq = paged ? a.seqlen_cache / a.page_size : 1;
+  cache.box_rows = box_rows;
+  cache.absent_page = a.batch_cache;
+  const bool maps_made =
+      encode_cache_map<Element>(&cache.k_map, a.k_cache, a.hdim_q, cache.page_size, a.nhead_k,
+                                a.batch_cache, a.k_cache_seq_stride, a.k_cache_head_stride,
+                                a.k_cache_batch_stride, box_rows) &&
+      encode_cache_map<Element>(&cache.v_map, a.v_cache, a.hdim_v, cache.page_size, a.nhead_k,
+                                a.batch_cache, a.v_cache_seq_stride, a.v_cache_head_stride,
+                                a.v_cache_batch_stride, box_rows);
+  if (!maps_made) return cudaErrorInvalidValue;
+  return launch_fwd_kernel<Cfg>(kp, static_cast<int64_t>(a.batch) * a.nhead_q, stream);
+}
+
+}  // namespace fmha::fa3
