@@ -19,6 +19,7 @@ from functools import cache
 
 from .errors import GeneratorError
 from .model import Instance, Traits
+from .operations import PREFILL_PAGE_MULTIPLE, operation_of
 from .schema import MODE, OPERATION, PIPELINE, Arch, OperationKind
 
 # Head dims a head-dim-padded instance runs are multiples of this: rows move in 16-byte chunks
@@ -39,6 +40,7 @@ class Problem:
     seqlen_k: int
     seqused: bool  # per-batch effective lengths (FwdArgs::seqused_q / seqused_k) are given
     cc: int  # the device's compute capability, major*10+minor
+    page_size: int = 0  # kvcache: keys per page of a paged cache; 0 for a contiguous one
 
     @property
     def op(self) -> OperationKind:
@@ -62,10 +64,14 @@ def _hdims_fit(instance: Instance, problem: Problem) -> bool:
 def _seqlens_fit(instance: Instance, problem: Problem) -> bool:
     """An unpadded instance needs lengths known on the host that are whole tiles: batch mode
     without seqused. An operation without modes (kvcache, whose cache lengths live on the
-    device) never has them."""
+    device) never has them. A prefill kernel (operations.Kernel.prefill) takes calls of at
+    least a tile of query tokens, on pages of a multiple of PREFILL_PAGE_MULTIPLE keys."""
+    tile = instance.tile
+    if operation_of(instance).kernel(instance.point.pipeline).prefill:
+        return (problem.seqlen_q >= tile.block_m
+                and problem.page_size % PREFILL_PAGE_MULTIPLE == 0)
     if instance.point.pad_seqlen:
         return True
-    tile = instance.tile
     return (problem.traits.value("mode") == _BATCH and not problem.seqused
             and problem.seqlen_q % tile.block_m == 0 and problem.seqlen_k % tile.block_n == 0)
 
@@ -111,7 +117,9 @@ REQUIREMENTS = (
                 trait="lse"),
     Requirement("seqlen", "batch mode, no seqused, and seqlen_q and seqlen_k multiples of "
                           "block_m and block_n when pad_seqlen=false (kvcache's cache lengths "
-                          "live on the device: never)", _seqlens_fit),
+                          "live on the device: never); for a prefill kernel, seqlen_q >= "
+                          f"block_m and pages of a multiple of {PREFILL_PAGE_MULTIPLE} keys",
+                _seqlens_fit),
     *(Requirement(trait, f"the same {trait}", _same(trait), trait=trait)
       for trait in EQUAL_TRAITS),
 )

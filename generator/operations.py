@@ -76,6 +76,15 @@ class Kernel:
     uses_cutlass: bool
     # Function template sizing the scratch the instance's kernels share; None: they need none.
     workspace: str | None = None
+    # Its tiles are for many query tokens (kvcache's chunked prefill on the fa3 forward): it
+    # serves calls of at least block_m query tokens on caches whose pages are multiples of
+    # PREFILL_PAGE_MULTIPLE keys, and the operation's other pipeline serves the rest (decode).
+    prefill: bool = False
+
+
+# Keys a prefill kernel's pages hold a multiple of: its TMA boxes are one page's rows and start
+# on a 1024-byte swizzle period of 8 rows (fmha/kernels/cached_kv_sm90.cuh).
+PREFILL_PAGE_MULTIPLE = 8
 
 
 @dataclass(frozen=True)
@@ -433,6 +442,16 @@ KVCACHE = Operation(
     kind=OPERATION.get("kvcache"),
     traits=KvcacheTraits,
     kernels=(
+        # Chunked prefill on sm90a: the fa3 forward's kernel with K and V read from the cache
+        # by TMA, after the decode pipeline's append kernel; the forward's tiles and limits.
+        Kernel(PIPELINE.get("fa3"), header="fmha/kernels/kvcache_fa3_sm90.cuh",
+               config_template="fmha::fa3::KvcacheConfig", launcher="fmha::fa3::launch_kvcache",
+               tile_constraints=_FWD_FA3_CONSTRAINTS,
+               shared_memory=SharedMemory(
+                   f"{_Q_AND_KV_RING} + {_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
+                   lambda tile, hdim: (_q_and_kv_ring_bytes(tile, hdim)
+                                       + _FA3_BARRIERS_AND_ALIGNMENT)),
+               uses_cutlass=True, workspace="fmha::fa3::kvcache_workspace_bytes", prefill=True),
         # mma.sync, for sm80 and built natively for sm90a. An instance appends k_new/v_new to
         # the cache (rotated, when asked), attends with a CTA per key split, and combines the
         # splits by their log-sum-exp; its workspace holds the splits' partial results.

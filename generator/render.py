@@ -227,6 +227,9 @@ def _dispatch_row(op: Operation, instance: Instance) -> dict:
         "block_n": tile.block_n,
         "pad_seqlen": _cpp_bool(point.pad_seqlen),
         "pad_hdim": _cpp_bool(point.pad_hdim),
+        # The rows of an operation with a prefill kernel (kvcache) say whether they are its.
+        "prefill": (f" /*prefill=*/{_cpp_bool(op.kernel(point.pipeline).prefill)},"
+                    if any(kernel.prefill for kernel in op.kernels) else ""),
         "functions": ", ".join(export.pointer(instance.name) for export in op.exports),
     }
 

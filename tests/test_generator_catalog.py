@@ -47,8 +47,8 @@ def test_repository_matrix():
     fwd = catalog.of(OPERATION.get("fwd"))
     assert len(fwd) == 10080 - 48 + 72 and catalog.instances[:len(fwd)] == fwd
     # Every operation's points less what its rules keep (BWD_POINTS, KVCACHE_POINTS: below).
-    assert catalog.pruned == 2 * 32256 - 10104 + BWD_POINTS - 4056 + KVCACHE_POINTS - 576
-    assert len(set(names(catalog))) == 10104 + 4056 + 576
+    assert catalog.pruned == 2 * 32256 - 10104 + BWD_POINTS - 4056 + KVCACHE_POINTS - 612
+    assert len(set(names(catalog))) == 10104 + 4056 + 612
     for instance in fwd:
         point, traits = instance.point, instance.point.traits
         assert traits.mode.token == "batch" or (point.pad_seqlen and traits.lse)
@@ -256,7 +256,8 @@ def test_repository_tiles_fit_the_archs_they_are_used_on():
         ("fmha/kernels/fwd_fa3_sm90.cuh", "sm90a"), ("fmha/kernels/bwd_fa2_sm80.cuh", "sm80"),
         ("fmha/kernels/bwd_fa2_sm80.cuh", "sm90a"), ("fmha/kernels/bwd_fa3_sm90.cuh", "sm90a"),
         ("fmha/kernels/kvcache_fa2_sm80.cuh", "sm80"),
-        ("fmha/kernels/kvcache_fa2_sm80.cuh", "sm90a")}
+        ("fmha/kernels/kvcache_fa2_sm80.cuh", "sm90a"),
+        ("fmha/kernels/kvcache_fa3_sm90.cuh", "sm90a")}
     for kernel, arch, hdim_q, hdim_v, tile in used:
         needed = kernel.shared_memory.bytes(tile, (hdim_q, hdim_v))
         assert needed <= arch.smem_limit, (kernel.header, arch.token, hdim_q, hdim_v, needed)
@@ -561,28 +562,44 @@ def test_bwd_shared_memory_matches_the_kernels_formula():
 # -- the kvcache operation -------------------------------------------------------------------
 
 # dtype x hdim x mask x bias x paged x softcap x pipeline x arch x padding
-KVCACHE_POINTS = 2 * 7 * 3 * 3 * 2 * 2 * 1 * 2 * 4
+KVCACHE_POINTS = 2 * 7 * 3 * 3 * 2 * 2 * 2 * 2 * 4
 
 
 def test_repository_kvcache_matrix():
-    # fa2 only: 2 dtypes x 6 head dims (hdim_q == hdim_v) x 3 masks x 2 biases (none, ALiBi) x
-    # 2 (contiguous, paged) x 2 softcap on 2 archs, each padding sequence lengths with exact
-    # head dims: 576, the last table of the catalog.
+    # fa2 (decode): 2 dtypes x 6 head dims (hdim_q == hdim_v) x 3 masks x 2 biases (none,
+    # ALiBi) x 2 (contiguous, paged) x 2 softcap on 2 archs: 576. fa3 (chunked prefill): 2
+    # dtypes x head dims 64, 128 and 256 x 3 masks x 2 (contiguous, paged) on sm90a, without
+    # ALiBi or soft-cap: 36. Each pads sequence lengths with exact head dims; kvcache's is the
+    # last table of the catalog.
     catalog = build_catalog(load(DEFAULT_CONFIG))
     kvcache = catalog.of(OPERATION.get("kvcache"))
-    assert len(kvcache) == 576 and catalog.instances[-len(kvcache):] == kvcache
-    assert all(i.name.startswith("kvcache_") and i.name.endswith("_m16n64_pad") for i in kvcache)
-    assert {(i.point.traits.hdim_q, i.point.traits.hdim_v) for i in kvcache} == {
+    assert catalog.instances[-len(kvcache):] == kvcache
+    assert all(i.name.startswith("kvcache_") and i.point.pad_seqlen and not i.point.pad_hdim
+               for i in kvcache)
+    decode = [i for i in kvcache if i.point.pipeline.token == "fa2"]
+    prefill = [i for i in kvcache if i.point.pipeline.token == "fa3"]
+    assert (len(decode), len(prefill)) == (576, 36)
+    assert {(i.point.traits.hdim_q, i.point.traits.hdim_v) for i in decode} == {
         (d, d) for d in (32, 64, 96, 128, 192, 256)}
-    assert {i.point.traits.bias.token for i in kvcache} == {"none", "alibi"}
-    for instance in kvcache:
+    assert {i.point.traits.bias.token for i in decode} == {"none", "alibi"}
+    for instance in decode:
         point = instance.point
-        assert point.pipeline.token == "fa2" and point.pad_seqlen and not point.pad_hdim
         # Three stages but where they would pass A100's shared memory (d256: 200 KB).
         a100_d256 = point.arch.token == "sm80" and point.traits.hdim_q == 256
         assert instance.tile == Tile(16, 64, 4, 2 if a100_d256 else 3)
-    # One pipeline: nothing falls back, so no gaps.
-    assert not [gap for gap in catalog.gaps if gap.op.token == "kvcache"]
+    forward_tiles = {i.point.traits.hdim_q: i.tile for i in catalog.of(OPERATION.get("fwd"))
+                     if i.point.pipeline.token == "fa3"}
+    for instance in prefill:
+        point, traits = instance.point, instance.point.traits
+        assert point.arch.token == "sm90a" and traits.hdim_q in (64, 128, 256)
+        assert traits.bias.token == "none" and not traits.softcap
+        assert instance.tile == forward_tiles[traits.hdim_q]
+    # The calls fa3 leaves to the decode kernel on sm90a: other head dims, ALiBi, soft-cap.
+    assert sorted(gap.reason.split(";")[0] for gap in catalog.gaps
+                  if gap.op.token == "kvcache") == [
+        "chunked prefill runs on the fa3 forward's tiles, which it has for head dims 64, 128 "
+        "and 256 here", "the fa3 forward has no ALiBi yet", "the fa3 forward has no "
+        "soft-capping yet"]
 
 
 @pytest.mark.parametrize("fields, name", [

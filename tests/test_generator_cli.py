@@ -15,7 +15,7 @@ BWD_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias",
 KVCACHE_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "paged",
                           "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim", "block_m",
                           "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = ("144 of 14736 instances selected (fwd 56, bwd 56, kvcache 32; 86064 "
+DEFAULT_SELECTED = ("152 of 14772 instances selected (fwd 56, bwd 56, kvcache 40; 90060 "
                     "pruned)")
 
 
@@ -23,8 +23,8 @@ def test_default_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 144 TUs (sm80 64, sm90a 80), "
-                             f"147 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
+    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 152 TUs (sm80 64, sm90a 88), "
+                             f"155 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
     assert len(list(out.glob("fwd_*.cu"))) == 56 and len(list(out.glob("bwd_*.cu"))) == 56
     assert len(list(out.glob("kvcache_*.cu"))) == 32
     assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {
@@ -36,7 +36,7 @@ def test_second_run_writes_nothing(run_cli, tmp_path):
     run_cli("--out", out)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     result = run_cli("--out", out)
-    assert "0 files written, 147 unchanged, 0 removed" in result.stdout
+    assert "0 files written, 155 unchanged, 0 removed" in result.stdout
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
 
 
@@ -46,14 +46,15 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     result = run_cli("--out", out, "--preset", "minimal", "--targets", "90a")
     assert result.returncode == 0, result.stderr
     # minimal's fwd instances leave out the log-sum-exp, default's write it: none are shared;
-    # its two sm90a bwd and two sm90a kvcache ones are default's.
-    assert "6 of 14736 instances selected (fwd 2, bwd 2, kvcache 2;" in result.stdout
-    assert "4 unchanged, 140 removed" in result.stdout
+    # its two sm90a bwd and three sm90a kvcache ones are default's.
+    assert "7 of 14772 instances selected (fwd 2, bwd 2, kvcache 3;" in result.stdout
+    assert "5 unchanged, 147 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
         "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu",
         "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu",
         "kvcache_fp16_d64_fa2_sm90a_m16n64_pad.cu",
-        "kvcache_fp16_d64_paged_fa2_sm90a_m16n64_pad.cu"]
+        "kvcache_fp16_d64_paged_fa2_sm90a_m16n64_pad.cu",
+        "kvcache_fp16_d64_paged_fa3_sm90a_m192n128_pad.cu"]
 
 
 def test_list(run_cli):
@@ -74,7 +75,7 @@ def test_json(run_cli):
     result = run_cli("--json", "--preset", "minimal")
     assert result.returncode == 0, result.stderr
     records = json.loads(result.stdout)
-    assert [r["op"] for r in records] == ["fwd"] * 4 + ["bwd"] * 4 + ["kvcache"] * 4
+    assert [r["op"] for r in records] == ["fwd"] * 4 + ["bwd"] * 4 + ["kvcache"] * 5
     fields = {"fwd": SUMMARY_FIELDS, "bwd": BWD_SUMMARY_FIELDS, "kvcache": KVCACHE_SUMMARY_FIELDS}
     for record in records:
         assert tuple(record) == fields[record["op"]]
@@ -164,14 +165,14 @@ def test_presets_table(run_cli):
     assert lines[0].split() == ["preset", "fwd", "bwd", "kvcache", "TUs", "sm80", "sm90a", "why"]
     rows = {line.split()[0]: [int(n) for n in line.split()[1:7]]
             for line in lines[1:] if not line.startswith(" ")}
-    assert rows == {"default": [56, 56, 32, 144, 64, 80],
-                    "extended": [276, 276, 144, 696, 324, 372],
-                    "minimal": [4, 4, 4, 12, 6, 6],
-                    "flash_attn": [2040, 2040, 576, 4656, 2304, 2352],
+    assert rows == {"default": [56, 56, 40, 152, 64, 88],
+                    "extended": [276, 276, 180, 732, 324, 408],
+                    "minimal": [4, 4, 5, 13, 6, 7],
+                    "flash_attn": [2040, 2040, 612, 4692, 2304, 2388],
                     "pytorch": [448, 672, 0, 1120, 560, 560],
-                    "coverage": [592, 392, 208, 1192, 574, 618],
-                    "all": [10104, 4056, 576, 14736, 7344, 7392]}
-    assert "CI smoke build (12 TUs)" in result.stdout
+                    "coverage": [592, 392, 232, 1216, 574, 642],
+                    "all": [10104, 4056, 612, 14772, 7344, 7428]}
+    assert "CI smoke build (13 TUs)" in result.stdout
     assert max(map(len, lines)) <= 100
 
 
@@ -186,12 +187,13 @@ def test_presets_json_with_targets_and_filter(run_cli):
         "preset": "default",
         "filters": ["fwd,hdim64|hdim128,mask=none|causal,bias=none,vlayout=row,lse,!dropout,"
                     "!softcap", "bwd,hdim64|hdim128,mask=none|causal,bias=none,!dropout,!softcap",
-                    "kvcache,hdim64|hdim128,mask=none|causal,bias=none,!softcap"],
-        "instances": 40, "instances_per_op": {"fwd": 16, "bwd": 16, "kvcache": 8}, "tus": 40,
-        "tus_per_target": {"sm80": 0, "sm90a": 40}, "why": default["why"]}
+                    "kvcache,fa2,hdim64|hdim128,mask=none|causal,bias=none,!softcap",
+                    "kvcache,fa3,paged,hdim64|hdim128,mask=none|causal"],
+        "instances": 44, "instances_per_op": {"fwd": 16, "bwd": 16, "kvcache": 12}, "tus": 44,
+        "tus_per_target": {"sm80": 0, "sm90a": 44}, "why": default["why"]}
     assert default["why"].startswith("What `pip install .` builds")
-    assert rows[1]["instances_per_op"] == {"fwd": 75, "bwd": 75, "kvcache": 36}
-    assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2, "kvcache": 2}
+    assert rows[1]["instances_per_op"] == {"fwd": 75, "bwd": 75, "kvcache": 54}
+    assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2, "kvcache": 3}
 
 
 def test_presets_count_an_emptied_preset_as_zero(run_cli):
@@ -211,7 +213,7 @@ def test_shards_split_the_selection(run_cli, tmp_path):
              for index in range(1, 5)]
     assert sorted(sum(parts, [])) == sorted(whole)
     assert all(part == [name for name in whole if name in part] for part in parts)
-    assert [len(part) for part in parts] == [174, 174, 174, 174]
+    assert [len(part) for part in parts] == [183, 183, 183, 183]
     assert parts[1] == run_cli("--list", "--preset", "extended",
                                "--shard", "2/4").stdout.split()  # deterministic
 
@@ -220,14 +222,14 @@ def test_shard_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out, "--preset", "extended", "--shard", "2/4")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("generator: 696 of 14736 instances selected (fwd 276, bwd 276, "
-                                    "kvcache 144; 86064 pruned); shard 2/4: 174 TUs (sm80 ")
-    assert "177 files written" in result.stdout
+    assert result.stdout.startswith("generator: 732 of 14772 instances selected (fwd 276, bwd 276, "
+                                    "kvcache 180; 90060 pruned); shard 2/4: 183 TUs (sm80 ")
+    assert "186 files written" in result.stdout
     tus = sorted(p.name for p in out.glob("*.cu"))
     listed = run_cli("--list", "--preset", "extended", "--shard", "2/4").stdout.split()
     assert tus == sorted(f"{name}.cu" for name in listed)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["instances"]) == 696
+    assert len(manifest["instances"]) == 732
     assert (manifest["shard"]["index"], manifest["shard"]["count"]) == (2, 4)
     assert sorted(manifest["shard"]["tus"]) == tus
     table = (out / "dispatch_table.cpp").read_text()

@@ -4,6 +4,7 @@ instance is the one the dispatcher runs for some problem."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 from conftest import BWD_OPERATION
@@ -252,7 +253,8 @@ def test_instance_that_serves_nothing_is_an_error(build, make_config, line_of):
         "operations.fwd.rules: fwd_bf16_d64_causal_group_fa2_sm90a_m128n64 serves no problem, so "
         "the dispatcher can never run it (seqlen: needs batch mode, no seqused, and seqlen_q and "
         "seqlen_k multiples of block_m and block_n when pad_seqlen=false (kvcache's cache lengths "
-        "live on the device: never)); prune it with a rule")
+        "live on the device: never); for a prefill kernel, seqlen_q >= block_m and pages of a "
+            "multiple of 8 keys); prune it with a rule")
 
 
 def test_padding_siblings_are_not_shadowed(make_instance):
@@ -437,6 +439,26 @@ def test_an_unpadded_kvcache_instance_serves_nothing(make_kvcache_instance):
     assert [r.name for r in unmet(unpadded, kvcache_problem(seqlen=(16, 64)))] == ["seqlen"]
     with pytest.raises(GeneratorError, match=f"{unpadded.name} serves no problem"):
         check_dispatchable(dispatch_order([unpadded]))
+
+
+def test_a_prefill_instance_takes_chunks_of_a_tile_on_pages_of_multiples_of_8(
+        make_kvcache_instance):
+    # fa3's kvcache kernel is the chunked-prefill one: at least block_m query tokens, on a
+    # contiguous cache or pages of a multiple of 8 keys; the decode kernel takes the rest, and
+    # each is the one chosen for some problem.
+    prefill = make_kvcache_instance(hdim=(128, 128), paged=True, arch="sm90a",
+                                    pipeline=PIPELINE.get("fa3"), tile=Tile(128, 128, 12, 2))
+    decode = make_kvcache_instance(hdim=(128, 128), paged=True, arch="sm90a")
+    chunk = replace(kvcache_problem(hdim=(128, 128), paged=True, seqlen=(128, 4096), cc=90),
+                    page_size=16)
+    assert serves(prefill, chunk) and serves(decode, chunk)
+    for other in (replace(chunk, seqlen_q=127), replace(chunk, page_size=12)):
+        assert [r.name for r in unmet(prefill, other)] == ["seqlen"] and serves(decode, other)
+    ordered = dispatch_order([decode, prefill])
+    assert ordered == (prefill, decode)
+    assert first_serving(ordered, chunk) is prefill
+    assert first_serving(ordered, replace(chunk, seqlen_q=1)) is decode
+    check_dispatchable(ordered)
 
 
 def test_kvcache_and_the_other_operations_never_serve_each_others_problems(

@@ -165,8 +165,13 @@ def test_pipeline_gaps_in_the_table():
     text = render(select(config, build_catalog(config), "minimal"),
                   source="instances.yaml")["dispatch_table.cpp"]
     # One row per rule on fa3's traits (not on its arch or padding), for sm90a where it exists:
-    # the forward's five, and the backward's four in a table of its own.
-    assert text.count('    {"fa3", "sm90a", ') == 5 + 4
+    # the forward's five, the backward's four and kvcache's three in tables of their own.
+    assert text.count('    {"fa3", "sm90a", ') == 5 + 4 + 3
+    assert """\
+    {"fa3", "sm90a", "softcap",
+     "the fa3 forward has no soft-capping yet; soft-capped chunks run the decode kernel",
+     [](const KvcacheTraits& t) { return (t.softcap == true); }},
+""" in text
     assert """\
     {"fa3", "sm90a", "dropout",
      "the fa3 backward has no dropout yet; dropout calls on H100/H200 run fa2",
@@ -219,13 +224,17 @@ def test_instances_cmake_lists_the_tus_that_need_cutlass():
 set(FMHA_GENERATED_CUTLASS_SOURCES
   "${CMAKE_CURRENT_LIST_DIR}/bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu"
   "${CMAKE_CURRENT_LIST_DIR}/fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu"
+  "${CMAKE_CURRENT_LIST_DIR}/kvcache_fp16_d64_paged_fa3_sm90a_m192n128_pad.cu"
 )
 """)
-    # A shard lists only its own: here the one without the fa3 TU lists none.
+    # A shard lists only its own: each fa3 TU in exactly one of them.
     shards = [render(selection, source="instances.yaml", shard=parse_shard(f"{index}/4"))
               for index in (1, 2, 3, 4)]
-    assert sum("fa3_sm90a_m192n128_pad.cu\"\n)" in files["instances.cmake"]
-               for files in shards) == 1
+    cutlass_lists = [files["instances.cmake"].split("set(FMHA_GENERATED_CUTLASS_SOURCES")[1]
+                     for files in shards]
+    for tu in ("bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu",
+               "kvcache_fp16_d64_paged_fa3_sm90a_m192n128_pad.cu"):
+        assert sum(tu in text for text in cutlass_lists) == 1, tu
 
 
 def test_targets_without_instances_are_left_out(rendered):
@@ -813,7 +822,7 @@ const KvcacheInstanceEntry kKvcacheRows[] = {{
       /*mask=*/fmha::MaskType::kCausal, /*bias=*/fmha::BiasType::kAlibi,
       /*paged=*/true, /*softcap=*/true}},
      /*pipeline=*/"fa2", /*arch=*/"sm80", /*arch_cc=*/80, /*arch_exact=*/false,
-     /*block_m=*/16, /*block_n=*/64, /*pad_seqlen=*/true, /*pad_hdim=*/false,
+     /*block_m=*/16, /*block_n=*/64, /*pad_seqlen=*/true, /*pad_hdim=*/false, /*prefill=*/false,
      &instances::launch_{name}, &instances::workspace_{name}}},
 }};
 }}  // namespace

@@ -131,6 +131,7 @@ py::dict kvcache_info_dict(const fmha::KvcacheInstanceInfo& i) {
   d["paged"] = i.traits.paged;
   d["softcap"] = i.traits.softcap;
   add_build_fields(d, i);
+  d["prefill"] = i.prefill;
   return d;
 }
 
@@ -358,10 +359,13 @@ std::tuple<int, std::string, std::string> fwd_kvcache(const fmha::KvcacheArgs& a
 }
 
 // (status code, message, bytes): the workspace fwd_kvcache() needs for args on the current
-// device (pointers are not read, but a non-null one says the call has that operand).
-std::tuple<int, std::string, size_t> kvcache_workspace_size(const fmha::KvcacheArgs& args) {
+// device (pointers are not read, but a non-null one says the call has that operand), with the
+// dispatcher's KV-cache instance or the one named.
+std::tuple<int, std::string, size_t> kvcache_workspace_size(const fmha::KvcacheArgs& args,
+                                                            std::optional<std::string> instance) {
   size_t bytes = 0;
-  const fmha::Status st = fmha::kvcache_workspace_size(args, &bytes);
+  const fmha::Status st = instance ? fmha::kvcache_workspace_size(*instance, args, &bytes)
+                                   : fmha::kvcache_workspace_size(args, &bytes);
   return {code(st), st.message, bytes};
 }
 
@@ -689,8 +693,10 @@ PYBIND11_MODULE(_C, m) {
         "dispatcher's KV-cache instance or the one named; returns (status code, message, "
         "instance name).");
   m.def("kvcache_workspace_size", &kvcache_workspace_size, py::arg("args"),
-        "The workspace fwd_kvcache needs for args on the current device (pointers are not read; "
-        "a non-zero one says the call has that operand); returns (code, message, bytes).");
+        py::arg("instance") = py::none(),
+        "The workspace fwd_kvcache needs for args on the current device, with the dispatcher's "
+        "KV-cache instance or the one named (pointers are not read; a non-zero one says the "
+        "call has that operand); returns (code, message, bytes).");
   m.def("select_kvcache", &select_kvcache, py::arg("args"),
         "The KV-cache instance fwd_kvcache would run on the current device; returns (code, "
         "message, info dict or None).");

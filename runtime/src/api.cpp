@@ -821,14 +821,30 @@ Status fwd_kvcache_instance(const std::string& instance, const KvcacheArgs& args
   return run_kvcache(args, stream, &instance, nullptr);
 }
 
-Status kvcache_workspace_size(const KvcacheArgs& args, size_t* bytes) {
+namespace {
+
+// kvcache_workspace_size() of the dispatcher's choice, or of `instance` where one is named.
+Status workspace_size(const KvcacheArgs& args, const std::string* instance, size_t* bytes) {
+  if (Status st = check_kvcache_args(args, /*check_memory=*/false); !st.ok()) return st;
+  int cc = 0;
+  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
   const detail::KvcacheInstanceEntry* entry = nullptr;
-  if (Status st = select_checked(check_kvcache_args(args, /*check_memory=*/false), args, &entry);
-      !st.ok()) {
-    return st;
-  }
+  const Status found = instance != nullptr ? detail::find_instance(*instance, args, cc, &entry)
+                                           : detail::select_instance(args, cc, &entry);
+  if (!found.ok()) return found;
   if (bytes != nullptr) *bytes = entry->workspace(args);
   return Status::Ok();
+}
+
+}  // namespace
+
+Status kvcache_workspace_size(const KvcacheArgs& args, size_t* bytes) {
+  return workspace_size(args, nullptr, bytes);
+}
+
+Status kvcache_workspace_size(const std::string& instance, const KvcacheArgs& args,
+                              size_t* bytes) {
+  return workspace_size(args, &instance, bytes);
 }
 
 Status select(const KvcacheArgs& args, KvcacheInstanceInfo* chosen) {

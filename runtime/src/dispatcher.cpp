@@ -131,9 +131,13 @@ template <class Entry>
 bool lengths_fit(const Entry& e, const BwdArgs& a) {
   return lengths_fit(e, a.fwd);
 }
-// The cache lengths live on the device (cache_seqlens): every kvcache instance pads them.
+// The cache lengths live on the device (cache_seqlens): every kvcache instance pads them. A
+// prefill instance takes chunks of at least a tile of query tokens, on pages of a multiple of
+// 8 keys (its TMA boxes, fmha/kernels/cached_kv_sm90.cuh).
+constexpr int kPrefillPageMultiple = 8;
 template <class Entry>
-bool lengths_fit(const Entry& e, const KvcacheArgs&) {
+bool lengths_fit(const Entry& e, const KvcacheArgs& a) {
+  if (e.prefill) return a.seqlen_q >= e.block_m && a.page_size % kPrefillPageMultiple == 0;
   return e.pad_seqlen;
 }
 
@@ -225,24 +229,38 @@ std::string arch_reason(const Entry& e, int cc) {
 // Why the lengths need a padded (pad_seqlen=true) instance.
 template <class Entry>
 std::string lengths_reason(const Entry& e, const FwdArgs& a) {
-  if (a.mode != Mode::kBatch) return "group mode's sequence lengths are known only on the device";
+  const std::string unpadded = "it is unpadded (pad_seqlen=false) and ";
+  if (a.mode != Mode::kBatch) {
+    return unpadded + "group mode's sequence lengths are known only on the device";
+  }
   if (a.seqused_q != nullptr || a.seqused_k != nullptr) {
-    return "seqused_q/seqused_k set per-sequence lengths known only on the device";
+    return unpadded + "seqused_q/seqused_k set per-sequence lengths known only on the device";
   }
   if (a.seqlen_q % e.block_m != 0) {
-    return "seqlen_q=" + std::to_string(a.seqlen_q) + " is not a multiple of its block_m=" +
-           std::to_string(e.block_m);
+    return unpadded + "seqlen_q=" + std::to_string(a.seqlen_q) +
+           " is not a multiple of its block_m=" + std::to_string(e.block_m);
   }
-  return "seqlen_k=" + std::to_string(a.seqlen_k) + " is not a multiple of its block_n=" +
-         std::to_string(e.block_n);
+  return unpadded + "seqlen_k=" + std::to_string(a.seqlen_k) +
+         " is not a multiple of its block_n=" + std::to_string(e.block_n);
 }
 template <class Entry>
 std::string lengths_reason(const Entry& e, const BwdArgs& a) {
   return lengths_reason(e, a.fwd);
 }
 template <class Entry>
-std::string lengths_reason(const Entry&, const KvcacheArgs&) {
-  return "the cache lengths (cache_seqlens) are known only on the device";
+std::string lengths_reason(const Entry& e, const KvcacheArgs& a) {
+  if (!e.prefill) {
+    return "it is unpadded (pad_seqlen=false) and the cache lengths (cache_seqlens) are known "
+           "only on the device";
+  }
+  if (a.seqlen_q < e.block_m) {
+    return "it is a prefill instance, for chunks of at least block_m=" +
+           std::to_string(e.block_m) + " query tokens, and seqlen_q=" +
+           std::to_string(a.seqlen_q) + " is a decode step";
+  }
+  return "it is a prefill instance, whose TMA boxes take pages of a multiple of " +
+         std::to_string(kPrefillPageMultiple) + " keys, and page_size=" +
+         std::to_string(a.page_size);
 }
 
 template <class Entry, class Args, class Traits>
@@ -252,7 +270,7 @@ std::string reason(Stage stage, const Entry& e, const Args& a, const Traits& w, 
     case Stage::kHeadDims: return head_dims_reason(e, w);
     case Stage::kArch: return arch_reason(e, cc);
     case Stage::kLengths:
-      return "it is unpadded (pad_seqlen=false) and " + lengths_reason(e, a);
+      return lengths_reason(e, a);
     case Stage::kRuns: break;
   }
   return "it runs the problem";
@@ -477,7 +495,8 @@ std::string miss_message(const Args& a, int cc, Stage furthest) {
       break;
     case Stage::kArch: s << "instances with these traits exist only for other GPUs"; break;
     case Stage::kLengths:
-      s << "only unpadded instances fit, and the problem needs a padded one";
+      s << "the instances that fit otherwise take other lengths (unpadded ones whole tiles, "
+           "prefill ones chunks of many query tokens)";
       break;
     case Stage::kRuns: break;
   }
@@ -779,7 +798,9 @@ std::string explain_selection(const KvcacheArgs& args, int cc) {
 InstanceInfo to_info(const InstanceEntry& e) { return info_of<InstanceInfo>(e); }
 BwdInstanceInfo to_info(const BwdInstanceEntry& e) { return info_of<BwdInstanceInfo>(e); }
 KvcacheInstanceInfo to_info(const KvcacheInstanceEntry& e) {
-  return info_of<KvcacheInstanceInfo>(e);
+  KvcacheInstanceInfo info = info_of<KvcacheInstanceInfo>(e);
+  info.prefill = e.prefill;
+  return info;
 }
 
 }  // namespace fmha::detail

@@ -391,10 +391,12 @@ struct KvcacheInstanceInfo {
   std::string arch;
   int arch_cc = 0;
   bool arch_exact = false;
-  int block_m = 0;  // query rows (query tokens x the query heads of one K/V head) per CTA
+  int block_m = 0;  // decode: query rows (query tokens x the query heads of one K/V head) per
+                    // CTA; prefill: query tokens per CTA, and the fewest a call must have
   int block_n = 0;  // keys per step
   bool pad_seqlen = false;
   bool pad_hdim = false;
+  bool prefill = false;  // a tile for many query tokens (fa3 on sm90a): chunked prefill
 };
 
 // KV-cache attention on `stream`: appends k_new/v_new (rotated, when asked) to the cache, then
@@ -405,6 +407,10 @@ FMHA_API Status fwd_kvcache_instance(const std::string& instance, const KvcacheA
                                      Stream stream);
 // The workspace fwd_kvcache() needs for `args` on the current device (pointers are not read).
 FMHA_API Status kvcache_workspace_size(const KvcacheArgs& args, size_t* bytes);
+// The workspace fwd_kvcache_instance() needs: instances of other pipelines need other scratch
+// (the decode kernel's split partials, the prefill kernel's none but the rotated q).
+FMHA_API Status kvcache_workspace_size(const std::string& instance, const KvcacheArgs& args,
+                                       size_t* bytes);
 FMHA_API Status select(const KvcacheArgs& args, KvcacheInstanceInfo* chosen);
 FMHA_API Status explain(const KvcacheArgs& args, std::string* explanation);
 FMHA_API std::vector<KvcacheInstanceInfo> kvcache_instances();

@@ -134,6 +134,8 @@ struct KvcacheInstanceEntry {
   bool pad_seqlen;  // as InstanceEntry's; true for every kvcache instance (the cache lengths
                     // live on the device)
   bool pad_hdim;
+  bool prefill;  // a tile for many query tokens (fa3): it runs calls of at least block_m of them
+                 // on pages of a multiple of 8 keys, and the decode kernel the others
   KvcacheLaunchFn launch;
   KvcacheWorkspaceFn workspace;
 };

@@ -125,8 +125,9 @@ def _layout(t: torch.Tensor) -> tuple:
 
 def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
               rotary_cos, rotary_sin, alibi_slopes, rotary_interleaved, causal, window_size,
-              softcap, softmax_scale, num_splits, return_lse) -> Optional[tuple]:
-    """The signature of a call whose tensors are plain tensors (or None) and whose options have
+              softcap, softmax_scale, num_splits, return_lse, instance) -> Optional[tuple]:
+    """The signature of a call (and of the instance it names, whose workspace may differ from
+    the dispatcher's choice's) whose tensors are plain tensors (or None) and whose options have
     their documented types exactly (a bool is no int here), so that two calls with one key pass
     the same checks; None for any other call, which then runs every check and raises what they
     find. A flat tuple: a decode step's host time is mostly this key (about 4 us of the H100
@@ -155,7 +156,7 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch
             None if rotary_sin is None else _layout(rotary_sin),
             None if alibi_slopes is None else _layout(alibi_slopes),
             rotary_interleaved, causal, window_size, softcap, softmax_scale, num_splits,
-            return_lse)
+            return_lse, instance)
 
 
 def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
@@ -334,11 +335,16 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
     with the last keys (bottom-right). num_splits: key splits per sequence and K/V head, 0 to
     choose from the shapes and the GPU. Returns out (batch, seqlen_q, nheads, headdim), and
     with return_lse the log-sum-exp (batch, nheads, seqlen_q) in fp32.
+
+    Decode steps (a few query tokens) run the split-KV decode kernel. On H100/H200, chunks of
+    at least a tile of query tokens (128; 192 at head dim 64) on a contiguous cache or on pages
+    of a multiple of 8 keys run the chunked-prefill kernel (the fa3 forward reading the cache
+    by TMA), which needs no key splits and ignores num_splits; fmha.select_kvcache says which.
     """
     check_instance(instance, _API)
     key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
                     rotary_cos, rotary_sin, alibi_slopes, rotary_interleaved, causal,
-                    window_size, softcap, softmax_scale, num_splits, return_lse)
+                    window_size, softcap, softmax_scale, num_splits, return_lse, instance)
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         args, out_shape, lse_shape = _build_args(
@@ -353,7 +359,7 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
             # operands the call has; run() sets every pointer from the call's tensors.
             _mark_present(args, k_new=k, v_new=v, block_table=block_table,
                           rotary_cos=rotary_cos, alibi_slopes=alibi_slopes)
-            code, message, workspace_bytes = _C.kvcache_workspace_size(args)
+            code, message, workspace_bytes = _C.kvcache_workspace_size(args, instance)
             _raise_for(code, message)
         args.workspace_bytes = workspace_bytes
         plan = _KvcachePlan(args, out_shape, lse_shape, workspace_bytes, device)
