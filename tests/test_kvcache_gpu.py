@@ -23,6 +23,8 @@ if not hasattr(fmha, "fwd_kvcache"):
 
 CC = device_cc(torch)
 INSTANCES = [i for i in fmha.kvcache_instances() if runs_here(i, CC)]
+# The decode instances run every call; the prefill ones chunks of at least block_m tokens.
+DECODE_INSTANCES = [i for i in INSTANCES if not i["prefill"]]
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,24 @@ CASES = (
     Case(2, 1, 16, 2, 4096, (4000, 1234), page_size=16),
     # More splits than a short sequence has key tiles: idle splits.
     Case(2, 3, 2, 1, 1024, (5, 1000), seqlen_new=3, rotary="neox", num_splits=9, page_size=64),
+)
+
+# Chunked prefill: the prefill instances (fa3 on sm90a) take calls of at least block_m query
+# tokens (192 at d64) on pages of a multiple of 8 keys; the decode instances run them too.
+PREFILL_CASES = (
+    # A sequence's first chunk (an empty cache) beside a later one, GQA 4:1, pages of 16: a
+    # 128-key tile spans 8 pages.
+    Case(2, 200, 8, 2, 1024, (0, 500), seqlen_new=200, page_size=16),
+    # The last chunk fills the cache to its end, rotated (GPT-NeoX, half the head dim), MHA;
+    # contiguous caches in shuffled rows.
+    Case(1, 256, 4, 4, 768, (512,), seqlen_new=256, rotary="neox", rotary_fraction=0.5,
+         page_size=64, batch_idx=True),
+    # No append, MQA, pages of 48 (16-key boxes): under a causal mask the first rows of the
+    # sequence with 100 keys see none (output 0, log-sum-exp -inf).
+    Case(3, 193, 8, 1, 640, (100, 0, 447), page_size=48),
+    # Several query tiles against long caches, interleaved rotary, pages of 256 (two 128-key
+    # tiles a page).
+    Case(2, 300, 16, 2, 2048, (1500, 700), seqlen_new=300, rotary="gptj", page_size=256),
 )
 
 MASK_WINDOWS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)),
@@ -146,19 +166,53 @@ def _check(inst: dict, case: Case, instance: Optional[str], seed: int):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_index", range(len(CASES)))
-@pytest.mark.parametrize("inst", INSTANCES, ids=lambda i: i["name"])
+@pytest.mark.parametrize("inst", DECODE_INSTANCES, ids=lambda i: i["name"])
 def test_instance(inst, case_index):
     case = CASES[case_index]
     _check(inst, case, inst["name"], seed=case_index)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case_index", range(len(PREFILL_CASES)))
+@pytest.mark.parametrize("inst", INSTANCES, ids=lambda i: i["name"])
+def test_chunked_prefill(inst, case_index):
+    """Every instance on chunks of many query tokens: the prefill ones are made for them, the
+    decode ones run them where no prefill instance is built (sm80, ALiBi, soft-cap)."""
+    case = PREFILL_CASES[case_index]
+    if case.seqlen_q < inst["block_m"] and inst["prefill"]:
+        pytest.skip(f"{inst['name']} takes chunks of at least {inst['block_m']} query tokens")
+    _check(inst, case, inst["name"], seed=100 + case_index)
+
+
+@pytest.mark.gpu
+def test_prefill_dispatch():
+    """The dispatcher runs a chunk on a prefill instance where one fits, a decode step on a
+    decode instance, and a prefill instance named for a decode step says why it cannot."""
+    traits = ("dtype", "hdim_q", "mask", "bias", "paged", "softcap", "arch")
+    pairs = [(p, d) for p in INSTANCES if p["prefill"] and p["paged"] for d in DECODE_INSTANCES
+             if all(p[t] == d[t] for t in traits)]
+    if not pairs:
+        pytest.skip("no prefill instance with a decode instance of its traits runs on this GPU")
+    inst, decode = pairs[0]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    chunk = PREFILL_CASES[3]
+    q, k_cache, v_cache, kw = _inputs(inst, chunk, gen)
+    for appended_or_rotary in ("k", "v", "rotary_cos", "rotary_sin", "rotary_interleaved"):
+        kw.pop(appended_or_rotary)
+    assert fmha.select_kvcache(q, k_cache, v_cache, **kw)["name"] == inst["name"]
+    step = q[:, :1].contiguous()
+    assert fmha.select_kvcache(step, k_cache, v_cache, **kw)["name"] == decode["name"]
+    with pytest.raises(ValueError, match="prefill instance"):
+        fmha.fwd_kvcache(step, k_cache, v_cache, **kw, instance=inst["name"])
+
+
+@pytest.mark.gpu
 def test_dispatcher_and_explain():
     """Without `instance` the dispatcher picks a fitting instance, which select_kvcache names
     and explain_kvcache describes."""
-    if not INSTANCES:
-        pytest.skip("no kvcache instance runs on this GPU")
-    inst = INSTANCES[0]
+    if not DECODE_INSTANCES:
+        pytest.skip("no decode kvcache instance runs on this GPU")
+    inst = DECODE_INSTANCES[0]
     case = CASES[1]
     _check(inst, case, None, seed=7)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -172,9 +226,9 @@ def test_dispatcher_and_explain():
 @pytest.mark.gpu
 def test_graph_replay_with_new_lengths():
     """A decode step captured in a CUDA graph replays with new lengths and tokens in place."""
-    if not INSTANCES:
-        pytest.skip("no kvcache instance runs on this GPU")
-    inst = next((i for i in INSTANCES if i["mask"] == "causal"), INSTANCES[0])
+    if not DECODE_INSTANCES:
+        pytest.skip("no decode kvcache instance runs on this GPU")
+    inst = next((i for i in DECODE_INSTANCES if i["mask"] == "causal"), DECODE_INSTANCES[0])
     case = Case(2, 1, 8, 2, 512, (100, 7), seqlen_new=1, rotary="neox", page_size=16)
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k_cache, v_cache, kw = _inputs(inst, case, gen)
