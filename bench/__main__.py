@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
-from bench import decode
+from bench import decode, prefill
 from fmha.timing import graph_median_ms, host_us, interleaved_medians
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -92,8 +92,9 @@ def parse_args(argv):
     p.add_argument("--decode", action="store_true",
                    help="time one decode step of fmha.fwd_kvcache against SDPA instead (GB/s "
                         "against the device's copy bandwidth; bench/decode.py)")
-    p.add_argument("--batches", type=csv(int), default=[1, 8, 64],
-                   help="with --decode: batch sizes")
+    p.add_argument("--batches", type=csv(int), default=None,
+                   help="with --decode: batch sizes (default 1,8,64); with --prefill: "
+                        "sequences per chunked call (default 1)")
     p.add_argument("--cache-lens", type=csv(int), default=[1024, 8192, 32768, 131072],
                    help="with --decode: cached keys per sequence")
     p.add_argument("--gqa", type=csv(int), default=[8, 4],
@@ -101,6 +102,13 @@ def parse_args(argv):
     p.add_argument("--kv-heads", type=int, default=8, help="with --decode: K/V heads")
     p.add_argument("--pages", type=csv(int), default=[16, 64, 256],
                    help="with --decode: page sizes of the paged caches (0: none)")
+    p.add_argument("--prefill", action="store_true",
+                   help="chunked prefill: fmha.fwd_kvcache on contiguous and paged caches "
+                        "against fmha.fwd on the same shapes (bench/prefill.py)")
+    p.add_argument("--chunks", type=csv(int), default=[512, 1024, 2048, 4096],
+                   help="with --prefill: query tokens per chunk")
+    p.add_argument("--contexts", type=csv(int), default=[4096, 8192, 16384],
+                   help="with --prefill: keys a sequence holds with its chunk")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
     unknown = set(args.dtypes) - set(DTYPES)
@@ -414,6 +422,8 @@ def main(argv=None):
     causal_values = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     if args.decode:
         return main_decode(args)
+    if args.prefill:
+        return main_prefill(args)
     if args.bwd:
         return main_backward(args, causal_values)
     rows = []
@@ -486,7 +496,7 @@ def main_decode(args):
     for dt in args.dtypes:
         for d in args.hdims:
             for group in args.gqa:
-                for batch in args.batches:
+                for batch in args.batches or [1, 8, 64]:
                     for cache_len in args.cache_lens:
                         rows.append(decode.run_decode_case(
                             DTYPES[dt], head_dims(d)[0], group * args.kv_heads, args.kv_heads,
@@ -503,6 +513,34 @@ def main_decode(args):
     print(decode.format_rows(rows, copy_gbs))
     print("host time per call, us (b1 h8/1 d128 L1024): " +
           ", ".join(f"{name} {us:.1f}" for name, us in host.items()))
+
+
+
+def main_prefill(args):
+    """python -m bench --prefill: TFLOP/s of causal chunks, head dims --hdims, on the grid of
+    --batches x --chunks x --contexts x --gqa (--kv-heads K/V heads); chunks longer than their
+    context are skipped."""
+    rows = []
+    for dt in args.dtypes:
+        for d in args.hdims:
+            for group in args.gqa:
+                for batch in args.batches or [1]:
+                    for context in args.contexts:
+                        for chunk in args.chunks:
+                            if chunk > context:
+                                continue
+                            rows.append(prefill.run_prefill_case(
+                                DTYPES[dt], head_dims(d)[0], group * args.kv_heads,
+                                args.kv_heads, batch, chunk, context, args))
+                            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "targets": fmha.compiled_targets()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "prefill_rows": rows}, f, indent=1)
+    print(f"{info['gpu']}, torch {info['torch']}; chunked prefill TFLOP/s (causal, "
+          f"bottom-right), medians")
+    print(prefill.format_rows(rows))
 
 
 if __name__ == "__main__":

@@ -12,10 +12,10 @@
 # and backward; `bench` the forward's benchmark; `bwd` the backward's examples and tests alone
 # and the backward's benchmark (`python -m bench --bwd --deterministic`); `all` is test, bench
 # and the backward's benchmark; `kvcache` the KV-cache tests (every compiled kvcache instance),
-# the integrations' GPU tests and `python -m bench --decode` (bf16, d128). Logs, bench.json,
-# bench-bwd.json, bench-decode.json and the property-test report go to $OUT (default
-# /tmp/fmha-out); the benchmark tables print last. FMHA_BENCH_ARGS adds arguments to every
-# `python -m bench` run. `reliability` runs
+# the integrations' GPU tests, `python -m bench --decode` and `--prefill` (bf16, d128). Logs,
+# bench.json, bench-bwd.json, bench-decode.json, bench-prefill.json and the property-test
+# report go to $OUT (default /tmp/fmha-out); the benchmark tables print last. FMHA_BENCH_ARGS
+# adds arguments to every `python -m bench` run. `reliability` runs
 # tests/test_reliability_gpu.py (big tensors, streams, CUDA graphs, NaN/Inf; about a minute);
 # `sanitize` runs scripts/sanitize.sh (compute-sanitizer memcheck over every instance and
 # racecheck over a covering subset; its summary prints last). Neither is part of `all`.
@@ -88,6 +88,9 @@ if [[ $mode == kvcache ]]; then
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   python3 -m bench --decode --dtypes bf16 --hdims 128 --json "$out/bench-decode.json" \
     ${FMHA_BENCH_ARGS:-} 2>"$out/bench_decode_rows.log" | tee "$out/bench-decode.txt" || status=1
+  python3 -m bench --prefill --dtypes bf16 --hdims 128 --pages 16,32,64,256 \
+    --json "$out/bench-prefill.json" ${FMHA_BENCH_ARGS:-} 2>"$out/bench_prefill_rows.log" \
+    | tee "$out/bench-prefill.txt" || status=1
 fi
 if [[ $mode == reliability ]]; then
   python3 -m pytest tests/test_reliability_gpu.py -q -p no:cacheprovider -rs \
