@@ -54,9 +54,8 @@ struct CachedKv {
     return make_int2(page, key - index * page_size);
   }
 
-  // Where box `lane` of the key tile starting at `key0` comes from; every lane of the warp
-  // calls it (one table read per box, before the stage is free, so its latency hides behind
-  // the wait), and then `load`s its own box.
+  // Where box `lane` of the key tile starting at `key0` comes from (one table read per box);
+  // every lane of the warp calls it, a tile ahead of `load`ing its own box.
   template <bool kPaged, int kBlockN>
   __device__ __forceinline__ int2 box_source(int batch, int key0, int lane) const {
     return lane < kBlockN / box_rows ? locate<kPaged>(batch, key0 + lane * box_rows)

@@ -456,12 +456,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
       if constexpr (Cfg::kCachedKv) {
         const CachedKv& cache = kp.cache;
-        // A tile's boxes, each from its page (cached_kv_sm90.cuh): the table is read before
-        // the stage is free, so its latency hides behind the wait.
-        auto load_cached = [&](auto& pipe, auto& state, const CUtensorMap& map, auto& smem,
-                               auto head_dim, int n_block) {
-          const int2 source =
-              cache.template box_source<Cfg::kPaged, kBlockN>(tile.batch, n_block * kBlockN, lane);
+        // A tile's boxes, each from its page (cached_kv_sm90.cuh). Their table entries are read
+        // one K load ahead, so the read overlaps the previous tile's wait and copies, and kept
+        // for the tile's V load, which comes after the next tile's K.
+        auto sources_of = [&](int n_block) {
+          return cache.template box_source<Cfg::kPaged, kBlockN>(tile.batch, n_block * kBlockN,
+                                                                 lane);
+        };
+        auto issue = [&](auto& pipe, auto& state, const CUtensorMap& map, auto& smem,
+                         auto head_dim, int2 source) {
           pipe.producer_acquire(state);
           const int stage = state.index();
           cache.template load<kBlockN, decltype(head_dim)::value>(
@@ -470,12 +473,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               kv_head, lane);
           ++state;
         };
+        int2 next_k = sources_of(n_end - 1);
+        int2 v_even, v_odd;  // the sources of the last two K tiles, by n_block's parity
         produce(
             [&](int n_block) {
-              load_cached(k_pipe, write_k, cache.k_map, sK, typename Cfg::DimQK{}, n_block);
+              const int2 source = next_k;
+              if (n_block > n_begin) next_k = sources_of(n_block - 1);
+              (n_block % 2 == 0 ? v_even : v_odd) = source;
+              issue(k_pipe, write_k, cache.k_map, sK, typename Cfg::DimQK{}, source);
             },
             [&](int n_block) {
-              load_cached(v_pipe, write_v, cache.v_map, sV, typename Cfg::DimV{}, n_block);
+              issue(v_pipe, write_v, cache.v_map, sV, typename Cfg::DimV{},
+                    n_block % 2 == 0 ? v_even : v_odd);
             });
       } else {
         Tensor mK = kp.tma_k.get_tma_tensor(kp.k_shape)(_, _, kv_head, batch_coord);
