@@ -222,8 +222,12 @@ _FWD_FA3_CONSTRAINTS = (
 )
 
 # FwdConfig::kSmemBytes of fwd_fa3_sm90.cuh: fa2's regions, plus the K/V ring's mbarriers and
-# the 1024-byte alignment that 128-byte-swizzled TMA tiles need.
+# the 1024-byte alignment that 128-byte-swizzled TMA tiles need. kvcache's chunked prefill runs
+# the same kernel, so it takes the same.
 _FA3_BARRIERS_AND_ALIGNMENT = 1024
+_FWD_FA3_SHARED_MEMORY = SharedMemory(
+    f"{_Q_AND_KV_RING} + {_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
+    lambda tile, hdim: _q_and_kv_ring_bytes(tile, hdim) + _FA3_BARRIERS_AND_ALIGNMENT)
 
 FWD = Operation(
     kind=OPERATION.get("fwd"),
@@ -231,11 +235,7 @@ FWD = Operation(
     kernels=(
         Kernel(PIPELINE.get("fa3"), header="fmha/kernels/fwd_fa3_sm90.cuh",
                config_template="fmha::fa3::FwdConfig", launcher="fmha::fa3::launch_fwd",
-               tile_constraints=_FWD_FA3_CONSTRAINTS,
-               shared_memory=SharedMemory(
-                   f"{_Q_AND_KV_RING} + {_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
-                   lambda tile, hdim: (_q_and_kv_ring_bytes(tile, hdim)
-                                       + _FA3_BARRIERS_AND_ALIGNMENT)),
+               tile_constraints=_FWD_FA3_CONSTRAINTS, shared_memory=_FWD_FA3_SHARED_MEMORY,
                uses_cutlass=True),
         # FwdConfig::kSmemBytes of fwd_fa2_sm80.cuh.
         Kernel(PIPELINE.get("fa2"), header="fmha/kernels/fwd_fa2_sm80.cuh",
@@ -446,11 +446,7 @@ KVCACHE = Operation(
         # by TMA, after the decode pipeline's append kernel; the forward's tiles and limits.
         Kernel(PIPELINE.get("fa3"), header="fmha/kernels/kvcache_fa3_sm90.cuh",
                config_template="fmha::fa3::KvcacheConfig", launcher="fmha::fa3::launch_kvcache",
-               tile_constraints=_FWD_FA3_CONSTRAINTS,
-               shared_memory=SharedMemory(
-                   f"{_Q_AND_KV_RING} + {_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
-                   lambda tile, hdim: (_q_and_kv_ring_bytes(tile, hdim)
-                                       + _FA3_BARRIERS_AND_ALIGNMENT)),
+               tile_constraints=_FWD_FA3_CONSTRAINTS, shared_memory=_FWD_FA3_SHARED_MEMORY,
                uses_cutlass=True, workspace="fmha::fa3::kvcache_workspace_bytes", prefill=True),
         # mma.sync, for sm80 and built natively for sm90a. An instance appends k_new/v_new to
         # the cache (rotated, when asked), attends with a CTA per key split, and combines the
