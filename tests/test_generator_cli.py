@@ -26,7 +26,7 @@ def test_default_render(run_cli, tmp_path):
     assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 152 TUs (sm80 64, sm90a 88), "
                              f"155 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
     assert len(list(out.glob("fwd_*.cu"))) == 56 and len(list(out.glob("bwd_*.cu"))) == 56
-    assert len(list(out.glob("kvcache_*.cu"))) == 32
+    assert len(list(out.glob("kvcache_*.cu"))) == 40
     assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {
         p.name for p in out.iterdir()}
 
@@ -92,7 +92,8 @@ def test_json(run_cli):
     assert {(r["arch"], r["pipeline"], r["block_m"], r["block_n"]) for r in records[4:8]} == {
         ("sm80", "fa2", 128, 128), ("sm90a", "fa2", 128, 128), ("sm90a", "fa3", 128, 128)}
     assert {(r["arch"], r["paged"], r["block_m"], r["block_n"]) for r in records[8:]} == {
-        (arch, paged, 16, 64) for arch in ("sm80", "sm90a") for paged in (False, True)}
+        (arch, paged, 16, 64) for arch in ("sm80", "sm90a") for paged in (False, True)} | {
+        ("sm90a", True, 192, 128)}
 
 
 def test_json_and_summary_leave_out_pruned_instances(run_cli, make_config, tmp_path):
@@ -233,9 +234,9 @@ def test_shard_render(run_cli, tmp_path):
     assert (manifest["shard"]["index"], manifest["shard"]["count"]) == (2, 4)
     assert sorted(manifest["shard"]["tus"]) == tus
     table = (out / "dispatch_table.cpp").read_text()
-    assert table.count("&instances::launch_") == 696
+    assert table.count("&instances::launch_") == 732
     assert table.count("&instances::workspace_bwd_") == 276
-    assert table.count("&instances::workspace_kvcache_") == 144
+    assert table.count("&instances::workspace_kvcache_") == 180
 
 
 def test_bad_shard_message(run_cli):
@@ -371,10 +372,10 @@ def test_filter_names_an_operation(run_cli):
     fwd = run_cli("--list", "--filter", "fwd").stdout.split()
     assert len(fwd) == 56 and all(name.startswith("fwd_") for name in fwd)
     default_kvcache = run_cli("--list", "--filter", "kvcache").stdout.split()
-    assert len(default_kvcache) == 32
+    assert len(default_kvcache) == 40
     assert run_cli("--list").stdout.split() == fwd + bwd + default_kvcache
     kvcache = run_cli("--list", "--preset", "extended", "--filter", "kvcache").stdout.split()
-    assert len(kvcache) == 144 and all(name.startswith("kvcache_") for name in kvcache)
+    assert len(kvcache) == 180 and all(name.startswith("kvcache_") for name in kvcache)
     # An axis of the other operation selects nothing of it: lse and vlayout are fwd's.
     result = run_cli("--list", "--filter", "bwd,lse")
     assert result.returncode == 2
@@ -483,7 +484,9 @@ def test_explain_bwd_problem_errors(run_cli, problem, message):
 def test_list_and_json_of_kvcache_instances(run_cli):
     result = run_cli("--list", "--preset", "extended", "--filter", "kvcache,bf16,hdim128,causal",
                      "--targets", "sm90a")
-    assert result.stdout.split() == ["kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad",
+    assert result.stdout.split() == ["kvcache_bf16_d128_causal_fa3_sm90a_m128n128_pad",
+                                     "kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
+                                     "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad",
                                      "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad"]
     records = json.loads(run_cli("--json", "--preset", "all", "--filter",
                                  "kvcache,fp16,hdim256,window,alibi,paged,softcap").stdout)
@@ -501,7 +504,7 @@ def test_explain_kvcache_hit(run_cli):
         "problem: op=kvcache,dtype=bf16,hdim=128x128,mask=causal,bias=none,paged=true,"
         "softcap=false,seqlen_q=1,seqlen_k=4000,seqused=false,arch=90",
         "chosen:  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
-        "why:     2 of the 144 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "why:     2 of the 180 selected kvcache instances serve it; it goes ahead of the runner-up "
         "kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad by rule 1 of the dispatch order, "
         "higher compute capability first: sm90a (cc 90) against sm80 (cc 80)",
         "serving, in dispatch order:",
@@ -509,10 +512,27 @@ def test_explain_kvcache_hit(run_cli):
         "  kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad"]
 
 
+def test_explain_kvcache_chunk_runs_the_prefill_instance(run_cli):
+    # A chunk of a tile of query tokens (and more) on sm90a: the fa3 prefill instance, ahead of
+    # the decode ones, which serve it too; a decode step (seqlen_q=1, above) it does not serve.
+    result = run_cli("--explain", "op=kvcache,dtype=bf16,hdim=128,mask=causal,paged=true,"
+                                  "seqlen_q=512,seqlen_k=4000,arch=90", "--preset", "extended")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1:] == [
+        "chosen:  kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
+        "why:     3 of the 180 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad by rule 3 of the dispatch order, "
+        "newer pipeline first: pipeline fa3 against pipeline fa2",
+        "serving, in dispatch order:",
+        "  kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
+        "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
+        "  kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad"]
+
+
 def test_explain_kvcache_miss_suggests_a_filter_that_fits(run_cli):
     problem = "op=kvcache,dtype=fp16,hdim=96,bias=alibi,softcap=true,arch=80"
     lines = run_cli("--explain", problem, "--preset", "extended").stdout.splitlines()
-    assert lines[1] == "none of the 144 selected kvcache instances serves it; the nearest:"
+    assert lines[1] == "none of the 180 selected kvcache instances serves it; the nearest:"
     assert lines[5] == ("the matrix has one that fits: "
                         "kvcache_fp16_d96_alibi_softcap_fa2_sm80_m16n64_pad")
     assert lines[6] == ("build it with: python -m generator --preset flash_attn --filter 'fp16,"
