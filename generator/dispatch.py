@@ -19,7 +19,7 @@ from functools import cache
 
 from .errors import GeneratorError
 from .model import Instance, Traits
-from .operations import PREFILL_PAGE_MULTIPLE, operation_of
+from .operations import PREFILL_MIN_PACKED_ROWS, PREFILL_PAGE_MULTIPLE, operation_of
 from .schema import MODE, OPERATION, PIPELINE, Arch, OperationKind
 
 # Head dims a head-dim-padded instance runs are multiples of this: rows move in 16-byte chunks
@@ -41,6 +41,7 @@ class Problem:
     seqused: bool  # per-batch effective lengths (FwdArgs::seqused_q / seqused_k) are given
     cc: int  # the device's compute capability, major*10+minor
     page_size: int = 0  # kvcache: keys per page of a paged cache; 0 for a contiguous one
+    group: int = 1  # kvcache: query heads per K/V head, which pack with the tokens into rows
 
     @property
     def op(self) -> OperationKind:
@@ -65,11 +66,13 @@ def _seqlens_fit(instance: Instance, problem: Problem) -> bool:
     """An unpadded instance needs lengths known on the host that are whole tiles: batch mode
     without seqused. An operation without modes (kvcache, whose cache lengths live on the
     device) never has them. A prefill kernel (operations.Kernel.prefill) takes calls of at
-    least a tile of query tokens, on pages of a multiple of PREFILL_PAGE_MULTIPLE keys."""
+    least a tile of query tokens or PREFILL_MIN_PACKED_ROWS packed rows, on pages of a multiple
+    of PREFILL_PAGE_MULTIPLE keys."""
     tile = instance.tile
     if operation_of(instance).kernel(instance.point.pipeline).prefill:
-        return (problem.seqlen_q >= tile.block_m
-                and problem.page_size % PREFILL_PAGE_MULTIPLE == 0)
+        long_enough = (problem.seqlen_q >= tile.block_m
+                       or problem.seqlen_q * problem.group >= PREFILL_MIN_PACKED_ROWS)
+        return long_enough and problem.page_size % PREFILL_PAGE_MULTIPLE == 0
     if instance.point.pad_seqlen:
         return True
     return (problem.traits.value("mode") == _BATCH and not problem.seqused
@@ -118,7 +121,8 @@ REQUIREMENTS = (
     Requirement("seqlen", "batch mode, no seqused, and seqlen_q and seqlen_k multiples of "
                           "block_m and block_n when pad_seqlen=false (kvcache's cache lengths "
                           "live on the device: never); for a prefill kernel, seqlen_q >= "
-                          f"block_m and pages of a multiple of {PREFILL_PAGE_MULTIPLE} keys",
+                          f"block_m or {PREFILL_MIN_PACKED_ROWS} packed rows, and pages of a "
+                          f"multiple of {PREFILL_PAGE_MULTIPLE} keys",
                 _seqlens_fit),
     *(Requirement(trait, f"the same {trait}", _same(trait), trait=trait)
       for trait in EQUAL_TRAITS),

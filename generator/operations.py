@@ -77,14 +77,20 @@ class Kernel:
     # Function template sizing the scratch the instance's kernels share; None: they need none.
     workspace: str | None = None
     # Its tiles are for many query tokens (kvcache's chunked prefill on the fa3 forward): it
-    # serves calls of at least block_m query tokens on caches whose pages are multiples of
-    # PREFILL_PAGE_MULTIPLE keys, and the operation's other pipeline serves the rest (decode).
+    # serves calls of at least block_m query tokens, or of at least PREFILL_MIN_PACKED_ROWS
+    # packed rows, on caches whose pages are multiples of PREFILL_PAGE_MULTIPLE keys; the
+    # operation's other pipeline serves the rest (decode).
     prefill: bool = False
 
 
 # Keys a prefill kernel's pages hold a multiple of: its TMA boxes are one page's rows and start
 # on a 1024-byte swizzle period of 8 rows (fmha/kernels/cached_kv_sm90.cuh).
 PREFILL_PAGE_MULTIPLE = 8
+# Packed rows (query tokens x query heads per K/V head: the decode kernel's rows) from which a
+# prefill kernel also takes chunks shorter than its tile: on an H100 (bf16 d128) it read
+# 64-148 TFLOP/s against the decode kernel's 47-56 at 256, and 16-37 against 22-52 at 128
+# (runtime/src/dispatcher.cpp says the same).
+PREFILL_MIN_PACKED_ROWS = 256
 
 
 @dataclass(frozen=True)

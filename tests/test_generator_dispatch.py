@@ -253,8 +253,8 @@ def test_instance_that_serves_nothing_is_an_error(build, make_config, line_of):
         "operations.fwd.rules: fwd_bf16_d64_causal_group_fa2_sm90a_m128n64 serves no problem, so "
         "the dispatcher can never run it (seqlen: needs batch mode, no seqused, and seqlen_q and "
         "seqlen_k multiples of block_m and block_n when pad_seqlen=false (kvcache's cache lengths "
-        "live on the device: never); for a prefill kernel, seqlen_q >= block_m and pages of a "
-            "multiple of 8 keys); prune it with a rule")
+        "live on the device: never); for a prefill kernel, seqlen_q >= block_m or 256 packed "
+        "rows, and pages of a multiple of 8 keys); prune it with a rule")
 
 
 def test_padding_siblings_are_not_shadowed(make_instance):
@@ -452,7 +452,10 @@ def test_a_prefill_instance_takes_chunks_of_a_tile_on_pages_of_multiples_of_8(
     chunk = replace(kvcache_problem(hdim=(128, 128), paged=True, seqlen=(128, 4096), cc=90),
                     page_size=16)
     assert serves(prefill, chunk) and serves(decode, chunk)
-    for other in (replace(chunk, seqlen_q=127), replace(chunk, page_size=12)):
+    # Shorter chunks whose query heads per K/V head make 256 packed rows, too.
+    assert serves(prefill, replace(chunk, seqlen_q=32, group=8))
+    for other in (replace(chunk, seqlen_q=127), replace(chunk, seqlen_q=31, group=8),
+                  replace(chunk, page_size=12)):
         assert [r.name for r in unmet(prefill, other)] == ["seqlen"] and serves(decode, other)
     ordered = dispatch_order([decode, prefill])
     assert ordered == (prefill, decode)

@@ -132,12 +132,23 @@ bool lengths_fit(const Entry& e, const BwdArgs& a) {
   return lengths_fit(e, a.fwd);
 }
 // The cache lengths live on the device (cache_seqlens): every kvcache instance pads them. A
-// prefill instance takes chunks of at least a tile of query tokens, on pages of a multiple of
-// 8 keys (its TMA boxes, fmha/kernels/cached_kv_sm90.cuh).
+// prefill instance takes chunks of at least a tile of query tokens, or of at least
+// kPrefillMinPackedRows packed rows (query tokens x query heads per K/V head, the decode
+// kernel's rows), on pages of a multiple of 8 keys (its TMA boxes, cached_kv_sm90.cuh). On an
+// H100 (bf16 d128, pages of 16, 4k and 16k keys) the prefill kernel read 64-148 TFLOP/s against
+// the decode kernel's 47-56 at 256 packed rows (32 tokens at GQA 8:1, 64 at 4:1), and 16-37
+// against 22-52 at 128 (docs/perf-notes.md v15).
 constexpr int kPrefillPageMultiple = 8;
+constexpr int64_t kPrefillMinPackedRows = 256;
+int64_t packed_rows(const KvcacheArgs& a) {
+  return static_cast<int64_t>(a.seqlen_q) * (a.nhead_k > 0 ? a.nhead_q / a.nhead_k : 1);
+}
 template <class Entry>
 bool lengths_fit(const Entry& e, const KvcacheArgs& a) {
-  if (e.prefill) return a.seqlen_q >= e.block_m && a.page_size % kPrefillPageMultiple == 0;
+  if (e.prefill) {
+    return (a.seqlen_q >= e.block_m || packed_rows(a) >= kPrefillMinPackedRows) &&
+           a.page_size % kPrefillPageMultiple == 0;
+  }
   return e.pad_seqlen;
 }
 
@@ -253,10 +264,13 @@ std::string lengths_reason(const Entry& e, const KvcacheArgs& a) {
     return "it is unpadded (pad_seqlen=false) and the cache lengths (cache_seqlens) are known "
            "only on the device";
   }
-  if (a.seqlen_q < e.block_m) {
+  if (a.seqlen_q < e.block_m && packed_rows(a) < kPrefillMinPackedRows) {
     return "it is a prefill instance, for chunks of at least block_m=" +
-           std::to_string(e.block_m) + " query tokens, and seqlen_q=" +
-           std::to_string(a.seqlen_q) + " is a decode step";
+           std::to_string(e.block_m) + " query tokens or " +
+           std::to_string(kPrefillMinPackedRows) +
+           " packed rows (query tokens x query heads per K/V head), and seqlen_q=" +
+           std::to_string(a.seqlen_q) + " makes " + std::to_string(packed_rows(a)) +
+           ": a decode step";
   }
   return "it is a prefill instance, whose TMA boxes take pages of a multiple of " +
          std::to_string(kPrefillPageMultiple) + " keys, and page_size=" +

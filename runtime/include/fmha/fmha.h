@@ -392,7 +392,7 @@ struct KvcacheInstanceInfo {
   int arch_cc = 0;
   bool arch_exact = false;
   int block_m = 0;  // decode: query rows (query tokens x the query heads of one K/V head) per
-                    // CTA; prefill: query tokens per CTA, and the fewest a call must have
+                    // CTA; prefill: query tokens per CTA (a call has as many, or 256 rows)
   int block_n = 0;  // keys per step
   bool pad_seqlen = false;
   bool pad_hdim = false;

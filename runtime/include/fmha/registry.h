@@ -135,7 +135,8 @@ struct KvcacheInstanceEntry {
                     // live on the device)
   bool pad_hdim;
   bool prefill;  // a tile for many query tokens (fa3): it runs calls of at least block_m of them
-                 // on pages of a multiple of 8 keys, and the decode kernel the others
+                 // or 256 packed rows, on pages of a multiple of 8 keys; the decode kernel the
+                 // others
   KvcacheLaunchFn launch;
   KvcacheWorkspaceFn workspace;
 };

@@ -337,9 +337,10 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
     with return_lse the log-sum-exp (batch, nheads, seqlen_q) in fp32.
 
     Decode steps (a few query tokens) run the split-KV decode kernel. On H100/H200, chunks of
-    at least a tile of query tokens (128; 192 at head dim 64) on a contiguous cache or on pages
-    of a multiple of 8 keys run the chunked-prefill kernel (the fa3 forward reading the cache
-    by TMA), which needs no key splits and ignores num_splits; fmha.select_kvcache says which.
+    at least a tile of query tokens (128; 192 at head dim 64) or of 256 query tokens x query
+    heads per K/V head (32 tokens at GQA 8:1), on a contiguous cache or on pages of a multiple
+    of 8 keys, run the chunked-prefill kernel (the fa3 forward reading the cache by TMA), which
+    needs no key splits and ignores num_splits; fmha.select_kvcache says which.
     """
     check_instance(instance, _API)
     key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
