@@ -785,6 +785,12 @@ int kvcache_num_splits(const KvcacheArgs& a) {
 
 inline size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
+// The workspace's rotated copy of q, when the call rotates it (every kvcache pipeline's).
+inline size_t rotated_q_bytes(const KvcacheArgs& a, int hdim_q) {
+  if (a.rotary_dim == 0) return 0;
+  return round_up_256(static_cast<size_t>(a.batch) * a.nhead_q * a.seqlen_q * hdim_q * 2);
+}
+
 template <class Cfg>
 size_t kvcache_workspace_bytes(const KvcacheArgs& a) {
   const int splits = kvcache_num_splits<Cfg>(a);
@@ -794,8 +800,7 @@ size_t kvcache_workspace_bytes(const KvcacheArgs& a) {
     bytes += round_up_256(splits * rows * Cfg::kHeadDimV * sizeof(float));
     bytes += round_up_256(splits * rows * sizeof(float));
   }
-  if (a.rotary_dim > 0) bytes += round_up_256(rows * Cfg::kHeadDimQK * 2);
-  return bytes;
+  return bytes + rotated_q_bytes(a, Cfg::kHeadDimQK);
 }
 
 // The fields of KvcacheParams that every kvcache pipeline's append step and this one's

@@ -26,9 +26,7 @@ struct KvcacheConfig
     : FwdConfig<Element_, kHeadDimQK_, kHeadDimV_, kBlockM_, kBlockN_, kNumWarps_, kStages_,
                 kMask_, kBias_, VLayout::kRowMajor, Mode::kBatch, /*kLse=*/true,
                 /*kDropout=*/false, kSoftcap_, kPadSeqlen_, kPadHdim_, kSmemLimit_> {
-  using Base = FwdConfig<Element_, kHeadDimQK_, kHeadDimV_, kBlockM_, kBlockN_, kNumWarps_,
-                         kStages_, kMask_, kBias_, VLayout::kRowMajor, Mode::kBatch, true, false,
-                         kSoftcap_, kPadSeqlen_, kPadHdim_, kSmemLimit_>;
+  using Base = typename KvcacheConfig::FwdConfig;  // the base above, by its injected name
   static constexpr bool kCachedKv = true;
   static constexpr bool kPaged = kPaged_;
 
@@ -55,9 +53,7 @@ struct KvcacheConfig
 // The rotated q's bytes when the call rotates it; the attention needs no scratch of its own.
 template <class Cfg>
 size_t kvcache_workspace_bytes(const KvcacheArgs& a) {
-  if (a.rotary_dim == 0) return 0;
-  return fa2::round_up_256(static_cast<size_t>(a.batch) * a.nhead_q * a.seqlen_q *
-                           Cfg::kHeadDimQK * 2);
+  return fa2::rotated_q_bytes(a, Cfg::kHeadDimQK);
 }
 
 template <class Cfg>
