@@ -6,8 +6,9 @@ Each round runs `python -m bench` once per build, in the order given (a fresh pr
 PYTHON_DIR, the build's python/ folder, first on PYTHONPATH), so that clock and thermal drift
 fall on every build alike. Two runs of one build on an H200 differ by up to about 5% at a point,
 which is more than many changes gain: the table gives each build's median over the rounds and
-its spread (max / min - 1), and SDPA's flash and cuDNN medians over all runs, as the common
-yardsticks. With --bwd among the bench arguments it compares the backward's rows.
+its spread (max / min - 1), and SDPA's medians over all runs, as the common yardsticks. With
+--bwd among the bench arguments it compares the backward's rows (TFLOP/s), with --decode the
+decode steps' (GB/s, each fmha column: the contiguous cache and each page size).
 """
 
 import argparse
@@ -21,8 +22,35 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# SDPA's backends, the yardsticks (their medians over every run of every build).
-PEERS = ("sdpa_flash", "cudnn")
+
+
+class Mode:
+    """What one kind of bench run writes: its rows' JSON key, the fields that name a case, the
+    yardstick columns (SDPA's, their medians over every run of every build), the unit."""
+
+    def __init__(self, flag, rows_key, case_fields, peers, unit):
+        self.flag, self.rows_key, self.case_fields = flag, rows_key, case_fields
+        self.peers, self.unit = peers, unit
+
+
+MODES = [
+    Mode("--bwd", "bwd_rows", ("dtype", "hdim", "causal", "seqlen"), ("sdpa_flash", "cudnn"),
+         "TFLOP/s (backward)"),
+    Mode("--decode", "decode_rows", ("dtype", "hdim", "heads", "batch", "cache_len"), ("sdpa",),
+         "GB/s (decode step)"),
+    Mode(None, "rows", ("dtype", "hdim", "causal", "seqlen"), ("sdpa_flash", "cudnn"),
+         "TFLOP/s"),
+]
+
+
+def mode_of(bench_args):
+    return next(m for m in MODES if m.flag is None or m.flag in bench_args)
+
+
+def fmha_columns(row):
+    """The row's fmha measurements: "fmha", and with --decode "fmha_paged16" and the like."""
+    return {k: v for k, v in row.items()
+            if k.startswith("fmha") and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def parse_args(argv):
@@ -53,37 +81,39 @@ def run_bench(python_dir, bench_args):
         subprocess.run([sys.executable, "-m", "bench", "--json", str(out), *bench_args],
                        env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         result = json.loads(out.read_text())
-        return result["bwd_rows"] if "--bwd" in bench_args else result["rows"]
+        return result[mode_of(bench_args).rows_key]
 
 
 def main(argv=None):
     builds, rounds, bench_args = parse_args(sys.argv[1:] if argv is None else argv)
-    fmha_runs = defaultdict(lambda: defaultdict(list))  # case -> build -> TFLOP/s per round
-    peer_runs = defaultdict(lambda: defaultdict(list))  # case -> SDPA backend -> TFLOP/s
+    mode = mode_of(bench_args)
+    fmha_runs = defaultdict(lambda: defaultdict(list))  # case -> build -> value per round
+    peer_runs = defaultdict(lambda: defaultdict(list))  # case -> SDPA column -> values
     for _ in range(rounds):
         for name, path in builds.items():
             for row in run_bench(path, bench_args):
-                case = (row["dtype"], row["hdim"], row["causal"], row["seqlen"])
-                fmha_runs[case][name].append(row["fmha"])
-                for peer in PEERS:
-                    if row.get(peer) is not None:
-                        peer_runs[case][peer].append(row[peer])
-    header = ["dtype", "hdim", "causal", "seqlen", *PEERS]
+                fields = tuple(row[f] for f in mode.case_fields)
+                for column, value in fmha_columns(row).items():
+                    case = (*fields, column)
+                    fmha_runs[case][name].append(value)
+                    for peer in mode.peers:
+                        if isinstance(row.get(peer), (int, float)):
+                            peer_runs[case][peer].append(row[peer])
+    header = [*mode.case_fields, "column", *mode.peers]
     for name in builds:
         header += [name, "spread"]
-    print(f"TFLOP/s{' (backward)' if '--bwd' in bench_args else ''}, medians of {rounds} "
-          "interleaved runs per build; SDPA's backends over every run")
+    print(f"{mode.unit}, medians of {rounds} interleaved runs per build; SDPA's over every run")
     print(" ".join(f"{h:>9}" for h in header))
     for case, by_build in fmha_runs.items():
         cells = [str(c) for c in case]
-        for peer in PEERS:
+        for peer in mode.peers:
             runs = peer_runs[case][peer]
             cells.append(f"{statistics.median(runs):.1f}" if runs else "-")
         for name in builds:
             runs = by_build[name]
-            cells += [f"{statistics.median(runs):.1f}", f"{max(runs) / min(runs) - 1:.1%}"]
+            cells += ([f"{statistics.median(runs):.1f}", f"{max(runs) / min(runs) - 1:.1%}"]
+                      if runs else ["-", "-"])
         print(" ".join(f"{c:>9}" for c in cells))
-
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,97 @@
+"""GPU time of each kernel one fmha call launches, from torch's profiler (CUPTI), to tell which
+kernel of a multi-kernel operation a change moved.
+
+    python scripts/kernel_times.py bwd --dtype bf16 --hdim 64 --seqlen 2048 --causal
+    python scripts/kernel_times.py decode --batch 1 --cache-len 8192 [--page-size 16]
+
+bwd: fmha.bwd on the bench's shapes (16k tokens, hidden 2048); decode: one fmha.fwd_kvcache
+step (bf16 d128, 64 query heads on 8 K/V heads), each call replayed from a CUDA graph so that
+the gaps between kernels are those a serving loop sees. Prints, per kernel, the median
+microseconds over --calls calls, and the median span from the first kernel's start to the
+last one's end.
+"""
+
+import argparse
+import statistics
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fmha
+from fmha.timing import capture_graph
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def bwd_call(args):
+    dtype = DTYPES[args.dtype]
+    batch, heads = args.tokens // args.seqlen, args.hidden // args.hdim
+    shape = (batch, args.seqlen, heads, args.hdim)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
+    out, lse = fmha.fwd(q, k, v, causal=args.causal, return_lse=True)
+    return lambda: fmha.bwd(dout, q, k, v, out, lse, causal=args.causal)
+
+
+def decode_call(args):
+    dtype, d, heads_k = torch.bfloat16, 128, 8
+    q = torch.randn(args.batch, 1, heads_k * args.gqa, d, device="cuda", dtype=dtype)
+    lengths = torch.full((args.batch,), args.cache_len, dtype=torch.int32, device="cuda")
+    if args.page_size:
+        pages = args.cache_len // args.page_size
+        k = torch.randn(args.batch * pages, args.page_size, heads_k, d, device="cuda", dtype=dtype)
+        table = torch.randperm(args.batch * pages, device="cuda", dtype=torch.int32)
+        table = table.view(args.batch, pages)
+    else:
+        k = torch.randn(args.batch, args.cache_len, heads_k, d, device="cuda", dtype=dtype)
+        table = None
+    v = torch.randn_like(k)
+    graph = capture_graph(
+        lambda: fmha.fwd_kvcache(q, k, v, cache_seqlens=lengths, block_table=table), 1)
+    return graph.replay
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("op", choices=["bwd", "decode"])
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--hdim", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--cache-len", type=int, default=8192)
+    p.add_argument("--gqa", type=int, default=8)
+    p.add_argument("--page-size", type=int, default=0)
+    p.add_argument("--calls", type=int, default=20)
+    args = p.parse_args()
+
+    call = bwd_call(args) if args.op == "bwd" else decode_call(args)
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.calls):
+            call()
+            torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.device_time > 0 and "memcpy" not in e.name.lower()),
+                     key=lambda e: e.time_range.start)
+    per_call = len(kernels) // args.calls
+    times = defaultdict(list)
+    spans = []
+    for c in range(args.calls):
+        group = kernels[c * per_call:(c + 1) * per_call]
+        for e in group:
+            times[e.name].append(e.time_range.end - e.time_range.start)
+        spans.append(group[-1].time_range.end - group[0].time_range.start)
+    print(f"{torch.cuda.get_device_name()}; {args.op}, medians of {args.calls} calls, us")
+    for name, us in times.items():
+        short = name.split("(")[0].split("<")[0].split("::")[-1]
+        print(f"  {short:<32} {statistics.median(us):9.1f}")
+    print(f"  {'first start to last end':<32} {statistics.median(spans):9.1f}")
+
+
+if __name__ == "__main__":
+    main()
