@@ -95,12 +95,28 @@ inline size_t align_workspace(size_t bytes) {
   return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
 }
 
-// D = sum_d dO * O of one query row and head, every lane of the warp getting it; `row` counts
-// the packed rows of bwd_rows(). Lane l reads columns 8l..8l+7 (16 bytes of each), so a warp
-// covers head dims up to 256.
+// How the D = rowsum(dO * O) kernels spread rows over a warp: kLanesPerRow lanes share a row,
+// each reading 8 columns (16 bytes) of O and of dO, so a warp takes kRowsPerPass rows a pass; it
+// issues the loads of kPasses passes before it sums any. A warp per row and one row at a time
+// (the first version) kept 8 of 32 lanes busy at head dim 64: 256 bytes in flight a warp, 8 KB
+// an SM at 32 warps, where an H100 needs about 20 KB (3.35 TB/s x ~0.8 us of latency / 132
+// SMs); this shape keeps 4 KB a warp in flight at every head dim.
+template <int kHeadDimV>
+struct RowDotShape {
+  static_assert(kHeadDimV <= 256, "a row is at most one warp of 16-byte loads");
+  static constexpr int kLanesPerRow = kHeadDimV <= 32    ? 4
+                                      : kHeadDimV <= 64  ? 8
+                                      : kHeadDimV <= 128 ? 16
+                                                         : 32;
+  static constexpr int kRowsPerPass = 32 / kLanesPerRow;
+  static constexpr int kPasses = 4;
+  static constexpr int kRowsPerWarp = kRowsPerPass * kPasses;
+};
+
+// Columns col..col + 7 of O and of dO at packed row `row` (bwd_rows()'s) of query head `head`.
 template <class Element, Mode kMode>
-__device__ __forceinline__ float warp_dot_do_o(const BwdParams& p, int64_t row, int head) {
-  const int lane = threadIdx.x % 32;
+__device__ __forceinline__ void load_o_do(const BwdParams& p, int64_t row, int head, int col,
+                                          uint4& o8, uint4& do8) {
   int64_t o_off, do_off;
   if constexpr (kMode == Mode::kGroup) {
     o_off = row * p.fwd.o_seq_stride;
@@ -110,19 +126,23 @@ __device__ __forceinline__ float warp_dot_do_o(const BwdParams& p, int64_t row, 
     o_off = b * p.fwd.o_batch_stride + i * p.fwd.o_seq_stride;
     do_off = b * p.do_batch_stride + i * p.do_seq_stride;
   }
-  o_off += head * p.fwd.o_head_stride + lane * 8;
-  do_off += head * p.do_head_stride + lane * 8;
+  o_off += head * p.fwd.o_head_stride + col;
+  do_off += head * p.do_head_stride + col;
+  o8 = *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.fwd.o) + o_off);
+  do8 = *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.dout) + do_off);
+}
+
+// This lane's share of D: the dot product of its 8 columns of O and dO, then summed over the
+// kLanesPerRow lanes of its row (aligned groups of lanes), every one of them getting the sum.
+template <class Element, int kLanesPerRow>
+__device__ __forceinline__ float row_dot_do_o(const uint4& o8, const uint4& do8) {
+  const auto* o_e = reinterpret_cast<const Element*>(&o8);
+  const auto* do_e = reinterpret_cast<const Element*>(&do8);
   float dot = 0.f;
-  if (lane * 8 < p.fwd.hdim_v) {
-    const uint4 o8 = *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.fwd.o) + o_off);
-    const uint4 do8 = *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.dout) + do_off);
-    const auto* o_e = reinterpret_cast<const Element*>(&o8);
-    const auto* do_e = reinterpret_cast<const Element*>(&do8);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) dot += sm80::to_float(o_e[e]) * sm80::to_float(do_e[e]);
-  }
+  for (int e = 0; e < 8; ++e) dot += sm80::to_float(o_e[e]) * sm80::to_float(do_e[e]);
 #pragma unroll
-  for (int s = 16; s > 0; s /= 2) dot += __shfl_xor_sync(0xffffffff, dot, s);
+  for (int s = kLanesPerRow / 2; s > 0; s /= 2) dot += __shfl_xor_sync(0xffffffff, dot, s);
   return dot;
 }
 

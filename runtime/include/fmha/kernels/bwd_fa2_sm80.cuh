@@ -152,19 +152,36 @@ __host__ __device__ constexpr int dq_accum_position(int c) {
   return (c % 8) / 2 * 4 + (c / 8) * 2 + c % 2;
 }
 
-// Kernel 1: D[head][row] = sum_d dO * O (one warp per row and head, 16 bytes per lane), then
+// Kernel 1: D[head][row] = sum_d dO * O (RowDotShape's rows a warp, 16 bytes a lane), then
 // zeroes the dQ accumulators.
 template <class Cfg>
 __global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const __grid_constant__ BwdParams p) {
   using Element = typename Cfg::Element;
+  using Shape = RowDotShape<Cfg::kHeadDimV>;
   const int lane = threadIdx.x % 32;
+  const int col = lane % Shape::kLanesPerRow * 8;
+  const int64_t warp = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   const int64_t row_heads = p.rows * p.fwd.nhead_q;
-  for (int64_t w = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; w < row_heads; w += warps) {
-    const int64_t row = w / p.fwd.nhead_q;
-    const int head = static_cast<int>(w % p.fwd.nhead_q);
-    const float dot = warp_dot_do_o<Element, Cfg::kMode>(p, row, head);
-    if (lane == 0) p.row_dot[head * p.rows + row] = dot;
+  for (int64_t w0 = warp * Shape::kRowsPerWarp; w0 < row_heads; w0 += warps * Shape::kRowsPerWarp) {
+    uint4 o8[Shape::kPasses], do8[Shape::kPasses];
+#pragma unroll
+    for (int pass = 0; pass < Shape::kPasses; ++pass) {
+      const int64_t w = w0 + pass * Shape::kRowsPerPass + lane / Shape::kLanesPerRow;
+      o8[pass] = do8[pass] = make_uint4(0, 0, 0, 0);
+      if (w < row_heads && col < p.fwd.hdim_v) {
+        load_o_do<Element, Cfg::kMode>(p, w / p.fwd.nhead_q, static_cast<int>(w % p.fwd.nhead_q),
+                                       col, o8[pass], do8[pass]);
+      }
+    }
+#pragma unroll
+    for (int pass = 0; pass < Shape::kPasses; ++pass) {
+      const int64_t w = w0 + pass * Shape::kRowsPerPass + lane / Shape::kLanesPerRow;
+      const float dot = row_dot_do_o<Element, Shape::kLanesPerRow>(o8[pass], do8[pass]);
+      if (w < row_heads && lane % Shape::kLanesPerRow == 0) {
+        p.row_dot[(w % p.fwd.nhead_q) * p.rows + w / p.fwd.nhead_q] = dot;
+      }
+    }
   }
   zero_dq_accumulators(p);
 }

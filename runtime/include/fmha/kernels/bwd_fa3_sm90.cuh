@@ -409,33 +409,50 @@ struct KeyTileWork {
 template <class Cfg>
 __global__ void __launch_bounds__(256)
     bwd_preprocess_kernel(const __grid_constant__ typename Cfg::KernelParams kp) {
+  using Element = typename Cfg::Element;
+  using Shape = RowDotShape<Cfg::kHeadDimV>;
   const BwdParams& p = kp.p;
   const FwdParams& f = p.fwd;
   const int lane = threadIdx.x % 32;
+  const int col = lane % Shape::kLanesPerRow * 8;
+  const int64_t warp = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   const int64_t rows = static_cast<int64_t>(f.nhead_q) * p.batch * kp.seqlen_q_rounded;
-  for (int64_t w = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; w < rows; w += warps) {
-    const int i = static_cast<int>(w % kp.seqlen_q_rounded);
-    const int64_t head_batch = w / kp.seqlen_q_rounded;
-    const int batch = static_cast<int>(head_batch % p.batch);
-    const int head = static_cast<int>(head_batch / p.batch);
-    const int owned = rows_owned<Cfg::kMode>(f.cu_seqlens_q, batch, f.seqlen_q);
-    if (i >= (owned + Cfg::kBlockM - 1) / Cfg::kBlockM * Cfg::kBlockM) continue;
-    const SequenceExtent seq = sequence_extent<Cfg::kMode>(f, batch);
-    float dot = 0.f;
-    float lse2 = INFINITY;
-    if (i < seq.seqlen_q) {
+  for (int64_t w0 = warp * Shape::kRowsPerWarp; w0 < rows; w0 += warps * Shape::kRowsPerWarp) {
+    // Row w of the padded layout: position i of sequence `batch`, query head `head`.
+    int64_t at[Shape::kPasses];  // where its statistics go; -1 past the sequence's last tile
+    uint4 o8[Shape::kPasses], do8[Shape::kPasses];
+    float lse2[Shape::kPasses];
+#pragma unroll
+    for (int pass = 0; pass < Shape::kPasses; ++pass) {
+      const int64_t w = w0 + pass * Shape::kRowsPerPass + lane / Shape::kLanesPerRow;
+      const int i = static_cast<int>(w % kp.seqlen_q_rounded);
+      const int64_t head_batch = w / kp.seqlen_q_rounded;
+      const int batch = static_cast<int>(head_batch % p.batch);
+      const int head = static_cast<int>(head_batch / p.batch);
+      at[pass] = -1;
+      o8[pass] = do8[pass] = make_uint4(0, 0, 0, 0);
+      lse2[pass] = INFINITY;
+      if (w >= rows) continue;
+      const int owned = rows_owned<Cfg::kMode>(f.cu_seqlens_q, batch, f.seqlen_q);
+      if (i >= (owned + Cfg::kBlockM - 1) / Cfg::kBlockM * Cfg::kBlockM) continue;
+      at[pass] = head * kp.padded_rows + padded_row0<Cfg>(kp, batch) + i;
+      const SequenceExtent seq = sequence_extent<Cfg::kMode>(f, batch);
+      if (i >= seq.seqlen_q) continue;
       const bool group = Cfg::kMode == Mode::kGroup;
-      dot = warp_dot_do_o<typename Cfg::Element, Cfg::kMode>(
-          p, (group ? seq.q_start : static_cast<int64_t>(batch) * f.seqlen_q) + i, head);
-      const float lse = f.lse[head * f.lse_head_stride +
-                              (group ? seq.q_start : batch * f.lse_batch_stride) + i];
-      lse2 = lse == -INFINITY ? INFINITY : lse * static_cast<float>(M_LOG2E);
+      const int64_t row = (group ? seq.q_start : static_cast<int64_t>(batch) * f.seqlen_q) + i;
+      if (col < f.hdim_v) load_o_do<Element, Cfg::kMode>(p, row, head, col, o8[pass], do8[pass]);
+      const float lse =
+          f.lse[head * f.lse_head_stride + (group ? seq.q_start : batch * f.lse_batch_stride) + i];
+      lse2[pass] = lse == -INFINITY ? INFINITY : lse * static_cast<float>(M_LOG2E);
     }
-    if (lane == 0) {
-      const int64_t at = head * kp.padded_rows + padded_row0<Cfg>(kp, batch) + i;
-      kp.dpsum[at] = dot;
-      kp.lse_log2[at] = lse2;
+#pragma unroll
+    for (int pass = 0; pass < Shape::kPasses; ++pass) {
+      const float dot = row_dot_do_o<Element, Shape::kLanesPerRow>(o8[pass], do8[pass]);
+      if (at[pass] >= 0 && lane % Shape::kLanesPerRow == 0) {
+        kp.dpsum[at[pass]] = dot;
+        kp.lse_log2[at[pass]] = lse2[pass];
+      }
     }
   }
   zero_dq_accumulators(p);
