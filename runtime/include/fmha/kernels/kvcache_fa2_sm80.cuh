@@ -13,6 +13,8 @@
 //     page by page through the block table when the cache is paged;
 //   combine (when there are several splits): the splits' partial outputs weighted by their
 //     log-sum-exp.
+// On sm90 each is a programmatic dependent of the kernel before it (dependent_launch.cuh): it
+// waits for that kernel before its first read, and lets the next one launch as it starts.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,6 +26,7 @@
 #include <cstdint>
 
 #include "fmha/fmha.h"
+#include "fmha/kernels/dependent_launch.cuh"
 #include "fmha/kernels/device_facts.cuh"
 #include "fmha/kernels/mask.cuh"
 #include "fmha/kernels/sm80_primitives.cuh"
@@ -197,6 +200,8 @@ __global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_consta
   using Element = typename Cfg::Element;
   constexpr int kChunksQK = Cfg::kHeadDimQK / 8;
   constexpr int kChunksV = Cfg::kHeadDimV / 8;
+  let_dependents_launch();
+  wait_for_previous_grids();
   const int batch = blockIdx.y;
   const int cached = p.cache_seqlens[batch];
   const int kv_items = p.seqlen_new * p.nhead_k * (kChunksQK + kChunksV);
@@ -363,6 +368,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   const int split = blockIdx.x % p.num_splits;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
+  let_dependents_launch();
+  wait_for_previous_grids();  // q, the cache and its lengths may come from the append kernel
 
   // Packed row r is query token r / group of query head kv_head * group + r % group.
   const int row0 = m_block * kBlockM;
@@ -672,6 +679,7 @@ __global__ void __launch_bounds__(128) kvcache_combine_kernel(const __grid_const
   const int head = row / p.seqlen_q % p.nhead_q;
   const int batch = row / p.seqlen_q / p.nhead_q;
   const int64_t split_stride = rows;
+  wait_for_previous_grids();  // the attention kernel's partial outputs
 
   float lse_max = -INFINITY;
   bool nan = false;
@@ -874,8 +882,8 @@ cudaError_t launch_append(KvcacheParams& p, cudaStream_t stream) {
       (p.q_rotated != nullptr ? static_cast<int64_t>(p.seqlen_q) * p.nhead_q * Cfg::kHeadDimQK / 8
                               : 0);
   const dim3 grid(static_cast<unsigned>((items + 127) / 128), p.batch);
-  kvcache_append_kernel<Cfg><<<grid, 128, 0, stream>>>(p);
-  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  const cudaError_t err = launch_dependent<kvcache_append_kernel<Cfg>>(grid, 128, 0, stream, p);
+  if (err != cudaSuccess) return err;
   if (p.q_rotated != nullptr) {
     p.q = p.q_rotated;
     p.q_batch_stride = static_cast<int64_t>(p.seqlen_q) * p.nhead_q * Cfg::kHeadDimQK;
@@ -906,15 +914,13 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   if (const cudaError_t err = launch_append<Cfg>(p, stream); err != cudaSuccess) return err;
 
   if (const cudaError_t err = allow_kvcache_smem<Cfg>(); err != cudaSuccess) return err;
-  auto* kernel = kvcache_kernel<Cfg>;
   const dim3 grid(static_cast<unsigned>(p.m_blocks * p.num_splits), a.nhead_k, a.batch);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-  cudaError_t err = cudaGetLastError();
+  const cudaError_t err =
+      launch_dependent<kvcache_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
   if (err != cudaSuccess || p.num_splits == 1) return err;
 
-  const int64_t out_rows = static_cast<int64_t>(rows);
-  kvcache_combine_kernel<Cfg><<<static_cast<unsigned>((out_rows + 3) / 4), 128, 0, stream>>>(p);
-  return cudaGetLastError();
+  const auto combine_ctas = static_cast<unsigned>((static_cast<int64_t>(rows) + 3) / 4);
+  return launch_dependent<kvcache_combine_kernel<Cfg>>(combine_ctas, 128, 0, stream, p);
 }
 
 }  // namespace fmha::fa2
