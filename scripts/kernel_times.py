@@ -2,7 +2,7 @@
 kernel of a multi-kernel operation a change moved.
 
     python scripts/kernel_times.py bwd --dtype bf16 --hdim 64 --seqlen 2048 --causal
-    python scripts/kernel_times.py decode --batch 1 --cache-len 8192 [--page-size 16]
+    python scripts/kernel_times.py decode --batch 1 --cache-len 8192 [--page-size 16] [--num-splits 16]
 
 bwd: fmha.bwd on the bench's shapes (16k tokens, hidden 2048); decode: one fmha.fwd_kvcache
 step (bf16 d128, 64 query heads on 8 K/V heads), each call replayed from a CUDA graph so that
@@ -47,7 +47,8 @@ def decode_call(args):
         table = None
     v = torch.randn_like(k)
     graph = capture_graph(
-        lambda: fmha.fwd_kvcache(q, k, v, cache_seqlens=lengths, block_table=table), 1)
+        lambda: fmha.fwd_kvcache(q, k, v, cache_seqlens=lengths, block_table=table,
+                                 num_splits=args.num_splits), 1)
     return graph.replay
 
 
@@ -64,6 +65,7 @@ def main():
     p.add_argument("--cache-len", type=int, default=8192)
     p.add_argument("--gqa", type=int, default=8)
     p.add_argument("--page-size", type=int, default=0)
+    p.add_argument("--num-splits", type=int, default=0, help="decode: 0 lets fmha choose")
     p.add_argument("--calls", type=int, default=20)
     args = p.parse_args()
 

@@ -63,6 +63,8 @@ CASES = (
     Case(2, 1, 16, 2, 4096, (4000, 1234), page_size=16),
     # More splits than a short sequence has key tiles: idle splits.
     Case(2, 3, 2, 1, 1024, (5, 1000), seqlen_new=3, rotary="neox", num_splits=9, page_size=64),
+    # Twenty forced splits of a few key tiles each, more than the heuristic picks.
+    Case(1, 2, 8, 1, 2048, (1900,), num_splits=20, page_size=16),
 )
 
 # Chunked prefill: the prefill instances (fa3 on sm90a) take calls of at least block_m query

@@ -666,11 +666,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
 
 // ---- combine: the splits' partial outputs, weighted by their log-sum-exp ---------------------
 
-// One warp per output row (sequence, query head, token); 4 rows per CTA.
+// One warp per output row (sequence, query head, token); 4 rows per CTA. Lane i owns columns
+// 4 (i + 32 v) .. + 3 for v < kVecs (16-byte loads of the fp32 partials), and holds split s's
+// log-sum-exp and weight for s = i, i + 32, ...: the first 32 in registers, later ones re-read.
+// The partials of the first kPrefetch splits are loaded before the log-sum-exps, so a decode
+// step of up to 16 splits waits on one round trip to L2, not three: a loop that read each
+// split's log-sum-exp before its partial waited on one a split (21 us against 17 for a step
+// of 32 splits, docs/perf-notes.md v14), and one that reduced the log-sum-exps before loading
+// any partial left 3.3-4.3 us after the attention kernel at batch 1 (v16).
 template <class Cfg>
 __global__ void __launch_bounds__(128) kvcache_combine_kernel(const __grid_constant__ KvcacheParams p) {
   using Element = typename Cfg::Element;
   constexpr int kDimV = Cfg::kHeadDimV;
+  static_assert(kDimV % 4 == 0, "combine reads O in float4s");
+  constexpr int kVecs = (kDimV + 127) / 128;
+  constexpr int kPrefetch = 16 / kVecs;
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
   const int64_t rows = static_cast<int64_t>(p.batch) * p.nhead_q * p.seqlen_q;
@@ -679,12 +689,30 @@ __global__ void __launch_bounds__(128) kvcache_combine_kernel(const __grid_const
   const int head = row / p.seqlen_q % p.nhead_q;
   const int batch = row / p.seqlen_q / p.nhead_q;
   const int64_t split_stride = rows;
+  const int splits = p.num_splits;
   wait_for_previous_grids();  // the attention kernel's partial outputs
 
-  float lse_max = -INFINITY;
-  bool nan = false;
-  for (int s = lane; s < p.num_splits; s += 32) {
-    const float l = p.lse_partial[s * split_stride + row];
+  // Every lane runs every step (the shuffles need the whole warp); below d128 the lanes past
+  // the head dim only pass weights on.
+  const float* part = p.o_partial + row * kDimV;  // split s at + s * split_stride * kDimV
+  auto owns = [&](int v) { return (lane + 32 * v) * 4 < kDimV; };
+  auto load = [&](int s, int v) {
+    return *reinterpret_cast<const float4*>(part + s * split_stride * kDimV + (lane + 32 * v) * 4);
+  };
+  float4 first[kPrefetch][kVecs];
+#pragma unroll
+  for (int s = 0; s < kPrefetch; ++s) {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      if (s < splits && owns(v)) first[s][v] = load(s, v);
+    }
+  }
+  auto lse_of = [&](int s) { return s < splits ? p.lse_partial[s * split_stride + row] : -INFINITY; };
+  const float lse_lane = lse_of(lane);
+  float lse_max = lse_lane;
+  bool nan = isnan(lse_lane);
+  for (int s = 32 + lane; s - lane < splits; s += 32) {
+    const float l = lse_of(s);
     lse_max = fmaxf(lse_max, l);
     nan |= isnan(l);
   }
@@ -693,11 +721,12 @@ __global__ void __launch_bounds__(128) kvcache_combine_kernel(const __grid_const
     lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, offset));
   }
   nan = __any_sync(0xffffffff, nan);
+  // An empty split (log-sum-exp -inf, partial output zeros) weighs 0.
+  auto weight_of = [&](float l, float base) { return l == -INFINITY ? 0.f : __expf(l - base); };
   float weight_sum = 0.f;
   if (lse_max != -INFINITY) {
-    for (int s = lane; s < p.num_splits; s += 32) {
-      weight_sum += __expf(p.lse_partial[s * split_stride + row] - lse_max);
-    }
+    weight_sum = weight_of(lse_lane, lse_max);
+    for (int s = 32 + lane; s - lane < splits; s += 32) weight_sum += weight_of(lse_of(s), lse_max);
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
@@ -706,45 +735,45 @@ __global__ void __launch_bounds__(128) kvcache_combine_kernel(const __grid_const
   const float lse = nan                    ? NAN
                     : lse_max == -INFINITY ? -INFINITY
                                            : lse_max + __logf(weight_sum);
-  auto* o = static_cast<Element*>(p.o) + batch * p.o_batch_stride + token * p.o_seq_stride +
-            head * p.o_head_stride;
-  // Each lane owns columns 4 * (lane + 32 j) .. + 3: 16-byte loads of the fp32 partials. Lane
-  // i holds the weight of split s0 + i and passes it round by shuffle, so the loop over the
-  // splits reads nothing but the partials, 8 of them in flight: a loop that read each
-  // split's log-sum-exp before its partial waited on one L2 round trip per split: 21 us
-  // against 17 for a decode step of 32 splits (docs/perf-notes.md v14).
-  static_assert(kDimV % 4 == 0, "combine reads O in float4s");
-  // Every lane runs every pass (the shuffles need the whole warp); below d128 the lanes past
-  // the head dim only pass weights on.
-  for (int c0 = 0; c0 < kDimV; c0 += 128) {
-    const int c = c0 + lane * 4;
-    const bool owns = c < kDimV;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < p.num_splits; s0 += 32) {
-      // An empty split (log-sum-exp -inf, partial output zeros) weighs 0.
-      const float l = s0 + lane < p.num_splits ? p.lse_partial[(s0 + lane) * split_stride + row]
-                                               : -INFINITY;
-      const float weight = l == -INFINITY ? 0.f : __expf(l - lse);
-      const int count = min(32, p.num_splits - s0);
-      const float* part = p.o_partial + (s0 * split_stride + row) * kDimV + (owns ? c : 0);
+
+  float4 acc[kVecs];
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+  auto add = [&](float4& a, float w, const float4& x) {
+    a.x += w * x.x, a.y += w * x.y, a.z += w * x.z, a.w += w * x.w;
+  };
+  const float weight_lane = weight_of(lse_lane, lse);
+#pragma unroll
+  for (int s = 0; s < kPrefetch; ++s) {
+    const float w = __shfl_sync(0xffffffff, weight_lane, s);
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      if (s < splits && owns(v)) add(acc[v], w, first[s][v]);
+    }
+  }
+  for (int s0 = 0; s0 < splits; s0 += 32) {
+    const float weight = s0 == 0 ? weight_lane : weight_of(lse_of(s0 + lane), lse);
+    const int from = s0 == 0 ? kPrefetch : s0;
+    const int to = min(splits, s0 + 32);
 #pragma unroll 8
-      for (int j = 0; j < count; ++j) {
-        const float w = __shfl_sync(0xffffffff, weight, j);
-        if (owns) {
-          const float4 x = *reinterpret_cast<const float4*>(part + j * split_stride * kDimV);
-          acc.x += w * x.x;
-          acc.y += w * x.y;
-          acc.z += w * x.z;
-          acc.w += w * x.w;
-        }
+    for (int s = from; s < to; ++s) {
+      const float w = __shfl_sync(0xffffffff, weight, s - s0);
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        if (owns(v)) add(acc[v], w, load(s, v));
       }
     }
-    if (!owns) continue;
-    if (nan) acc = make_float4(NAN, NAN, NAN, NAN);
-    o[c] = static_cast<Element>(acc.x);
-    o[c + 1] = static_cast<Element>(acc.y);
-    o[c + 2] = static_cast<Element>(acc.z);
-    o[c + 3] = static_cast<Element>(acc.w);
+  }
+
+  auto* o = static_cast<Element*>(p.o) + batch * p.o_batch_stride + token * p.o_seq_stride +
+            head * p.o_head_stride;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    if (!owns(v)) continue;
+    if (nan) acc[v] = make_float4(NAN, NAN, NAN, NAN);
+    *reinterpret_cast<uint2*>(o + (lane + 32 * v) * 4) =
+        make_uint2(sm80::pack2<Element>(acc[v].x, acc[v].y),
+                   sm80::pack2<Element>(acc[v].z, acc[v].w));
   }
   if (lane == 0 && p.lse != nullptr) {
     p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + token] = lse;
