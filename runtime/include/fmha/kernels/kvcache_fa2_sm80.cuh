@@ -801,17 +801,17 @@ cudaError_t allow_kvcache_smem() {
 // two) and 2031 at the 32 that filled both CTA slots of every SM; one CTA an SM keeps enough
 // bytes in flight, and more splits only add prologues and fp32 partial outputs. A paged CTA
 // waits on its block table too, and at one CTA an SM read 15-23% less than at two
-// (docs/perf-notes.md v14). Each split keeps at least kMinTilesPerSplit key tiles (fewer would
-// spend more on the prologue and the merge than on streaming keys); kMaxSplits bounds the
+// (docs/perf-notes.md v14). A split may be a single key tile: with the combine in one round
+// trip, batch 1 x 1k keys took 8.5 us at 16 splits against 9.5 at 4 (a split of at least 4
+// tiles, the rule before), 2k keys 9.0 against 9.7 at 8 (v16). kMaxSplits bounds the
 // combine's reads.
 template <class Cfg>
 int kvcache_num_splits(const KvcacheArgs& a) {
-  constexpr int kMinTilesPerSplit = 4;
   constexpr int kMaxSplits = 128;
   constexpr int kCtasPerSm = Cfg::kPaged ? 2 : 1;
   const int key_tiles = (a.seqlen_cache + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (a.num_splits > 0) return std::min(a.num_splits, std::max(1, key_tiles));
-  const int most = std::max(1, std::min(kMaxSplits, key_tiles / kMinTilesPerSplit));
+  const int most = std::max(1, std::min(kMaxSplits, key_tiles));
   const int64_t rows = static_cast<int64_t>(a.seqlen_q) * (a.nhead_q / a.nhead_k);
   const int64_t units = static_cast<int64_t>(a.batch) * a.nhead_k *
                         ((rows + Cfg::kBlockM - 1) / Cfg::kBlockM);
