@@ -89,7 +89,8 @@ PREFILL_PAGE_MULTIPLE = 8
 # Packed rows (query tokens x query heads per K/V head: the decode kernel's rows) from which a
 # prefill kernel also takes chunks shorter than its tile: on an H100 (bf16 d128) it read
 # 64-148 TFLOP/s against the decode kernel's 47-56 at 256, and 16-37 against 22-52 at 128
-# (runtime/src/dispatcher.cpp says the same).
+# (docs/perf-notes.md v15). Both numbers go into the dispatch table as well (registry.h's
+# kPrefillMinPackedRows and kPrefillPageMultiple), for the C++ dispatcher's rule.
 PREFILL_MIN_PACKED_ROWS = 256
 
 

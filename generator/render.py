@@ -15,7 +15,8 @@ import jinja2
 
 from .gaps import PipelineGap
 from .model import Condition, Instance, Traits
-from .operations import OPERATIONS, Operation, operation_of
+from .operations import (OPERATIONS, PREFILL_MIN_PACKED_ROWS, PREFILL_PAGE_MULTIPLE, Operation,
+                         operation_of)
 from .schema import ARCH, PIPELINE, REGISTRY_TOKEN_ARRAYS, EnumValue
 from .selection import Selection, Shard
 
@@ -86,6 +87,7 @@ def render(selection: Selection, source: str, shard: Shard | None = None) -> dic
                                                  sorted(axis, key=lambda value: value.value)]}
                       for name, axis in REGISTRY_TOKEN_ARRAYS.items()],
         pipelines=PIPELINE.tokens,
+        prefill={"min_packed_rows": PREFILL_MIN_PACKED_ROWS, "page_multiple": PREFILL_PAGE_MULTIPLE},
     )
     built_targets = [arch for arch in selection.targets
                      if any(i.point.arch == arch for i in built)]

@@ -134,12 +134,8 @@ bool lengths_fit(const Entry& e, const BwdArgs& a) {
 // The cache lengths live on the device (cache_seqlens): every kvcache instance pads them. A
 // prefill instance takes chunks of at least a tile of query tokens, or of at least
 // kPrefillMinPackedRows packed rows (query tokens x query heads per K/V head, the decode
-// kernel's rows), on pages of a multiple of 8 keys (its TMA boxes, cached_kv_sm90.cuh). On an
-// H100 (bf16 d128, pages of 16, 4k and 16k keys) the prefill kernel read 64-148 TFLOP/s against
-// the decode kernel's 47-56 at 256 packed rows (32 tokens at GQA 8:1, 64 at 4:1), and 16-37
-// against 22-52 at 128 (docs/perf-notes.md v15).
-constexpr int kPrefillPageMultiple = 8;
-constexpr int64_t kPrefillMinPackedRows = 256;
+// kernel's rows), on pages of a multiple of kPrefillPageMultiple keys (registry.h; the
+// generator writes both, generator/operations.py says why).
 int64_t packed_rows(const KvcacheArgs& a) {
   return static_cast<int64_t>(a.seqlen_q) * (a.nhead_k > 0 ? a.nhead_q / a.nhead_k : 1);
 }

@@ -134,9 +134,8 @@ struct KvcacheInstanceEntry {
   bool pad_seqlen;  // as InstanceEntry's; true for every kvcache instance (the cache lengths
                     // live on the device)
   bool pad_hdim;
-  bool prefill;  // a tile for many query tokens (fa3): it runs calls of at least block_m of them
-                 // or 256 packed rows, on pages of a multiple of 8 keys; the decode kernel the
-                 // others
+  bool prefill;  // a tile for many query tokens (fa3): it runs the calls kPrefill* below allow;
+                 // the decode kernel the others
   KvcacheLaunchFn launch;
   KvcacheWorkspaceFn workspace;
 };
@@ -144,6 +143,12 @@ struct KvcacheInstanceEntry {
 // kNumKvcacheInstances rows (a pointer, as a selection may have none).
 extern const KvcacheInstanceEntry* const kKvcacheInstances;
 extern const int kNumKvcacheInstances;
+
+// A prefill instance's calls, as generator/operations.py states them (with the measurements
+// behind them): at least block_m query tokens or kPrefillMinPackedRows packed rows (query
+// tokens x query heads per K/V head), on pages of a multiple of kPrefillPageMultiple keys.
+extern const int kPrefillMinPackedRows;
+extern const int kPrefillPageMultiple;
 
 // PipelineGap for KV-cache attention's traits.
 struct KvcachePipelineGap {
