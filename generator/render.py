@@ -87,7 +87,8 @@ def render(selection: Selection, source: str, shard: Shard | None = None) -> dic
                                                  sorted(axis, key=lambda value: value.value)]}
                       for name, axis in REGISTRY_TOKEN_ARRAYS.items()],
         pipelines=PIPELINE.tokens,
-        prefill={"min_packed_rows": PREFILL_MIN_PACKED_ROWS, "page_multiple": PREFILL_PAGE_MULTIPLE},
+        prefill={"min_packed_rows": PREFILL_MIN_PACKED_ROWS,
+                 "page_multiple": PREFILL_PAGE_MULTIPLE},
     )
     built_targets = [arch for arch in selection.targets
                      if any(i.point.arch == arch for i in built)]

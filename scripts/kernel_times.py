@@ -2,7 +2,8 @@
 kernel of a multi-kernel operation a change moved.
 
     python scripts/kernel_times.py bwd --dtype bf16 --hdim 64 --seqlen 2048 --causal
-    python scripts/kernel_times.py decode --batch 1 --cache-len 8192 [--page-size 16] [--num-splits 16]
+    python scripts/kernel_times.py decode --batch 1 --cache-len 8192 [--page-size 16]
+        [--num-splits 16]
 
 bwd: fmha.bwd on the bench's shapes (16k tokens, hidden 2048); decode: one fmha.fwd_kvcache
 step (bf16 d128, 64 query heads on 8 K/V heads), each call replayed from a CUDA graph so that

@@ -707,7 +707,9 @@ __global__ void __launch_bounds__(128) kvcache_combine_kernel(const __grid_const
       if (s < splits && owns(v)) first[s][v] = load(s, v);
     }
   }
-  auto lse_of = [&](int s) { return s < splits ? p.lse_partial[s * split_stride + row] : -INFINITY; };
+  auto lse_of = [&](int s) {
+    return s < splits ? p.lse_partial[s * split_stride + row] : -INFINITY;
+  };
   const float lse_lane = lse_of(lane);
   float lse_max = lse_lane;
   bool nan = isnan(lse_lane);
