@@ -1,7 +1,7 @@
 """GPU correctness of every compiled KV-cache instance (fmha.fwd_kvcache) against the float64
 reference (tests/reference.py's kvcache_reference), on fresh random inputs and a poisoned
 allocator: decode (one query token) and several query tokens, MQA/GQA/MHA, contiguous caches
-(with cache_batch_idx) and paged ones (pages of 7 to 256 tokens in shuffled order), empty and
+(with cache_batch_idx) and paged ones (pages of 1 to 256 tokens in shuffled order), empty and
 full caches, k/v appended in place with and without rotary (both layouts), forced and chosen
 key splits, and each instance's own mask, ALiBi and soft-cap. The cache the call leaves is
 checked too: appended rows as the reference rotates them, every other row untouched."""
@@ -65,6 +65,10 @@ CASES = (
     Case(2, 3, 2, 1, 1024, (5, 1000), seqlen_new=3, rotary="neox", num_splits=9, page_size=64),
     # Twenty forced splits of a few key tiles each, more than the heuristic picks.
     Case(1, 2, 8, 1, 2048, (1900,), num_splits=20, page_size=16),
+    # Pages of one key (64 table entries a key tile) and of 12 (a thread's run of 8 rows at
+    # d128 crosses pages; one of 4 at d64 does not), the new token appended.
+    Case(2, 1, 4, 1, 300, (299, 40), seqlen_new=1, page_size=1),
+    Case(2, 1, 8, 2, 600, (431, 590), seqlen_new=1, page_size=12),
 )
 
 # Chunked prefill: the prefill instances (fa3 on sm90a) take calls of at least block_m query

@@ -28,6 +28,7 @@
 #include "fmha/fmha.h"
 #include "fmha/kernels/dependent_launch.cuh"
 #include "fmha/kernels/device_facts.cuh"
+#include "fmha/kernels/fast_divisor.cuh"
 #include "fmha/kernels/mask.cuh"
 #include "fmha/kernels/sm80_primitives.cuh"
 #include "fmha/kernels/smem_tile.cuh"
@@ -70,17 +71,18 @@ struct KvcacheConfig {
   using KTile = SmemTile<kBlockN, kHeadDimQK>;
   using VTile = SmemTile<kBlockN, kHeadDimV>;
   static constexpr int kRingBytes = kStages * (KTile::kBytes + VTile::kBytes);
-  static constexpr int kSmemBytes = QTile::kBytes + kRingBytes;
+  // Paged: the block-table entries of kPageSlots key tiles (PageSlots below), after the ring.
+  static constexpr int kPageSlots = kStages + 1;
+  static constexpr int kPageSlotBytes = kPaged ? kPageSlots * kBlockN * 4 : 0;
+  static constexpr int kSmemBytes = QTile::kBytes + kRingBytes + kPageSlotBytes;
   static_assert(kSmemBytes <= kSmemLimit, "the tile does not fit the target's shared memory");
   // The warps' merge reuses the ring: fp32 O and log-sum-exp of each warp's 16 rows.
   static constexpr int kMergeBytes = kNumWarps * kBlockM * (kHeadDimV + 1) * 4;
   static_assert(kMergeBytes <= kRingBytes, "the warps' merge must fit the K/V ring");
   // As many CTAs an SM as its shared memory holds (2 at d128 on sm90a, 4 at d64), which caps
-  // the registers: decode streams keys, and bytes in flight scale with CTAs. Not when paged:
-  // the block-table prefetch needs 208 registers at d128, and capped it spilled and read 22%
-  // less (docs/perf-notes.md v14).
+  // the registers: decode streams keys, and bytes in flight scale with CTAs.
   static constexpr int kMinCtasPerSm =
-      kPaged ? 1 : std::min(kSmemLimit / (kSmemBytes + 1024), 65536 / (kThreads * 64));
+      std::min(kSmemLimit / (kSmemBytes + 1024), 65536 / (kThreads * 64));
 };
 
 // What the kernels read, derived once per call on the host.
@@ -113,6 +115,7 @@ struct KvcacheParams {
   const int32_t* block_table;
   int64_t block_table_batch_stride;
   int page_size;
+  FastDivisor page_divisor;  // of page_size, for the attention kernel's copies
 
   const void* rotary_cos;
   const void* rotary_sin;
@@ -256,91 +259,111 @@ __global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_consta
 
 // ---- attention ----------------------------------------------------------------------------
 
-// The rows of a key tile one thread copies, 16 bytes per cp.async: copy i is chunk
-// (t + i * kThreads) % kChunks of row (t + i * kThreads) / kChunks. K and V tiles have the same
-// chunks (hdim_q == hdim_v), so one set of block-table entries serves both.
-//
-// A paged tile's entries are fetched into registers one step before the copies that use them,
-// so the copies issue without waiting on the table (at 16-token pages a 64-key tile spans 4
-// pages, and a table read before each copy held the paged decode at 55-75% of the contiguous
-// one's bandwidth, docs/perf-notes.md v14). Up to d128 that is at most 8 registers; d192 and
-// d256 copy 12 and 16 rows a thread at 200+ registers already, so they read the table in place.
+// The rows of a key tile one thread copies, 16 bytes per cp.async. Where the threads divide a
+// row's chunks (d64, d128, d256) each thread copies one chunk of a run of kCount consecutive
+// rows: thread t, rows (t / kChunks) * kCount + i. A run then sits in one page whenever the
+// page size is a multiple of kCount, so a paged thread looks its page up once a tile and walks
+// the run as a contiguous one does (per-row lookups, ~20 instructions a row, held one CTA an SM
+// at 60% of the contiguous bandwidth, docs/perf-notes.md v17). A warp's copy i still reads 256
+// contiguous bytes per row. Otherwise (d96, d192) copy i is chunk (t + i * kThreads) % kChunks of
+// row (t + i * kThreads) / kChunks. K and V tiles have the same chunks (hdim_q == hdim_v).
 template <class Cfg>
 struct TileCopies {
   static constexpr int kChunks = Cfg::KTile::kChunks;
   static constexpr int kCount = Cfg::kBlockN * kChunks / Cfg::kThreads;
-  static constexpr bool kPrefetchPages = Cfg::kPaged && kCount <= 8;
-  // Rows between one copy and the next where the threads divide a row's chunks (d64, d128,
-  // d256: the chunk stays the same), else 0 (d96, d192).
-  static constexpr int kRowStep = Cfg::kThreads % kChunks == 0 ? Cfg::kThreads / kChunks : 0;
-  static constexpr int kPageSlots = kPrefetchPages ? kCount : 1;
+  static constexpr bool kRuns = Cfg::kThreads % kChunks == 0;
   static_assert(Cfg::kBlockN * kChunks % Cfg::kThreads == 0,
                 "a key tile must split evenly over the CTA's threads");
   static_assert(Cfg::KTile::kChunks == Cfg::VTile::kChunks, "kvcache: hdim_q == hdim_v");
   __device__ __forceinline__ static int row(int i) {
-    return (static_cast<int>(threadIdx.x) + i * Cfg::kThreads) / kChunks;
+    const int t = static_cast<int>(threadIdx.x);
+    return kRuns ? t / kChunks * kCount + i : (t + i * Cfg::kThreads) / kChunks;
   }
   __device__ __forceinline__ static int chunk(int i) {
-    return (static_cast<int>(threadIdx.x) + i * Cfg::kThreads) % kChunks;
+    const int t = static_cast<int>(threadIdx.x);
+    return kRuns ? t % kChunks : (t + i * Cfg::kThreads) % kChunks;
   }
 };
 
-// The block-table entries of the rows this thread copies of key tile n_block (0 past the
-// sequence's keys).
+// A paged cache's block-table entries reach shared memory by cp.async two tiles ahead of the
+// copies that read them: the entries of key tile j travel in the commit group of tile j - 2, so
+// the wait the loop makes for a tile's keys also covers the entries of the tile it issues next.
+// Before, each thread loaded its rows' entries into registers one step ahead; under a full
+// memory system those loads came back after the step, and the next tile's copies waited on
+// them (batch 1 x 8k keys, pages of 16: 21.2 us at 16 splits against 10.5 contiguous,
+// docs/perf-notes.md v17). Slot j % kPageSlots holds the entries of tile j from page
+// key0 / page_size on: at most kBlockN of them (pages of one key).
 template <class Cfg>
-__device__ __forceinline__ void fetch_pages(int (&pages)[TileCopies<Cfg>::kPageSlots],
-                                            const KvcacheParams& p, int batch, int n_block,
-                                            int keys) {
-  const int32_t* table = p.block_table + batch * p.block_table_batch_stride;
-#pragma unroll
-  for (int i = 0; i < TileCopies<Cfg>::kPageSlots; ++i) {
-    const int key = n_block * Cfg::kBlockN + TileCopies<Cfg>::row(i);
-    pages[i] = key < keys ? __ldg(table + key / p.page_size) : 0;
+struct PageSlots {
+  static constexpr int kLead = Cfg::kStages - 1;  // tiles between a slot's fill and its use
+  static_assert(Cfg::kPageSlots >= kLead + 2,
+                "a slot is refilled only after every thread has read it");
+
+  int32_t* slots;         // in shared memory (Cfg::kPageSlotBytes)
+  const int32_t* table;   // the sequence's row of the block table
+  int last_page;          // the sequence's last page holding an attended key
+
+  __device__ __forceinline__ int32_t* entries(int n_block) const {
+    return slots + (n_block % Cfg::kPageSlots) * Cfg::kBlockN;
   }
-}
+  // Starts the copies of tile n_block's entries, one a thread.
+  __device__ __forceinline__ void fetch(int n_block, const FastDivisor& pages) const {
+    const int first = pages.quotient(n_block * Cfg::kBlockN);
+    const int count =
+        min(pages.quotient(n_block * Cfg::kBlockN + Cfg::kBlockN - 1), last_page) - first + 1;
+    for (int e = threadIdx.x; e < count; e += Cfg::kThreads) {
+      sm80::cp_async_4(sm80::smem_addr(entries(n_block) + e), table + first + e);
+    }
+  }
+};
 
 // Copies key rows [n_block * kBlockN, + kBlockN) of one cache into a ring stage: the rows of
-// cache row `cache_index` when contiguous, of the pages in `pages` (or the table) when paged.
-// Rows past `keys` are zero-filled (masked anyway, and zero V rows keep 0 * garbage from
-// becoming NaN).
+// cache row `cache_index` when contiguous, of the pages whose table entries `entries` holds
+// when paged. Rows past `keys` are zero-filled (masked anyway, and zero V rows keep 0 * garbage
+// from becoming NaN).
 template <class Cfg, class Tile>
-__device__ __forceinline__ void load_cache_tile(uint32_t smem_tile, const typename Cfg::Element* cache,
-                                                const int (&pages)[TileCopies<Cfg>::kPageSlots],
-                                                const KvcacheParams& p, int64_t batch_stride,
-                                                int64_t seq_stride, int64_t head_stride,
-                                                int batch, int cache_index, int head,
+__device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
+                                                const typename Cfg::Element* cache,
+                                                const int32_t* entries, const FastDivisor& pages,
+                                                int64_t batch_stride, int64_t seq_stride,
+                                                int64_t head_stride, int cache_index, int head,
                                                 int n_block, int keys) {
   using Copies = TileCopies<Cfg>;
+  using Element = typename Cfg::Element;
   const auto* head_cache =
       cache + head * head_stride + (Cfg::kPaged ? 0 : cache_index * batch_stride);
   const int key0 = n_block * Cfg::kBlockN;
-  // Contiguous rows step by a fixed stride: one pointer walks them (a 64-bit product per row,
-  // which the compiler hoists out of the key loop, took d128 from 156 to 220 registers).
-  const auto* walk = head_cache + (key0 + Copies::row(0)) * seq_stride + Copies::chunk(0) * 8;
-  const int64_t walk_step = static_cast<int64_t>(Copies::kRowStep) * seq_stride;
-#pragma unroll
-  for (int i = 0; i < Copies::kCount; ++i) {
-    const int row = Copies::row(i);
-    const int key = key0 + row;
-    const bool valid = key < keys;
-    const typename Cfg::Element* src;
+  const int first_page = Cfg::kPaged ? pages.quotient(key0) : 0;  // entries[0]'s page index
+  // Where key `key` of this head starts (a valid key's page is in `entries`).
+  auto row_start = [&](int key) {
     if constexpr (Cfg::kPaged) {
-      const int page =
-          Copies::kPrefetchPages
-              ? pages[i]
-              : (valid ? __ldg(p.block_table + batch * p.block_table_batch_stride +
-                               key / p.page_size)
-                       : 0);
-      src = head_cache + page * batch_stride + static_cast<int64_t>(key % p.page_size) * seq_stride +
-            Copies::chunk(i) * 8;
-    } else if constexpr (Copies::kRowStep > 0) {
-      src = walk;
-      walk += walk_step;
+      const int index = pages.quotient(key);
+      const int page = key < keys ? entries[index - first_page] : 0;
+      return head_cache + page * batch_stride +
+             static_cast<int64_t>(key - index * pages.divisor) * seq_stride;
     } else {
-      src = head_cache + static_cast<int64_t>(key) * seq_stride + Copies::chunk(i) * 8;
+      return head_cache + static_cast<int64_t>(key) * seq_stride;
     }
-    sm80::cp_async_16(smem_tile + Tile::offset(row, Copies::chunk(i)), valid ? src : cache,
-                      valid ? 16 : 0);
+  };
+  auto copy = [&](int i, const Element* src) {
+    const bool valid = key0 + Copies::row(i) < keys;
+    sm80::cp_async_16(smem_tile + Tile::offset(Copies::row(i), Copies::chunk(i)),
+                      valid ? src : cache, valid ? 16 : 0);
+  };
+  // A run in one page (always when contiguous) is walked by one pointer; a 64-bit product per
+  // row, which the compiler hoists out of the key loop, took d128 from 156 to 220 registers.
+  if (Copies::kRuns && (!Cfg::kPaged || pages.divisor % Copies::kCount == 0)) {
+    const auto* walk = row_start(key0 + Copies::row(0)) + Copies::chunk(0) * 8;
+#pragma unroll
+    for (int i = 0; i < Copies::kCount; ++i) {
+      copy(i, walk);
+      walk += seq_stride;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < Copies::kCount; ++i) {
+      copy(i, row_start(key0 + Copies::row(i)) + Copies::chunk(i) * 8);
+    }
   }
 }
 
@@ -411,29 +434,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   }
   const int cache_index =
       !Cfg::kPaged && p.cache_batch_idx != nullptr ? p.cache_batch_idx[batch] : batch;
-  int pages[TileCopies<Cfg>::kPageSlots] = {};  // the next tile's block-table entries
-  auto load_kv = [&](int n_block, int stage) {
-    load_cache_tile<Cfg, KTile>(s_k + stage * KTile::kBytes, k_cache, pages, p, p.kc_batch_stride,
-                                p.kc_seq_stride, p.kc_head_stride, batch, cache_index, kv_head,
-                                n_block, keys);
-    load_cache_tile<Cfg, VTile>(s_v + stage * VTile::kBytes, v_cache, pages, p, p.vc_batch_stride,
-                                p.vc_seq_stride, p.vc_head_stride, batch, cache_index, kv_head,
-                                n_block, keys);
-  };
-  auto prefetch_pages = [&](int step) {
-    if constexpr (TileCopies<Cfg>::kPrefetchPages) {
-      if (step < n_steps) fetch_pages<Cfg>(pages, p, batch, n_begin + step, keys);
+  using Pages = PageSlots<Cfg>;
+  const Pages pages{reinterpret_cast<int32_t*>(smem + QTile::kBytes + Cfg::kRingBytes),
+                    p.block_table + batch * p.block_table_batch_stride,
+                    Cfg::kPaged && keys > 0 ? p.page_divisor.quotient(keys - 1) : 0};
+  auto fetch_pages = [&](int step) {
+    if constexpr (Cfg::kPaged) {
+      if (step < n_steps) pages.fetch(n_begin + step, p.page_divisor);
     }
   };
-  // Prologue: kStages - 1 tiles in flight (Q joins the first group). One commit group per
-  // tile, empty where there is none, so the wait counts stay uniform.
+  auto load_kv = [&](int n_block, int stage) {
+    const int32_t* entries = pages.entries(n_block);
+    load_cache_tile<Cfg, KTile>(s_k + stage * KTile::kBytes, k_cache, entries, p.page_divisor,
+                                p.kc_batch_stride, p.kc_seq_stride, p.kc_head_stride, cache_index,
+                                kv_head, n_block, keys);
+    load_cache_tile<Cfg, VTile>(s_v + stage * VTile::kBytes, v_cache, entries, p.page_divisor,
+                                p.vc_batch_stride, p.vc_seq_stride, p.vc_head_stride, cache_index,
+                                kv_head, n_block, keys);
+  };
+  // Prologue: kStages - 1 tiles in flight (Q joins the first group), each group carrying the
+  // block-table entries of the tile kStages - 1 after it (PageSlots). The first tiles' entries
+  // come first, in a round trip of their own. One commit group per tile, empty where there is
+  // none, so the wait counts stay uniform.
+  if constexpr (Cfg::kPaged) {
+    for (int s = 0; s < Pages::kLead; ++s) fetch_pages(s);
+    sm80::cp_async_commit();
+    sm80::cp_async_wait<0>();
+    __syncthreads();
+  }
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    prefetch_pages(s);
     if (s < n_steps) load_kv(n_begin + s, s);
+    fetch_pages(s + Pages::kLead);
     sm80::cp_async_commit();
   }
-  prefetch_pages(kStages - 1);
 
   // Per-lane ldmatrix bases (SmemTile::step): Q and row-major V, lanes 0-15 rows 0-15 at the
   // low chunk, 16-31 at the high one; K, lanes 8i..8i+7 matrix i (rows +0/+8, chunk lo/hi).
@@ -474,11 +508,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   for (int it = 0; it < n_steps; ++it) {
     const int n_block = n_begin + it;
     const int stage = it % kStages;
-    sm80::cp_async_wait<kStages - 2>();  // this step's tile (and Q) has landed...
+    // This step's tile (with Q, and the entries of the tile issued next) has landed...
+    sm80::cp_async_wait<kStages - 2>();
     __syncthreads();  // ...for every thread, and every warp is done with the stage reloaded next
     if (it + kStages - 1 < n_steps) load_kv(n_block + kStages - 1, (it + kStages - 1) % kStages);
+    fetch_pages(it + kStages - 1 + Pages::kLead);
     sm80::cp_async_commit();
-    prefetch_pages(it + kStages);  // lands while this step computes
     if constexpr (Cfg::kQInRegisters) {
       if (it == 0) {
 #pragma unroll
@@ -796,28 +831,28 @@ cudaError_t allow_kvcache_smem() {
 }
 
 // Splits per (sequence, K/V head, row block): args.num_splits when given, else as many as put
-// one CTA on each SM (two when paged), and one split where the sequences and heads alone fill
-// that. Measured on an H100 (bf16 d128, 8 K/V heads, batch 1-16 x 8k-128k keys, counts from 1
-// to 128): on a contiguous cache the best count made 128 CTAs on the 132 SMs in every case,
-// e.g. batch 1 x 8k keys 2357 GB/s at 16 splits against 1972 at 17 (136 CTAs: some SMs take
-// two) and 2031 at the 32 that filled both CTA slots of every SM; one CTA an SM keeps enough
-// bytes in flight, and more splits only add prologues and fp32 partial outputs. A paged CTA
-// waits on its block table too, and at one CTA an SM read 15-23% less than at two
-// (docs/perf-notes.md v14). A split may be a single key tile: with the combine in one round
-// trip, batch 1 x 1k keys took 8.5 us at 16 splits against 9.5 at 4 (a split of at least 4
-// tiles, the rule before), 2k keys 9.0 against 9.7 at 8 (v16). kMaxSplits bounds the
-// combine's reads.
+// one CTA on each SM, and one split where the sequences and heads alone fill that. Measured on
+// an H100 (bf16 d128, 8 K/V heads, batch 1-16 x 8k-128k keys, counts from 1 to 128): on a
+// contiguous cache the best count made 128 CTAs on the 132 SMs in every case, e.g. batch 1 x
+// 8k keys 2357 GB/s at 16 splits against 1972 at 17 (136 CTAs: some SMs take two) and 2031 at
+// the 32 that filled both CTA slots of every SM; one CTA an SM keeps enough bytes in flight,
+// and more splits only add prologues and fp32 partial outputs (docs/perf-notes.md v14). Paged
+// caches too, since a thread looks its pages up once a tile (TileCopies): batch 1 x 8k keys,
+// pages of 16, 14.8 us a step at 16 splits against 15.6 at 32, 32k keys 53.2 against 56.6,
+// batch 8 x 8k 97.2 against 98.3 at 2 splits and 4 (v17). A split may be a single key tile:
+// with the combine in one round trip, batch 1 x 1k keys took 8.5 us at 16 splits against 9.5
+// at 4 (a split of at least 4 tiles, the rule before), 2k keys 9.0 against 9.7 at 8 (v16).
+// kMaxSplits bounds the combine's reads.
 template <class Cfg>
 int kvcache_num_splits(const KvcacheArgs& a) {
   constexpr int kMaxSplits = 128;
-  constexpr int kCtasPerSm = Cfg::kPaged ? 2 : 1;
   const int key_tiles = (a.seqlen_cache + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (a.num_splits > 0) return std::min(a.num_splits, std::max(1, key_tiles));
   const int most = std::max(1, std::min(kMaxSplits, key_tiles));
   const int64_t rows = static_cast<int64_t>(a.seqlen_q) * (a.nhead_q / a.nhead_k);
   const int64_t units = static_cast<int64_t>(a.batch) * a.nhead_k *
                         ((rows + Cfg::kBlockM - 1) / Cfg::kBlockM);
-  const int64_t ctas = static_cast<int64_t>(std::max(1, multiprocessor_count())) * kCtasPerSm;
+  const int64_t ctas = std::max(1, multiprocessor_count());
   if (units >= ctas) return 1;
   return static_cast<int>(std::min<int64_t>(most, ctas / units));
 }
@@ -886,6 +921,7 @@ inline KvcacheParams kvcache_params(const KvcacheArgs& a) {
   p.block_table = a.block_table;
   p.block_table_batch_stride = a.block_table_batch_stride;
   p.page_size = a.page_size;
+  if (a.page_size > 0) p.page_divisor = FastDivisor(a.page_size);
   p.rotary_cos = a.rotary_cos;
   p.rotary_sin = a.rotary_sin;
   p.rotary_dim = a.rotary_dim;
