@@ -42,6 +42,7 @@ class Problem:
     cc: int  # the device's compute capability, major*10+minor
     page_size: int = 0  # kvcache: keys per page of a paged cache; 0 for a contiguous one
     group: int = 1  # kvcache: query heads per K/V head, which pack with the tokens into rows
+    leftpad: bool = False  # kvcache: cache_leftpad is given (left-padded sequences)
 
     @property
     def op(self) -> OperationKind:
@@ -67,12 +68,13 @@ def _seqlens_fit(instance: Instance, problem: Problem) -> bool:
     without seqused. An operation without modes (kvcache, whose cache lengths live on the
     device) never has them. A prefill kernel (operations.Kernel.prefill) takes calls of at
     least a tile of query tokens or PREFILL_MIN_PACKED_ROWS packed rows, on pages of a multiple
-    of PREFILL_PAGE_MULTIPLE keys."""
+    of PREFILL_PAGE_MULTIPLE keys, without cache_leftpad (the decode kernel's alone)."""
     tile = instance.tile
     if operation_of(instance).kernel(instance.point.pipeline).prefill:
         long_enough = (problem.seqlen_q >= tile.block_m
                        or problem.seqlen_q * problem.group >= PREFILL_MIN_PACKED_ROWS)
-        return long_enough and problem.page_size % PREFILL_PAGE_MULTIPLE == 0
+        return (long_enough and problem.page_size % PREFILL_PAGE_MULTIPLE == 0
+                and not problem.leftpad)
     if instance.point.pad_seqlen:
         return True
     return (problem.traits.value("mode") == _BATCH and not problem.seqused
@@ -121,8 +123,8 @@ REQUIREMENTS = (
     Requirement("seqlen", "batch mode, no seqused, and seqlen_q and seqlen_k multiples of "
                           "block_m and block_n when pad_seqlen=false (kvcache's cache lengths "
                           "live on the device: never); for a prefill kernel, seqlen_q >= "
-                          f"block_m or {PREFILL_MIN_PACKED_ROWS} packed rows, and pages of a "
-                          f"multiple of {PREFILL_PAGE_MULTIPLE} keys",
+                          f"block_m or {PREFILL_MIN_PACKED_ROWS} packed rows, pages of a "
+                          f"multiple of {PREFILL_PAGE_MULTIPLE} keys, and no cache_leftpad",
                 _seqlens_fit),
     *(Requirement(trait, f"the same {trait}", _same(trait), trait=trait)
       for trait in EQUAL_TRAITS),

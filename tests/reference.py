@@ -332,15 +332,15 @@ def gather_cache(cache: torch.Tensor, batch: int, *, block_table=None,
 
 
 def kvcache_reference(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
-                      cache_batch_idx=None, rotary_cos=None, rotary_sin=None,
+                      cache_batch_idx=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
                       rotary_interleaved=False, causal=False, window_size=(-1, -1),
                       softcap=0.0, alibi_slopes=None, softmax_scale=None,
                       compute_dtype=torch.float64):
     """fmha.fwd_kvcache's semantics in plain torch: returns (out, lse, k_cache, v_cache), the
     caches as the call leaves them (new k rotated in the input dtype, then written). Attention
-    is attention_reference() over each sequence's first cache_seqlens[b] + seqlen_new keys,
-    aligned bottom-right, with q rotated at cache_seqlens + i under a mask and at cache_seqlens
-    without one; compute_dtype as there."""
+    is attention_reference() over each sequence's first cache_seqlens[b] + seqlen_new keys
+    (from key cache_leftpad[b] on when given), aligned bottom-right, with q rotated at
+    cache_seqlens + i under a mask and at cache_seqlens without one; compute_dtype as there."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     batch, seqlen_q = q.shape[:2]
     lengths = cache_seqlens.long().cpu()
@@ -376,6 +376,12 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
                 k_cache[int(rows[b])] = keys[b]
                 v_cache[int(rows[b])] = values[b]
     used = (lengths + seqlen_new).clamp(max=capacity)
+    if cache_leftpad is not None:
+        # Sequence b's keys from its start on, the padding before it moved past its end.
+        starts = torch.minimum(cache_leftpad.long().cpu().clamp(min=0), used)
+        keys = torch.stack([keys[b].roll(-int(s), dims=0) for b, s in enumerate(starts)])
+        values = torch.stack([values[b].roll(-int(s), dims=0) for b, s in enumerate(starts)])
+        used = used - starts
     out, lse = attention_reference(
         q, keys, values, causal=causal, window_size=window_size, mask_align="bottom_right",
         alibi_slopes=alibi_slopes, softcap=softcap, softmax_scale=softmax_scale,

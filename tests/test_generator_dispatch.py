@@ -254,7 +254,7 @@ def test_instance_that_serves_nothing_is_an_error(build, make_config, line_of):
         "the dispatcher can never run it (seqlen: needs batch mode, no seqused, and seqlen_q and "
         "seqlen_k multiples of block_m and block_n when pad_seqlen=false (kvcache's cache lengths "
         "live on the device: never); for a prefill kernel, seqlen_q >= block_m or 256 packed "
-        "rows, and pages of a multiple of 8 keys); prune it with a rule")
+        "rows, pages of a multiple of 8 keys, and no cache_leftpad); prune it with a rule")
 
 
 def test_padding_siblings_are_not_shadowed(make_instance):
@@ -454,8 +454,9 @@ def test_a_prefill_instance_takes_chunks_of_a_tile_on_pages_of_multiples_of_8(
     assert serves(prefill, chunk) and serves(decode, chunk)
     # Shorter chunks whose query heads per K/V head make 256 packed rows, too.
     assert serves(prefill, replace(chunk, seqlen_q=32, group=8))
+    # Left-padded sequences (cache_leftpad) are the decode kernel's alone.
     for other in (replace(chunk, seqlen_q=127), replace(chunk, seqlen_q=31, group=8),
-                  replace(chunk, page_size=12)):
+                  replace(chunk, page_size=12), replace(chunk, page_size=0, leftpad=True)):
         assert [r.name for r in unmet(prefill, other)] == ["seqlen"] and serves(decode, other)
     ordered = dispatch_order([decode, prefill])
     assert ordered == (prefill, decode)

@@ -131,6 +131,44 @@ def test_llama_generate_matches_sdpa(transformers, lengths):
                             f"sdpa {want[row, step].item()}, {gap:.3f} apart in the float32 model")
 
 
+def test_left_padded_decode_step_runs_fwd_kvcache(monkeypatch):
+    """A decode step of a left-padded batch (generate()'s: one query a row, the mask padding
+    then tokens) runs fmha.fwd_kvcache with each row's padding as cache_leftpad, not fmha.fwd's
+    group mode, and each row matches attention over its own tokens; a mask with a hole is no
+    left padding and takes the group-mode path."""
+    from fmha.integrations._flash import flash_attention
+    generator = torch.Generator(device=DEVICE).manual_seed(3)
+    lengths, keys = (57, 130, 1), 130
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, device=DEVICE, dtype=DTYPE)
+
+    q, k, v = randn(3, 1, 8, HEAD_DIM), randn(3, keys, 2, HEAD_DIM), randn(3, keys, 2, HEAD_DIM)
+    mask = torch.stack([torch.arange(keys, device=DEVICE) >= keys - n for n in lengths])
+    try:
+        fmha.select_kvcache(q, k, v, causal=True, cache_leftpad=(keys - mask.sum(-1)).int(),
+                            cache_seqlens=torch.full((3,), keys, dtype=torch.int32,
+                                                     device=DEVICE))
+    except fmha.MissingInstanceError as exc:
+        pytest.skip(f"this build has no bf16 d64 causal kvcache instance: {exc}")
+    def refuse(*args, **kwargs):
+        raise AssertionError("a left-padded decode step ran fmha.fwd's group mode")
+
+    monkeypatch.setattr(fmha, "fwd", refuse)
+    out = flash_attention(q, k, v, causal=True, padding_mask=mask)
+    for row, n in enumerate(lengths):
+        own = (q[row:row + 1], k[row:row + 1, keys - n:], v[row:row + 1, keys - n:])
+        truth, _ = R.attention_reference(*own, causal=True, mask_align="bottom_right")
+        lowp, _ = R.attention_reference(*own, causal=True, mask_align="bottom_right",
+                                        compute_dtype=DTYPE)
+        R.compare(out[row:row + 1], truth, lowp, dtype=DTYPE, what=f"row {row}")
+
+    holed = mask.clone()
+    holed[0, keys - 10] = False
+    with pytest.raises(AssertionError, match="group mode"):
+        flash_attention(q, k, v, causal=True, padding_mask=holed)
+
+
 def test_mistral_sliding_window_matches_sdpa(transformers):
     needs_instance(causal=True, window_size=(15, 0))
     model, sdpa_model, reference = models(transformers, "MistralConfig", sliding_window=16)

@@ -63,6 +63,10 @@ BAD_CALLS = [
                               rotary_sin=torch.rand(128, 16).half()), ValueError,
      "rotate the appended k"),
     ("q strides", dict(q=torch.randn(2, 1, 8, 68).half()[..., :64]), ValueError, "strides"),
+    ("leftpad dtype", dict(cache_leftpad=torch.zeros(2, dtype=torch.int64)), ValueError,
+     "cache_leftpad must be torch.int32"),
+    ("leftpad shape", dict(cache_leftpad=torch.zeros(1, dtype=torch.int32)), ValueError,
+     "cache_leftpad must have shape (2,)"),
     ("cpu", dict(), ValueError, "needs CUDA tensors"),
 ]
 
@@ -87,6 +91,9 @@ def test_rotary_checks():
 def test_paged_checks():
     kw = call(paged=True, cache_batch_idx=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="addressed through block_table"):
+        run(kw)
+    kw = call(paged=True, cache_leftpad=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="a paged cache takes none"):
         run(kw)
     kw = call(paged=True, block_table=torch.zeros(3, 8, dtype=torch.int32))
     with pytest.raises(ValueError, match="block_table must have shape"):

@@ -41,11 +41,13 @@ class Case:
     num_splits: int = 0
     page_size: int = 0      # paged instances' page size (contiguous ones take the capacity)
     batch_idx: bool = False  # contiguous instances: map sequences to shuffled cache rows
+    leftpad: tuple = ()     # contiguous instances: cache_leftpad, where each sequence's keys start
 
     def describe(self) -> str:
         return (f"b{self.batch} sq{self.seqlen_q} h{self.nhead_q}/{self.nhead_k} "
                 f"cap{self.capacity} len{list(self.lengths)} new{self.seqlen_new} "
-                f"rot={self.rotary} splits={self.num_splits} page={self.page_size}")
+                f"rot={self.rotary} splits={self.num_splits} page={self.page_size} "
+                f"leftpad={list(self.leftpad)}")
 
 
 CASES = (
@@ -69,6 +71,12 @@ CASES = (
     # d128 crosses pages; one of 4 at d64 does not), the new token appended.
     Case(2, 1, 4, 1, 300, (299, 40), seqlen_new=1, page_size=1),
     Case(2, 1, 8, 2, 600, (431, 590), seqlen_new=1, page_size=12),
+    # Left-padded sequences (cache_leftpad, contiguous caches): one whose only key is the
+    # appended token, 3 splits over the rest; then several query tokens, rotated (positions stay
+    # the cache's rows), in shuffled cache rows.
+    Case(3, 1, 8, 2, 700, (650, 300, 64), seqlen_new=1, num_splits=3, leftpad=(100, 0, 64)),
+    Case(2, 4, 8, 1, 512, (400, 37), seqlen_new=4, rotary="neox", batch_idx=True,
+         leftpad=(123, 30)),
 )
 
 # Chunked prefill: the prefill instances (fa3 on sm90a) take calls of at least block_m query
@@ -120,6 +128,8 @@ def _inputs(inst: dict, case: Case, gen: torch.Generator):
             kw["cache_batch_idx"] = torch.randperm(rows, generator=gen, device=dev)[:b].to(
                 torch.int32)
         capacity = case.capacity
+        if case.leftpad:
+            kw["cache_leftpad"] = torch.tensor(case.leftpad, dtype=torch.int32, device=dev)
     assert all(n + case.seqlen_new <= capacity for n in case.lengths), case
     kw["cache_seqlens"] = torch.tensor(case.lengths, dtype=torch.int32, device=dev)
     q = randn(b, case.seqlen_q, case.nhead_q, d)
@@ -175,6 +185,8 @@ def _check(inst: dict, case: Case, instance: Optional[str], seed: int):
 @pytest.mark.parametrize("inst", DECODE_INSTANCES, ids=lambda i: i["name"])
 def test_instance(inst, case_index):
     case = CASES[case_index]
+    if case.leftpad and inst["paged"]:
+        pytest.skip("cache_leftpad offsets a contiguous cache's rows; paged caches take none")
     _check(inst, case, inst["name"], seed=case_index)
 
 

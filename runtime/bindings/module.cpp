@@ -377,7 +377,8 @@ std::tuple<int, std::string, size_t> kvcache_workspace_size(const fmha::KvcacheA
 py::object run_kvcache_planned(const fmha::KvcacheArgs& plan, uintptr_t q, uintptr_t k_cache,
                                uintptr_t v_cache, uintptr_t k_new, uintptr_t v_new, uintptr_t o,
                                uintptr_t lse, uintptr_t cache_seqlens, uintptr_t cache_batch_idx,
-                               uintptr_t block_table, uintptr_t rotary_cos, uintptr_t rotary_sin,
+                               uintptr_t cache_leftpad, uintptr_t block_table,
+                               uintptr_t rotary_cos, uintptr_t rotary_sin,
                                uintptr_t alibi_slopes, uintptr_t workspace, uintptr_t stream,
                                std::optional<std::string> instance) {
   fmha::KvcacheArgs args = plan;
@@ -390,6 +391,7 @@ py::object run_kvcache_planned(const fmha::KvcacheArgs& plan, uintptr_t q, uintp
   args.lse = reinterpret_cast<float*>(lse);
   args.cache_seqlens = reinterpret_cast<const int32_t*>(cache_seqlens);
   args.cache_batch_idx = reinterpret_cast<const int32_t*>(cache_batch_idx);
+  args.cache_leftpad = reinterpret_cast<const int32_t*>(cache_leftpad);
   args.block_table = reinterpret_cast<const int32_t*>(block_table);
   args.rotary_cos = reinterpret_cast<const void*>(rotary_cos);
   args.rotary_sin = reinterpret_cast<const void*>(rotary_sin);
@@ -458,6 +460,7 @@ void bind_kvcache_args(py::module_& m) {
       .def_readwrite("lse_head_stride", &fmha::KvcacheArgs::lse_head_stride);
   pointer_property(cls, "cache_seqlens", &fmha::KvcacheArgs::cache_seqlens);
   pointer_property(cls, "cache_batch_idx", &fmha::KvcacheArgs::cache_batch_idx);
+  pointer_property(cls, "cache_leftpad", &fmha::KvcacheArgs::cache_leftpad);
   pointer_property(cls, "block_table", &fmha::KvcacheArgs::block_table);
   cls.def_readwrite("block_table_batch_stride", &fmha::KvcacheArgs::block_table_batch_stride)
       .def_readwrite("page_size", &fmha::KvcacheArgs::page_size);
@@ -482,7 +485,8 @@ void bind_kvcache_args(py::module_& m) {
       "KvcacheArgs::traits(): what a KV-cache instance must match, enums as ints.");
   cls.def("run", &run_kvcache_planned, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
           py::arg("k_new"), py::arg("v_new"), py::arg("o"), py::arg("lse"),
-          py::arg("cache_seqlens"), py::arg("cache_batch_idx"), py::arg("block_table"),
+          py::arg("cache_seqlens"), py::arg("cache_batch_idx"), py::arg("cache_leftpad"),
+          py::arg("block_table"),
           py::arg("rotary_cos"), py::arg("rotary_sin"), py::arg("alibi_slopes"),
           py::arg("workspace"), py::arg("stream"), py::arg("instance") = py::none(),
           "Run these args with the pointers given (0 for none; the workspace of these args' "

@@ -554,6 +554,10 @@ Status check_kvcache_args(const KvcacheArgs& a, bool check_memory) {
     return invalid_kvcache("cache_batch_idx selects rows of a contiguous cache; a paged cache "
                            "(block_table set) must not get it");
   }
+  if (paged && a.cache_leftpad != nullptr) {
+    return invalid_kvcache("cache_leftpad offsets the keys of a contiguous cache's rows; a "
+                           "paged cache (block_table set) must not get it (as FlashAttention's)");
+  }
   if (!paged && a.page_size != 0) {
     return invalid_kvcache("page_size is " + std::to_string(a.page_size) + " but block_table "
                            "is null: a paged cache needs block_table, a contiguous one "
@@ -598,6 +602,7 @@ Status check_kvcache_args(const KvcacheArgs& a, bool check_memory) {
                         "every call needs the keys each sequence's cache holds (device int32, "
                         "one per sequence)"),
         check_int_array("cache_batch_idx", a.cache_batch_idx, false, ""),
+        check_int_array("cache_leftpad", a.cache_leftpad, false, ""),
         check_int_array("block_table", a.block_table, false, ""),
         check_non_negative({{"block_table_batch_stride", a.block_table_batch_stride}}),
         check_lse(a.lse, a.lse_batch_stride, a.lse_head_stride)}) {

@@ -135,7 +135,8 @@ bool lengths_fit(const Entry& e, const BwdArgs& a) {
 // prefill instance takes chunks of at least a tile of query tokens, or of at least
 // kPrefillMinPackedRows packed rows (query tokens x query heads per K/V head, the decode
 // kernel's rows), on pages of a multiple of kPrefillPageMultiple keys (registry.h; the
-// generator writes both, generator/operations.py says why).
+// generator writes both, generator/operations.py says why), without cache_leftpad (the decode
+// kernel's alone).
 int64_t packed_rows(const KvcacheArgs& a) {
   return static_cast<int64_t>(a.seqlen_q) * (a.nhead_k > 0 ? a.nhead_q / a.nhead_k : 1);
 }
@@ -143,7 +144,7 @@ template <class Entry>
 bool lengths_fit(const Entry& e, const KvcacheArgs& a) {
   if (e.prefill) {
     return (a.seqlen_q >= e.block_m || packed_rows(a) >= kPrefillMinPackedRows) &&
-           a.page_size % kPrefillPageMultiple == 0;
+           a.page_size % kPrefillPageMultiple == 0 && a.cache_leftpad == nullptr;
   }
   return e.pad_seqlen;
 }
@@ -268,9 +269,13 @@ std::string lengths_reason(const Entry& e, const KvcacheArgs& a) {
            std::to_string(a.seqlen_q) + " makes " + std::to_string(packed_rows(a)) +
            ": a decode step";
   }
-  return "it is a prefill instance, whose TMA boxes take pages of a multiple of " +
-         std::to_string(kPrefillPageMultiple) + " keys, and page_size=" +
-         std::to_string(a.page_size);
+  if (a.page_size % kPrefillPageMultiple != 0) {
+    return "it is a prefill instance, whose TMA boxes take pages of a multiple of " +
+           std::to_string(kPrefillPageMultiple) + " keys, and page_size=" +
+           std::to_string(a.page_size);
+  }
+  return "it is a prefill instance, and cache_leftpad (left-padded sequences) is the decode "
+         "kernel's alone";
 }
 
 template <class Entry, class Args, class Traits>

@@ -249,6 +249,12 @@ struct FMHA_API KvcacheArgs {
   const int32_t* cache_seqlens = nullptr;
   // Contiguous only, optional: device int32 (batch), the cache row of sequence b.
   const int32_t* cache_batch_idx = nullptr;
+  // Contiguous only, optional: device int32 (batch), where sequence b's keys start in its cache
+  // row (FlashAttention's cache_leftpad: a left-padded batch). Sequence b attends to keys
+  // [cache_leftpad[b], cache_seqlens[b] + seqlen_new); masks align with its last key as
+  // without it, and rotary positions stay the cache's row indices. Decode pipeline only: a
+  // call with it never runs a prefill instance.
+  const int32_t* cache_leftpad = nullptr;
   // Paged only: device int32 (batch, pages_per_seq), the page holding a sequence's keys
   // [p * page_size, (p + 1) * page_size); any page size >= 1 (vLLM uses 16).
   const int32_t* block_table = nullptr;

@@ -94,8 +94,8 @@ class _KvcachePlan:
         self.workspace_bytes = workspace_bytes
         self.device = device
 
-    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-            rotary_cos, rotary_sin, alibi_slopes, instance):
+    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, rotary_cos, rotary_sin, alibi_slopes, instance):
         out = q.new_empty(self.out_shape)
         lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         workspace = q.new_empty(self.workspace_bytes, dtype=torch.uint8) \
@@ -103,8 +103,8 @@ class _KvcachePlan:
         ptr = _pointer
         call = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), ptr(k), ptr(v),
                 out.data_ptr(), ptr(lse), cache_seqlens.data_ptr(), ptr(cache_batch_idx),
-                ptr(block_table), ptr(rotary_cos), ptr(rotary_sin), ptr(alibi_slopes),
-                ptr(workspace), torch._C._cuda_getCurrentRawStream(self.device), instance)
+                ptr(cache_leftpad), ptr(block_table), ptr(rotary_cos), ptr(rotary_sin),
+                ptr(alibi_slopes), ptr(workspace), torch._C._cuda_getCurrentRawStream(self.device), instance)
         if torch._C._cuda_getDevice() == self.device:
             failed = self.args.run(*call)
         else:
@@ -124,8 +124,8 @@ def _layout(t: torch.Tensor) -> tuple:
 
 
 def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
-              rotary_cos, rotary_sin, alibi_slopes, rotary_interleaved, causal, window_size,
-              softcap, softmax_scale, num_splits, return_lse, instance) -> Optional[tuple]:
+              cache_leftpad, rotary_cos, rotary_sin, alibi_slopes, rotary_interleaved, causal,
+              window_size, softcap, softmax_scale, num_splits, return_lse, instance) -> Optional[tuple]:
     """The signature of a call (and of the instance it names, whose workspace may differ from
     the dispatcher's choice's) whose tensors are plain tensors (or None) and whose options have
     their documented types exactly (a bool is no int here), so that two calls with one key pass
@@ -136,7 +136,8 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch
             or v_cache.__class__ is not torch.Tensor
             or cache_seqlens.__class__ is not torch.Tensor):
         return None
-    for t in (k, v, block_table, cache_batch_idx, rotary_cos, rotary_sin, alibi_slopes):
+    for t in (k, v, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
+              alibi_slopes):
         if t is not None and t.__class__ is not torch.Tensor:
             return None
     for flag in (rotary_interleaved, causal, return_lse):
@@ -152,6 +153,7 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch
             None if k is None else _layout(k), None if v is None else _layout(v),
             None if block_table is None else _layout(block_table),
             None if cache_batch_idx is None else _layout(cache_batch_idx),
+            None if cache_leftpad is None else _layout(cache_leftpad),
             None if rotary_cos is None else _layout(rotary_cos),
             None if rotary_sin is None else _layout(rotary_sin),
             None if alibi_slopes is None else _layout(alibi_slopes),
@@ -159,9 +161,9 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch
             return_lse, instance)
 
 
-def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                rotary_cos, rotary_sin, rotary_interleaved, causal, window_size, softcap,
-                alibi_slopes, softmax_scale, num_splits, return_lse):
+def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                block_table, rotary_cos, rotary_sin, rotary_interleaved, causal, window_size,
+                softcap, alibi_slopes, softmax_scale, num_splits, return_lse):
     """Every check of a call, then its KvcacheArgs (pointers left 0) and output shapes."""
     _check_tensor("q", q, 4)
     if q.dtype not in DTYPE_CODES:
@@ -203,6 +205,9 @@ def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block
         if cache_batch_idx is not None:
             _fail("cache_batch_idx selects rows of a contiguous cache; a paged cache is "
                   "addressed through block_table")
+        if cache_leftpad is not None:
+            _fail("cache_leftpad offsets the keys of a contiguous cache's rows; a paged cache "
+                  "takes none (as FlashAttention's)")
         _check_tensor("block_table", block_table, 2, torch.int32)
         if block_table.shape[0] != batch or block_table.shape[1] == 0:
             _fail(f"block_table must have shape (batch, pages_per_sequence) with batch {batch} "
@@ -215,6 +220,8 @@ def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block
         seqlen_cache = rows_cache
         if cache_batch_idx is not None:
             _check_index("cache_batch_idx", cache_batch_idx, (batch,))
+        if cache_leftpad is not None:
+            _check_index("cache_leftpad", cache_leftpad, (batch,))
         elif batch_cache < batch:
             _fail(f"the cache holds {batch_cache} sequences, q {batch}; pass cache_batch_idx "
                   "to map sequences to cache rows")
@@ -270,7 +277,8 @@ def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block
             _check_rows(name, t)
     check_devices(api=_API, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
                   cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-                  block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                  cache_leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos,
+                  rotary_sin=rotary_sin,
                   alibi_slopes=alibi_slopes)
 
     a = _C.KvcacheArgs()
@@ -318,7 +326,7 @@ _PLANS = _plans.PlanTable()
 
 
 def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
-                cache_batch_idx=None, rotary_cos=None, rotary_sin=None,
+                cache_batch_idx=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
                 rotary_interleaved=False, causal=False, window_size=(-1, -1), softcap=0.0,
                 alibi_slopes=None, softmax_scale=None, num_splits=0, return_lse=False,
                 instance=None):
@@ -331,8 +339,10 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
     by rotary_cos/rotary_sin, (seqlen_rotary, rotary_dim / 2), when given: k at its position,
     q at cache_seqlens + i under a mask, else at cache_seqlens). cache_seqlens: int32 (batch,)
     on the GPU, the keys cached before the call; sequence b attends to cache_seqlens[b] +
-    seqlen_new keys (never past the cache's end). causal and window_size align the query tokens
-    with the last keys (bottom-right). num_splits: key splits per sequence and K/V head, 0 to
+    seqlen_new keys (never past the cache's end), from key cache_leftpad[b] on when given
+    (int32 (batch,), contiguous caches: a left-padded batch; rotary positions stay the cache's
+    row indices). causal and window_size align the query tokens with the last keys
+    (bottom-right). num_splits: key splits per sequence and K/V head, 0 to
     choose from the shapes and the GPU. Returns out (batch, seqlen_q, nheads, headdim), and
     with return_lse the log-sum-exp (batch, nheads, seqlen_q) in fp32.
 
@@ -344,12 +354,13 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
     """
     check_instance(instance, _API)
     key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
-                    rotary_cos, rotary_sin, alibi_slopes, rotary_interleaved, causal,
+                    cache_leftpad, rotary_cos, rotary_sin, alibi_slopes, rotary_interleaved, causal,
                     window_size, softcap, softmax_scale, num_splits, return_lse, instance)
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         args, out_shape, lse_shape = _build_args(
-            q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos,
+            q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+            rotary_cos,
             rotary_sin, rotary_interleaved, causal, window_size, softcap, alibi_slopes,
             softmax_scale, num_splits, return_lse)
         check_alignment(_API, q=q, k_cache=k_cache, v_cache=v_cache,
@@ -359,20 +370,22 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
             # The workspace's size depends on the instance (its tile) and on which optional
             # operands the call has; run() sets every pointer from the call's tensors.
             _mark_present(args, k_new=k, v_new=v, block_table=block_table,
-                          rotary_cos=rotary_cos, alibi_slopes=alibi_slopes)
+                          cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
+                          alibi_slopes=alibi_slopes)
             code, message, workspace_bytes = _C.kvcache_workspace_size(args, instance)
             _raise_for(code, message)
         args.workspace_bytes = workspace_bytes
         plan = _KvcachePlan(args, out_shape, lse_shape, workspace_bytes, device)
         if key is not None:
             _PLANS.put(key, plan)
-    out, lse = plan.run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                        rotary_cos, rotary_sin, alibi_slopes, instance)
+    out, lse = plan.run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                        block_table, rotary_cos, rotary_sin, alibi_slopes, instance)
     return (out, lse) if return_lse else out
 
 
 def _described(q, k_cache, v_cache, k, v, cache_seqlens, options: dict):
-    defaults = dict(block_table=None, cache_batch_idx=None, rotary_cos=None, rotary_sin=None,
+    defaults = dict(block_table=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
+                    rotary_sin=None,
                     rotary_interleaved=False, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, softmax_scale=None, num_splits=0, return_lse=False)
     unknown = set(options) - set(defaults)
@@ -380,12 +393,13 @@ def _described(q, k_cache, v_cache, k, v, cache_seqlens, options: dict):
         raise TypeError(f"fmha.{_API}: unexpected options {sorted(unknown)}")
     o = {**defaults, **options}
     args, _, _ = _build_args(q, k_cache, v_cache, k, v, cache_seqlens, o["cache_batch_idx"],
-                             o["block_table"], o["rotary_cos"], o["rotary_sin"],
+                             o["cache_leftpad"], o["block_table"], o["rotary_cos"], o["rotary_sin"],
                              o["rotary_interleaved"], o["causal"], o["window_size"],
                              o["softcap"], o["alibi_slopes"], o["softmax_scale"],
                              o["num_splits"], o["return_lse"])
     _mark_present(args, k_new=k, v_new=v, block_table=o["block_table"],
-                  rotary_cos=o["rotary_cos"], alibi_slopes=o["alibi_slopes"])
+                  cache_leftpad=o["cache_leftpad"], rotary_cos=o["rotary_cos"],
+                  alibi_slopes=o["alibi_slopes"])
     return args
 
 

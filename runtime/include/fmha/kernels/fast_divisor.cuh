@@ -18,7 +18,8 @@ struct FastDivisor {
   FastDivisor() = default;
   explicit FastDivisor(int d) : divisor(d) {
     while ((int64_t{1} << shift) < d) ++shift;
-    multiplier = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1);
+    const uint64_t excess = (uint64_t{1} << shift) - static_cast<uint64_t>(d);
+    multiplier = static_cast<uint32_t>((excess << 32) / static_cast<uint64_t>(d) + 1);
   }
 
   // n / divisor for 0 <= n < 2^31 (the sum below stays under 2^32).

@@ -112,6 +112,7 @@ struct KvcacheParams {
 
   const int32_t* cache_seqlens;
   const int32_t* cache_batch_idx;
+  const int32_t* cache_leftpad;
   const int32_t* block_table;
   int64_t block_table_batch_stride;
   int page_size;
@@ -318,20 +319,22 @@ struct PageSlots {
 };
 
 // Copies key rows [n_block * kBlockN, + kBlockN) of one cache into a ring stage: the rows of
-// cache row `cache_index` when contiguous, of the pages whose table entries `entries` holds
-// when paged. Rows past `keys` are zero-filled (masked anyway, and zero V rows keep 0 * garbage
-// from becoming NaN).
+// cache row `cache_index` from row `key_begin` on when contiguous, of the pages whose table
+// entries `entries` holds when paged. Rows past `keys` are zero-filled (masked anyway, and
+// zero V rows keep 0 * garbage from becoming NaN).
 template <class Cfg, class Tile>
 __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
                                                 const typename Cfg::Element* cache,
                                                 const int32_t* entries, const FastDivisor& pages,
                                                 int64_t batch_stride, int64_t seq_stride,
-                                                int64_t head_stride, int cache_index, int head,
-                                                int n_block, int keys) {
+                                                int64_t head_stride, int cache_index,
+                                                int key_begin, int head, int n_block, int keys) {
   using Copies = TileCopies<Cfg>;
   using Element = typename Cfg::Element;
-  const auto* head_cache =
-      cache + head * head_stride + (Cfg::kPaged ? 0 : cache_index * batch_stride);
+  // Contiguous: key 0 is row key_begin of cache row cache_index (paged caches have neither).
+  const int64_t sequence_offset =
+      Cfg::kPaged ? 0 : cache_index * batch_stride + static_cast<int64_t>(key_begin) * seq_stride;
+  const auto* head_cache = cache + head * head_stride + sequence_offset;
   const int key0 = n_block * Cfg::kBlockN;
   const int first_page = Cfg::kPaged ? pages.quotient(key0) : 0;  // entries[0]'s page index
   // Where key `key` of this head starts (a valid key's page is in `entries`).
@@ -399,7 +402,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   const int rows_here = min(kBlockM, p.rows - row0);
   const int first_token = row0 / p.group;
   const int last_token = (row0 + rows_here - 1) / p.group;
-  const int keys = attended_keys(p, batch);
+  // The sequence's keys, counted from key_begin: a left-padded row's start (cache_leftpad),
+  // clamped to the keys there are. Masks and ALiBi read key distances, which the shift keeps.
+  const int keys_end = attended_keys(p, batch);
+  const int key_begin =
+      p.cache_leftpad != nullptr ? min(max(p.cache_leftpad[batch], 0), keys_end) : 0;
+  const int keys = keys_end - key_begin;
   const Mask mask(p.seqlen_q, keys, /*bottom_right=*/true, p.window_left, p.window_right);
 
   // This split's share of the key tiles the rows see: an even split of this sequence's own
@@ -447,10 +455,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
     const int32_t* entries = pages.entries(n_block);
     load_cache_tile<Cfg, KTile>(s_k + stage * KTile::kBytes, k_cache, entries, p.page_divisor,
                                 p.kc_batch_stride, p.kc_seq_stride, p.kc_head_stride, cache_index,
-                                kv_head, n_block, keys);
+                                key_begin, kv_head, n_block, keys);
     load_cache_tile<Cfg, VTile>(s_v + stage * VTile::kBytes, v_cache, entries, p.page_divisor,
                                 p.vc_batch_stride, p.vc_seq_stride, p.vc_head_stride, cache_index,
-                                kv_head, n_block, keys);
+                                key_begin, kv_head, n_block, keys);
   };
   // Prologue: kStages - 1 tiles in flight (Q joins the first group), each group carrying the
   // block-table entries of the tile kStages - 1 after it (PageSlots). The first tiles' entries
@@ -918,6 +926,7 @@ inline KvcacheParams kvcache_params(const KvcacheArgs& a) {
   p.lse_head_stride = a.lse_head_stride;
   p.cache_seqlens = a.cache_seqlens;
   p.cache_batch_idx = a.cache_batch_idx;
+  p.cache_leftpad = a.cache_leftpad;
   p.block_table = a.block_table;
   p.block_table_batch_stride = a.block_table_batch_stride;
   p.page_size = a.page_size;

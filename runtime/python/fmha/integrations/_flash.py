@@ -85,17 +85,32 @@ def window_size(sliding_window: Optional[int], causal: bool, seqlen_k: int) -> t
     return sliding_window - 1, 0 if causal else sliding_window - 1
 
 
-def _decodes(q, k, v, padding_mask, cu_seqlens_q, dropout_p) -> bool:
-    """Whether flash_attention runs this call on fmha.fwd_kvcache (DECODE_MAX_QUERIES): no
-    padding or packing, no dropout, one head dim, nothing that needs a backward, and not under
-    torch.compile (fwd_kvcache is no torch.library op yet; fmha.fwd is)."""
+def _decodes(q, k, v, cu_seqlens_q, dropout_p) -> bool:
+    """Whether flash_attention may run this call on fmha.fwd_kvcache (DECODE_MAX_QUERIES): no
+    packing, no dropout, one head dim, nothing that needs a backward, and not under
+    torch.compile (fwd_kvcache is no torch.library op yet; fmha.fwd is). A padding mask must
+    also be left padding (_left_padding)."""
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     return (not torch.compiler.is_compiling()
-            and padding_mask is None and cu_seqlens_q is None and dropout_p == 0.0
+            and cu_seqlens_q is None and dropout_p == 0.0
             and seqlen_q <= DECODE_MAX_QUERIES and seqlen_q < seqlen_k
             and q.shape[-1] == v.shape[-1]
             and not (torch.is_grad_enabled()
                      and (q.requires_grad or k.requires_grad or v.requires_grad)))
+
+
+def _left_padding(padding_mask: torch.Tensor, seqlen_q: int) -> Optional[torch.Tensor]:
+    """Each row's count of padding slots (int32, fwd_kvcache's cache_leftpad) where every row is
+    padding, then tokens to its end, at least seqlen_q of them (the queries are tokens); else
+    None. generate() pads on the left, so its decode steps qualify. Reads one bool back to the
+    host, as the group-mode path's pack_padding_mask reads a length."""
+    keys = padding_mask.shape[1]
+    tokens = padding_mask.sum(dim=-1, dtype=torch.int32)
+    first = padding_mask.int().argmax(dim=-1)  # the first token's slot (0 in a row of none)
+    pads = keys - tokens
+    if not bool(((first == pads) & (tokens >= seqlen_q)).all()):
+        return None
+    return pads
 
 
 @functools.lru_cache(maxsize=1)
@@ -135,17 +150,19 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         window_size=window_size(sliding_window, causal, k.shape[1]))
     q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
 
-    if _decodes(q, k, v, padding_mask, cu_seqlens_q, dropout_p):
+    if _decodes(q, k, v, cu_seqlens_q, dropout_p):
         # k and v are the whole cache (the step's tokens appended by the caller): attend to all
-        # of it, the queries aligned with its last keys.
-        try:
-            out = fmha.fwd_kvcache(
-                q, k, v, cache_seqlens=_cache_lengths(batch, k.shape[1], q.device),
-                causal=causal, window_size=options["window_size"], softcap=softcap,
-                softmax_scale=options["softmax_scale"])
-            return out[..., :head_dim_v] if out.shape[-1] != head_dim_v else out
-        except fmha.MissingInstanceError:  # a build without this kvcache instance
-            pass
+        # of it from each row's first token on, the queries aligned with its last keys.
+        leftpad = None if padding_mask is None else _left_padding(padding_mask, seqlen_q)
+        if padding_mask is None or leftpad is not None:
+            try:
+                out = fmha.fwd_kvcache(
+                    q, k, v, cache_seqlens=_cache_lengths(batch, k.shape[1], q.device),
+                    cache_leftpad=leftpad, causal=causal, window_size=options["window_size"],
+                    softcap=softcap, softmax_scale=options["softmax_scale"])
+                return out[..., :head_dim_v] if out.shape[-1] != head_dim_v else out
+            except fmha.MissingInstanceError:  # a build without this kvcache instance
+                pass
     if padding_mask is not None:
         keys = pack_padding_mask(padding_mask)
         if seqlen_q == k.shape[1]:

@@ -10,15 +10,17 @@ register() adds attention_forward to transformers' AttentionInterface and paddin
 AttentionMaskInterface, the pair transformers' flash_attention_2 has: the model's mask
 functions build only the 2D padding mask of the keys (None when nothing is padded), and
 attention_forward packs the tokens it keeps into fmha.fwd's group (varlen) mode, with the
-causal mask aligned bottom-right per sequence, so a left-padded batch, a prefill and the
-decode steps of generate() (one query against the KV cache) all run one fmha.fwd call per
-layer. What the attention module asks for is passed on: its scaling, sliding window,
-soft-capping, MQA/GQA (K/V with fewer heads) and, in training, dropout (fmha.fwd's, whose
-backward autograd runs). Head dims that are not multiples of 8 are zero-padded here. Sequences
-packed into one row (padding-free training) are told apart as flash_attention_2 does: by the
-cu_seq_lens_q/cu_seq_lens_k and max_length_q/max_length_k arguments, or by position ids that
-restart. A problem no compiled instance serves (a sliding window, soft-capping or dropout in a
-build without them) raises fmha.MissingInstanceError naming the filter that builds one.
+causal mask aligned bottom-right per sequence, so a left-padded batch's prefill runs one
+fmha.fwd call per layer; the decode steps of generate() (up to 16 query tokens against the KV
+cache) run fmha.fwd_kvcache on the cache as transformers holds it, a left-padded row's keys
+counted from its first token (cache_leftpad). What the attention module asks for is passed
+on: its scaling, sliding window, soft-capping, MQA/GQA (K/V with fewer heads) and, in
+training, dropout (fmha.fwd's, whose backward autograd runs). Head dims that are not
+multiples of 8 are zero-padded here. Sequences packed into one row (padding-free training)
+are told apart as flash_attention_2 does: by the cu_seq_lens_q/cu_seq_lens_k and
+max_length_q/max_length_k arguments, or by position ids that restart. A problem no compiled
+instance serves (a sliding window, soft-capping or dropout in a build without them) raises
+fmha.MissingInstanceError naming the filter that builds one.
 
 Written against transformers 5.24 and run on 5.17; needs 4.53 or newer, which added
 AttentionMaskInterface (register() raises ImportError saying so on an older one).
