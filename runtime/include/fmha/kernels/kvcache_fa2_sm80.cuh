@@ -321,8 +321,10 @@ struct PageSlots {
 // Copies key rows [n_block * kBlockN, + kBlockN) of one cache into a ring stage: the rows of
 // cache row `cache_index` from row `key_begin` on when contiguous, of the pages whose table
 // entries `entries` holds when paged. Rows past `keys` are zero-filled (masked anyway, and
-// zero V rows keep 0 * garbage from becoming NaN).
-template <class Cfg, class Tile>
+// zero V rows keep 0 * garbage from becoming NaN). kRunsInPage: the page size is a multiple of
+// a thread's run (TileCopies), so each run is walked by one pointer; a contiguous cache is one
+// page.
+template <class Cfg, class Tile, bool kRunsInPage>
 __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
                                                 const typename Cfg::Element* cache,
                                                 const int32_t* entries, const FastDivisor& pages,
@@ -353,9 +355,9 @@ __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
     sm80::cp_async_16(smem_tile + Tile::offset(Copies::row(i), Copies::chunk(i)),
                       valid ? src : cache, valid ? 16 : 0);
   };
-  // A run in one page (always when contiguous) is walked by one pointer; a 64-bit product per
-  // row, which the compiler hoists out of the key loop, took d128 from 156 to 220 registers.
-  if (Copies::kRuns && (!Cfg::kPaged || pages.divisor % Copies::kCount == 0)) {
+  // A run in one page is walked by one pointer; a 64-bit product per row, which the compiler
+  // hoists out of the key loop, took d128 from 156 to 220 registers.
+  if constexpr (Copies::kRuns && (!Cfg::kPaged || kRunsInPage)) {
     const auto* walk = row_start(key0 + Copies::row(0)) + Copies::chunk(0) * 8;
 #pragma unroll
     for (int i = 0; i < Copies::kCount; ++i) {
@@ -370,8 +372,10 @@ __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
   }
 }
 
-// Grid: (m_blocks * num_splits, nhead_k, batch).
-template <class Cfg>
+// Grid: (m_blocks * num_splits, nhead_k, batch). kRunsInPage as load_cache_tile's: a kernel of
+// its own, as the paged kernel that decided it per tile ran 20% more instructions than the
+// contiguous one at batch 1 x 8k keys (docs/perf-notes.md v17).
+template <class Cfg, bool kRunsInPage>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_kernel(const __grid_constant__ KvcacheParams p) {
   using Element = typename Cfg::Element;
   using QTile = typename Cfg::QTile;
@@ -453,12 +457,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   };
   auto load_kv = [&](int n_block, int stage) {
     const int32_t* entries = pages.entries(n_block);
-    load_cache_tile<Cfg, KTile>(s_k + stage * KTile::kBytes, k_cache, entries, p.page_divisor,
-                                p.kc_batch_stride, p.kc_seq_stride, p.kc_head_stride, cache_index,
-                                key_begin, kv_head, n_block, keys);
-    load_cache_tile<Cfg, VTile>(s_v + stage * VTile::kBytes, v_cache, entries, p.page_divisor,
-                                p.vc_batch_stride, p.vc_seq_stride, p.vc_head_stride, cache_index,
-                                key_begin, kv_head, n_block, keys);
+    load_cache_tile<Cfg, KTile, kRunsInPage>(
+        s_k + stage * KTile::kBytes, k_cache, entries, p.page_divisor, p.kc_batch_stride,
+        p.kc_seq_stride, p.kc_head_stride, cache_index, key_begin, kv_head, n_block, keys);
+    load_cache_tile<Cfg, VTile, kRunsInPage>(
+        s_v + stage * VTile::kBytes, v_cache, entries, p.page_divisor, p.vc_batch_stride,
+        p.vc_seq_stride, p.vc_head_stride, cache_index, key_begin, kv_head, n_block, keys);
   };
   // Prologue: kStages - 1 tiles in flight (Q joins the first group), each group carrying the
   // block-table entries of the tile kStages - 1 after it (PageSlots). The first tiles' entries
@@ -828,14 +832,25 @@ __global__ void __launch_bounds__(128) kvcache_combine_kernel(const __grid_const
 // ---- host --------------------------------------------------------------------------------
 
 // Past 48 KB a kernel must opt in to dynamic shared memory, once per device.
-template <class Cfg>
+template <class Cfg, bool kRunsInPage>
 cudaError_t allow_kvcache_smem() {
   if constexpr (Cfg::kSmemBytes > 48 * 1024) {
     static std::atomic<uint64_t> smem_raised{0};
-    return allow_dynamic_smem(reinterpret_cast<const void*>(kvcache_kernel<Cfg>),
+    return allow_dynamic_smem(reinterpret_cast<const void*>(kvcache_kernel<Cfg, kRunsInPage>),
                               Cfg::kSmemBytes, smem_raised);
   }
   return cudaSuccess;
+}
+
+// The attention kernel: the one whose runs lie in a page where they do (every contiguous call),
+// else the one that looks each row's page up (page sizes that are no multiple of a run).
+template <class Cfg, bool kRunsInPage>
+cudaError_t launch_attention(const KvcacheParams& p, dim3 grid, cudaStream_t stream) {
+  if (const cudaError_t err = allow_kvcache_smem<Cfg, kRunsInPage>(); err != cudaSuccess) {
+    return err;
+  }
+  return launch_dependent<kvcache_kernel<Cfg, kRunsInPage>>(grid, Cfg::kThreads,
+                                                            Cfg::kSmemBytes, stream, p);
 }
 
 // Splits per (sequence, K/V head, row block): args.num_splits when given, else as many as put
@@ -989,10 +1004,15 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   if (a.rotary_dim > 0) p.q_rotated = workspace;
   if (const cudaError_t err = launch_append<Cfg>(p, stream); err != cudaSuccess) return err;
 
-  if (const cudaError_t err = allow_kvcache_smem<Cfg>(); err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(p.m_blocks * p.num_splits), a.nhead_k, a.batch);
-  const cudaError_t err =
-      launch_dependent<kvcache_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
+  cudaError_t err = cudaSuccess;
+  if constexpr (Cfg::kPaged && TileCopies<Cfg>::kRuns) {
+    const bool runs_in_page = a.page_size % TileCopies<Cfg>::kCount == 0;
+    err = runs_in_page ? launch_attention<Cfg, true>(p, grid, stream)
+                       : launch_attention<Cfg, false>(p, grid, stream);
+  } else {
+    err = launch_attention<Cfg, true>(p, grid, stream);
+  }
   if (err != cudaSuccess || p.num_splits == 1) return err;
 
   const auto combine_ctas = static_cast<unsigned>((static_cast<int64_t>(rows) + 3) / 4);
