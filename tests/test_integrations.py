@@ -187,16 +187,42 @@ def test_window_size_counts_the_query_in_the_window(sliding_window, causal, seql
 # ---- flash_attention: one kernel call per padded batch --------------------------------------
 
 
-@pytest.mark.parametrize("seqlen_q", [7, 3, 1], ids=["prefill", "chunk", "decode"])
-def test_padding_mask_runs_group_mode_aligned_bottom_right(kernels, seqlen_q):
+def holed(mask):
+    """The mask with row 0's fifth key made padding: no longer left padding."""
+    mask = mask.clone()
+    mask[0, 4] = False
+    return mask
+
+
+@pytest.mark.parametrize("seqlen_q,mask", [
+    (7, left_padded([7, 4, 6], 7)),  # a prefill
+    (3, holed(left_padded([7, 4, 6], 7))),  # a chunk against keys with a hole
+    (3, left_padded([7, 2, 6], 7)),  # a row with fewer tokens than queries
+], ids=["prefill", "holed", "short-row"])
+def test_padding_mask_runs_group_mode_aligned_bottom_right(kernels, seqlen_q, mask):
+    q, k, v = qkv(seqlen_q=seqlen_q)
+    out = _flash.flash_attention(q, k, v, causal=True, softmax_scale=0.3, padding_mask=mask)
+    expected = expected_rows(q, k, v, mask, scale=0.3)
+    torch.testing.assert_close(out, expected, rtol=0, atol=ATOL)
+    (call,) = kernels
+    lengths = mask.sum(dim=-1)
+    assert call["k"].shape[0] == lengths.sum() and "kvcache" not in call
+    assert call["cu_seqlens_k"].tolist() == [0, *lengths.cumsum(0).tolist()]
+    assert call["mask_align"] == "bottom_right"
+
+
+@pytest.mark.parametrize("seqlen_q", [3, 1], ids=["chunk", "decode"])
+def test_left_padded_decode_runs_the_kvcache_kernel_from_each_rows_first_token(kernels,
+                                                                              seqlen_q):
+    # generate()'s steps: each row padding, then at least its queries' tokens.
     q, k, v = qkv(seqlen_q=seqlen_q)
     mask = left_padded([7, 4, 6], 7)
     out = _flash.flash_attention(q, k, v, causal=True, softmax_scale=0.3, padding_mask=mask)
     expected = expected_rows(q, k, v, mask, scale=0.3)
     torch.testing.assert_close(out, expected, rtol=0, atol=ATOL)
     (call,) = kernels
-    assert call["k"].shape[0] == 17 and call["cu_seqlens_k"].tolist() == [0, 7, 11, 17]
-    assert call["mask_align"] == "bottom_right"
+    assert call["kvcache"] and call["cache_seqlens"].tolist() == [7, 7, 7]
+    assert call["cache_leftpad"].tolist() == [0, 3, 1]
 
 
 def test_padding_rows_of_a_prefill_are_zero(kernels):
