@@ -88,11 +88,12 @@ def assign_tiles(points: tuple[MatrixPoint, ...], op_config: OperationConfig,
     launch would fail.
 
     Points differ in many axes a tile does not depend on, so the entry is looked up once per
-    (pipeline, arch, hdim_q, hdim_v)."""
+    (pipeline, arch, hdim_q, hdim_v, and paged where the operation has it)."""
     instances = []
     used: dict[tuple, TileEntry] = {}
     for point in points:
-        key = (point.pipeline, point.arch, point.traits.hdim_q, point.traits.hdim_v)
+        key = (point.pipeline, point.arch, point.traits.hdim_q, point.traits.hdim_v,
+               getattr(point.traits, "paged", None))
         if key not in used:
             used[key] = _tile_entry(point, op_config, config)
         instances.append(Instance(point, used[key].tile))
@@ -114,6 +115,8 @@ def _tile_entry(point: MatrixPoint, op_config: OperationConfig, config: Config) 
     entries = [entry for entry in op_config.tiles if entry.matches(point)]
     key = (f"pipeline={point.pipeline.token}, arch={point.arch.token}, "
            f"hdim_q={point.traits.hdim_q}, hdim_v={point.traits.hdim_v}")
+    if hasattr(point.traits, "paged"):
+        key += f", paged={str(point.traits.paged).lower()}"
     label = f"{op_config.label}.tiles"
     if not entries:
         raise config.error(op_config.lines["tiles"], f"{label}: no entry matches {key}; add one")

@@ -57,7 +57,8 @@ class Matrix:
 @dataclass(frozen=True)
 class TileEntry:
     """One row of an operation's `tiles:`: the tile of every point with its pipeline and head
-    dims, on its arch or, when arch is not given, on every arch."""
+    dims, on its arch or, when arch is not given, on every arch; for an operation with the
+    `paged` axis (kvcache), of its paged or contiguous points when `paged` is given."""
 
     label: str  # its place in the file, operations.fwd.tiles[i], for messages
     pipeline: Pipeline
@@ -66,10 +67,12 @@ class TileEntry:
     tile: Tile
     why: str
     line: int
+    paged: bool | None = None
 
     def matches(self, point: MatrixPoint) -> bool:
         return (point.pipeline == self.pipeline
                 and (self.arch is None or point.arch == self.arch)
+                and (self.paged is None or point.traits.paged == self.paged)
                 and (point.traits.hdim_q, point.traits.hdim_v) == self.hdim)
 
 
@@ -292,7 +295,8 @@ class _Reader:
         return Matrix(axes)
 
     def tile(self, op: Operation, data, label: str, line: int) -> TileEntry:
-        fields = self.mapping(data, label, line, optional=("arch",),
+        selectors = ("arch", "paged") if "paged" in op.traits.axes() else ("arch",)
+        fields = self.mapping(data, label, line, optional=selectors,
                               required=(*_TILE_MATCH_KEYS, *_TILE_SHAPE_KEYS, "why"))
 
         def field(key: str, read):
@@ -303,6 +307,7 @@ class _Reader:
 
         pipeline = axis("pipeline")
         arch = axis("arch") if "arch" in fields else None
+        paged = axis("paged") if "paged" in fields else None
         hdim = (axis("hdim_q"), axis("hdim_v"))
         tile = Tile(**{key: field(key, self.positive_int) for key in _TILE_SHAPE_KEYS})
         for constraint in op.kernel(pipeline).tile_constraints:
@@ -311,7 +316,7 @@ class _Reader:
                                        f"{constraint.reason}; got block_m={tile.block_m}, "
                                        f"block_n={tile.block_n}, warps={tile.warps}, "
                                        f"stages={tile.stages}, hdim_q={hdim[0]}, hdim_v={hdim[1]}")
-        return TileEntry(label, pipeline, arch, hdim, tile, field("why", self.text), line)
+        return TileEntry(label, pipeline, arch, hdim, tile, field("why", self.text), line, paged)
 
     def rule(self, data, label: str, line: int, ops: list[Operation],
              shared: bool = False) -> Rule:

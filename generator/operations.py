@@ -440,9 +440,11 @@ _KVCACHE_FA2_CONSTRAINTS = (
 
 
 def _kvcache_fa2_smem_bytes(tile, hdim: tuple[int, int]) -> int:
-    """KvcacheConfig::kSmemBytes: the Q tile and one K and one V tile per stage, of 2-byte
-    elements."""
-    return 2 * (tile.block_m * hdim[0] + tile.stages * tile.block_n * (hdim[0] + hdim[1]))
+    """KvcacheConfig::kSmemBytes of a paged instance: the Q tile and one K and one V tile per
+    stage, of 2-byte elements, and the block-table entries of stages + 1 key tiles (int32; a
+    contiguous instance has none)."""
+    return (2 * (tile.block_m * hdim[0] + tile.stages * tile.block_n * (hdim[0] + hdim[1]))
+            + 4 * (tile.stages + 1) * tile.block_n)
 
 
 KVCACHE = Operation(
@@ -462,8 +464,8 @@ KVCACHE = Operation(
                config_template="fmha::fa2::KvcacheConfig", launcher="fmha::fa2::launch_kvcache",
                tile_constraints=_KVCACHE_FA2_CONSTRAINTS,
                shared_memory=SharedMemory(
-                   "2 * (block_m * hdim_q + stages * block_n * (hdim_q + hdim_v))",
-                   _kvcache_fa2_smem_bytes),
+                   "2 * (block_m * hdim_q + stages * block_n * (hdim_q + hdim_v)) + "
+                   "4 * (stages + 1) * block_n", _kvcache_fa2_smem_bytes),
                uses_cutlass=False, workspace="fmha::fa2::kvcache_workspace_bytes"),
     ),
     template="kvcache_instance.cu.j2",

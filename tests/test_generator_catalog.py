@@ -584,9 +584,14 @@ def test_repository_kvcache_matrix():
     assert {i.point.traits.bias.token for i in decode} == {"none", "alibi"}
     for instance in decode:
         point = instance.point
-        # Three stages but where they would pass A100's shared memory (d256: 200 KB).
+        # Three stages but where they would pass A100's shared memory (d256: 200 KB); paged d128
+        # on sm90a in 8 warps on 128-key tiles.
         a100_d256 = point.arch.token == "sm80" and point.traits.hdim_q == 256
-        assert instance.tile == Tile(16, 64, 4, 2 if a100_d256 else 3)
+        paged_d128_sm90a = (point.arch.token == "sm90a" and point.traits.paged
+                            and point.traits.hdim_q == 128)
+        expected = (Tile(16, 128, 8, 3) if paged_d128_sm90a
+                    else Tile(16, 64, 4, 2 if a100_d256 else 3))
+        assert instance.tile == expected
     forward_tiles = {i.point.traits.hdim_q: i.tile for i in catalog.of(OPERATION.get("fwd"))
                      if i.point.pipeline.token == "fa3"}
     for instance in prefill:
@@ -624,6 +629,36 @@ def test_kvcache_operation_of_the_base_config(build):
     assert names(catalog)[64] == "kvcache_bf16_d128_causal_fa2_sm90a_m16n128_pad"
 
 
+D128_TILE = ("  - {pipeline: fa2, hdim_q: 128, hdim_v: 128, block_m: 16, block_n: 128, warps: 4, "
+             "stages: 2, why: kvcache d128}")
+
+
+def test_kvcache_tiles_may_differ_for_paged_caches(build):
+    # `paged` selects a kvcache tile entry's points: here d128's paged instances take 8 warps.
+    paged_tile = ("  - {pipeline: fa2, paged: true, hdim_q: 128, hdim_v: 128, block_m: 16, "
+                  "block_n: 128, warps: 8, stages: 2, why: kvcache d128 paged}\n"
+                  "  - {pipeline: fa2, paged: false, hdim_q: 128, hdim_v: 128, block_m: 16, "
+                  "block_n: 128, warps: 4, stages: 2, why: kvcache d128}")
+    _, catalog = build(BWD_OPERATION, KVCACHE_OPERATION, (D128_TILE, paged_tile))
+    d128 = [i for i in catalog.of(OPERATION.get("kvcache")) if i.point.traits.hdim_q == 128]
+    assert {(i.point.traits.paged, i.tile.warps) for i in d128} == {(True, 8), (False, 4)}
+
+
+def test_a_tile_entry_both_with_and_without_paged_is_an_error(config_error, line_of):
+    paged_tile = ("  - {pipeline: fa2, paged: true, hdim_q: 128, hdim_v: 128, block_m: 16, "
+                  "block_n: 128, warps: 8, stages: 2, why: kvcache d128 paged}")
+    error, text = config_error(BWD_OPERATION, KVCACHE_OPERATION,
+                               (D128_TILE, D128_TILE + "\n" + paged_tile))
+    assert error.line == line_of(text, "why: kvcache d128 paged")
+    assert error.message.endswith("both match pipeline=fa2, arch=sm80, hdim_q=128, hdim_v=128, "
+                                  "paged=true; each instance needs exactly one")
+
+
+def test_paged_selects_no_tile_of_an_operation_without_it(config_error, line_of):
+    error, _ = config_error(("pipeline: fa2, hdim_q: 64", "pipeline: fa2, paged: true, hdim_q: 64"))
+    assert "paged" in error.message
+
+
 @pytest.mark.parametrize("old, new, reason", [
     ("block_m: 16, block_n: 64", "block_m: 32, block_n: 64", "block_m == 16"),
     ("block_n: 64, warps: 4", "block_n: 48, warps: 4", "block_n % (16 * warps) == 0"),
@@ -640,16 +675,18 @@ def test_kvcache_tile_violating_a_constraint_is_an_error(config_error, line_of, 
 
 
 def test_kvcache_shared_memory_matches_the_kernels_formula(config_error, line_of):
-    # KvcacheConfig::kSmemBytes: Q, and K and V per stage. The repository's d256 tile: 139264
-    # bytes, within A100's 163 KB.
+    # KvcacheConfig::kSmemBytes of a paged instance: Q, K and V per stage, and the table
+    # entries of stages + 1 key tiles. The repository's d256 sm80 tile: 139264 + 768 bytes,
+    # within A100's 163 KB.
     kernel = operation_of(build_catalog(load(DEFAULT_CONFIG)).of(OPERATION.get("kvcache"))[0]
                           ).kernel(PIPELINE.get("fa2"))
-    assert kernel.shared_memory.bytes(Tile(16, 64, 4, 2), (256, 256)) == 139264
-    # d128 with 256-key steps in three stages: 2 * (16 * 128 + 3 * 256 * 256) = 397312 bytes.
+    assert kernel.shared_memory.bytes(Tile(16, 64, 4, 2), (256, 256)) == 139264 + 768
+    # d128 with 256-key steps in three stages: 2 * (16 * 128 + 3 * 256 * 256) + 4 * 4 * 256 =
+    # 401408 bytes.
     error, text = config_error(KVCACHE_OPERATION, ("block_n: 128, warps: 4, stages: 2",
                                                    "block_n: 256, warps: 4, stages: 3"))
     assert error.line == line_of(text, "why: kvcache d128")
     assert error.message == (
-        "operations.kvcache.tiles[1]: the tile needs 397312 bytes of shared memory (2 * "
-        "(block_m * hdim_q + stages * block_n * (hdim_q + hdim_v))), more than the 166912 a CTA "
-        "may use on sm80")
+        "operations.kvcache.tiles[1]: the tile needs 401408 bytes of shared memory (2 * "
+        "(block_m * hdim_q + stages * block_n * (hdim_q + hdim_v)) + 4 * (stages + 1) * "
+        "block_n), more than the 166912 a CTA may use on sm80")

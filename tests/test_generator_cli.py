@@ -486,8 +486,8 @@ def test_list_and_json_of_kvcache_instances(run_cli):
                      "--targets", "sm90a")
     assert result.stdout.split() == ["kvcache_bf16_d128_causal_fa3_sm90a_m128n128_pad",
                                      "kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
-                                     "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad",
-                                     "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad"]
+                                     "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad",
+                                     "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad"]
     records = json.loads(run_cli("--json", "--preset", "all", "--filter",
                                  "kvcache,fp16,hdim256,window,alibi,paged,softcap").stdout)
     assert [r["name"] for r in records] == [
@@ -503,12 +503,12 @@ def test_explain_kvcache_hit(run_cli):
     assert result.stdout.splitlines() == [
         "problem: op=kvcache,dtype=bf16,hdim=128x128,mask=causal,bias=none,paged=true,"
         "softcap=false,seqlen_q=1,seqlen_k=4000,seqused=false,arch=90",
-        "chosen:  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
+        "chosen:  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad",
         "why:     2 of the 180 selected kvcache instances serve it; it goes ahead of the runner-up "
         "kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad by rule 1 of the dispatch order, "
         "higher compute capability first: sm90a (cc 90) against sm80 (cc 80)",
         "serving, in dispatch order:",
-        "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
+        "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad",
         "  kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad"]
 
 
@@ -521,11 +521,11 @@ def test_explain_kvcache_chunk_runs_the_prefill_instance(run_cli):
     assert result.stdout.splitlines()[1:] == [
         "chosen:  kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
         "why:     3 of the 180 selected kvcache instances serve it; it goes ahead of the runner-up "
-        "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad by rule 3 of the dispatch order, "
+        "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad by rule 3 of the dispatch order, "
         "newer pipeline first: pipeline fa3 against pipeline fa2",
         "serving, in dispatch order:",
         "  kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
-        "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
+        "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad",
         "  kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad"]
 
 

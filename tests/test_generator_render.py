@@ -911,7 +911,7 @@ def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
         "KV-cache problem: dtype=fp16 hdim_q=128 hdim_v=128 mask=none bias=none paged=true "
         "softcap=false; seqlen_q=1 seqlen_new=0 seqlen_cache=256 (the cache lengths are on the "
         "device); this GPU is sm90.\n"
-        "Runs kvcache_fp16_d128_paged_fa2_sm90a_m16n64_pad (fa2, sm90a, tile 16x64, head dims "
+        "Runs kvcache_fp16_d128_paged_fa2_sm90a_m16n128_pad (fa2, sm90a, tile 16x128, head dims "
         "128x128, pad_seqlen=true, pad_hdim=false).\n")
     assert ("  kvcache_fp16_d128_paged_fa2_sm80_m16n64_pad: sm90a before sm80: code for the newest "
             "architecture the GPU runs\n") in hit
