@@ -502,7 +502,8 @@ def main_decode(args):
                             DTYPES[dt], head_dims(d)[0], group * args.kv_heads, args.kv_heads,
                             batch, cache_len, args))
                         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    host = decode.host_costs(DTYPES[args.dtypes[0]], args)
+    host_hdim = head_dims(args.hdims[-1])[0]  # the default's 128
+    host = decode.host_costs(DTYPES[args.dtypes[0]], host_hdim, args)
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "copy_gbs": copy_gbs, "host_us_per_call": host}
     if args.json:
@@ -511,7 +512,7 @@ def main_decode(args):
     print(f"{info['gpu']}, torch {info['torch']}; decode GB/s (K/V read once, plus q and out), "
           f"medians; device-to-device copy {copy_gbs:.0f} GB/s")
     print(decode.format_rows(rows, copy_gbs))
-    print("host time per call, us (b1 h8/1 d128 L1024): " +
+    print(f"host time per call, us (b1 h8/1 d{host_hdim} L1024): " +
           ", ".join(f"{name} {us:.1f}" for name, us in host.items()))
 
 

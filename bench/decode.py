@@ -119,12 +119,13 @@ def run_decode_case(dtype, d, nhead_q, nhead_k, batch, cache_len, args):
     return row
 
 
-def host_costs(dtype, args, rounds: int = 5) -> dict:
-    """Host microseconds per call on a small decode shape (GPU work shorter than host work):
-    the median of `rounds` rounds that take fmha and SDPA in turn, since a slow stretch of the
-    host moves one reading by several microseconds (bench/__main__.py measure_host_us)."""
-    q = torch.randn(1, 1, 8, 128, device="cuda", dtype=dtype)
-    k_cache = torch.randn(1, 1024, 1, 128, device="cuda", dtype=dtype)
+def host_costs(dtype, d, args, rounds: int = 5) -> dict:
+    """Host microseconds per call on a small decode shape of head dim d (GPU work shorter than
+    host work): the median of `rounds` rounds that take fmha and SDPA in turn, since a slow
+    stretch of the host moves one reading by several microseconds (bench/__main__.py
+    measure_host_us)."""
+    q = torch.randn(1, 1, 8, d, device="cuda", dtype=dtype)
+    k_cache = torch.randn(1, 1024, 1, d, device="cuda", dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     lengths = torch.full((1,), 1024, dtype=torch.int32, device="cuda")
     qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)

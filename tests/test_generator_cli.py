@@ -53,7 +53,7 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
         "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu",
         "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu",
         "kvcache_fp16_d64_fa2_sm90a_m16n64_pad.cu",
-        "kvcache_fp16_d64_paged_fa2_sm90a_m16n64_pad.cu",
+        "kvcache_fp16_d64_paged_fa2_sm90a_m16n128_pad.cu",
         "kvcache_fp16_d64_paged_fa3_sm90a_m192n128_pad.cu"]
 
 
@@ -91,9 +91,10 @@ def test_json(run_cli):
     assert sorted(r["pipeline"] for r in records[:4]) == ["fa2", "fa2", "fa2", "fa3"]
     assert {(r["arch"], r["pipeline"], r["block_m"], r["block_n"]) for r in records[4:8]} == {
         ("sm80", "fa2", 128, 128), ("sm90a", "fa2", 128, 128), ("sm90a", "fa3", 128, 128)}
+    # kvcache decode: 64-key tiles, but 128-key ones paged on sm90a; and the fa3 prefill tile.
     assert {(r["arch"], r["paged"], r["block_m"], r["block_n"]) for r in records[8:]} == {
-        (arch, paged, 16, 64) for arch in ("sm80", "sm90a") for paged in (False, True)} | {
-        ("sm90a", True, 192, 128)}
+        ("sm80", False, 16, 64), ("sm80", True, 16, 64), ("sm90a", False, 16, 64),
+        ("sm90a", True, 16, 128), ("sm90a", True, 192, 128)}
 
 
 def test_json_and_summary_leave_out_pruned_instances(run_cli, make_config, tmp_path):
