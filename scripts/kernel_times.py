@@ -34,23 +34,28 @@ def bwd_call(args):
     return lambda: fmha.bwd(dout, q, k, v, out, lse, causal=args.causal)
 
 
-def decode_call(args):
+def decode_step(batch, cache_len, page_size=0, gqa=8, num_splits=0):
+    """One decode step's call (bf16 d128, 8 K/V heads, a full cache; paged in shuffled pages
+    when page_size is given), for this script and scripts/ncu_decode_case.py."""
     dtype, d, heads_k = torch.bfloat16, 128, 8
-    q = torch.randn(args.batch, 1, heads_k * args.gqa, d, device="cuda", dtype=dtype)
-    lengths = torch.full((args.batch,), args.cache_len, dtype=torch.int32, device="cuda")
-    if args.page_size:
-        pages = args.cache_len // args.page_size
-        k = torch.randn(args.batch * pages, args.page_size, heads_k, d, device="cuda", dtype=dtype)
-        table = torch.randperm(args.batch * pages, device="cuda", dtype=torch.int32)
-        table = table.view(args.batch, pages)
+    q = torch.randn(batch, 1, heads_k * gqa, d, device="cuda", dtype=dtype)
+    lengths = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+    if page_size:
+        pages = cache_len // page_size
+        k = torch.randn(batch * pages, page_size, heads_k, d, device="cuda", dtype=dtype)
+        table = torch.randperm(batch * pages, device="cuda", dtype=torch.int32)
+        table = table.view(batch, pages)
     else:
-        k = torch.randn(args.batch, args.cache_len, heads_k, d, device="cuda", dtype=dtype)
+        k = torch.randn(batch, cache_len, heads_k, d, device="cuda", dtype=dtype)
         table = None
     v = torch.randn_like(k)
-    graph = capture_graph(
-        lambda: fmha.fwd_kvcache(q, k, v, cache_seqlens=lengths, block_table=table,
-                                 num_splits=args.num_splits), 1)
-    return graph.replay
+    return lambda: fmha.fwd_kvcache(q, k, v, cache_seqlens=lengths, block_table=table,
+                                    num_splits=num_splits)
+
+
+def decode_call(args):
+    step = decode_step(args.batch, args.cache_len, args.page_size, args.gqa, args.num_splits)
+    return capture_graph(step, 1).replay
 
 
 def main():

@@ -115,8 +115,7 @@ struct KvcacheParams {
   const int32_t* cache_leftpad;
   const int32_t* block_table;
   int64_t block_table_batch_stride;
-  int page_size;
-  FastDivisor page_divisor;  // of page_size, for the attention kernel's copies
+  FastDivisor page_size;  // keys a page holds (paged only): key / page_size by multiply-high
 
   const void* rotary_cos;
   const void* rotary_sin;
@@ -140,8 +139,10 @@ __device__ __forceinline__ Element* cache_row(Element* cache, const KvcacheParam
                                               int64_t head_stride, int batch, int head, int key) {
   int64_t base;
   if constexpr (kPaged) {
-    const int page = p.block_table[batch * p.block_table_batch_stride + key / p.page_size];
-    base = page * batch_stride + static_cast<int64_t>(key % p.page_size) * seq_stride;
+    const int index = p.page_size.quotient(key);
+    const int page = p.block_table[batch * p.block_table_batch_stride + index];
+    const int row_in_page = key - index * p.page_size.divisor;
+    base = page * batch_stride + static_cast<int64_t>(row_in_page) * seq_stride;
   } else {
     const int row = p.cache_batch_idx != nullptr ? p.cache_batch_idx[batch] : batch;
     base = row * batch_stride + static_cast<int64_t>(key) * seq_stride;
@@ -308,10 +309,10 @@ struct PageSlots {
     return slots + (n_block % Cfg::kPageSlots) * Cfg::kBlockN;
   }
   // Starts the copies of tile n_block's entries, one a thread.
-  __device__ __forceinline__ void fetch(int n_block, const FastDivisor& pages) const {
-    const int first = pages.quotient(n_block * Cfg::kBlockN);
+  __device__ __forceinline__ void fetch(int n_block, const FastDivisor& page_size) const {
+    const int first = page_size.quotient(n_block * Cfg::kBlockN);
     const int count =
-        min(pages.quotient(n_block * Cfg::kBlockN + Cfg::kBlockN - 1), last_page) - first + 1;
+        min(page_size.quotient(n_block * Cfg::kBlockN + Cfg::kBlockN - 1), last_page) - first + 1;
     for (int e = threadIdx.x; e < count; e += Cfg::kThreads) {
       sm80::cp_async_4(sm80::smem_addr(entries(n_block) + e), table + first + e);
     }
@@ -327,7 +328,8 @@ struct PageSlots {
 template <class Cfg, class Tile, bool kRunsInPage>
 __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
                                                 const typename Cfg::Element* cache,
-                                                const int32_t* entries, const FastDivisor& pages,
+                                                const int32_t* entries,
+                                                const FastDivisor& page_size,
                                                 int64_t batch_stride, int64_t seq_stride,
                                                 int64_t head_stride, int cache_index,
                                                 int key_begin, int head, int n_block, int keys) {
@@ -338,14 +340,14 @@ __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
       Cfg::kPaged ? 0 : cache_index * batch_stride + static_cast<int64_t>(key_begin) * seq_stride;
   const auto* head_cache = cache + head * head_stride + sequence_offset;
   const int key0 = n_block * Cfg::kBlockN;
-  const int first_page = Cfg::kPaged ? pages.quotient(key0) : 0;  // entries[0]'s page index
+  const int first_page = Cfg::kPaged ? page_size.quotient(key0) : 0;  // entries[0]'s page index
   // Where key `key` of this head starts (a valid key's page is in `entries`).
   auto row_start = [&](int key) {
     if constexpr (Cfg::kPaged) {
-      const int index = pages.quotient(key);
+      const int index = page_size.quotient(key);
       const int page = key < keys ? entries[index - first_page] : 0;
       return head_cache + page * batch_stride +
-             static_cast<int64_t>(key - index * pages.divisor) * seq_stride;
+             static_cast<int64_t>(key - index * page_size.divisor) * seq_stride;
     } else {
       return head_cache + static_cast<int64_t>(key) * seq_stride;
     }
@@ -449,19 +451,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   using Pages = PageSlots<Cfg>;
   const Pages pages{reinterpret_cast<int32_t*>(smem + QTile::kBytes + Cfg::kRingBytes),
                     p.block_table + batch * p.block_table_batch_stride,
-                    Cfg::kPaged && keys > 0 ? p.page_divisor.quotient(keys - 1) : 0};
+                    Cfg::kPaged && keys > 0 ? p.page_size.quotient(keys - 1) : 0};
   auto fetch_pages = [&](int step) {
     if constexpr (Cfg::kPaged) {
-      if (step < n_steps) pages.fetch(n_begin + step, p.page_divisor);
+      if (step < n_steps) pages.fetch(n_begin + step, p.page_size);
     }
   };
   auto load_kv = [&](int n_block, int stage) {
     const int32_t* entries = pages.entries(n_block);
     load_cache_tile<Cfg, KTile, kRunsInPage>(
-        s_k + stage * KTile::kBytes, k_cache, entries, p.page_divisor, p.kc_batch_stride,
+        s_k + stage * KTile::kBytes, k_cache, entries, p.page_size, p.kc_batch_stride,
         p.kc_seq_stride, p.kc_head_stride, cache_index, key_begin, kv_head, n_block, keys);
     load_cache_tile<Cfg, VTile, kRunsInPage>(
-        s_v + stage * VTile::kBytes, v_cache, entries, p.page_divisor, p.vc_batch_stride,
+        s_v + stage * VTile::kBytes, v_cache, entries, p.page_size, p.vc_batch_stride,
         p.vc_seq_stride, p.vc_head_stride, cache_index, key_begin, kv_head, n_block, keys);
   };
   // Prologue: kStages - 1 tiles in flight (Q joins the first group), each group carrying the
@@ -944,8 +946,7 @@ inline KvcacheParams kvcache_params(const KvcacheArgs& a) {
   p.cache_leftpad = a.cache_leftpad;
   p.block_table = a.block_table;
   p.block_table_batch_stride = a.block_table_batch_stride;
-  p.page_size = a.page_size;
-  if (a.page_size > 0) p.page_divisor = FastDivisor(a.page_size);
+  if (a.page_size > 0) p.page_size = FastDivisor(a.page_size);
   p.rotary_cos = a.rotary_cos;
   p.rotary_sin = a.rotary_sin;
   p.rotary_dim = a.rotary_dim;
