@@ -8,7 +8,8 @@ fall on every build alike. Two runs of one build on an H200 differ by up to abou
 which is more than many changes gain: the table gives each build's median over the rounds and
 its spread (max / min - 1), and SDPA's medians over all runs, as the common yardsticks. With
 --bwd among the bench arguments it compares the backward's rows (TFLOP/s), with --decode the
-decode steps' (GB/s, each fmha column: the contiguous cache and each page size).
+decode steps' (GB/s, each fmha column: the contiguous cache and each page size), with --prefill
+the chunks' (TFLOP/s of fwd_kvcache's columns; fmha.fwd on the same shapes is the yardstick).
 """
 
 import argparse
@@ -26,11 +27,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 class Mode:
     """What one kind of bench run writes: its rows' JSON key, the fields that name a case, the
-    yardstick columns (SDPA's, their medians over every run of every build), the unit."""
+    yardstick columns (SDPA's, their medians over every run of every build), the unit, and the
+    prefixes of the columns each build is compared on."""
 
-    def __init__(self, flag, rows_key, case_fields, peers, unit):
+    def __init__(self, flag, rows_key, case_fields, peers, unit, measured=("fmha",)):
         self.flag, self.rows_key, self.case_fields = flag, rows_key, case_fields
-        self.peers, self.unit = peers, unit
+        self.peers, self.unit, self.measured = peers, unit, measured
 
 
 MODES = [
@@ -38,6 +40,8 @@ MODES = [
          "TFLOP/s (backward)"),
     Mode("--decode", "decode_rows", ("dtype", "hdim", "heads", "batch", "cache_len"), ("sdpa",),
          "GB/s (decode step)"),
+    Mode("--prefill", "prefill_rows", ("dtype", "hdim", "heads", "batch", "chunk", "context"),
+         ("fwd",), "TFLOP/s (chunked prefill)", measured=("kvcache", "paged", "append", "decode")),
     Mode(None, "rows", ("dtype", "hdim", "causal", "seqlen"), ("sdpa_flash", "cudnn"),
          "TFLOP/s"),
 ]
@@ -47,10 +51,11 @@ def mode_of(bench_args):
     return next(m for m in MODES if m.flag is None or m.flag in bench_args)
 
 
-def fmha_columns(row):
-    """The row's fmha measurements: "fmha", and with --decode "fmha_paged16" and the like."""
-    return {k: v for k, v in row.items()
-            if k.startswith("fmha") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+def fmha_columns(row, mode):
+    """The row's measurements of the build: "fmha", with --decode "fmha_paged16" and the like,
+    with --prefill "kvcache", "paged16" and the like."""
+    return {k: v for k, v in row.items() if k.startswith(mode.measured)
+            and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def parse_args(argv):
@@ -93,7 +98,7 @@ def main(argv=None):
         for name, path in builds.items():
             for row in run_bench(path, bench_args):
                 fields = tuple(row[f] for f in mode.case_fields)
-                for column, value in fmha_columns(row).items():
+                for column, value in fmha_columns(row, mode).items():
                     case = (*fields, column)
                     fmha_runs[case][name].append(value)
                     for peer in mode.peers:

@@ -42,12 +42,13 @@ class Case:
     page_size: int = 0      # paged instances' page size (contiguous ones take the capacity)
     batch_idx: bool = False  # contiguous instances: map sequences to shuffled cache rows
     leftpad: tuple = ()     # contiguous instances: cache_leftpad, where each sequence's keys start
+    cache_layout: str = "nhd"  # the caches' memory order (_cache_tensor)
 
     def describe(self) -> str:
         return (f"b{self.batch} sq{self.seqlen_q} h{self.nhead_q}/{self.nhead_k} "
                 f"cap{self.capacity} len{list(self.lengths)} new{self.seqlen_new} "
                 f"rot={self.rotary} splits={self.num_splits} page={self.page_size} "
-                f"leftpad={list(self.leftpad)}")
+                f"leftpad={list(self.leftpad)} layout={self.cache_layout}")
 
 
 CASES = (
@@ -95,11 +96,30 @@ PREFILL_CASES = (
     # Several query tiles against long caches, interleaved rotary, pages of 256 (two 128-key
     # tiles a page).
     Case(2, 300, 16, 2, 2048, (1500, 700), seqlen_new=300, rotary="gptj", page_size=256),
+    # The caches' memory orders, each a TMA map of its own on the fa3 pipeline
+    # (cached_kv_sm90.cuh's CacheFold): head-major pages of 16 (heads fold into pages) and a
+    # contiguous cache of 1001 keys a row (a length no 8-row group divides: boxes of 8 rows);
+    # head-major rows of 512 keys; rows padded past the head dim (no dimensions merge).
+    Case(2, 200, 8, 2, 1001, (600, 0), seqlen_new=200, page_size=16, cache_layout="hnd"),
+    Case(2, 256, 4, 2, 512, (256, 100), page_size=64, cache_layout="hnd", batch_idx=True),
+    Case(1, 256, 8, 2, 1024, (640,), seqlen_new=256, rotary="neox", page_size=32,
+         cache_layout="padded"),
 )
 
 MASK_WINDOWS = {"none": (False, (-1, -1)), "causal": (True, (-1, -1)),
                 "window": (False, (37, 0))}
 SOFTCAP = 5.0
+
+
+def _cache_tensor(randn, layout: str, rows: int, keys: int, heads: int, d: int):
+    """A (rows, keys, heads, d) cache in memory order `layout`: "nhd" packed in that order;
+    "hnd" a row's heads one after another (a (rows, heads, keys, d) tensor, transposed);
+    "padded" each key's heads in a row of d + 64 columns (no two dimensions merge)."""
+    if layout == "hnd":
+        return randn(rows, heads, keys, d).transpose(1, 2)
+    if layout == "padded":
+        return randn(rows, keys, heads, d + 64)[..., :d]
+    return randn(rows, keys, heads, d)
 
 
 def _inputs(inst: dict, case: Case, gen: torch.Generator):
@@ -115,15 +135,15 @@ def _inputs(inst: dict, case: Case, gen: torch.Generator):
     if inst["paged"]:
         pages_per_seq = math.ceil(case.capacity / case.page_size)
         num_pages = b * pages_per_seq + 3  # spare pages no sequence owns
-        k_cache = randn(num_pages, case.page_size, hk, d)
-        v_cache = randn(num_pages, case.page_size, hk, dv)
+        k_cache = _cache_tensor(randn, case.cache_layout, num_pages, case.page_size, hk, d)
+        v_cache = _cache_tensor(randn, case.cache_layout, num_pages, case.page_size, hk, dv)
         order = torch.randperm(num_pages, generator=gen, device=dev)[:b * pages_per_seq]
         kw["block_table"] = order.view(b, pages_per_seq).to(torch.int32)
         capacity = pages_per_seq * case.page_size
     else:
         rows = b + 2 if case.batch_idx else b
-        k_cache = randn(rows, case.capacity, hk, d)
-        v_cache = randn(rows, case.capacity, hk, dv)
+        k_cache = _cache_tensor(randn, case.cache_layout, rows, case.capacity, hk, d)
+        v_cache = _cache_tensor(randn, case.cache_layout, rows, case.capacity, hk, dv)
         if case.batch_idx:
             kw["cache_batch_idx"] = torch.randperm(rows, generator=gen, device=dev)[:b].to(
                 torch.int32)

@@ -3,14 +3,18 @@
 // a contiguous one, which is the same thing with one page per sequence.
 //
 // A key tile of kBlockN keys may span several pages, so it is loaded in boxes of box_rows keys
-// by 64 columns (one 128-byte swizzle atom wide), box_rows = gcd(page_size, kBlockN): each box
-// lies in one page, and at pages of 16 keys a 128-key tile of d128 is 16 boxes a tile where the
-// forward's K takes 2. The boxes land where the forward's whole-tile boxes would put those
-// rows: the shared-memory layout of a stage is 64-column blocks of kBlockN rows each, and a box
-// of box_rows (a multiple of 8) rows starts on a 1024-byte swizzle period, so the wgmma
-// descriptors read it unchanged. Keys past a sequence's pages come from a page index past the
-// cache, which TMA zero-fills, and the full box still counts towards the stage's transaction
-// bytes, so the pipeline's byte count never depends on the cache's lengths.
+// by every column, box_rows = gcd(page_size, kBlockN): each box lies in one page. A stage keeps
+// each 8-row group's 64-column blocks side by side ([8-row group][column block][8 rows][64
+// columns], 128-byte swizzle: KvcacheConfig's layouts), which is the order a box writes when
+// its map's first dimensions are 64 columns, 8 rows, column blocks and row groups. So one box
+// carries every column of its rows: at pages of 16 keys a d128 tile of 128 keys is 8 boxes,
+// where boxes of 64 columns took 16 and left chunked prefill at 0.69-0.89x of the contiguous
+// cache (H100, perf notes v15). A box starts on an 8-row group, a 1024-byte swizzle period, so
+// the wgmma descriptors read it unchanged.
+//
+// Keys past a sequence's pages come from a page index past the cache, which TMA zero-fills,
+// and the full box still counts towards the stage's transaction bytes, so the pipeline's byte
+// count never depends on the cache's lengths.
 #pragma once
 
 #include <cuda.h>
@@ -27,16 +31,36 @@
 
 namespace fmha::fa3 {
 
+// A map has five dimensions: 64 columns and 8 rows first, then column blocks and row groups
+// (what a stage's order needs), and the heads and pages fold into those or the last one, as
+// the cache's strides allow.
+enum class CacheFold : int32_t {
+  // (64, 8, heads x column blocks, rows / 8, pages): a row's heads adjacent (head stride = head
+  // dim), as vLLM's and FlashAttention's (pages, rows, heads, d).
+  kHeadsInColumns,
+  // (64, 8, column blocks, rows / 8, pages x heads): a page's heads one after another (page
+  // stride = heads x head stride), as a (pages, heads, rows, d) cache.
+  kHeadsInPages,
+  // (64, rows, column blocks, heads, pages) in boxes of 8 rows: any other strides, and
+  // contiguous caches whose length is not a multiple of 8.
+  kEightRowBoxes,
+};
+
+struct CacheMap {
+  CUtensorMap tma;
+  CacheFold fold;
+};
+
 struct CachedKv {
-  // (hdim, rows, nhead_k, pages) with the head dim contiguous; boxes of 64 x box_rows.
-  CUtensorMap k_map;
-  CUtensorMap v_map;
+  CacheMap k;
+  CacheMap v;
   const int32_t* block_table;      // paged: device (batch, pages_per_seq)
   const int32_t* cache_batch_idx;  // contiguous, optional: the cache row of each sequence
   int64_t block_table_batch_stride;
   int page_size;      // keys a page holds; contiguous: the cache's seqlen (one page a sequence)
   int pages_per_seq;  // block_table's columns; 1 when contiguous
-  int box_rows;       // keys per TMA box: gcd(page_size, kBlockN), a multiple of 8
+  int heads;          // K/V heads
+  int box_rows;       // keys per TMA box, a multiple of 8 (cache_box_rows)
   int absent_page;    // a page index past the cache's, for keys past a sequence's pages
 
   // The page and the row in it of key `key` of sequence `batch`.
@@ -67,50 +91,96 @@ struct CachedKv {
   // in turn, the 8 boxes of a 128-key tile of 16-key pages left the producer behind the
   // consumers (d128 chunked prefill at 0.48-0.55x of the contiguous cache, H100).
   template <int kBlockN, int kHeadDim, class StageAddress>
-  __device__ __forceinline__ void load(const CUtensorMap& map, uint64_t& barrier,
+  __device__ __forceinline__ void load(const CacheMap& map, uint64_t& barrier,
                                        StageAddress stage, int2 source, int head,
                                        int lane) const {
     if (lane >= kBlockN / box_rows) return;
-#pragma unroll
-    for (int col = 0; col < kHeadDim; col += 64) {
-      cute::SM90_TMA_LOAD_4D::copy(
-          &map, &barrier, static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
-          stage(lane * box_rows, col), col, source.y, head, source.x);
+    const int page = source.x;
+    const int row = source.y;
+    int rows = 0;                          // the 8-row dimension, or the page's rows
+    int columns = 0;                       // the column blocks (with the heads)
+    int groups = row / 8;                  // the row groups, or the heads
+    int outer = page;                      // the pages (with the heads)
+    switch (map.fold) {
+      case CacheFold::kHeadsInColumns:
+        columns = head * (kHeadDim / 64);
+        break;
+      case CacheFold::kHeadsInPages:
+        outer = page * heads + head;
+        break;
+      case CacheFold::kEightRowBoxes:
+        rows = row;
+        groups = head;
+        break;
     }
+    cute::SM90_TMA_LOAD_5D::copy(
+        &map.tma, &barrier, static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+        stage(lane * box_rows, 0), 0, rows, columns, groups, outer);
   }
 };
 
-// The tensor map of one cache (k or v): `rows` keys a page, strides in elements. false where
-// the driver refuses it (a stride TMA cannot take).
+// The fold a cache's strides (in elements) allow: `rows` keys a page.
+inline CacheFold cache_fold(int hdim, int rows, int heads, int pages, int64_t head_stride,
+                            int64_t page_stride) {
+  if (rows % 8 == 0) {
+    if (heads == 1 || head_stride == hdim) return CacheFold::kHeadsInColumns;
+    if (pages == 1 || page_stride == heads * head_stride) return CacheFold::kHeadsInPages;
+  }
+  return CacheFold::kEightRowBoxes;
+}
+
+// Keys per box for pages of `page_size` keys (contiguous: 0) and kBlockN-key tiles; 0 where no
+// box height serves (a page size that is not a multiple of 8).
+template <int kBlockN>
+int cache_box_rows(int page_size, CacheFold k_fold, CacheFold v_fold) {
+  if (k_fold == CacheFold::kEightRowBoxes || v_fold == CacheFold::kEightRowBoxes) {
+    return page_size % 8 == 0 ? 8 : 0;
+  }
+  if (page_size == 0) return kBlockN;
+  const int rows = std::gcd(page_size, kBlockN);
+  return rows % 8 == 0 ? rows : 0;
+}
+
+// The tensor map of one cache (k or v) in `map->fold`: `rows` keys a page, strides in elements,
+// boxes of box_rows keys by every column. false where the driver refuses it (a stride TMA
+// cannot take).
 template <typename Element>
-bool encode_cache_map(CUtensorMap* map, const void* cache, int hdim, int rows, int heads,
-                      int pages, int64_t row_stride, int64_t head_stride, int64_t page_stride,
+bool encode_cache_map(CacheMap* map, const void* cache, int hdim, int rows, int heads, int pages,
+                      int64_t row_stride, int64_t head_stride, int64_t page_stride,
                       int box_rows) {
   static_assert(sizeof(Element) == 2, "fa3 reads 16-bit caches");
   const CUtensorMapDataType type = std::is_same_v<Element, cutlass::bfloat16_t>
                                        ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(hdim), static_cast<cuuint64_t>(rows),
-                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(pages)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(tma_stride(row_stride)) * 2,
-                                 static_cast<cuuint64_t>(tma_stride(head_stride)) * 2,
-                                 static_cast<cuuint64_t>(tma_stride(page_stride)) * 2};
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  auto bytes = [](int64_t stride) { return static_cast<cuuint64_t>(tma_stride(stride)) * 2; };
+  const cuuint64_t column_blocks = hdim / 64;
+  const cuuint64_t row_bytes = bytes(row_stride);
+  cuuint64_t dims[5] = {64, 8, column_blocks, static_cast<cuuint64_t>(rows / 8),
+                        static_cast<cuuint64_t>(pages)};
+  cuuint64_t strides[4] = {row_bytes, 128, 8 * row_bytes, bytes(page_stride)};
+  cuuint32_t box[5] = {64, 8, static_cast<cuuint32_t>(column_blocks),
+                       static_cast<cuuint32_t>(box_rows / 8), 1};
+  switch (map->fold) {
+    case CacheFold::kHeadsInColumns:
+      dims[2] *= heads;
+      break;
+    case CacheFold::kHeadsInPages:
+      dims[4] *= heads;
+      strides[3] = bytes(head_stride);
+      break;
+    case CacheFold::kEightRowBoxes:
+      dims[1] = rows;
+      dims[3] = heads;
+      strides[2] = bytes(head_stride);
+      box[3] = 1;
+      break;
+  }
+  const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
   const CUresult result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      map, type, 4, const_cast<void*>(cache), dims, strides, box, element_strides,
+      &map->tma, type, 5, const_cast<void*>(cache), dims, strides, box, element_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS;
-}
-
-// Keys per box for a cache of `page_size`-key pages (contiguous: 0) and kBlockN-key tiles; 0
-// where no box height serves (a page size that is not a multiple of 8).
-template <int kBlockN>
-int cache_box_rows(int page_size) {
-  if (page_size == 0) return kBlockN;
-  const int rows = std::gcd(page_size, kBlockN);
-  return rows % 8 == 0 ? rows : 0;
 }
 
 }  // namespace fmha::fa3

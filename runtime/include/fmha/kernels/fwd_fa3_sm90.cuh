@@ -123,14 +123,26 @@ struct FwdConfig {
   using SwizzleAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
   // Q and O: one (64, d) region per consumer warpgroup.
   using SmemLayoutQ = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<cute::_64, DimQK>{}));
-  using SmemLayoutK = decltype(cute::tile_to_shape(
-      SwizzleAtom{}, cute::Shape<BlockN, DimQK, cute::Int<kStages>>{}));
-  using SmemLayoutV = decltype(cute::tile_to_shape(
-      SwizzleAtom{}, cute::Shape<BlockN, DimV, cute::Int<kStages>>{}));
-  // V as the PV product's B operand, (d, keys): the same bytes, viewed transposed.
-  using SmemLayoutVt = decltype(cute::composition(
-      SmemLayoutV{}, cute::make_ordered_layout(cute::Shape<DimV, BlockN, cute::Int<kStages>>{},
-                                               cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  // K and V stages, (keys, d, stage). kRowGroupsOuter false: 64-column blocks of kBlockN rows,
+  // what a TMA box of a whole (kBlockN, 64) tile writes. true: each 8-row group's column blocks
+  // side by side, what a box of a few rows by every column writes (a KV cache's pages,
+  // cached_kv_sm90.cuh). wgmma reads either through the descriptors cute derives from them.
+  template <bool kRowGroupsOuter>
+  struct KvStageLayouts {
+    using Order = std::conditional_t<kRowGroupsOuter, cute::Step<cute::_2, cute::_1, cute::_3>,
+                                     cute::Step<cute::_1, cute::_2, cute::_3>>;
+    using K = decltype(cute::tile_to_shape(
+        SwizzleAtom{}, cute::Shape<BlockN, DimQK, cute::Int<kStages>>{}, Order{}));
+    using V = decltype(cute::tile_to_shape(
+        SwizzleAtom{}, cute::Shape<BlockN, DimV, cute::Int<kStages>>{}, Order{}));
+    // V as the PV product's B operand, (d, keys): the same bytes, viewed transposed.
+    using Vt = decltype(cute::composition(
+        V{}, cute::make_ordered_layout(cute::Shape<DimV, BlockN, cute::Int<kStages>>{},
+                                       cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  };
+  using SmemLayoutK = typename KvStageLayouts<false>::K;
+  using SmemLayoutV = typename KvStageLayouts<false>::V;
+  using SmemLayoutVt = typename KvStageLayouts<false>::Vt;
   using SmemLayoutO = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<cute::_64, DimV>{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -381,8 +393,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(kp.tma_q.get_tma_descriptor());
     if constexpr (Cfg::kCachedKv) {
-      cute::prefetch_tma_descriptor(&kp.cache.k_map);
-      cute::prefetch_tma_descriptor(&kp.cache.v_map);
+      cute::prefetch_tma_descriptor(&kp.cache.k.tma);
+      cute::prefetch_tma_descriptor(&kp.cache.v.tma);
     } else {
       cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
       cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
@@ -463,7 +475,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           return cache.template box_source<Cfg::kPaged, kBlockN>(tile.batch, n_block * kBlockN,
                                                                  lane);
         };
-        auto issue = [&](auto& pipe, auto& state, const CUtensorMap& map, auto& smem,
+        auto issue = [&](auto& pipe, auto& state, const CacheMap& map, auto& smem,
                          auto head_dim, int2 source) {
           pipe.producer_acquire(state);
           const int stage = state.index();
@@ -480,10 +492,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               const int2 source = next_k;
               if (n_block > n_begin) next_k = sources_of(n_block - 1);
               (n_block % 2 == 0 ? v_even : v_odd) = source;
-              issue(k_pipe, write_k, cache.k_map, sK, typename Cfg::DimQK{}, source);
+              issue(k_pipe, write_k, cache.k, sK, typename Cfg::DimQK{}, source);
             },
             [&](int n_block) {
-              issue(v_pipe, write_v, cache.v_map, sV, typename Cfg::DimV{},
+              issue(v_pipe, write_v, cache.v, sV, typename Cfg::DimV{},
                     n_block % 2 == 0 ? v_even : v_odd);
             });
       } else {

@@ -29,6 +29,13 @@ struct KvcacheConfig
   using Base = typename KvcacheConfig::FwdConfig;  // the base above, by its injected name
   static constexpr bool kCachedKv = true;
   static constexpr bool kPaged = kPaged_;
+  // The cache's boxes are a few rows by every column (cached_kv_sm90.cuh); the stages keep the
+  // forward's size, so its SharedStorage holds them.
+  using SmemLayoutK = typename Base::template KvStageLayouts<true>::K;
+  using SmemLayoutV = typename Base::template KvStageLayouts<true>::V;
+  using SmemLayoutVt = typename Base::template KvStageLayouts<true>::Vt;
+  static_assert(cute::cosize_v<SmemLayoutK> == cute::cosize_v<typename Base::SmemLayoutK> &&
+                cute::cosize_v<SmemLayoutV> == cute::cosize_v<typename Base::SmemLayoutV>);
 
   // What the decode pipeline's append kernel reads of a config.
   struct Append {
@@ -59,9 +66,16 @@ size_t kvcache_workspace_bytes(const KvcacheArgs& a) {
 template <class Cfg>
 cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   using Element = typename Cfg::Element;
-  const int box_rows = cache_box_rows<Cfg::kBlockN>(a.page_size);
+  const bool paged = a.block_table != nullptr;
+  const int page_size = paged ? a.page_size : a.seqlen_cache;
+  CachedKv cache;
+  cache.k.fold = cache_fold(a.hdim_q, page_size, a.nhead_k, a.batch_cache, a.k_cache_head_stride,
+                            a.k_cache_batch_stride);
+  cache.v.fold = cache_fold(a.hdim_v, page_size, a.nhead_k, a.batch_cache, a.v_cache_head_stride,
+                            a.v_cache_batch_stride);
+  cache.box_rows = cache_box_rows<Cfg::kBlockN>(a.page_size, cache.k.fold, cache.v.fold);
   // The dispatcher runs this pipeline on pages of multiples of 8 keys only.
-  if (box_rows == 0) return cudaErrorInvalidValue;
+  if (cache.box_rows == 0) return cudaErrorInvalidValue;
 
   fa2::KvcacheParams append = fa2::kvcache_params(a);
   if (a.rotary_dim > 0) append.q_rotated = a.workspace;
@@ -104,23 +118,22 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   if (const cudaError_t err = make_kernel_params<Cfg>(f, kp); err != cudaSuccess) return err;
   kp.p.keys_appended = append.seqlen_new;
 
-  const bool paged = a.block_table != nullptr;
-  CachedKv& cache = kp.cache;
   cache.block_table = a.block_table;
   cache.cache_batch_idx = a.cache_batch_idx;
   cache.block_table_batch_stride = a.block_table_batch_stride;
-  cache.page_size = paged ? a.page_size : a.seqlen_cache;
+  cache.page_size = page_size;
   cache.pages_per_seq = paged ? a.seqlen_cache / a.page_size : 1;
-  cache.box_rows = box_rows;
+  cache.heads = a.nhead_k;
   cache.absent_page = a.batch_cache;
   const bool maps_made =
-      encode_cache_map<Element>(&cache.k_map, a.k_cache, a.hdim_q, cache.page_size, a.nhead_k,
+      encode_cache_map<Element>(&cache.k, a.k_cache, a.hdim_q, page_size, a.nhead_k,
                                 a.batch_cache, a.k_cache_seq_stride, a.k_cache_head_stride,
-                                a.k_cache_batch_stride, box_rows) &&
-      encode_cache_map<Element>(&cache.v_map, a.v_cache, a.hdim_v, cache.page_size, a.nhead_k,
+                                a.k_cache_batch_stride, cache.box_rows) &&
+      encode_cache_map<Element>(&cache.v, a.v_cache, a.hdim_v, page_size, a.nhead_k,
                                 a.batch_cache, a.v_cache_seq_stride, a.v_cache_head_stride,
-                                a.v_cache_batch_stride, box_rows);
+                                a.v_cache_batch_stride, cache.box_rows);
   if (!maps_made) return cudaErrorInvalidValue;
+  kp.cache = cache;
   return launch_fwd_kernel<Cfg>(kp, static_cast<int64_t>(a.batch) * a.nhead_q, stream);
 }
 
