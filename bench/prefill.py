@@ -27,7 +27,7 @@ def visible_pairs(chunk: int, context: int) -> int:
     return chunk * (context - chunk) + chunk * (chunk + 1) // 2
 
 
-def _paged(k, v, page_size, gen):
+def paged_copy(k, v, page_size, gen):
     """k, v (b, L, h, d) as pages of page_size keys in shuffled order, with the block table."""
     b, length = k.shape[:2]
     pages = length // page_size
@@ -69,7 +69,7 @@ def run_prefill_case(dtype, d, nhead_q, nhead_k, batch, chunk, context, args):
     for page_size in args.pages:
         if not page_size or context % page_size:
             continue
-        k_pages, v_pages, table = _paged(k, v, page_size, gen)
+        k_pages, v_pages, table = paged_copy(k, v, page_size, gen)
         calls[f"paged{page_size}"] = (
             lambda kp=k_pages, vp=v_pages, t=table: fmha.fwd_kvcache(
                 q, kp, vp, cache_seqlens=full, block_table=t, causal=True))
