@@ -108,12 +108,36 @@ def test_last_dim_not_contiguous(name):
         fmha.fwd(**tensors)
 
 
-@pytest.mark.parametrize("d,dv", [(0, 64), (36, 36), (64, 12)])
-def test_head_dims_must_be_multiples_of_8(d, dv):
+@pytest.mark.parametrize("d,dv", [(0, 64), (64, 0), (260, 260), (36, 300)])
+def test_head_dims_must_be_positive_and_past_256_multiples_of_8(d, dv):
     q, k, v = qkv(d=d, dv=dv)
-    with pytest.raises(ValueError, match=f"head dims must be positive multiples of 8 .* got {d} "
-                                         f"for q and k and {dv} for v"):
+    with pytest.raises(ValueError, match=f"head dims must be positive, and multiples of 8 past "
+                                         f"256 .* got {d} for q and k and {dv} for v"):
         fmha.fwd(q, k, v)
+
+
+@pytest.mark.parametrize("d,dv", [(36, 36), (64, 12), (100, 256)])
+def test_head_dims_that_are_not_multiples_of_8_run_padded(monkeypatch, d, dv):
+    """fmha.fwd runs them on copies zero-padded to multiples of 8 (fmha._head_dims), with the
+    softmax scale of the call's own head dim, and cuts out back to v's head dim."""
+    calls = []
+
+    def padded_call(q, k, v, causal, softmax_scale, **options):
+        calls.append((q, k, v, softmax_scale, options))
+        out = torch.ones(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+        return (out, torch.zeros(2, 4, 16)) if options["return_lse"] else out
+
+    fwd = _api.fwd
+    monkeypatch.setattr(_api, "fwd", padded_call)  # the call fwd makes on the padded tensors
+    q, k, v = qkv(d=d, dv=dv)
+    out, lse = fwd(q, k, v, causal=True, return_lse=True)
+    (pq, pk, pv, scale, options), = calls
+    for given, padded in ((q, pq), (k, pk), (v, pv)):
+        width = given.shape[-1]
+        assert padded.shape == (*given.shape[:-1], (width + 7) // 8 * 8)
+        assert torch.equal(padded[..., :width], given) and not padded[..., width:].any()
+    assert scale == d ** -0.5 and options["return_lse"]
+    assert out.shape == (*q.shape[:-1], dv) and lse.shape == (2, 4, 16)
 
 
 @pytest.mark.parametrize(

@@ -177,6 +177,29 @@ def test_forward_checks_of_q_k_v_say_bwd(name):
         call(t)
 
 
+def test_head_dims_that_are_not_multiples_of_8_run_padded(monkeypatch):
+    """fmha.bwd runs them on copies zero-padded to multiples of 8, with the softmax scale of
+    the call's own head dim, and cuts the gradients back to q's, k's and v's shapes."""
+    calls = []
+
+    def padded_call(dout, q, k, v, out, lse, causal, softmax_scale, **options):
+        calls.append((dout, q, k, v, out, softmax_scale))
+        return q + 1, k + 2, v + 3
+
+    bwd = _bwd.bwd
+    monkeypatch.setattr(_bwd, "bwd", padded_call)  # the call bwd makes on the padded tensors
+    t = inputs(d=36, dv=20)
+    grads = bwd(**t)
+    (*padded, scale), = calls
+    for name, tensor in zip(("dout", "q", "k", "v", "out"), padded):
+        width = t[name].shape[-1]
+        assert tensor.shape == (*t[name].shape[:-1], 40 if width == 36 else 24), name
+        assert torch.equal(tensor[..., :width], t[name]) and not tensor[..., width:].any(), name
+    assert scale == 36 ** -0.5
+    for grad, name, shift in zip(grads, "qkv", (1, 2, 3)):
+        assert grad.is_contiguous() and torch.equal(grad, t[name] + shift), name
+
+
 def test_a_transposed_v_is_refused():
     """The forward takes V^T (its sequence dim contiguous); the backward's kernels do not."""
     t = inputs()

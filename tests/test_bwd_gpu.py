@@ -248,6 +248,24 @@ def test_autograd_takes_any_dout_layout():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d,layout", [(36, "bshd"), (60, "poison"), (100, "bhsd")])
+def test_head_dims_not_multiples_of_8_run_padded(d, layout):
+    """Head dims that are no multiple of 8 run on zero-padded copies (fmha._head_dims) with the
+    softmax scale of the call's own head dim: the forward's output and log-sum-exp, fmha.bwd's
+    gradients and autograd's against float64. The poison layout's views hold NaN past their
+    head dim, which the copies must leave behind."""
+    inst = _plain_instance()
+    spec = _plain_spec(inst).replace(d=d, dv=d, layout=layout, lse=True)
+    try:
+        R.check_fwd(fmha, spec, what="padded head dims")
+    except fmha.MissingInstanceError as exc:
+        pytest.skip(f"no instance for the padded head dim in the build: {str(exc)[:120]}")
+    R.check_bwd(fmha, spec, what="padded head dims", calls=1)
+    case = forward_case(spec, seed=4)
+    R.check_grads(case, autograd_grads(case), f"autograd, padded head dims [{spec.describe()}]")
+
+
+@pytest.mark.gpu
 def test_autograd_of_an_unseeded_dropout_replays_its_pattern():
     """An unseeded forward draws its seed from torch's generator (torch.manual_seed makes it
     known); its backward must drop exactly what the forward dropped."""

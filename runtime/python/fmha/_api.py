@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from fmha import _C, _plans
+from fmha import _C, _head_dims, _plans
 from fmha._checks import (
     DTYPE_CODES,
     OFFSET_LIMIT,
@@ -300,8 +300,10 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     headdim_v). float16 or bfloat16 CUDA tensors; q and k with the head dim contiguous (other
     strides any multiple of 8 elements, e.g. a (b, h, s, d) tensor's transpose(1, 2)); v
     likewise, or with its sequence dim contiguous (v = vt.transpose(-1, -2) of a V^T); each
-    starting on a 16-byte boundary. Head dims are multiples of 8, and nheads a multiple of
-    nheads_k.
+    starting on a 16-byte boundary. nheads a multiple of nheads_k. Head dims up to 256; one that
+    is not a multiple of 8 runs on copies of q, k and v zero-padded to the next multiple
+    (FlashAttention-2's way; softmax_scale still defaults to the call's own 1/sqrt(headdim)),
+    and out is then a view of the padded output's first headdim_v columns.
 
     Mask: causal=True sees keys j <= i (+ seqlen_k - seqlen_q with mask_align="bottom_right",
     FlashAttention's causal; "top_left" is torch SDPA's is_causal). window_size=(left, right):
@@ -331,6 +333,18 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     differentiable). Such a call computes the log-sum-exp for autograd whatever return_lse
     says, and an unseeded dropout call keeps the seed it drew for the backward.
     """
+    if _head_dims.needs_padding(q, v):
+        result = fwd(_head_dims.pad(q), _head_dims.pad(k), _head_dims.pad(v), causal,
+                     _head_dims.default_scale(q, softmax_scale), window_size=window_size,
+                     mask_align=mask_align, bias=bias, attn_mask=attn_mask,
+                     alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+                     dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+                     return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
+                     seqused_k=seqused_k, instance=instance)
+        head_dim_v = v.shape[-1]
+        return (result[0][..., :head_dim_v], result[1]) if return_lse else \
+            result[..., :head_dim_v]
     if instance is not None:
         check_instance(instance)
     key = _plans.call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias,

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from fmha import _C, _plans
+from fmha import _C, _head_dims, _plans
 from fmha._api import (
     _LIBRARY,
     _LSE_WANTED,
@@ -301,8 +301,9 @@ def bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, *, window_siz
     with v's head dim, q's dtype) and lse (float32, (batch, nheads, seqlen_q), or (nheads,
     total_q) in group mode). dout: out's shape and dtype. On q's device, with the layouts
     fmha.fwd takes (head dim contiguous, other strides multiples of 8 elements, 16-byte
-    aligned); v row-major only (a V^T view runs forward only). dropout_p > 0 needs the forward's
-    dropout_seed: an unseeded forward drew its own, which only autograd keeps.
+    aligned); v row-major only (a V^T view runs forward only). Head dims that are not multiples
+    of 8 run zero-padded, as in fmha.fwd. dropout_p > 0 needs the forward's dropout_seed: an
+    unseeded forward drew its own, which only autograd keeps.
 
     deterministic=True: gradients bitwise identical from run to run (dQ summed in a fixed
     order), at a cost in memory and time. return_dbias=True (with an elementwise bias, or an
@@ -315,6 +316,20 @@ def bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, *, window_siz
     the bias's) shapes and q's dtype; with MQA/GQA dk and dv are summed over the query heads
     that share a K/V head. Runs on torch.cuda.current_stream(q.device).
     """
+    if _head_dims.needs_padding(q, v):
+        pad = _head_dims.pad
+        grads = bwd(pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal,
+                    _head_dims.default_scale(q, softmax_scale), window_size=window_size,
+                    mask_align=mask_align, bias=bias, attn_mask=attn_mask,
+                    alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+                    dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
+                    seqused_k=seqused_k, deterministic=deterministic,
+                    return_dbias=return_dbias, instance=instance)
+        cut = tuple(grad[..., :like.shape[-1]].contiguous()
+                    for grad, like in zip(grads[:3], (q, k, v)))
+        return cut + tuple(grads[3:])
     if instance is not None:
         check_instance(instance, "bwd")
     given = bias if bias is not None else attn_mask

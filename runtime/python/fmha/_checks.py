@@ -199,12 +199,14 @@ def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             f"contiguous, got shape {_shape(v)} and strides {tuple(v.stride())}; pass "
             "v.contiguous(), or a transpose of a contiguous V^T for the column-major layout"
         )
-    # A head dim that is not a multiple of 8 would also make the strides of a contiguous
-    # tensor odd: say what is wrong in its own terms.
+    # fwd and bwd pad head dims up to 256 to multiples of 8 (fmha._head_dims); what reaches
+    # here unpadded would also make the strides of a contiguous tensor odd: say what is wrong
+    # in its own terms.
     if dq == 0 or dv == 0 or dq % ROW_PIECE or dv % ROW_PIECE:
         raise ValueError(
-            f"fmha.{api}: head dims must be positive multiples of {ROW_PIECE} (the kernels move "
-            f"rows in 16-byte pieces), got {dq} for q and k and {dv} for v"
+            f"fmha.{api}: head dims must be positive, and multiples of {ROW_PIECE} past 256 (the "
+            f"kernels move rows in 16-byte pieces; smaller ones run zero-padded), got {dq} for "
+            f"q and k and {dv} for v"
         )
     v_contiguous = -1 if layout == _C.VLAYOUT_ROW_MAJOR else -3
     for name, t, contiguous in (("q", q, -1), ("k", k, -1), ("v", v, v_contiguous)):

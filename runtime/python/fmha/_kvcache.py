@@ -186,7 +186,10 @@ def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache
         _fail(f"q's {nhead_q} heads must be a multiple of the cache's {nhead_k} (MQA/GQA)")
     for name, d in (("q", hdim_q), ("v_cache", hdim_v)):
         if d == 0 or d % ROW_PIECE:
-            _fail(f"{name}'s head dim must be a positive multiple of {ROW_PIECE}, got {d}")
+            _fail(f"{name}'s head dim must be a positive multiple of {ROW_PIECE}, got {d}: the "
+                  f"cache is written in place, so pad it once where it is allocated (zero columns "
+                  f"up to a multiple of {ROW_PIECE} in q, the caches and k/v, and softmax_scale "
+                  f"of the unpadded head dim) and drop out's extra columns")
     seqlen_new = 0
     if (k is None) != (v is None):
         _fail("k and v are appended together: pass both or neither")

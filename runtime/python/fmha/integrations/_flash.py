@@ -16,9 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import fmha
-
-# fmha.fwd takes head dims that are multiples of 8 (its kernels move rows in 16-byte pieces).
-HEAD_DIM_MULTIPLE = 8
+from fmha._head_dims import pad as pad_head_dim
 
 # Query tokens per sequence up to which an unpadded call against more keys (a decode step, or a
 # few speculative tokens) runs fmha.fwd_kvcache: its split-KV kernel packs the query heads of
@@ -66,13 +64,6 @@ def scatter_tokens(x: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: i
     """gather_tokens undone: (tokens, ...) -> (batch, seqlen, ...), zeros where no token is."""
     out = x.new_zeros(batch * seqlen, *x.shape[1:]).index_copy(0, indices, x)
     return out.view(batch, seqlen, *x.shape[1:])
-
-
-def pad_head_dim(x: torch.Tensor) -> torch.Tensor:
-    """x with its last (head) dim zero-padded to a multiple of HEAD_DIM_MULTIPLE. Zeros change
-    no dot product of q and k, and give output columns of zeros, which the caller drops."""
-    missing = -x.shape[-1] % HEAD_DIM_MULTIPLE
-    return F.pad(x, (0, missing)) if missing else x
 
 
 def window_size(sliding_window: Optional[int], causal: bool, seqlen_k: int) -> tuple[int, int]:
@@ -148,6 +139,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         causal=causal, mask_align="bottom_right", softcap=softcap, dropout_p=dropout_p,
         softmax_scale=head_dim ** -0.5 if softmax_scale is None else softmax_scale,
         window_size=window_size(sliding_window, causal, k.shape[1]))
+    # fmha.fwd would pad the head dims itself; fwd_kvcache takes multiples of 8 only.
     q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
 
     if _decodes(q, k, v, cu_seqlens_q, dropout_p):
