@@ -333,18 +333,6 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     differentiable). Such a call computes the log-sum-exp for autograd whatever return_lse
     says, and an unseeded dropout call keeps the seed it drew for the backward.
     """
-    if _head_dims.needs_padding(q, v):
-        result = fwd(_head_dims.pad(q), _head_dims.pad(k), _head_dims.pad(v), causal,
-                     _head_dims.default_scale(q, softmax_scale), window_size=window_size,
-                     mask_align=mask_align, bias=bias, attn_mask=attn_mask,
-                     alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-                     dropout_seed=dropout_seed, dropout_offset=dropout_offset,
-                     return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
-                     seqused_k=seqused_k, instance=instance)
-        head_dim_v = v.shape[-1]
-        return (result[0][..., :head_dim_v], result[1]) if return_lse else \
-            result[..., :head_dim_v]
     if instance is not None:
         check_instance(instance)
     key = _plans.call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias,
@@ -362,6 +350,19 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
         if failed is not None:
             _raise_for_plan(failed, q, k, v)
         return (out, lse) if return_lse else out
+
+    if _head_dims.needs_padding(q, v):  # no plan: the padded call keeps its own
+        result = fwd(_head_dims.pad(q), _head_dims.pad(k), _head_dims.pad(v), causal,
+                     _head_dims.default_scale(q, softmax_scale), window_size=window_size,
+                     mask_align=mask_align, bias=bias, attn_mask=attn_mask,
+                     alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+                     dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+                     return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
+                     seqused_k=seqused_k, instance=instance)
+        head_dim_v = v.shape[-1]
+        return (result[0][..., :head_dim_v], result[1]) if return_lse else \
+            result[..., :head_dim_v]
 
     ops = _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
                    alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,

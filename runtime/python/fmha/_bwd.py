@@ -316,20 +316,6 @@ def bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, *, window_siz
     the bias's) shapes and q's dtype; with MQA/GQA dk and dv are summed over the query heads
     that share a K/V head. Runs on torch.cuda.current_stream(q.device).
     """
-    if _head_dims.needs_padding(q, v):
-        pad = _head_dims.pad
-        grads = bwd(pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal,
-                    _head_dims.default_scale(q, softmax_scale), window_size=window_size,
-                    mask_align=mask_align, bias=bias, attn_mask=attn_mask,
-                    alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-                    dropout_seed=dropout_seed, dropout_offset=dropout_offset,
-                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
-                    seqused_k=seqused_k, deterministic=deterministic,
-                    return_dbias=return_dbias, instance=instance)
-        cut = tuple(grad[..., :like.shape[-1]].contiguous()
-                    for grad, like in zip(grads[:3], (q, k, v)))
-        return cut + tuple(grads[3:])
     if instance is not None:
         check_instance(instance, "bwd")
     given = bias if bias is not None else attn_mask
@@ -347,6 +333,21 @@ def bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, *, window_siz
         if failed is not None:
             _raise_for_bwd_plan(failed, dout, q, k, v, out)
         return (dq, dk, dv, dbias.sum_to_size(given.shape)) if return_dbias else (dq, dk, dv)
+
+    if _head_dims.needs_padding(q, v):  # no plan: the padded call keeps its own
+        pad = _head_dims.pad
+        grads = bwd(pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal,
+                    _head_dims.default_scale(q, softmax_scale), window_size=window_size,
+                    mask_align=mask_align, bias=bias, attn_mask=attn_mask,
+                    alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+                    dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
+                    seqused_k=seqused_k, deterministic=deterministic,
+                    return_dbias=return_dbias, instance=instance)
+        cut = tuple(grad[..., :like.shape[-1]].contiguous()
+                    for grad, like in zip(grads[:3], (q, k, v)))
+        return cut + tuple(grads[3:])
 
     def more_checks(p, o):
         check_bwd_options(v, bias, attn_mask, deterministic, return_dbias, "bwd")

@@ -21,11 +21,13 @@ MAX_HEAD_DIM = 256
 def needs_padding(q, v) -> bool:
     """Whether a call with q's and v's head dims runs padded: a head dim that is no multiple of
     8, and padded, within what the kernels take. Non-tensors fall through to the checks."""
-    if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor)) or q.dim() == 0 \
-            or v.dim() == 0:
+    if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor)):
         return False
-    dims = (q.shape[-1], v.shape[-1])
-    return any(d % ROW_PIECE for d in dims) and all(0 < d <= MAX_HEAD_DIM for d in dims)
+    shape_q, shape_v = q.shape, v.shape
+    if not (shape_q and shape_v):
+        return False
+    dq, dv = shape_q[-1], shape_v[-1]
+    return bool((dq | dv) % ROW_PIECE) and 0 < dq <= MAX_HEAD_DIM and 0 < dv <= MAX_HEAD_DIM
 
 
 def pad(x):
