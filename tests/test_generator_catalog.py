@@ -584,12 +584,12 @@ def test_repository_kvcache_matrix():
     assert {i.point.traits.bias.token for i in decode} == {"none", "alibi"}
     for instance in decode:
         point = instance.point
-        # Three stages but where they would pass A100's shared memory (d256: 200 KB); paged d64
-        # and d128 on sm90a in 8 warps on 128-key tiles.
+        # Three stages but where they would pass A100's shared memory (d256: 200 KB); on sm90a
+        # d64 (both caches) and paged d128 in 8 warps on 128-key tiles.
         a100_d256 = point.arch.token == "sm80" and point.traits.hdim_q == 256
-        paged_8_warps = (point.arch.token == "sm90a" and point.traits.paged
-                         and point.traits.hdim_q in (64, 128))
-        expected = (Tile(16, 128, 8, 3) if paged_8_warps
+        eight_warps = point.arch.token == "sm90a" and (
+            point.traits.hdim_q == 64 or (point.traits.paged and point.traits.hdim_q == 128))
+        expected = (Tile(16, 128, 8, 3) if eight_warps
                     else Tile(16, 64, 4, 2 if a100_d256 else 3))
         assert instance.tile == expected
     forward_tiles = {i.point.traits.hdim_q: i.tile for i in catalog.of(OPERATION.get("fwd"))

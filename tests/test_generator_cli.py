@@ -52,7 +52,7 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     assert sorted(p.name for p in out.glob("*.cu")) == [
         "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu",
         "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu",
-        "kvcache_fp16_d64_fa2_sm90a_m16n64_pad.cu",
+        "kvcache_fp16_d64_fa2_sm90a_m16n128_pad.cu",
         "kvcache_fp16_d64_paged_fa2_sm90a_m16n128_pad.cu",
         "kvcache_fp16_d64_paged_fa3_sm90a_m192n128_pad.cu"]
 
@@ -91,9 +91,9 @@ def test_json(run_cli):
     assert sorted(r["pipeline"] for r in records[:4]) == ["fa2", "fa2", "fa2", "fa3"]
     assert {(r["arch"], r["pipeline"], r["block_m"], r["block_n"]) for r in records[4:8]} == {
         ("sm80", "fa2", 128, 128), ("sm90a", "fa2", 128, 128), ("sm90a", "fa3", 128, 128)}
-    # kvcache decode: 64-key tiles, but 128-key ones paged on sm90a; and the fa3 prefill tile.
+    # kvcache decode at d64: 64-key tiles, 128-key ones on sm90a; and the fa3 prefill tile.
     assert {(r["arch"], r["paged"], r["block_m"], r["block_n"]) for r in records[8:]} == {
-        ("sm80", False, 16, 64), ("sm80", True, 16, 64), ("sm90a", False, 16, 64),
+        ("sm80", False, 16, 64), ("sm80", True, 16, 64), ("sm90a", False, 16, 128),
         ("sm90a", True, 16, 128), ("sm90a", True, 192, 128)}
 
 
