@@ -51,6 +51,16 @@ struct CacheMap {
   CacheFold fold;
 };
 
+// One cache tensor (k or v) as its map sees it, strides in elements; a contiguous cache's
+// pages are its rows.
+struct CacheTensor {
+  const void* data;
+  int hdim;
+  int64_t row_stride;
+  int64_t head_stride;
+  int64_t page_stride;
+};
+
 struct CachedKv {
   CacheMap k;
   CacheMap v;
@@ -119,12 +129,11 @@ struct CachedKv {
   }
 };
 
-// The fold a cache's strides (in elements) allow: `rows` keys a page.
-inline CacheFold cache_fold(int hdim, int rows, int heads, int pages, int64_t head_stride,
-                            int64_t page_stride) {
+// The fold a cache's strides allow: `rows` keys a page.
+inline CacheFold cache_fold(const CacheTensor& t, int rows, int heads, int pages) {
   if (rows % 8 == 0) {
-    if (heads == 1 || head_stride == hdim) return CacheFold::kHeadsInColumns;
-    if (pages == 1 || page_stride == heads * head_stride) return CacheFold::kHeadsInPages;
+    if (heads == 1 || t.head_stride == t.hdim) return CacheFold::kHeadsInColumns;
+    if (pages == 1 || t.page_stride == heads * t.head_stride) return CacheFold::kHeadsInPages;
   }
   return CacheFold::kEightRowBoxes;
 }
@@ -141,23 +150,21 @@ int cache_box_rows(int page_size, CacheFold k_fold, CacheFold v_fold) {
   return rows % 8 == 0 ? rows : 0;
 }
 
-// The tensor map of one cache (k or v) in `map->fold`: `rows` keys a page, strides in elements,
-// boxes of box_rows keys by every column. false where the driver refuses it (a stride TMA
-// cannot take).
+// The tensor map of one cache in `map->fold`: `rows` keys a page, boxes of box_rows keys by
+// every column. false where the driver refuses it (a stride TMA cannot take).
 template <typename Element>
-bool encode_cache_map(CacheMap* map, const void* cache, int hdim, int rows, int heads, int pages,
-                      int64_t row_stride, int64_t head_stride, int64_t page_stride,
+bool encode_cache_map(CacheMap* map, const CacheTensor& t, int rows, int heads, int pages,
                       int box_rows) {
   static_assert(sizeof(Element) == 2, "fa3 reads 16-bit caches");
   const CUtensorMapDataType type = std::is_same_v<Element, cutlass::bfloat16_t>
                                        ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   auto bytes = [](int64_t stride) { return static_cast<cuuint64_t>(tma_stride(stride)) * 2; };
-  const cuuint64_t column_blocks = hdim / 64;
-  const cuuint64_t row_bytes = bytes(row_stride);
+  const cuuint64_t column_blocks = t.hdim / 64;
+  const cuuint64_t row_bytes = bytes(t.row_stride);
   cuuint64_t dims[5] = {64, 8, column_blocks, static_cast<cuuint64_t>(rows / 8),
                         static_cast<cuuint64_t>(pages)};
-  cuuint64_t strides[4] = {row_bytes, 128, 8 * row_bytes, bytes(page_stride)};
+  cuuint64_t strides[4] = {row_bytes, 128, 8 * row_bytes, bytes(t.page_stride)};
   cuuint32_t box[5] = {64, 8, static_cast<cuuint32_t>(column_blocks),
                        static_cast<cuuint32_t>(box_rows / 8), 1};
   switch (map->fold) {
@@ -166,18 +173,18 @@ bool encode_cache_map(CacheMap* map, const void* cache, int hdim, int rows, int 
       break;
     case CacheFold::kHeadsInPages:
       dims[4] *= heads;
-      strides[3] = bytes(head_stride);
+      strides[3] = bytes(t.head_stride);
       break;
     case CacheFold::kEightRowBoxes:
       dims[1] = rows;
       dims[3] = heads;
-      strides[2] = bytes(head_stride);
+      strides[2] = bytes(t.head_stride);
       box[3] = 1;
       break;
   }
   const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
   const CUresult result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      &map->tma, type, 5, const_cast<void*>(cache), dims, strides, box, element_strides,
+      &map->tma, type, 5, const_cast<void*>(t.data), dims, strides, box, element_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS;

@@ -68,11 +68,13 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   using Element = typename Cfg::Element;
   const bool paged = a.block_table != nullptr;
   const int page_size = paged ? a.page_size : a.seqlen_cache;
+  const CacheTensor k_cache{a.k_cache, a.hdim_q, a.k_cache_seq_stride, a.k_cache_head_stride,
+                            a.k_cache_batch_stride};
+  const CacheTensor v_cache{a.v_cache, a.hdim_v, a.v_cache_seq_stride, a.v_cache_head_stride,
+                            a.v_cache_batch_stride};
   CachedKv cache;
-  cache.k.fold = cache_fold(a.hdim_q, page_size, a.nhead_k, a.batch_cache, a.k_cache_head_stride,
-                            a.k_cache_batch_stride);
-  cache.v.fold = cache_fold(a.hdim_v, page_size, a.nhead_k, a.batch_cache, a.v_cache_head_stride,
-                            a.v_cache_batch_stride);
+  cache.k.fold = cache_fold(k_cache, page_size, a.nhead_k, a.batch_cache);
+  cache.v.fold = cache_fold(v_cache, page_size, a.nhead_k, a.batch_cache);
   cache.box_rows = cache_box_rows<Cfg::kBlockN>(a.page_size, cache.k.fold, cache.v.fold);
   // The dispatcher runs this pipeline on pages of multiples of 8 keys only.
   if (cache.box_rows == 0) return cudaErrorInvalidValue;
@@ -126,12 +128,10 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   cache.heads = a.nhead_k;
   cache.absent_page = a.batch_cache;
   const bool maps_made =
-      encode_cache_map<Element>(&cache.k, a.k_cache, a.hdim_q, page_size, a.nhead_k,
-                                a.batch_cache, a.k_cache_seq_stride, a.k_cache_head_stride,
-                                a.k_cache_batch_stride, cache.box_rows) &&
-      encode_cache_map<Element>(&cache.v, a.v_cache, a.hdim_v, page_size, a.nhead_k,
-                                a.batch_cache, a.v_cache_seq_stride, a.v_cache_head_stride,
-                                a.v_cache_batch_stride, cache.box_rows);
+      encode_cache_map<Element>(&cache.k, k_cache, page_size, a.nhead_k, a.batch_cache,
+                                cache.box_rows) &&
+      encode_cache_map<Element>(&cache.v, v_cache, page_size, a.nhead_k, a.batch_cache,
+                                cache.box_rows);
   if (!maps_made) return cudaErrorInvalidValue;
   kp.cache = cache;
   return launch_fwd_kernel<Cfg>(kp, static_cast<int64_t>(a.batch) * a.nhead_q, stream);
