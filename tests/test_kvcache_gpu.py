@@ -3,8 +3,9 @@ reference (tests/reference.py's kvcache_reference), on fresh random inputs and a
 allocator: decode (one query token) and several query tokens, MQA/GQA/MHA, contiguous caches
 (with cache_batch_idx) and paged ones (pages of 1 to 256 tokens in shuffled order), empty and
 full caches, k/v appended in place with and without rotary (both layouts), forced and chosen
-key splits, and each instance's own mask, ALiBi and soft-cap. The cache the call leaves is
-checked too: appended rows as the reference rotates them, every other row untouched."""
+key splits, and each instance's own mask, ALiBi and soft-cap, and a NaN in the cache reaching
+exactly the rows it reaches in the reference. The cache the call leaves is checked too:
+appended rows as the reference rotates them, every other row untouched."""
 
 from __future__ import annotations
 
@@ -208,6 +209,38 @@ def test_instance(inst, case_index):
     if case.leftpad and inst["paged"]:
         pytest.skip("cache_leftpad offsets a contiguous cache's rows; paged caches take none")
     _check(inst, case, inst["name"], seed=case_index)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("poisoned", ["k", "v"])
+@pytest.mark.parametrize("inst", DECODE_INSTANCES, ids=lambda i: i["name"])
+def test_nan_in_the_cache_stays_in_its_rows(inst, poisoned):
+    """A NaN in one cached key (or value) of one sequence and K/V head makes NaN exactly the
+    output rows the float64 reference makes NaN (the query heads of that K/V head, and their
+    log-sum-exps where it is a key), through the key splits, the warps' merge and the combine;
+    every other row matches the reference."""
+    case = Case(2, 1, 4, 2, 512, (300, 300), num_splits=3, page_size=16)
+    gen = torch.Generator(device="cuda").manual_seed(77)
+    q, k_cache, v_cache, kw = _inputs(inst, case, gen)
+    key = 280  # inside every mask's view of the last query (the window keeps 37 keys back)
+    cache = k_cache if poisoned == "k" else v_cache
+    if inst["paged"]:
+        page = int(kw["block_table"][0, key // case.page_size])
+        cache[page, key % case.page_size, 0, 0] = float("nan")
+    else:
+        cache[0, key, 0, 0] = float("nan")
+    truth, truth_lse, _, _ = kvcache_reference(q, k_cache, v_cache, **kw)
+    lowp, _, _, _ = kvcache_reference(q, k_cache, v_cache, **kw, compute_dtype=q.dtype)
+    out, lse = fmha.fwd_kvcache(q, k_cache, v_cache, **kw, num_splits=case.num_splits,
+                                return_lse=True, instance=inst["name"])
+    torch.cuda.synchronize()
+    what = f"{inst['name']} [NaN in the {poisoned} cache]"
+    assert truth.isnan().any(), f"{what}: the reference never sees the poisoned key"
+    assert torch.equal(out.isnan(), truth.isnan()), f"{what}: NaN rows differ from the reference"
+    assert torch.equal(lse.isnan(), truth_lse.isnan()), f"{what}: NaN log-sum-exps differ"
+    # compare() skips the reference's NaN elements; the log-sum-exps' NaNs were checked above.
+    compare(out, truth, lowp, dtype=q.dtype, lse=lse.nan_to_num(0.0),
+            ref_lse=truth_lse.nan_to_num(0.0), what=what)
 
 
 @pytest.mark.gpu
