@@ -27,11 +27,13 @@ def visible_pairs(chunk: int, context: int) -> int:
     return chunk * (context - chunk) + chunk * (chunk + 1) // 2
 
 
-def paged_copy(k, v, page_size, gen):
-    """k, v (b, L, h, d) as pages of page_size keys in shuffled order, with the block table."""
+def paged_copy(k, v, page_size, gen, ordered=False):
+    """k, v (b, L, h, d) as pages of page_size keys in shuffled order, with the block table;
+    `ordered`: in table order (the same addresses as k and v, read page by page)."""
     b, length = k.shape[:2]
     pages = length // page_size
-    order = torch.randperm(b * pages, device="cuda", generator=gen)
+    order = (torch.arange(b * pages, device="cuda") if ordered
+             else torch.randperm(b * pages, device="cuda", generator=gen))
     k_pages = torch.empty(b * pages, page_size, *k.shape[2:], device="cuda", dtype=k.dtype)
     v_pages = torch.empty_like(k_pages)
     k_pages[order] = k.reshape(b * pages, page_size, *k.shape[2:])

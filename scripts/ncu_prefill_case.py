@@ -24,11 +24,7 @@ q = torch.randn(1, chunk, heads_q, d, device="cuda", dtype=dtype, generator=gen)
 k, v = (torch.randn(1, context, heads_k, d, device="cuda", dtype=dtype, generator=gen)
         for _ in range(2))
 full = torch.full((1,), context, dtype=torch.int32, device="cuda")
-if ordered:
-    k_pages, v_pages = (x.view(context // page_size, page_size, heads_k, d) for x in (k, v))
-    table = torch.arange(context // page_size, device="cuda", dtype=torch.int32).view(1, -1)
-else:
-    k_pages, v_pages, table = prefill.paged_copy(k, v, page_size, gen)
+k_pages, v_pages, table = prefill.paged_copy(k, v, page_size, gen, ordered=ordered)
 
 calls = [lambda: fmha.fwd(q, k, v, causal=True, mask_align="bottom_right"),
          lambda: fmha.fwd_kvcache(q, k, v, cache_seqlens=full, causal=True),

@@ -14,7 +14,7 @@ import sys
 import torch
 
 import fmha
-from bench.prefill import visible_pairs
+from bench.prefill import paged_copy, visible_pairs
 from fmha.timing import interleaved_medians
 
 PAGE_SIZES = (16, 32, 64, 128, 256)
@@ -30,14 +30,8 @@ full = torch.full((1,), context, dtype=torch.int32, device="cuda")
 calls = {"fwd": lambda: fmha.fwd(q, k, v, causal=True, mask_align="bottom_right"),
          "contig": lambda: fmha.fwd_kvcache(q, k, v, cache_seqlens=full, causal=True)}
 for page_size in PAGE_SIZES:
-    pages = context // page_size
-    for order_name, order in (("ord", torch.arange(pages, device="cuda")),
-                              ("shuf", torch.randperm(pages, device="cuda", generator=gen))):
-        k_pages = torch.empty(pages, page_size, heads_k, d, device="cuda", dtype=dtype)
-        v_pages = torch.empty_like(k_pages)
-        k_pages[order] = k.reshape(pages, page_size, heads_k, d)
-        v_pages[order] = v.reshape(pages, page_size, heads_k, d)
-        table = order.view(1, pages).to(torch.int32)
+    for order_name, ordered in (("ord", True), ("shuf", False)):
+        k_pages, v_pages, table = paged_copy(k, v, page_size, gen, ordered=ordered)
         calls[f"p{page_size}{order_name}"] = (
             lambda kp=k_pages, vp=v_pages, t=table: fmha.fwd_kvcache(
                 q, kp, vp, cache_seqlens=full, block_table=t, causal=True))
