@@ -22,9 +22,12 @@ from .model import Instance, Traits
 from .operations import PREFILL_MIN_PACKED_ROWS, PREFILL_PAGE_MULTIPLE, operation_of
 from .schema import MODE, OPERATION, PIPELINE, Arch, OperationKind
 
-# Head dims a head-dim-padded instance runs are multiples of this: rows move in 16-byte chunks
-# of 8 elements, and the padded lanes are whole chunks the loads zero-fill.
-HDIM_PAD_MULTIPLE = 8
+# The head dims below its own at which a head-dim-padded instance looks for a problem it is
+# chosen for (candidate_problems): multiples of 8 even where the operation's kernels take any
+# head dim (Operation.padded_hdim_step), as a padded instance serves an odd head dim only where
+# it serves the next multiple of 8, unless an exact instance has that one, and exact instances
+# come in multiples of 32.
+WITNESS_HDIM_STEP = 8
 
 _BATCH = MODE.get("batch")
 
@@ -59,7 +62,8 @@ def _hdims_fit(instance: Instance, problem: Problem) -> bool:
     have, want = instance.point.traits, problem.traits
     if not instance.point.pad_hdim:
         return (want.hdim_q, want.hdim_v) == (have.hdim_q, have.hdim_v)
-    return all(0 < dim <= own and dim % HDIM_PAD_MULTIPLE == 0
+    step = operation_of(instance).padded_hdim_step
+    return all(0 < dim <= own and dim % step == 0
                for dim, own in ((want.hdim_q, have.hdim_q), (want.hdim_v, have.hdim_v)))
 
 
@@ -114,8 +118,9 @@ REQUIREMENTS = (
     Requirement("arch", "an arch that runs on the device (an exact target such as sm90a only on "
                         "its own compute capability, a portable one on it and newer)",
                 lambda instance, problem: runs_on(instance.point.arch, problem.cc)),
-    Requirement("hdim", "the same head dims or, with pad_hdim, head dims no larger that are "
-                        f"positive multiples of {HDIM_PAD_MULTIPLE}", _hdims_fit),
+    Requirement("hdim", "the same head dims or, with pad_hdim, head dims no larger in the "
+                        "operation's step (multiples of 8 for fwd and bwd, any for kvcache)",
+                _hdims_fit),
     Requirement("lse", "lse=true when the call asks for the log-sum-exp (an lse instance also "
                        "serves calls that do not; the store is skipped)",
                 lambda instance, problem: instance.point.traits.lse or not problem.traits.lse,
@@ -333,7 +338,7 @@ def _candidate_hdims(instance: Instance) -> Iterator[tuple[int, int]]:
     own = (instance.point.traits.hdim_q, instance.point.traits.hdim_v)
     yield own
     if instance.point.pad_hdim:
-        step = HDIM_PAD_MULTIPLE
+        step = WITNESS_HDIM_STEP
         smaller = itertools.product(*(range(dim // step * step, 0, -step) for dim in own))
         yield from sorted((pair for pair in smaller if pair != own),
                           key=lambda pair: sum(own) - sum(pair))

@@ -121,7 +121,7 @@ class MatrixPoint:
     pipeline: Pipeline
     arch: Arch
     pad_seqlen: bool  # False: the kernel needs seqlens that are multiples of its tile
-    pad_hdim: bool  # True: it also runs head dims below its own that are multiples of 8
+    pad_hdim: bool  # True: it also runs head dims below its own (Operation.padded_hdim_step)
 
     @property
     def op(self) -> OperationKind:

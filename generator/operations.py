@@ -81,6 +81,12 @@ class Kernel:
     # packed rows, on caches whose pages are multiples of PREFILL_PAGE_MULTIPLE keys; the
     # operation's other pipeline serves the rest (decode).
     prefill: bool = False
+    # The head dims its pad_hdim instances run below their own come in steps of this: 8 where
+    # rows move in whole 16-byte pieces (fa2's forward and backward; the API pads other head
+    # dims with copies), 1 where a row's last piece may be partial (the KV-cache decode kernel,
+    # whose cache is written in place and cannot be copied per call). None: exact head dims
+    # only (instances.yaml prunes its pad_hdim instances).
+    padded_hdim_step: int | None = 8
 
 
 # Keys a prefill kernel's pages hold a multiple of: its TMA boxes are one page's rows and start
@@ -151,6 +157,15 @@ class Operation:
     def kernel(self, pipeline: Pipeline) -> Kernel:
         return next(k for k in self.kernels if k.pipeline == pipeline)
 
+    @cached_property
+    def padded_hdim_step(self) -> int:
+        """The step of the head dims its pad_hdim instances run (Kernel.padded_hdim_step,
+        which its padding kernels share); 0 where none pads. The runtime reads it from the
+        dispatch table (registry.h's k<R>PaddedHeadDimStep)."""
+        steps = {k.padded_hdim_step for k in self.kernels if k.padded_hdim_step is not None}
+        assert len(steps) <= 1, (self.kind, steps)
+        return steps.pop() if steps else 0
+
     # registry.h's names of its table, e.g. kBwdInstances, kNumBwdInstances, BwdInstanceEntry.
     @property
     def traits_cpp(self) -> str:
@@ -167,6 +182,10 @@ class Operation:
     @property
     def entry(self) -> str:
         return f"{self.registry}InstanceEntry"
+
+    @property
+    def padded_hdim_step_name(self) -> str:
+        return f"k{self.registry}PaddedHeadDimStep"
 
     @property
     def gap_type(self) -> str:
@@ -243,7 +262,7 @@ FWD = Operation(
         Kernel(PIPELINE.get("fa3"), header="fmha/kernels/fwd_fa3_sm90.cuh",
                config_template="fmha::fa3::FwdConfig", launcher="fmha::fa3::launch_fwd",
                tile_constraints=_FWD_FA3_CONSTRAINTS, shared_memory=_FWD_FA3_SHARED_MEMORY,
-               uses_cutlass=True),
+               uses_cutlass=True, padded_hdim_step=None),
         # FwdConfig::kSmemBytes of fwd_fa2_sm80.cuh.
         Kernel(PIPELINE.get("fa2"), header="fmha/kernels/fwd_fa2_sm80.cuh",
                config_template="fmha::fa2::FwdConfig", launcher="fmha::fa2::launch_fwd",
@@ -399,7 +418,8 @@ BWD = Operation(
                    "+ "
                    f"{_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
                    _bwd_fa3_smem_bytes),
-               uses_cutlass=True, workspace="fmha::fa3::bwd_workspace_bytes"),
+               uses_cutlass=True, workspace="fmha::fa3::bwd_workspace_bytes",
+               padded_hdim_step=None),
         # mma.sync, for sm80 and newer.
         Kernel(PIPELINE.get("fa2"), header="fmha/kernels/bwd_fa2_sm80.cuh",
                config_template="fmha::fa2::BwdConfig", launcher="fmha::fa2::launch_bwd",
@@ -456,7 +476,8 @@ KVCACHE = Operation(
         Kernel(PIPELINE.get("fa3"), header="fmha/kernels/kvcache_fa3_sm90.cuh",
                config_template="fmha::fa3::KvcacheConfig", launcher="fmha::fa3::launch_kvcache",
                tile_constraints=_FWD_FA3_CONSTRAINTS, shared_memory=_FWD_FA3_SHARED_MEMORY,
-               uses_cutlass=True, workspace="fmha::fa3::kvcache_workspace_bytes", prefill=True),
+               uses_cutlass=True, workspace="fmha::fa3::kvcache_workspace_bytes", prefill=True,
+               padded_hdim_step=None),
         # mma.sync, for sm80 and built natively for sm90a. An instance appends k_new/v_new to
         # the cache (rotated, when asked), attends with a CTA per key split, and combines the
         # splits by their log-sum-exp; its workspace holds the splits' partial results.
@@ -466,7 +487,8 @@ KVCACHE = Operation(
                shared_memory=SharedMemory(
                    "2 * (block_m * hdim_q + stages * block_n * (hdim_q + hdim_v)) + "
                    "4 * (stages + 1) * block_n", _kvcache_fa2_smem_bytes),
-               uses_cutlass=False, workspace="fmha::fa2::kvcache_workspace_bytes"),
+               uses_cutlass=False, workspace="fmha::fa2::kvcache_workspace_bytes",
+               padded_hdim_step=1),
     ),
     template="kvcache_instance.cu.j2",
     args="KvcacheArgs",

@@ -204,6 +204,7 @@ def _table(op: Operation, selection: Selection) -> dict:
         "op": op.token,
         "table": op.table, "count": op.count, "entry": op.entry,
         "gaps": op.gaps, "gap_count": op.gap_count, "gap_type": op.gap_type,
+        "padded_hdim_step": op.padded_hdim_step, "padded_hdim_step_name": op.padded_hdim_step_name,
         "traits": op.traits_cpp,
         # The arrays behind registry.h's pointers: kRows and kGapRows for fwd, kBwdRows, ...
         "rows_array": f"k{op.registry}Rows", "gap_rows_array": f"k{op.registry}GapRows",

@@ -47,8 +47,8 @@ def test_repository_matrix():
     fwd = catalog.of(OPERATION.get("fwd"))
     assert len(fwd) == 10080 - 48 + 72 and catalog.instances[:len(fwd)] == fwd
     # Every operation's points less what its rules keep (BWD_POINTS, KVCACHE_POINTS: below).
-    assert catalog.pruned == 2 * 32256 - 10104 + BWD_POINTS - 4056 + KVCACHE_POINTS - 612
-    assert len(set(names(catalog))) == 10104 + 4056 + 612
+    assert catalog.pruned == 2 * 32256 - 10104 + BWD_POINTS - 4056 + KVCACHE_POINTS - 1188
+    assert len(set(names(catalog))) == 10104 + 4056 + 1188
     for instance in fwd:
         point, traits = instance.point, instance.point.traits
         assert traits.mode.token == "batch" or (point.pad_seqlen and traits.lse)
@@ -567,18 +567,19 @@ KVCACHE_POINTS = 2 * 7 * 3 * 3 * 2 * 2 * 2 * 2 * 4
 
 def test_repository_kvcache_matrix():
     # fa2 (decode): 2 dtypes x 6 head dims (hdim_q == hdim_v) x 3 masks x 2 biases (none,
-    # ALiBi) x 2 (contiguous, paged) x 2 softcap on 2 archs: 576. fa3 (chunked prefill): 2
-    # dtypes x head dims 64, 128 and 256 x 3 masks x 2 (contiguous, paged) on sm90a, without
-    # ALiBi or soft-cap: 36. Each pads sequence lengths with exact head dims; kvcache's is the
-    # last table of the catalog.
+    # ALiBi) x 2 (contiguous, paged) x 2 softcap on 2 archs x exact and padded head dims: 1152.
+    # fa3 (chunked prefill): 2 dtypes x head dims 64, 128 and 256 x 3 masks x 2 (contiguous,
+    # paged) on sm90a, without ALiBi or soft-cap, exact head dims: 36. Each pads sequence
+    # lengths; kvcache's is the last table of the catalog.
     catalog = build_catalog(load(DEFAULT_CONFIG))
     kvcache = catalog.of(OPERATION.get("kvcache"))
     assert catalog.instances[-len(kvcache):] == kvcache
-    assert all(i.name.startswith("kvcache_") and i.point.pad_seqlen and not i.point.pad_hdim
-               for i in kvcache)
+    assert all(i.name.startswith("kvcache_") and i.point.pad_seqlen for i in kvcache)
     decode = [i for i in kvcache if i.point.pipeline.token == "fa2"]
     prefill = [i for i in kvcache if i.point.pipeline.token == "fa3"]
-    assert (len(decode), len(prefill)) == (576, 36)
+    assert (len(decode), len(prefill)) == (1152, 36)
+    assert sum(i.point.pad_hdim for i in decode) == 576
+    assert not any(i.point.pad_hdim for i in prefill)
     assert {(i.point.traits.hdim_q, i.point.traits.hdim_v) for i in decode} == {
         (d, d) for d in (32, 64, 96, 128, 192, 256)}
     assert {i.point.traits.bias.token for i in decode} == {"none", "alibi"}

@@ -15,7 +15,7 @@ BWD_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias",
 KVCACHE_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "paged",
                           "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim", "block_m",
                           "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = ("152 of 14772 instances selected (fwd 56, bwd 56, kvcache 40; 90060 "
+DEFAULT_SELECTED = ("168 of 15348 instances selected (fwd 56, bwd 56, kvcache 56; 89484 "
                     "pruned)")
 
 
@@ -23,10 +23,10 @@ def test_default_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 152 TUs (sm80 64, sm90a 88), "
-                             f"155 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
+    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 168 TUs (sm80 72, sm90a 96), "
+                             f"171 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
     assert len(list(out.glob("fwd_*.cu"))) == 56 and len(list(out.glob("bwd_*.cu"))) == 56
-    assert len(list(out.glob("kvcache_*.cu"))) == 40
+    assert len(list(out.glob("kvcache_*.cu"))) == 56
     assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {
         p.name for p in out.iterdir()}
 
@@ -36,7 +36,7 @@ def test_second_run_writes_nothing(run_cli, tmp_path):
     run_cli("--out", out)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     result = run_cli("--out", out)
-    assert "0 files written, 155 unchanged, 0 removed" in result.stdout
+    assert "0 files written, 171 unchanged, 0 removed" in result.stdout
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
 
 
@@ -47,8 +47,8 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     assert result.returncode == 0, result.stderr
     # minimal's fwd instances leave out the log-sum-exp, default's write it: none are shared;
     # its two sm90a bwd and three sm90a kvcache ones are default's.
-    assert "7 of 14772 instances selected (fwd 2, bwd 2, kvcache 3;" in result.stdout
-    assert "5 unchanged, 147 removed" in result.stdout
+    assert "7 of 15348 instances selected (fwd 2, bwd 2, kvcache 3;" in result.stdout
+    assert "5 unchanged, 163 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
         "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu",
         "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu",
@@ -75,7 +75,7 @@ def test_json(run_cli):
     result = run_cli("--json", "--preset", "minimal")
     assert result.returncode == 0, result.stderr
     records = json.loads(result.stdout)
-    assert [r["op"] for r in records] == ["fwd"] * 4 + ["bwd"] * 4 + ["kvcache"] * 5
+    assert [r["op"] for r in records] == ["fwd"] * 4 + ["bwd"] * 4 + ["kvcache"] * 6
     fields = {"fwd": SUMMARY_FIELDS, "bwd": BWD_SUMMARY_FIELDS, "kvcache": KVCACHE_SUMMARY_FIELDS}
     for record in records:
         assert tuple(record) == fields[record["op"]]
@@ -83,11 +83,15 @@ def test_json(run_cli):
         assert record["tu"] == f"{record['name']}.cu"
         assert (record["dtype"], record["hdim_q"], record["mask"], record.get("lse", False),
                 record.get("dbias", False)) == ("fp16", 64, "none", False, False)
-        # fa2 has the unpadded fast path and the fully padded fallback; fa3 pads seqlens only,
-        # and so does kvcache's fa2 (its cache lengths live on the device).
-        assert (record["pad_seqlen"], record["pad_hdim"]) in (
-            ((False, False), (True, True))
-            if record["pipeline"] == "fa2" and record["op"] != "kvcache" else ((True, False),))
+        # fa2 has the unpadded fast path and the fully padded fallback; fa3 pads seqlens only;
+        # kvcache's fa2 pads seqlens (its cache lengths live on the device), with exact or
+        # padded head dims.
+        if record["op"] == "kvcache":
+            allowed = ((True, False), (True, True))
+        else:
+            allowed = ((False, False), (True, True)) if record["pipeline"] == "fa2" else (
+                (True, False),)
+        assert (record["pad_seqlen"], record["pad_hdim"]) in allowed
     assert sorted(r["pipeline"] for r in records[:4]) == ["fa2", "fa2", "fa2", "fa3"]
     assert {(r["arch"], r["pipeline"], r["block_m"], r["block_n"]) for r in records[4:8]} == {
         ("sm80", "fa2", 128, 128), ("sm90a", "fa2", 128, 128), ("sm90a", "fa3", 128, 128)}
@@ -167,14 +171,14 @@ def test_presets_table(run_cli):
     assert lines[0].split() == ["preset", "fwd", "bwd", "kvcache", "TUs", "sm80", "sm90a", "why"]
     rows = {line.split()[0]: [int(n) for n in line.split()[1:7]]
             for line in lines[1:] if not line.startswith(" ")}
-    assert rows == {"default": [56, 56, 40, 152, 64, 88],
-                    "extended": [276, 276, 180, 732, 324, 408],
-                    "minimal": [4, 4, 5, 13, 6, 7],
-                    "flash_attn": [2040, 2040, 612, 4692, 2304, 2388],
+    assert rows == {"default": [56, 56, 56, 168, 72, 96],
+                    "extended": [276, 276, 324, 876, 396, 480],
+                    "minimal": [4, 4, 6, 14, 7, 7],
+                    "flash_attn": [2040, 2040, 1188, 5268, 2592, 2676],
                     "pytorch": [448, 672, 0, 1120, 560, 560],
-                    "coverage": [592, 392, 232, 1216, 574, 642],
-                    "all": [10104, 4056, 612, 14772, 7344, 7428]}
-    assert "CI smoke build (13 TUs)" in result.stdout
+                    "coverage": [592, 392, 440, 1424, 678, 746],
+                    "all": [10104, 4056, 1188, 15348, 7632, 7716]}
+    assert "CI smoke build (14 TUs)" in result.stdout
     assert max(map(len, lines)) <= 100
 
 
@@ -189,12 +193,13 @@ def test_presets_json_with_targets_and_filter(run_cli):
         "preset": "default",
         "filters": ["fwd,hdim64|hdim128,mask=none|causal,bias=none,vlayout=row,lse,!dropout,"
                     "!softcap", "bwd,hdim64|hdim128,mask=none|causal,bias=none,!dropout,!softcap",
-                    "kvcache,fa2,hdim64|hdim128,mask=none|causal,bias=none,!softcap",
+                    "kvcache,fa2,hdim64|hdim128,mask=none|causal,bias=none,!softcap,nohpad",
+                    "kvcache,fa2,hdim128,hpad,mask=none|causal,bias=none,!softcap",
                     "kvcache,fa3,paged,hdim64|hdim128,mask=none|causal"],
-        "instances": 44, "instances_per_op": {"fwd": 16, "bwd": 16, "kvcache": 12}, "tus": 44,
-        "tus_per_target": {"sm80": 0, "sm90a": 44}, "why": default["why"]}
+        "instances": 48, "instances_per_op": {"fwd": 16, "bwd": 16, "kvcache": 16}, "tus": 48,
+        "tus_per_target": {"sm80": 0, "sm90a": 48}, "why": default["why"]}
     assert default["why"].startswith("What `pip install .` builds")
-    assert rows[1]["instances_per_op"] == {"fwd": 75, "bwd": 75, "kvcache": 54}
+    assert rows[1]["instances_per_op"] == {"fwd": 75, "bwd": 75, "kvcache": 90}
     assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2, "kvcache": 3}
 
 
@@ -215,7 +220,7 @@ def test_shards_split_the_selection(run_cli, tmp_path):
              for index in range(1, 5)]
     assert sorted(sum(parts, [])) == sorted(whole)
     assert all(part == [name for name in whole if name in part] for part in parts)
-    assert [len(part) for part in parts] == [183, 183, 183, 183]
+    assert [len(part) for part in parts] == [219, 219, 219, 219]
     assert parts[1] == run_cli("--list", "--preset", "extended",
                                "--shard", "2/4").stdout.split()  # deterministic
 
@@ -224,20 +229,20 @@ def test_shard_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out, "--preset", "extended", "--shard", "2/4")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("generator: 732 of 14772 instances selected (fwd 276, bwd 276, "
-                                    "kvcache 180; 90060 pruned); shard 2/4: 183 TUs (sm80 ")
-    assert "186 files written" in result.stdout
+    assert result.stdout.startswith("generator: 876 of 15348 instances selected (fwd 276, bwd 276, "
+                                    "kvcache 324; 89484 pruned); shard 2/4: 219 TUs (sm80 ")
+    assert "222 files written" in result.stdout
     tus = sorted(p.name for p in out.glob("*.cu"))
     listed = run_cli("--list", "--preset", "extended", "--shard", "2/4").stdout.split()
     assert tus == sorted(f"{name}.cu" for name in listed)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["instances"]) == 732
+    assert len(manifest["instances"]) == 876
     assert (manifest["shard"]["index"], manifest["shard"]["count"]) == (2, 4)
     assert sorted(manifest["shard"]["tus"]) == tus
     table = (out / "dispatch_table.cpp").read_text()
-    assert table.count("&instances::launch_") == 732
+    assert table.count("&instances::launch_") == 876
     assert table.count("&instances::workspace_bwd_") == 276
-    assert table.count("&instances::workspace_kvcache_") == 180
+    assert table.count("&instances::workspace_kvcache_") == 324
 
 
 def test_bad_shard_message(run_cli):
@@ -373,10 +378,10 @@ def test_filter_names_an_operation(run_cli):
     fwd = run_cli("--list", "--filter", "fwd").stdout.split()
     assert len(fwd) == 56 and all(name.startswith("fwd_") for name in fwd)
     default_kvcache = run_cli("--list", "--filter", "kvcache").stdout.split()
-    assert len(default_kvcache) == 40
+    assert len(default_kvcache) == 56
     assert run_cli("--list").stdout.split() == fwd + bwd + default_kvcache
     kvcache = run_cli("--list", "--preset", "extended", "--filter", "kvcache").stdout.split()
-    assert len(kvcache) == 180 and all(name.startswith("kvcache_") for name in kvcache)
+    assert len(kvcache) == 324 and all(name.startswith("kvcache_") for name in kvcache)
     # An axis of the other operation selects nothing of it: lse and vlayout are fwd's.
     result = run_cli("--list", "--filter", "bwd,lse")
     assert result.returncode == 2
@@ -488,12 +493,16 @@ def test_list_and_json_of_kvcache_instances(run_cli):
     assert result.stdout.split() == ["kvcache_bf16_d128_causal_fa3_sm90a_m128n128_pad",
                                      "kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
                                      "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad",
-                                     "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad"]
+                                     "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad",
+                                     "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad_hpad",
+                                     "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad_hpad"]
     records = json.loads(run_cli("--json", "--preset", "all", "--filter",
                                  "kvcache,fp16,hdim256,window,alibi,paged,softcap").stdout)
     assert [r["name"] for r in records] == [
         "kvcache_fp16_d256_window_alibi_paged_softcap_fa2_sm90a_m16n64_pad",
-        "kvcache_fp16_d256_window_alibi_paged_softcap_fa2_sm80_m16n64_pad"]
+        "kvcache_fp16_d256_window_alibi_paged_softcap_fa2_sm90a_m16n64_pad_hpad",
+        "kvcache_fp16_d256_window_alibi_paged_softcap_fa2_sm80_m16n64_pad",
+        "kvcache_fp16_d256_window_alibi_paged_softcap_fa2_sm80_m16n64_pad_hpad"]
     assert all(tuple(r) == KVCACHE_SUMMARY_FIELDS and r["op"] == "kvcache" for r in records)
 
 
@@ -505,12 +514,18 @@ def test_explain_kvcache_hit(run_cli):
         "problem: op=kvcache,dtype=bf16,hdim=128x128,mask=causal,bias=none,paged=true,"
         "softcap=false,seqlen_q=1,seqlen_k=4000,seqused=false,arch=90",
         "chosen:  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad",
-        "why:     2 of the 180 selected kvcache instances serve it; it goes ahead of the runner-up "
-        "kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad by rule 1 of the dispatch order, "
-        "higher compute capability first: sm90a (cc 90) against sm80 (cc 80)",
+        "why:     8 of the 324 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad_hpad by rule 5 of the dispatch "
+        "order, exact head dims first: pad_hdim=false against pad_hdim=true",
         "serving, in dispatch order:",
         "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad",
-        "  kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad"]
+        "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad_hpad",
+        "  kvcache_bf16_d192_causal_paged_fa2_sm90a_m16n64_pad_hpad",
+        "  kvcache_bf16_d256_causal_paged_fa2_sm90a_m16n64_pad_hpad",
+        "  kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad",
+        "  kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad_hpad",
+        "  kvcache_bf16_d192_causal_paged_fa2_sm80_m16n64_pad_hpad",
+        "  kvcache_bf16_d256_causal_paged_fa2_sm80_m16n64_pad_hpad"]
 
 
 def test_explain_kvcache_chunk_runs_the_prefill_instance(run_cli):
@@ -521,31 +536,41 @@ def test_explain_kvcache_chunk_runs_the_prefill_instance(run_cli):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1:] == [
         "chosen:  kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
-        "why:     3 of the 180 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "why:     9 of the 324 selected kvcache instances serve it; it goes ahead of the runner-up "
         "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad by rule 3 of the dispatch order, "
         "newer pipeline first: pipeline fa3 against pipeline fa2",
         "serving, in dispatch order:",
         "  kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
         "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad",
-        "  kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad"]
+        "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad_hpad",
+        "  kvcache_bf16_d192_causal_paged_fa2_sm90a_m16n64_pad_hpad",
+        "  kvcache_bf16_d256_causal_paged_fa2_sm90a_m16n64_pad_hpad",
+        "  kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad",
+        "  kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad_hpad",
+        "  kvcache_bf16_d192_causal_paged_fa2_sm80_m16n64_pad_hpad",
+        "  kvcache_bf16_d256_causal_paged_fa2_sm80_m16n64_pad_hpad"]
 
 
 def test_explain_kvcache_miss_suggests_a_filter_that_fits(run_cli):
     problem = "op=kvcache,dtype=fp16,hdim=96,bias=alibi,softcap=true,arch=80"
     lines = run_cli("--explain", problem, "--preset", "extended").stdout.splitlines()
-    assert lines[1] == "none of the 180 selected kvcache instances serves it; the nearest:"
+    assert lines[1] == "none of the 324 selected kvcache instances serves it; the nearest:"
+    # The preset that builds least and has an instance serving it: coverage's head-dim-padded
+    # d128 (every trait at d128), where flash_attn has the exact d96 one.
     assert lines[5] == ("the matrix has one that fits: "
-                        "kvcache_fp16_d96_alibi_softcap_fa2_sm80_m16n64_pad")
-    assert lines[6] == ("build it with: python -m generator --preset flash_attn --filter 'fp16,"
-                        "hdim96,mask=none,bias=alibi,paged=false,softcap=true,sm80'")
+                        "kvcache_fp16_d128_alibi_softcap_fa2_sm80_m16n64_pad_hpad")
+    assert lines[6] == ("build it with: python -m generator --preset coverage --filter 'fp16,"
+                        "hdim128,mask=none,bias=alibi,paged=false,softcap=true,sm80,hpad'")
     suggested = lines[6].split("--filter ")[1].strip("'")
-    explained = run_cli("--explain", problem, "--preset", "flash_attn", "--filter", suggested)
+    explained = run_cli("--explain", problem, "--preset", "coverage", "--filter", suggested)
     assert explained.stdout.splitlines()[1] == (
-        "chosen:  kvcache_fp16_d96_alibi_softcap_fa2_sm80_m16n64_pad")
-    # What the rules prune is outside the matrix: an elementwise bias, (192, 128).
-    for pruned in ("hdim=64,bias=elementwise", "hdim=192x128"):
-        result = run_cli("--explain", f"op=kvcache,dtype=fp16,{pruned},arch=80")
-        assert "no kvcache instance of the whole matrix serves it either" in result.stdout
+        "chosen:  kvcache_fp16_d128_alibi_softcap_fa2_sm80_m16n64_pad_hpad")
+    # What the rules prune is outside the matrix: an elementwise bias.
+    result = run_cli("--explain", "op=kvcache,dtype=fp16,hdim=64,bias=elementwise,arch=80")
+    assert "no kvcache instance of the whole matrix serves it either" in result.stdout
+    # (192, 128) runs on d192's head-dim-padded instance.
+    result = run_cli("--explain", "op=kvcache,dtype=fp16,hdim=192x128,arch=80", "--preset", "all")
+    assert result.stdout.splitlines()[1] == "chosen:  kvcache_fp16_d192_fa2_sm80_m16n64_pad_hpad"
 
 
 @pytest.mark.parametrize("problem, message", [

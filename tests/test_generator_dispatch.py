@@ -499,17 +499,22 @@ KVCACHE_HDIMS = {(d, d) for d in (32, 64, 96, 128, 192, 256)}
 @settings(max_examples=100, deadline=None)
 @given(dtype=st.sampled_from(DTYPE.tokens), mask=st.sampled_from(MASK.tokens),
        bias=st.sampled_from(BIAS.tokens), flags=st.tuples(st.booleans(), st.booleans()),
-       hdim=st.sampled_from(sorted(KVCACHE_HDIMS | {(192, 128), (80, 80), (120, 120)})),
+       hdim=st.sampled_from(sorted(KVCACHE_HDIMS | {(192, 128), (80, 80), (120, 120), (36, 36),
+                                                    (100, 100), (57, 57)})),
        seqlen=st.tuples(st.integers(1, 64), st.integers(1, 1 << 20)),
        cc=st.sampled_from([75, 80, 86, 89, 90, 100]))
 def test_repository_kvcache_matrix_serves_every_call_on_its_newest_arch(dtype, mask, bias, flags,
                                                                          hdim, seqlen, cc):
     call = kvcache_problem(dtype, hdim, mask, bias, *flags, seqlen=seqlen, cc=cc)
     chosen = first_serving(DEFAULT_CATALOG.instances, call)
-    # Every call of the traits the rules keep (no elementwise bias; equal head dims of the
-    # matrix) runs, on cc 8.0 and newer, whatever its lengths: fa2, natively built on H100/H200.
-    if cc < 80 or bias == "elementwise" or hdim not in KVCACHE_HDIMS:
+    # Every call of the traits the rules keep (no elementwise bias) runs, on cc 8.0 and newer,
+    # whatever its lengths and head dims: fa2, natively built on H100/H200, exact where the
+    # matrix has the head dims, else the padded instance of the nearest above them.
+    if cc < 80 or bias == "elementwise":
         assert chosen is None
         return
     assert chosen is not None and chosen.op.token == "kvcache"
     assert (chosen.point.pipeline.token, chosen.point.arch.cc) == ("fa2", 90 if cc == 90 else 80)
+    own = (chosen.point.traits.hdim_q, chosen.point.traits.hdim_v)
+    assert chosen.point.pad_hdim == (hdim not in KVCACHE_HDIMS)
+    assert own == min((d, d) for d, _ in KVCACHE_HDIMS if d >= max(hdim))

@@ -872,6 +872,7 @@ fmha::KvcacheArgs call(int hdim, bool paged) {
 
 int main() {
   std::cout << fmha::detail::explain_selection(call(128, true), 90) << "----\\n";
+  std::cout << fmha::detail::explain_selection(call(100, false), 90) << "----\\n";
   std::cout << fmha::detail::explain_selection(call(80, false), 80) << "----\\n";
   fmha::KvcacheArgs unaligned = call(128, false);
   unaligned.q = reinterpret_cast<const void*>(8);
@@ -887,8 +888,10 @@ int main() {
 @pytest.mark.skipif(not (CUDA_LIB / "libcudart.so").exists(), reason="needs libcudart")
 def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
     config = load(DEFAULT_CONFIG)
+    # Head-dim-padded instances for sm90a only, so that sm80 misses a head dim of 80.
     selection = select(config, build_catalog(config), "all", "kvcache,fp16,hdim64|hdim128,"
-                                                             "mask=none,bias=none,!softcap")
+                                                             "mask=none,bias=none,!softcap,"
+                                                             "sm90a|nohpad")
     files = render(selection, source="instances.yaml")
     stubs = "\n".join(f"cudaError_t launch_{i.name}(const KvcacheArgs&, cudaStream_t) "
                       f"{{ return cudaSuccess; }}\n"
@@ -906,7 +909,7 @@ def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
          "-lcudart"], capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stderr
     ran = subprocess.run([str(program)], capture_output=True, text=True, check=True)
-    hit, miss, unaligned, both = ran.stdout.split("----\n")
+    hit, padded, miss, unaligned, both = ran.stdout.split("----\n")
     assert hit.startswith(
         "KV-cache problem: dtype=fp16 hdim_q=128 hdim_v=128 mask=none bias=none paged=true "
         "softcap=false; seqlen_q=1 seqlen_new=0 seqlen_cache=256 (the cache lengths are on the "
@@ -915,15 +918,22 @@ def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
         "128x128, pad_seqlen=true, pad_hdim=false).\n")
     assert ("  kvcache_fp16_d128_paged_fa2_sm80_m16n64_pad: sm90a before sm80: code for the newest "
             "architecture the GPU runs\n") in hit
-    # A miss names the filter that builds an instance of exactly its head dims.
+    assert ("  kvcache_fp16_d128_paged_fa2_sm90a_m16n128_pad_hpad: exact head dims before padded "
+            "ones: no zero-filled lanes\n") in hit
+    # Head dims below an instance's, multiple of 8 or not, run its head-dim-padded variant.
+    assert padded.startswith(
+        "KV-cache problem: dtype=fp16 hdim_q=100 hdim_v=100 mask=none bias=none paged=false "
+        "softcap=false; seqlen_q=1 seqlen_new=0 seqlen_cache=256 (the cache lengths are on the "
+        "device); this GPU is sm90.\n"
+        "Runs kvcache_fp16_d128_fa2_sm90a_m16n64_pad_hpad (fa2, sm90a, tile 16x64, head dims "
+        "128x128, pad_seqlen=true, pad_hdim=true).\n")
+    # A miss names the filter that builds the padded instance of the head dims above its own.
     assert miss.startswith("KV-cache problem: dtype=fp16 hdim_q=80 hdim_v=80 mask=none")
     assert ("no compiled fmha kvcache instance runs dtype=fp16 hdim_q=80 hdim_v=80 mask=none "
             "bias=none paged=false softcap=false on this GPU (sm80): instances with these traits "
-            "exist, but none runs head dims 80x80") in miss
-    assert ("FMHA_FILTER='kvcache,fp16,hdim80,mask=none,bias=none,paged=false,softcap=false,pad,"
-            "sm80'") in miss
-    assert ("kvcache instances run exactly their own head dims: instances.yaml's matrix.hdim "
-            "must list [80, 80]") in miss
+            "exist only for other GPUs") in miss
+    assert ("FMHA_FILTER='kvcache,fp16,hdim128,mask=none,bias=none,paged=false,softcap=false,hpad,"
+            "pad,sm80'") in miss
     assert unaligned == "fmha::fwd_kvcache: q must be 16-byte aligned\n"
     assert both == ("fmha::fwd_kvcache: cache_batch_idx selects rows of a contiguous cache; a "
                     "paged cache (block_table set) must not get it\n")

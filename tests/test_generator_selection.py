@@ -216,18 +216,18 @@ def test_repository_presets_parse_and_select():
                                                                 name).instances)
                           for op in ("fwd", "bwd", "kvcache"))
               for name in config.presets}
-    assert counts == {"default": (56, 56, 40), "extended": (276, 276, 180),
-                      "minimal": (4, 4, 5), "flash_attn": (2040, 2040, 612),
-                      "pytorch": (448, 672, 0), "coverage": (592, 392, 232),
-                      "all": (10104, 4056, 612)}
+    assert counts == {"default": (56, 56, 56), "extended": (276, 276, 324),
+                      "minimal": (4, 4, 6), "flash_attn": (2040, 2040, 1188),
+                      "pytorch": (448, 672, 0), "coverage": (592, 392, 440),
+                      "all": (10104, 4056, 1188)}
 
 
 def test_minimal_preset_builds_each_pipeline_and_padding_path():
     # CI's smoke build compiles one TU of each, for the forward and the backward pass: fa2
     # unpadded and padded for sm80, and for sm90a fa3 (padded, its only variant) and fa2's
-    # head-dim-padded fallback; for kvcache (padded sequence lengths, exact head dims), fa3's
-    # chunked prefill on a paged cache for sm90a, and fa2's decode with a contiguous and a
-    # paged cache for each arch.
+    # head-dim-padded fallback; for kvcache (padded sequence lengths), fa3's chunked prefill
+    # on a paged cache for sm90a, fa2's decode with a contiguous and a paged cache for each
+    # arch, and its head-dim-padded variant on a paged cache for sm80.
     instances = select(load(DEFAULT_CONFIG), DEFAULT_CATALOG, "minimal").instances
     assert [(i.op.token, i.point.pipeline.token, i.point.arch.token, i.point.pad_seqlen,
              i.point.pad_hdim, i.point.traits.flag("paged")) for i in instances] == [
@@ -239,7 +239,8 @@ def test_minimal_preset_builds_each_pipeline_and_padding_path():
         ("kvcache", "fa2", "sm90a", True, False, False),
         ("kvcache", "fa2", "sm90a", True, False, True),
         ("kvcache", "fa2", "sm80", True, False, False),
-        ("kvcache", "fa2", "sm80", True, False, True)]
+        ("kvcache", "fa2", "sm80", True, False, True),
+        ("kvcache", "fa2", "sm80", True, True, True)]
 
 
 def test_coverage_preset_has_every_value_of_every_axis_of_each_operation():
@@ -400,7 +401,7 @@ def test_shards_are_a_balanced_partition_in_dispatch_order(count):
 
 def test_more_shards_than_instances_leaves_some_empty():
     instances = select(load(DEFAULT_CONFIG), DEFAULT_CATALOG, "minimal").instances
-    assert [len(Shard(index, 14).take(instances)) for index in range(1, 15)] == [1] * 13 + [0]
+    assert [len(Shard(index, 15).take(instances)) for index in range(1, 16)] == [1] * 14 + [0]
 
 
 # -- the kvcache operation ----------------------------------------------------------------------

@@ -34,20 +34,18 @@ std::string extent(int rows, int cols) {
 
 std::string sm(int cc) { return "sm" + std::to_string(cc); }
 
-bool multiple_of_8(int d) { return d > 0 && d % 8 == 0; }
-
 // Each operation's table of compiled instances and of its pipelines' gaps, and how messages
 // name it: `kind` goes before "instance" ("no compiled fmha bwd instance runs ..."), `listing`
 // is the API function that lists its instances, `problem` starts explain()'s first line.
-// kPadsHeadDims: whether its kernels have a head-dim-padded variant, so that a miss may suggest
-// one (kvcache_fa2_sm80.cuh's KvcacheConfig static_asserts exact head dims).
+// padded_hdim_step: the step of the head dims its head-dim-padded entries run (registry.h), so
+// that a miss may suggest one; 0 where its kernels take exact head dims only.
 struct FwdTable {
   using Entry = InstanceEntry;
   using Gap = PipelineGap;
   static const char* kind() { return ""; }
   static const char* listing() { return "instances"; }
   static const char* problem() { return "Problem"; }
-  static constexpr bool kPadsHeadDims = true;
+  static int padded_hdim_step() { return kPaddedHeadDimStep; }
   static const Entry* entries() { return kInstances; }
   static int count() { return kNumInstances; }
   static const Gap* gaps() { return kPipelineGaps; }
@@ -59,7 +57,7 @@ struct BwdTable {
   static const char* kind() { return "bwd "; }
   static const char* listing() { return "bwd_instances"; }
   static const char* problem() { return "Backward problem"; }
-  static constexpr bool kPadsHeadDims = true;
+  static int padded_hdim_step() { return kBwdPaddedHeadDimStep; }
   static const Entry* entries() { return kBwdInstances; }
   static int count() { return kNumBwdInstances; }
   static const Gap* gaps() { return kBwdPipelineGaps; }
@@ -71,7 +69,7 @@ struct KvcacheTable {
   static const char* kind() { return "kvcache "; }
   static const char* listing() { return "kvcache_instances"; }
   static const char* problem() { return "KV-cache problem"; }
-  static constexpr bool kPadsHeadDims = false;
+  static int padded_hdim_step() { return kKvcachePaddedHeadDimStep; }
   static const Entry* entries() { return kKvcacheInstances; }
   static int count() { return kNumKvcacheInstances; }
   static const Gap* gaps() { return kKvcachePipelineGaps; }
@@ -81,6 +79,18 @@ template <class Args> struct TableOf;
 template <> struct TableOf<FwdArgs> { using type = FwdTable; };
 template <> struct TableOf<BwdArgs> { using type = BwdTable; };
 template <> struct TableOf<KvcacheArgs> { using type = KvcacheTable; };
+template <class Entry> struct TableOfEntry;
+template <> struct TableOfEntry<InstanceEntry> { using type = FwdTable; };
+template <> struct TableOfEntry<BwdInstanceEntry> { using type = BwdTable; };
+template <> struct TableOfEntry<KvcacheInstanceEntry> { using type = KvcacheTable; };
+
+// Whether a head-dim-padded entry of `Table` may run head dim d: a positive multiple of its
+// step (8 where rows move in whole 16-byte pieces).
+template <class Table>
+bool in_padded_step(int d) {
+  const int step = Table::padded_hdim_step();
+  return d > 0 && step > 0 && d % step == 0;
+}
 
 int round_up(int value, int multiple) { return (value + multiple - 1) / multiple * multiple; }
 
@@ -106,12 +116,14 @@ bool traits_fit(const KvcacheTraits& e, const KvcacheTraits& w) {
 }
 
 // An unpadded entry runs exactly its head dims; a head-dim-padded one also runs smaller ones
-// that are multiples of 8 (its loads and stores move rows in 16-byte pieces of 8 elements).
+// in its operation's step (multiples of 8 where its loads and stores move rows in whole
+// 16-byte pieces of 8 elements; any where its kernel takes a partial last piece).
 template <class Entry, class Traits>
 bool head_dims_fit(const Entry& e, const Traits& w) {
   if (!e.pad_hdim) return e.traits.hdim_q == w.hdim_q && e.traits.hdim_v == w.hdim_v;
-  return multiple_of_8(w.hdim_q) && multiple_of_8(w.hdim_v) && w.hdim_q <= e.traits.hdim_q &&
-         w.hdim_v <= e.traits.hdim_v;
+  using Table = typename TableOfEntry<Entry>::type;
+  return in_padded_step<Table>(w.hdim_q) && in_padded_step<Table>(w.hdim_v) &&
+         w.hdim_q <= e.traits.hdim_q && w.hdim_v <= e.traits.hdim_v;
 }
 
 template <class Entry>
@@ -222,7 +234,8 @@ std::string head_dims_reason(const Entry& e, const Traits& w) {
   if (w.hdim_q > e.traits.hdim_q || w.hdim_v > e.traits.hdim_v) {
     return "it runs head dims up to " + own + " (pad_hdim=true)" + problem;
   }
-  return "it runs head dims below " + own + " only when they are multiples of 8" + problem;
+  return "it runs head dims below " + own + " only when they are multiples of " +
+         std::to_string(TableOfEntry<Entry>::type::padded_hdim_step()) + problem;
 }
 
 template <class Entry>
@@ -397,7 +410,7 @@ bool needs_padded_lengths(const KvcacheArgs&, int, int) {
 }
 
 // The head dims to build for `w`: its own when some compiled instance has them (so the matrix
-// lists them); else, for multiples of 8 and an operation whose kernels pad head dims, the
+// lists them); else, for head dims in the step of the operation's padded kernels, the
 // smallest compiled head dims above them, run padded, or failing that the next multiples of
 // 32, which fa2's tiles come in (fa2 is the pipeline that pads head dims; fa3 runs exact
 // multiples of 64 only).
@@ -418,16 +431,16 @@ Suggestion suggest(const Args& a, int cc) {
     }
   }
   Suggestion s;
-  const bool paddable =
-      Table::kPadsHeadDims && multiple_of_8(w.hdim_q) && multiple_of_8(w.hdim_v);
+  const bool paddable = in_padded_step<Table>(w.hdim_q) && in_padded_step<Table>(w.hdim_v);
   if (exact_compiled || !paddable) {
     hdim_q = w.hdim_q;
     hdim_v = w.hdim_v;
     if (!exact_compiled) {
+      const int step = Table::padded_hdim_step();
       const std::string why =
-          Table::kPadsHeadDims
-              ? "head dims that are not multiples of 8 need an instance of exactly those head dims"
-              : Table::kind() + std::string("instances run exactly their own head dims");
+          step > 0 ? "head dims that are not multiples of " + std::to_string(step) +
+                         " need an instance of exactly those head dims"
+                   : Table::kind() + std::string("instances run exactly their own head dims");
       s.note = why + ": instances.yaml's matrix.hdim must list [" + std::to_string(hdim_q) +
                ", " + std::to_string(hdim_v) + "], if its pipeline's tiles allow them";
     }

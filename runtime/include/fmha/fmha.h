@@ -211,7 +211,9 @@ struct KvcacheTraits {
 // into the cache in place at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1.
 // The lengths live on the device, so one captured CUDA graph replays with new lengths.
 // Layouts are (.., seqlen, nhead, hdim) with the head dim contiguous, strides in elements,
-// multiples of 8, pointers 16-byte aligned, as for FwdArgs.
+// multiples of 8, pointers 16-byte aligned, as for FwdArgs. The head dims may be any up to 256
+// (head-dim-padded instances run those below their own, reading and writing nothing past a
+// row's head dim), so a head dim that is no multiple of 8 needs rows of a larger pitch.
 struct FMHA_API KvcacheArgs {
   DataType dtype = DataType::kFP16;
 
@@ -401,7 +403,7 @@ struct KvcacheInstanceInfo {
                     // CTA; prefill: query tokens per CTA (a call has as many, or 256 rows)
   int block_n = 0;  // keys per step
   bool pad_seqlen = false;
-  bool pad_hdim = false;
+  bool pad_hdim = false;  // also runs every head dim below its own, multiple of 8 or not
   bool prefill = false;  // a tile for many query tokens (fa3 on sm90a): chunked prefill
 };
 

@@ -26,7 +26,7 @@ struct InstanceEntry {
   int block_n;       // key rows per main-loop step
   bool pad_seqlen;   // false: needs seqlen_q % block_m == 0 and seqlen_k % block_n == 0
   bool pad_hdim;     // true: also runs hdim_q <= traits.hdim_q and hdim_v <= traits.hdim_v
-                     // that are multiples of 8; false: exactly the traits' head dims
+                     // in steps of kPaddedHeadDimStep; false: exactly the traits' head dims
   LaunchFn launch;
 };
 
@@ -35,6 +35,14 @@ struct InstanceEntry {
 // may have none, e.g. --filter bwd).
 extern const InstanceEntry* const kInstances;
 extern const int kNumInstances;
+
+// The head dims an operation's pad_hdim entries run come in steps of this (generator/
+// operations.py's Operation.padded_hdim_step): 8 for the forward and the backward, whose
+// kernels move rows in whole 16-byte pieces, 1 for KV-cache attention, whose decode kernel
+// takes a partial last piece; 0 for an operation whose kernels take exact head dims only.
+extern const int kPaddedHeadDimStep;
+extern const int kBwdPaddedHeadDimStep;
+extern const int kKvcachePaddedHeadDimStep;
 
 // Targets this build compiled machine code for (generator tokens, e.g. "sm80").
 extern const char* const kCompiledTargets[];

@@ -50,6 +50,9 @@ struct KvcacheConfig {
   static constexpr BiasType kBias = kBias_;
   static constexpr bool kPaged = kPaged_;
   static constexpr bool kSoftcap = kSoftcap_;
+  // The call's head dims may be below the tile's (KvcacheParams::hdim_qk/hdim_v): the last
+  // 16-byte piece of a row may be partial, and the pieces past the head dim are zero-filled.
+  static constexpr bool kPadHdim = kPadHdim_;
 
   static constexpr int kThreads = kNumWarps * 32;
   static constexpr int kWarpKeys = kBlockN / kNumWarps;  // each warp's slice of a key tile
@@ -65,7 +68,7 @@ struct KvcacheConfig {
                 "kvcache: each warp takes a multiple of 16 keys of every key tile");
   static_assert(kStages >= 2, "kvcache: the K/V ring loads one tile while another is read");
   static_assert(kBias != BiasType::kElementwise, "kvcache: no bias tensor, ALiBi only");
-  static_assert(kPadSeqlen_ && !kPadHdim_, "kvcache: lengths on the device, exact head dims");
+  static_assert(kPadSeqlen_, "kvcache: the lengths live on the device");
 
   using QTile = SmemTile<kBlockM, kHeadDimQK>;
   using KTile = SmemTile<kBlockN, kHeadDimQK>;
@@ -100,7 +103,8 @@ struct KvcacheParams {
   float* o_partial;    // (num_splits, batch, nhead_q, seqlen_q, hdim_v), when num_splits > 1
   float* lse_partial;  // (num_splits, batch, nhead_q, seqlen_q)
 
-  int batch, seqlen_q, seqlen_new, seqlen_cache, nhead_q, nhead_k, group;  // head dims: Cfg's
+  int batch, seqlen_q, seqlen_new, seqlen_cache, nhead_q, nhead_k, group;
+  int hdim_qk, hdim_v;  // the call's: Cfg's, or up to them when Cfg::kPadHdim
   int rows;      // packed query rows per (sequence, K/V head): seqlen_q * group
   int m_blocks;  // CTAs of kBlockM packed rows per (sequence, K/V head)
   int num_splits;
@@ -159,14 +163,73 @@ __device__ __forceinline__ int attended_keys(const KvcacheParams& p, int batch) 
   return min(p.cache_seqlens[batch] + p.seqlen_new, p.seqlen_cache);
 }
 
+// ---- a row's 16-byte pieces ----------------------------------------------------------------
+
+// Rows move in 16-byte pieces of 8 elements, every row starting 16-byte aligned (the API's
+// stride checks). A call whose head dim is below its instance's (Cfg::kPadHdim) has a partial
+// last piece where the head dim is no multiple of 8, and none past it: nothing beyond a row's
+// head dim is read or written, and the tile's columns past it are zeros.
+
+// The elements of piece `chunk` that a row of `dim` elements holds: 8, 1-7, or 0 past the row.
+__device__ __forceinline__ int piece_elements(int chunk, int dim) {
+  return min(max(dim - chunk * 8, 0), 8);
+}
+
+// The bytes of piece `chunk` a cp.async copies (it zero-fills the rest of the 16): 16 at an
+// exact head dim, so the padded variant costs the exact kernels nothing.
+template <class Cfg>
+__device__ __forceinline__ int piece_bytes(int chunk, int dim) {
+  if constexpr (Cfg::kPadHdim) {
+    return piece_elements(chunk, dim) * 2;
+  } else {
+    return 16;
+  }
+}
+
+// Piece `chunk` of a row: one 16-byte access when whole, element by element when partial.
+template <typename Element>
+__device__ __forceinline__ void load_piece(Element (&v)[8], const Element* row, int chunk,
+                                           int count) {
+  if (count == 8) {
+    *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(row + chunk * 8);
+  } else {
+    for (int e = 0; e < count; ++e) v[e] = row[chunk * 8 + e];
+  }
+}
+
+template <typename Element>
+__device__ __forceinline__ void store_piece(Element* row, int chunk, const Element (&v)[8],
+                                            int count) {
+  if (count == 8) {
+    *reinterpret_cast<uint4*>(row + chunk * 8) = *reinterpret_cast<const uint4*>(v);
+  } else {
+    for (int e = 0; e < count; ++e) row[chunk * 8 + e] = v[e];
+  }
+}
+
+// Output columns d..d+3 of a row: 8 bytes at once, or with Cfg::kPadHdim those below the call's
+// head dim `dim` one by one.
+template <class Cfg>
+__device__ __forceinline__ void store_quad(typename Cfg::Element* row, int d, const float4& x,
+                                           int dim) {
+  using Element = typename Cfg::Element;
+  if (!Cfg::kPadHdim || d + 4 <= dim) {
+    *reinterpret_cast<uint2*>(row + d) =
+        make_uint2(sm80::pack2<Element>(x.x, x.y), sm80::pack2<Element>(x.z, x.w));
+  } else {
+    const float v[4] = {x.x, x.y, x.z, x.w};
+    for (int e = 0; e < 4 && d + e < dim; ++e) row[d + e] = static_cast<Element>(v[e]);
+  }
+}
+
 // ---- append: k_new/v_new into the cache, with rotary on k and q -----------------------------
 
-// One thread per 8 elements (16 bytes) of a row. Rotary pairs element e with e ± rotary_dim / 2
-// (or its neighbour, interleaved), which may sit in another thread's chunk, so the partner is
-// read from the source row directly.
+// One thread per 8 elements (16 bytes) of a row, the first `count` of them the row's. Rotary
+// pairs element e with e ± rotary_dim / 2 (or its neighbour, interleaved), which may sit in
+// another thread's chunk, so the partner is read from the source row directly.
 template <typename Element>
 __device__ void rotate_chunk(Element (&out)[8], const Element* row, int chunk,
-                             const KvcacheParams& p, int position) {
+                             const KvcacheParams& p, int position, int count) {
   position = min(position, p.seqlen_rotary - 1);  // a query past the cache (fmha.h)
   const auto* cos_row = static_cast<const Element*>(p.rotary_cos) +
                         static_cast<int64_t>(position) * (p.rotary_dim / 2);
@@ -175,6 +238,7 @@ __device__ void rotate_chunk(Element (&out)[8], const Element* row, int chunk,
   const int half = p.rotary_dim / 2;
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
+    if (e >= count) break;
     const int d = chunk * 8 + e;
     const float x = sm80::to_float(row[d]);
     if (d >= p.rotary_dim) {
@@ -193,12 +257,6 @@ __device__ void rotate_chunk(Element (&out)[8], const Element* row, int chunk,
     const float r = first ? x * c - y * s : x * c + y * s;
     out[e] = static_cast<Element>(r);
   }
-}
-
-template <class Cfg>
-__device__ __forceinline__ void store_chunk(typename Cfg::Element* dst,
-                                            const typename Cfg::Element (&v)[8]) {
-  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
 }
 
 // Grid: (ceil(rows * chunks / 128), batch), rows = seqlen_new * nhead_k for k and v, then
@@ -224,6 +282,8 @@ __global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_consta
     const int token = local / chunks / p.nhead_k;
     const int key = cached + token;
     if (key >= p.seqlen_cache) return;  // past the cache: attended_keys() stops before it
+    const int count = Cfg::kPadHdim ? piece_elements(chunk, is_k ? p.hdim_qk : p.hdim_v) : 8;
+    if (count == 0) return;
     const auto* src =
         static_cast<const Element*>(is_k ? p.k_new : p.v_new) +
         batch * (is_k ? p.kn_batch_stride : p.vn_batch_stride) +
@@ -237,28 +297,30 @@ __global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_consta
                                                  p.vc_head_stride, batch, head, key);
     alignas(16) Element vals[8];
     if (is_k && p.rotary_dim > 0 && chunk * 8 < p.rotary_dim) {
-      rotate_chunk(vals, src, chunk, p, key);
+      rotate_chunk(vals, src, chunk, p, key, count);
     } else {
-      *reinterpret_cast<uint4*>(vals) = *reinterpret_cast<const uint4*>(src + chunk * 8);
+      load_piece(vals, src, chunk, count);
     }
-    store_chunk<Cfg>(dst + chunk * 8, vals);
+    store_piece(dst, chunk, vals, count);
   } else if (item < kv_items + q_items) {
     const int local = item - kv_items;
     const int chunk = local % kChunksQK;
     const int head = local / kChunksQK % p.nhead_q;
     const int token = local / kChunksQK / p.nhead_q;
+    const int count = Cfg::kPadHdim ? piece_elements(chunk, p.hdim_qk) : 8;
+    if (count == 0) return;
     const auto* src = static_cast<const Element*>(p.q) + batch * p.q_batch_stride +
                       token * p.q_seq_stride + head * p.q_head_stride;
     alignas(16) Element vals[8];
     if (chunk * 8 < p.rotary_dim) {
-      rotate_chunk(vals, src, chunk, p, cached + (p.rotate_q_per_token ? token : 0));
+      rotate_chunk(vals, src, chunk, p, cached + (p.rotate_q_per_token ? token : 0), count);
     } else {
-      *reinterpret_cast<uint4*>(vals) = *reinterpret_cast<const uint4*>(src + chunk * 8);
+      load_piece(vals, src, chunk, count);
     }
     auto* dst = static_cast<Element*>(p.q_rotated) +
                 ((static_cast<int64_t>(batch) * p.seqlen_q + token) * p.nhead_q + head) *
                     Cfg::kHeadDimQK;
-    store_chunk<Cfg>(dst + chunk * 8, vals);
+    store_piece(dst, chunk, vals, count);
   }
 }
 
@@ -324,8 +386,9 @@ struct PageSlots {
 
 // Copies key rows [n_block * kBlockN, + kBlockN) of one cache into a ring stage: the rows of
 // cache row `cache_index` from row `key_begin` on when contiguous, of the pages whose table
-// entries `entries` holds when paged. Rows past `keys` are zero-filled (masked anyway, and
-// zero V rows keep 0 * garbage from becoming NaN). kRunsInPage: the page size is a multiple of
+// entries `entries` holds when paged, `dim` columns of each. Rows past `keys` are zero-filled
+// (masked anyway, and zero V rows keep 0 * garbage from becoming NaN), as are columns past
+// `dim` (zero K columns add nothing to Q K^T, zero V columns make output columns not stored). kRunsInPage: the page size is a multiple of
 // a thread's run (TileCopies), so each run is walked by one pointer; a contiguous cache is one
 // page.
 template <class Cfg, class Tile, bool kRunsInPage>
@@ -335,7 +398,8 @@ __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
                                                 const FastDivisor& page_size,
                                                 int64_t batch_stride, int64_t seq_stride,
                                                 int64_t head_stride, int cache_index,
-                                                int key_begin, int head, int n_block, int keys) {
+                                                int key_begin, int head, int n_block, int keys,
+                                                int dim) {
   using Copies = TileCopies<Cfg>;
   using Element = typename Cfg::Element;
   // Contiguous: key 0 is row key_begin of cache row cache_index (paged caches have neither).
@@ -356,9 +420,9 @@ __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
     }
   };
   auto copy = [&](int i, const Element* src) {
-    const bool valid = key0 + Copies::row(i) < keys;
+    const int bytes = key0 + Copies::row(i) < keys ? piece_bytes<Cfg>(Copies::chunk(i), dim) : 0;
     sm80::cp_async_16(smem_tile + Tile::offset(Copies::row(i), Copies::chunk(i)),
-                      valid ? src : cache, valid ? 16 : 0);
+                      bytes > 0 ? src : cache, bytes);
   };
   // A run in one page is walked by one pointer; a 64-bit product per row, which the compiler
   // hoists out of the key loop, took d128 from 156 to 220 registers.
@@ -441,12 +505,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
     for (int idx = threadIdx.x; idx < kBlockM * kChunks; idx += Cfg::kThreads) {
       const int r = idx / kChunks;
       const int chunk = idx % kChunks;
-      const bool valid = r < rows_here;
+      const int bytes = r < rows_here ? piece_bytes<Cfg>(chunk, p.hdim_qk) : 0;
       const int token = (row0 + r) / p.group;
       const int head = kv_head * p.group + (row0 + r) % p.group;
       const auto* src = q + batch * p.q_batch_stride + token * p.q_seq_stride +
                         head * p.q_head_stride + chunk * 8;
-      sm80::cp_async_16(s_q + QTile::offset(r, chunk), valid ? src : q, valid ? 16 : 0);
+      sm80::cp_async_16(s_q + QTile::offset(r, chunk), bytes > 0 ? src : q, bytes);
     }
   }
   const int cache_index =
@@ -464,10 +528,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
     const int32_t* entries = pages.entries(n_block);
     load_cache_tile<Cfg, KTile, kRunsInPage>(
         s_k + stage * KTile::kBytes, k_cache, entries, p.page_size, p.kc_batch_stride,
-        p.kc_seq_stride, p.kc_head_stride, cache_index, key_begin, kv_head, n_block, keys);
+        p.kc_seq_stride, p.kc_head_stride, cache_index, key_begin, kv_head, n_block, keys,
+        p.hdim_qk);
     load_cache_tile<Cfg, VTile, kRunsInPage>(
         s_v + stage * VTile::kBytes, v_cache, entries, p.page_size, p.vc_batch_stride,
-        p.vc_seq_stride, p.vc_head_stride, cache_index, key_begin, kv_head, n_block, keys);
+        p.vc_seq_stride, p.vc_head_stride, cache_index, key_begin, kv_head, n_block, keys,
+        p.hdim_v);
   };
   // Prologue: kStages - 1 tiles in flight (Q joins the first group), each group carrying the
   // block-table entries of the tile kStages - 1 after it (PageSlots). The first tiles' entries
@@ -724,8 +790,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
     if (final_output) {
       auto* o = static_cast<Element*>(p.o) + batch * p.o_batch_stride + token * p.o_seq_stride +
                 head * p.o_head_stride;
-      *reinterpret_cast<uint2*>(o + d) = make_uint2(sm80::pack2<Element>(out.x, out.y),
-                                                    sm80::pack2<Element>(out.z, out.w));
+      store_quad<Cfg>(o, d, out, p.hdim_v);
       if (d == 0 && p.lse != nullptr) {
         p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + token] = lse;
       }
@@ -848,9 +913,7 @@ __global__ void __launch_bounds__(128) kvcache_combine_kernel(const __grid_const
   for (int v = 0; v < kVecs; ++v) {
     if (!owns(v)) continue;
     if (nan) acc[v] = make_float4(NAN, NAN, NAN, NAN);
-    *reinterpret_cast<uint2*>(o + (lane + 32 * v) * 4) =
-        make_uint2(sm80::pack2<Element>(acc[v].x, acc[v].y),
-                   sm80::pack2<Element>(acc[v].z, acc[v].w));
+    store_quad<Cfg>(o, (lane + 32 * v) * 4, acc[v], p.hdim_v);
   }
   if (lane == 0 && p.lse != nullptr) {
     p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + token] = lse;
@@ -945,6 +1008,8 @@ inline KvcacheParams kvcache_params(const KvcacheArgs& a) {
   p.seqlen_cache = a.seqlen_cache;
   p.nhead_q = a.nhead_q;
   p.nhead_k = a.nhead_k;
+  p.hdim_qk = a.hdim_q;
+  p.hdim_v = a.hdim_v;
   p.group = a.nhead_q / a.nhead_k;
   p.rows = a.seqlen_q * p.group;
   p.q_batch_stride = a.q_batch_stride;
