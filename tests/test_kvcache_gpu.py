@@ -4,12 +4,16 @@ allocator: decode (one query token) and several query tokens, MQA/GQA/MHA, conti
 (with cache_batch_idx) and paged ones (pages of 1 to 256 tokens in shuffled order), empty and
 full caches, k/v appended in place with and without rotary (both layouts), forced and chosen
 key splits, and each instance's own mask, ALiBi and soft-cap, and a NaN in the cache reaching
-exactly the rows it reaches in the reference. The cache the call leaves is checked too:
-appended rows as the reference rotates them, every other row untouched."""
+exactly the rows it reaches in the reference. Head-dim-padded instances also run head dims
+below their own: a multiple of 8 and one that is not, in place where the rows start on 16-byte
+boundaries and on the copies fwd_kvcache makes where they do not. The cache the call leaves is
+checked too: appended rows as the reference rotates them, every other row untouched."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,6 +30,7 @@ CC = device_cc(torch)
 INSTANCES = [i for i in fmha.kvcache_instances() if runs_here(i, CC)]
 # The decode instances run every call; the prefill ones chunks of at least block_m tokens.
 DECODE_INSTANCES = [i for i in INSTANCES if not i["prefill"]]
+PADDED_INSTANCES = [i for i in DECODE_INSTANCES if i["pad_hdim"]]
 
 
 @dataclass(frozen=True)
@@ -44,12 +49,14 @@ class Case:
     batch_idx: bool = False  # contiguous instances: map sequences to shuffled cache rows
     leftpad: tuple = ()     # contiguous instances: cache_leftpad, where each sequence's keys start
     cache_layout: str = "nhd"  # the caches' memory order (_cache_tensor)
+    head_dims: tuple = ()   # the call's (q and k, v) head dims; (): the instance's own
 
     def describe(self) -> str:
         return (f"b{self.batch} sq{self.seqlen_q} h{self.nhead_q}/{self.nhead_k} "
                 f"cap{self.capacity} len{list(self.lengths)} new{self.seqlen_new} "
                 f"rot={self.rotary} splits={self.num_splits} page={self.page_size} "
-                f"leftpad={list(self.leftpad)} layout={self.cache_layout}")
+                f"leftpad={list(self.leftpad)} layout={self.cache_layout}"
+                f"{f' d{self.head_dims}' if self.head_dims else ''}")
 
 
 CASES = (
@@ -115,17 +122,26 @@ SOFTCAP = 5.0
 def _cache_tensor(randn, layout: str, rows: int, keys: int, heads: int, d: int):
     """A (rows, keys, heads, d) cache in memory order `layout`: "nhd" packed in that order;
     "hnd" a row's heads one after another (a (rows, heads, keys, d) tensor, transposed);
-    "padded" each key's heads in a row of d + 64 columns (no two dimensions merge)."""
+    "padded" each key's heads in a row of d + 64 columns (no two dimensions merge); "pitched"
+    rows of d up to a multiple of 8 (a head dim that is none, read in place)."""
     if layout == "hnd":
         return randn(rows, heads, keys, d).transpose(1, 2)
     if layout == "padded":
         return randn(rows, keys, heads, d + 64)[..., :d]
-    return randn(rows, keys, heads, d)
+    return _operand(randn, layout, rows, keys, heads, d)
+
+
+def _operand(randn, layout: str, *shape):
+    """q, k or v (and an "nhd" or "pitched" cache): rows of the head dim up to a multiple of 8
+    where the layout is "pitched", else packed."""
+    if layout == "pitched":
+        return randn(*shape[:-1], shape[-1] + -shape[-1] % 8)[..., :shape[-1]]
+    return randn(*shape)
 
 
 def _inputs(inst: dict, case: Case, gen: torch.Generator):
     dtype = DTYPES[inst["dtype"]]
-    d, dv = inst["hdim_q"], inst["hdim_v"]
+    d, dv = case.head_dims or (inst["hdim_q"], inst["hdim_v"])
     dev = "cuda"
 
     def randn(*shape):
@@ -153,10 +169,10 @@ def _inputs(inst: dict, case: Case, gen: torch.Generator):
             kw["cache_leftpad"] = torch.tensor(case.leftpad, dtype=torch.int32, device=dev)
     assert all(n + case.seqlen_new <= capacity for n in case.lengths), case
     kw["cache_seqlens"] = torch.tensor(case.lengths, dtype=torch.int32, device=dev)
-    q = randn(b, case.seqlen_q, case.nhead_q, d)
+    q = _operand(randn, case.cache_layout, b, case.seqlen_q, case.nhead_q, d)
     if case.seqlen_new:
-        kw["k"] = randn(b, case.seqlen_new, hk, d)
-        kw["v"] = randn(b, case.seqlen_new, hk, dv)
+        kw["k"] = _operand(randn, case.cache_layout, b, case.seqlen_new, hk, d)
+        kw["v"] = _operand(randn, case.cache_layout, b, case.seqlen_new, hk, dv)
     if case.rotary:
         rotary_dim = int(d * case.rotary_fraction) // 2 * 2
         angles = torch.rand(capacity, rotary_dim // 2, generator=gen, device=dev) * 2 * math.pi
@@ -182,12 +198,23 @@ def _check(inst: dict, case: Case, instance: Optional[str], seed: int):
         q, before_k, before_v, new.get("k"), new.get("v"), **kw)
     lowp, _, _, _ = kvcache_reference(q, before_k, before_v, new.get("k"), new.get("v"), **kw,
                                       compute_dtype=dtype)
-    out_shape = (case.batch, case.seqlen_q, case.nhead_q, inst["hdim_v"])
+    dv = v_cache.shape[-1]
+    out_shape = (case.batch, case.seqlen_q, case.nhead_q, dv + -dv % 8)  # rows 16 bytes apart
     poison_allocator([(out_shape, dtype), ((case.batch, case.nhead_q, case.seqlen_q),
                                            torch.float32)], q.device)
-    out, lse = fmha.fwd_kvcache(q, k_cache, v_cache, new.get("k"), new.get("v"), **kw,
-                                num_splits=case.num_splits, return_lse=True, instance=instance)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        out, lse = fmha.fwd_kvcache(q, k_cache, v_cache, new.get("k"), new.get("v"), **kw,
+                                    num_splits=case.num_splits, return_lse=True,
+                                    instance=instance)
     torch.cuda.synchronize()
+    # Copies of the caches are what a serving loop must hear of; caches whose rows start 16
+    # bytes apart run in place.
+    copied = any("copies them" in str(w.message) for w in warned)
+    in_place = all(t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
+                   for t in (k_cache, v_cache))
+    assert copied != in_place, f"caches in place: {in_place}, warned of copies: {copied}"
+    assert out.shape == truth.shape, (out.shape, truth.shape)
     what = f"{instance or 'dispatcher'} [{case.describe()}]"
     compare(out, truth, lowp, dtype=dtype, lse=lse, ref_lse=truth_lse, what=what)
     # The cache: appended rows within one rounding of the reference's (the kernel rotates in
@@ -209,6 +236,35 @@ def test_instance(inst, case_index):
     if case.leftpad and inst["paged"]:
         pytest.skip("cache_leftpad offsets a contiguous cache's rows; paged caches take none")
     _check(inst, case, inst["name"], seed=case_index)
+
+
+# Head dims below a padded instance's own: the next multiple of 8 down, one that is no
+# multiple of 8 (a partial last 16-byte piece), and a narrower v (as (192, 128) runs on d192's),
+# in place ("pitched" rows) and on the copies fwd_kvcache makes of packed tensors ("nhd").
+# Cases of CASES: appended and rotated (NeoX on half the head dim), several rotated query
+# tokens on pages of 7, pages of 12, left padding.
+PADDED_CASES = (1, 2, 8, 9)
+
+
+def _padded_dims(inst: dict) -> tuple:
+    own = inst["hdim_q"]
+    return (own - 8, own - 8), (own // 2 + 3, own // 2 + 3), (own, own // 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["pitched", "nhd"])
+@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("case_index", PADDED_CASES)
+@pytest.mark.parametrize("inst", PADDED_INSTANCES, ids=lambda i: i["name"])
+def test_padded_head_dims(inst, case_index, which, layout):
+    case = CASES[case_index]
+    if case.leftpad and inst["paged"]:
+        pytest.skip("cache_leftpad offsets a contiguous cache's rows; paged caches take none")
+    head_dims = _padded_dims(inst)[which]
+    if layout == "nhd" and all(d % 8 == 0 for d in head_dims):
+        pytest.skip("packed rows of a multiple of 8 are in place: the pitched case covers it")
+    case = dataclasses.replace(case, head_dims=head_dims, cache_layout=layout)
+    _check(inst, case, inst["name"], seed=100 + case_index)
 
 
 @pytest.mark.gpu

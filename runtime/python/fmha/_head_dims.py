@@ -4,14 +4,19 @@ multiple of 8 (FlashAttention-2 does the same), with the softmax scale of the ca
 dim. Zero columns of q and k change no dot product, zero columns of v make output columns of
 zeros, and the results are cut back to the call's head dims. A view into a wider buffer is
 copied too: the columns past its head dim hold whatever the buffer holds, and the kernels would
-read them."""
+read them.
+
+fmha.fwd_kvcache's kernels take a partial last piece (they read and write nothing past a row's
+head dim), so its operands need copies only where their rows do not start on 16-byte
+boundaries (rows_in_place): a [..., :headdim] view of a buffer padded to a multiple of 8 runs
+in place, a contiguous tensor of such a head dim is copied."""
 
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from fmha._checks import ROW_PIECE
+from fmha._checks import ALIGN_BYTES, ROW_PIECE, kernel_strides
 
 # The largest head dim any kernel takes: beyond it there is nothing to pad to, and the checks
 # say so in their own words.
@@ -28,6 +33,31 @@ def needs_padding(q, v) -> bool:
         return False
     dq, dv = shape_q[-1], shape_v[-1]
     return bool((dq | dv) % ROW_PIECE) and 0 < dq <= MAX_HEAD_DIM and 0 < dv <= MAX_HEAD_DIM
+
+
+def rows_in_place(t: torch.Tensor) -> bool:
+    """Whether each row of t (its last dim) starts on a 16-byte boundary: the head dim
+    contiguous, every other stride a multiple of 8 elements and the data 16-byte aligned."""
+    strides = kernel_strides(t)
+    return (strides[-1] in (0, 1) and all(s % ROW_PIECE == 0 for s in strides[:-1])
+            and t.data_ptr() % ALIGN_BYTES == 0)
+
+
+def kvcache_needs_copies(*operands) -> bool:
+    """Whether a fwd_kvcache call has an operand (tensors or None) whose head dim is no multiple
+    of 8, within what the kernels take, and whose rows are not in place (rows_in_place).
+    Anything else falls through to the checks."""
+    tensors = [t for t in operands if isinstance(t, torch.Tensor)]
+    if len(tensors) != sum(t is not None for t in operands) or any(t.dim() == 0 for t in tensors):
+        return False
+    dims = [t.shape[-1] for t in tensors]
+    return (all(0 < d <= MAX_HEAD_DIM for d in dims) and any(d % ROW_PIECE for d in dims)
+            and not all(rows_in_place(t) for t in tensors))
+
+
+def padded_rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """t itself where its rows are in place, else a copy zero-padded to a multiple of 8."""
+    return t if t is None or rows_in_place(t) else pad(t)
 
 
 def pad(x):

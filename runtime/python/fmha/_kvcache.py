@@ -10,11 +10,12 @@ lengths and new tokens without host work.
 """
 
 import math
+import warnings
 from typing import Optional
 
 import torch
 
-from fmha import _C, _plans
+from fmha import _C, _head_dims, _plans
 from fmha._api import _raise_for
 from fmha._checks import (
     DTYPE_CODES,
@@ -89,7 +90,7 @@ class _KvcachePlan:
 
     def __init__(self, args, out_shape, lse_shape, workspace_bytes: int, device: int):
         self.args = args
-        self.out_shape = out_shape
+        self.out_shape = out_shape  # its rows padded to a multiple of 8 (_out_pitch)
         self.lse_shape = lse_shape
         self.workspace_bytes = workspace_bytes
         self.device = device
@@ -97,6 +98,8 @@ class _KvcachePlan:
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, rotary_cos, rotary_sin, alibi_slopes, instance):
         out = q.new_empty(self.out_shape)
+        if out.shape[-1] != self.args.hdim_v:
+            out = out[..., :self.args.hdim_v]
         lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         workspace = q.new_empty(self.workspace_bytes, dtype=torch.uint8) \
             if self.workspace_bytes else None
@@ -185,11 +188,8 @@ def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache
     if nhead_k == 0 or nhead_q % nhead_k:
         _fail(f"q's {nhead_q} heads must be a multiple of the cache's {nhead_k} (MQA/GQA)")
     for name, d in (("q", hdim_q), ("v_cache", hdim_v)):
-        if d == 0 or d % ROW_PIECE:
-            _fail(f"{name}'s head dim must be a positive multiple of {ROW_PIECE}, got {d}: the "
-                  f"cache is written in place, so pad it once where it is allocated (zero columns "
-                  f"up to a multiple of {ROW_PIECE} in q, the caches and k/v, and softmax_scale "
-                  f"of the unpadded head dim) and drop out's extra columns")
+        if d == 0:
+            _fail(f"{name}'s head dim must be positive")
     seqlen_new = 0
     if (k is None) != (v is None):
         _fail("k and v are appended together: pass both or neither")
@@ -295,9 +295,12 @@ def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache
     if k is not None:
         a.k_new_batch_stride, a.k_new_seq_stride, a.k_new_head_stride = kernel_strides(k)[:3]
         a.v_new_batch_stride, a.v_new_seq_stride, a.v_new_head_stride = kernel_strides(v)[:3]
-    out_shape = (batch, seqlen_q, nhead_q, hdim_v)
-    a.o_batch_stride = seqlen_q * nhead_q * hdim_v
-    a.o_seq_stride, a.o_head_stride = nhead_q * hdim_v, hdim_v
+    # out's rows start 16 bytes apart: a head dim that is no multiple of 8 gets the columns up
+    # to one, and the call returns the view of its own.
+    pitch = hdim_v + -hdim_v % ROW_PIECE
+    out_shape = (batch, seqlen_q, nhead_q, pitch)
+    a.o_batch_stride = seqlen_q * nhead_q * pitch
+    a.o_seq_stride, a.o_head_stride = nhead_q * pitch, pitch
     lse_shape = (batch, nhead_q, seqlen_q) if return_lse else None
     a.lse_batch_stride, a.lse_head_stride = nhead_q * seqlen_q, seqlen_q
     if paged:
@@ -360,6 +363,14 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
                     cache_leftpad, rotary_cos, rotary_sin, alibi_slopes, rotary_interleaved, causal,
                     window_size, softcap, softmax_scale, num_splits, return_lse, instance)
     plan = _PLANS.get(key) if key is not None else None
+    if plan is None and _head_dims.kvcache_needs_copies(q, k_cache, v_cache, k, v):
+        return _fwd_kvcache_on_copies(
+            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
+            rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+            softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
+            instance=instance)
     if plan is None:
         args, out_shape, lse_shape = _build_args(
             q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
@@ -383,6 +394,36 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
             _PLANS.put(key, plan)
     out, lse = plan.run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
                         block_table, rotary_cos, rotary_sin, alibi_slopes, instance)
+    return (out, lse) if return_lse else out
+
+
+def _fwd_kvcache_on_copies(q, k_cache, v_cache, k, v, *, softmax_scale, return_lse, **options):
+    """fwd_kvcache of a call with a head dim that is no multiple of 8 in rows that do not start
+    on 16-byte boundaries (a contiguous tensor of such a head dim): on copies zero-padded to a
+    multiple of 8 of the operands whose rows are not in place, as FlashAttention-2 runs every
+    such call. A cache copied here and appended to is copied back: the whole cache each call,
+    which a serving loop avoids by allocating its caches as [..., :headdim] views of buffers
+    whose head dim is a multiple of 8 (they run in place, as every operand that is one)."""
+    k_run, v_run = _head_dims.padded_rows(k_cache), _head_dims.padded_rows(v_cache)
+    if k_run is not k_cache or v_run is not v_cache:
+        warnings.warn(
+            f"fmha.{_API}: the caches' rows (head dims {k_cache.shape[-1]} and "
+            f"{v_cache.shape[-1]}, strides {tuple(k_cache.stride())}) do not start on 16-byte "
+            f"boundaries, so each call copies them zero-padded to a multiple of {ROW_PIECE}"
+            f"{' and back' if k is not None else ''}; allocate each cache as the [..., :headdim] "
+            f"view of a buffer whose head dim is a multiple of {ROW_PIECE} to run in place",
+            stacklevel=3)
+    result = fwd_kvcache(
+        _head_dims.padded_rows(q), k_run, v_run, _head_dims.padded_rows(k),
+        _head_dims.padded_rows(v), softmax_scale=_head_dims.default_scale(q, softmax_scale),
+        return_lse=return_lse, **options)
+    if k is not None:
+        if k_run is not k_cache:
+            k_cache.copy_(k_run[..., :k_cache.shape[-1]])
+        if v_run is not v_cache:
+            v_cache.copy_(v_run[..., :v_cache.shape[-1]])
+    out, lse = result if return_lse else (result, None)
+    out = out[..., :v_cache.shape[-1]]
     return (out, lse) if return_lse else out
 
 

@@ -139,7 +139,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         causal=causal, mask_align="bottom_right", softcap=softcap, dropout_p=dropout_p,
         softmax_scale=head_dim ** -0.5 if softmax_scale is None else softmax_scale,
         window_size=window_size(sliding_window, causal, k.shape[1]))
-    # fmha.fwd would pad the head dims itself; fwd_kvcache takes multiples of 8 only.
+    # fmha.fwd and fwd_kvcache would pad head dims that are no multiple of 8 themselves (the
+    # rows of transformers' caches are packed, so the caches are copied either way); here once
+    # for both paths, and without fwd_kvcache's warning about copying the caches.
     q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
 
     if _decodes(q, k, v, cu_seqlens_q, dropout_p):
