@@ -2,7 +2,7 @@
 
 A small randomly initialised Llama (4 layers, 8 query heads on 2 K/V heads, head dim 64) in
 bf16 runs with attn_implementation="fmha" and "sdpa", with and without left padding, and
-generates greedily; SDPA's flash backend runs before and after fmha.integrations.sdpa.register().
+generates greedily (also at head dims 40 and 36, which run padded); SDPA's flash backend runs before and after fmha.integrations.sdpa.register().
 
 Pass rule, as the kernel tests' (tests/test_fwd_gpu.py): against a float32 (float64 for SDPA's
 operator) run of the same weights and inputs, fmha's error is at most twice that of torch's
@@ -57,12 +57,13 @@ def needs_instance(**options):
         pytest.skip(f"this build has no instance for {options}: {exc}")
 
 
-def models(transformers, config_class="LlamaConfig", yardstick="sdpa", **options):
+def models(transformers, config_class="LlamaConfig", yardstick="sdpa", head_dim=HEAD_DIM,
+           **options):
     """The same random weights as a bf16 model with fmha, a bf16 one with the yardstick's
     attention (torch's own path), and a float32 one with eager attention: the reference."""
     config = getattr(transformers, config_class)(
         vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=HEAD_DIM, pad_token_id=0,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim, pad_token_id=0,
         bos_token_id=None, eos_token_id=None, initializer_range=0.05, **options)
     torch.manual_seed(0)
     built = []
@@ -111,13 +112,43 @@ def test_llama_logits_match_sdpa(transformers, lengths):
 
 @pytest.mark.parametrize("lengths", [[24, 24], [24, 11]], ids=["unpadded", "left-padded"])
 def test_llama_generate_matches_sdpa(transformers, lengths):
-    model, sdpa_model, reference = models(transformers)
-    ids, mask = prompts(lengths, 24)
+    assert_same_greedy_tokens(*models(transformers), *prompts(lengths, 24))
+
+
+@pytest.mark.parametrize("head_dim", [40, 36])
+def test_generate_at_a_head_dim_no_instance_has(transformers, monkeypatch, head_dim):
+    """A model whose head dim no instance has (40, and 36, which is no multiple of 8) decodes
+    on fwd_kvcache's head-dim-padded instances, left-padded, as SDPA does."""
+    padded = head_dim + -head_dim % 8  # what the integration hands fwd_kvcache
+    q = torch.empty(2, 1, 8, padded, device=DEVICE, dtype=DTYPE)
+    k = torch.empty(2, 64, 2, padded, device=DEVICE, dtype=DTYPE)
+    try:
+        fmha.select_kvcache(q, k, k, causal=True, cache_seqlens=torch.zeros(
+            2, dtype=torch.int32, device=DEVICE))
+    except fmha.MissingInstanceError as exc:
+        pytest.skip(f"this build has no bf16 causal kvcache instance for head dim {head_dim}: "
+                    f"{exc}")
+    decode_calls = []
+    fwd_kvcache = fmha.fwd_kvcache
+
+    def counted(*args, **kwargs):
+        decode_calls.append(args[0].shape)
+        return fwd_kvcache(*args, **kwargs)
+
+    monkeypatch.setattr(fmha, "fwd_kvcache", counted)
+    assert_same_greedy_tokens(*models(transformers, head_dim=head_dim), *prompts([24, 11], 24))
+    # Every layer of each of the 15 steps after the prompt's: one query token a row.
+    assert len(decode_calls) == 15 * 4 and all(shape[1] == 1 for shape in decode_calls)
+
+
+def assert_same_greedy_tokens(model, sdpa_model, reference, ids, mask):
+    """16 new tokens by greedy decoding, fmha's as SDPA's but at near-ties (TIE)."""
     options = dict(attention_mask=mask, max_new_tokens=16, do_sample=False)
     got = model.generate(ids, **options)[:, ids.shape[1]:]
     want = sdpa_model.generate(ids, **options)[:, ids.shape[1]:]
-    assert got.shape == want.shape == (len(lengths), 16)
-    for row in range(len(lengths)):
+    rows = ids.shape[0]
+    assert got.shape == want.shape == (rows, 16)
+    for row in range(rows):
         differ = (got[row] != want[row]).nonzero()
         if differ.numel() == 0:
             continue
