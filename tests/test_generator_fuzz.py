@@ -259,7 +259,7 @@ def test_broken_config_with_every_operation(every_render, data):
     check_run(every_render, data)
 
 
-# The repository's matrix takes about a second a run (14772 instances): a few examples.
+# The repository's matrix takes about a second a run (15348 instances): a few examples.
 @settings(max_examples=10, derandomize=True, deadline=None, database=None)
 @given(data=broken(DEFAULT_CONFIG.read_text()))
 def test_broken_repository_config(repository_render, data):
