@@ -176,13 +176,19 @@ __device__ __forceinline__ int piece_elements(int chunk, int dim) {
 }
 
 // The bytes of piece `chunk` a cp.async copies (it zero-fills the rest of the 16): 16 at an
-// exact head dim, so the padded variant costs the exact kernels nothing.
-template <class Cfg>
+// exact head dim, so the padded variant costs the exact kernels nothing. kPartialPieces: the
+// head dim may end inside a piece. Without it a copy moves 0 or 16 bytes, which is one
+// predicate; a source size known only at run time also costs an address adjustment and a
+// predicate of its own a copy (ptxas's general zero-fill: the padded d128 kernel's step took
+// 540 instructions against 430, perf notes v20).
+template <class Cfg, bool kPartialPieces = true>
 __device__ __forceinline__ int piece_bytes(int chunk, int dim) {
-  if constexpr (Cfg::kPadHdim) {
+  if constexpr (!Cfg::kPadHdim) {
+    return 16;
+  } else if constexpr (kPartialPieces) {
     return piece_elements(chunk, dim) * 2;
   } else {
-    return 16;
+    return chunk * 8 < dim ? 16 : 0;
   }
 }
 
@@ -388,10 +394,10 @@ struct PageSlots {
 // cache row `cache_index` from row `key_begin` on when contiguous, of the pages whose table
 // entries `entries` holds when paged, `dim` columns of each. Rows past `keys` are zero-filled
 // (masked anyway, and zero V rows keep 0 * garbage from becoming NaN), as are columns past
-// `dim` (zero K columns add nothing to Q K^T, zero V columns make output columns not stored). kRunsInPage: the page size is a multiple of
-// a thread's run (TileCopies), so each run is walked by one pointer; a contiguous cache is one
-// page.
-template <class Cfg, class Tile, bool kRunsInPage>
+// `dim` (zero K columns add nothing to Q K^T, zero V columns make output columns not stored).
+// kRunsInPage: the page size is a multiple of a thread's run (TileCopies), so each run is
+// walked by one pointer; a contiguous cache is one page. kPartialPieces: piece_bytes'.
+template <class Cfg, class Tile, bool kRunsInPage, bool kPartialPieces>
 __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
                                                 const typename Cfg::Element* cache,
                                                 const int32_t* entries,
@@ -420,7 +426,9 @@ __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
     }
   };
   auto copy = [&](int i, const Element* src) {
-    const int bytes = key0 + Copies::row(i) < keys ? piece_bytes<Cfg>(Copies::chunk(i), dim) : 0;
+    const int bytes = key0 + Copies::row(i) < keys
+                          ? piece_bytes<Cfg, kPartialPieces>(Copies::chunk(i), dim)
+                          : 0;
     sm80::cp_async_16(smem_tile + Tile::offset(Copies::row(i), Copies::chunk(i)),
                       bytes > 0 ? src : cache, bytes);
   };
@@ -443,8 +451,9 @@ __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
 
 // Grid: (m_blocks * num_splits, nhead_k, batch). kRunsInPage as load_cache_tile's: a kernel of
 // its own, as the paged kernel that decided it per tile ran 20% more instructions than the
-// contiguous one at batch 1 x 8k keys (docs/perf-notes.md v17).
-template <class Cfg, bool kRunsInPage>
+// contiguous one at batch 1 x 8k keys (docs/perf-notes.md v17). kPartialPieces as
+// piece_bytes': a kernel of its own too, for head dims that are no multiple of 8.
+template <class Cfg, bool kRunsInPage, bool kPartialPieces>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_kernel(const __grid_constant__ KvcacheParams p) {
   using Element = typename Cfg::Element;
   using QTile = typename Cfg::QTile;
@@ -505,7 +514,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
     for (int idx = threadIdx.x; idx < kBlockM * kChunks; idx += Cfg::kThreads) {
       const int r = idx / kChunks;
       const int chunk = idx % kChunks;
-      const int bytes = r < rows_here ? piece_bytes<Cfg>(chunk, p.hdim_qk) : 0;
+      const int bytes = r < rows_here ? piece_bytes<Cfg, kPartialPieces>(chunk, p.hdim_qk) : 0;
       const int token = (row0 + r) / p.group;
       const int head = kv_head * p.group + (row0 + r) % p.group;
       const auto* src = q + batch * p.q_batch_stride + token * p.q_seq_stride +
@@ -526,11 +535,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   };
   auto load_kv = [&](int n_block, int stage) {
     const int32_t* entries = pages.entries(n_block);
-    load_cache_tile<Cfg, KTile, kRunsInPage>(
+    load_cache_tile<Cfg, KTile, kRunsInPage, kPartialPieces>(
         s_k + stage * KTile::kBytes, k_cache, entries, p.page_size, p.kc_batch_stride,
         p.kc_seq_stride, p.kc_head_stride, cache_index, key_begin, kv_head, n_block, keys,
         p.hdim_qk);
-    load_cache_tile<Cfg, VTile, kRunsInPage>(
+    load_cache_tile<Cfg, VTile, kRunsInPage, kPartialPieces>(
         s_v + stage * VTile::kBytes, v_cache, entries, p.page_size, p.vc_batch_stride,
         p.vc_seq_stride, p.vc_head_stride, cache_index, key_begin, kv_head, n_block, keys,
         p.hdim_v);
@@ -923,25 +932,38 @@ __global__ void __launch_bounds__(128) kvcache_combine_kernel(const __grid_const
 // ---- host --------------------------------------------------------------------------------
 
 // Past 48 KB a kernel must opt in to dynamic shared memory, once per device.
-template <class Cfg, bool kRunsInPage>
+template <class Cfg, bool kRunsInPage, bool kPartialPieces>
 cudaError_t allow_kvcache_smem() {
   if constexpr (Cfg::kSmemBytes > 48 * 1024) {
     static std::atomic<uint64_t> smem_raised{0};
-    return allow_dynamic_smem(reinterpret_cast<const void*>(kvcache_kernel<Cfg, kRunsInPage>),
-                              Cfg::kSmemBytes, smem_raised);
+    return allow_dynamic_smem(
+        reinterpret_cast<const void*>(kvcache_kernel<Cfg, kRunsInPage, kPartialPieces>),
+        Cfg::kSmemBytes, smem_raised);
   }
   return cudaSuccess;
 }
 
-// The attention kernel: the one whose runs lie in a page where they do (every contiguous call),
-// else the one that looks each row's page up (page sizes that are no multiple of a run).
-template <class Cfg, bool kRunsInPage>
-cudaError_t launch_attention(const KvcacheParams& p, dim3 grid, cudaStream_t stream) {
-  if (const cudaError_t err = allow_kvcache_smem<Cfg, kRunsInPage>(); err != cudaSuccess) {
+template <class Cfg, bool kRunsInPage, bool kPartialPieces>
+cudaError_t launch_attention_kernel(const KvcacheParams& p, dim3 grid, cudaStream_t stream) {
+  if (const cudaError_t err = allow_kvcache_smem<Cfg, kRunsInPage, kPartialPieces>();
+      err != cudaSuccess) {
     return err;
   }
-  return launch_dependent<kvcache_kernel<Cfg, kRunsInPage>>(grid, Cfg::kThreads,
-                                                            Cfg::kSmemBytes, stream, p);
+  return launch_dependent<kvcache_kernel<Cfg, kRunsInPage, kPartialPieces>>(
+      grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
+}
+
+// The attention kernel: the one whose runs lie in a page where they do (every contiguous call),
+// else the one that looks each row's page up (page sizes that are no multiple of a run); of a
+// head-dim-padded instance, the one for partial pieces where a head dim is no multiple of 8.
+template <class Cfg, bool kRunsInPage>
+cudaError_t launch_attention(const KvcacheParams& p, dim3 grid, cudaStream_t stream) {
+  if constexpr (Cfg::kPadHdim) {
+    if (p.hdim_qk % 8 != 0 || p.hdim_v % 8 != 0) {
+      return launch_attention_kernel<Cfg, kRunsInPage, true>(p, grid, stream);
+    }
+  }
+  return launch_attention_kernel<Cfg, kRunsInPage, false>(p, grid, stream);
 }
 
 // Splits per (sequence, K/V head, row block): args.num_splits when given, else as many as put
