@@ -175,8 +175,8 @@ __device__ __forceinline__ int piece_elements(int chunk, int dim) {
   return min(max(dim - chunk * 8, 0), 8);
 }
 
-// The bytes of piece `chunk` a cp.async copies (it zero-fills the rest of the 16): 16 at an
-// exact head dim, so the padded variant costs the exact kernels nothing. kPartialPieces: the
+// The bytes of piece `chunk` a cp.async copies (it zero-fills the rest of the 16): always 16
+// in an exact instance, whose code is what it was before padding. kPartialPieces: the
 // head dim may end inside a piece. Without it a copy moves 0 or 16 bytes, which is one
 // predicate; a source size known only at run time also costs an address adjustment and a
 // predicate of its own a copy (ptxas's general zero-fill: the padded d128 kernel's step took
