@@ -506,6 +506,19 @@ def test_list_and_json_of_kvcache_instances(run_cli):
     assert all(tuple(r) == KVCACHE_SUMMARY_FIELDS and r["op"] == "kvcache" for r in records)
 
 
+# The decode instances of the extended preset that serve a bf16 d128 causal paged call on an
+# H100, in dispatch order: newest arch first, then exact head dims, then the tightest padded.
+BF16_D128_CAUSAL_PAGED_DECODE = [
+    "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad",
+    "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad_hpad",
+    "kvcache_bf16_d192_causal_paged_fa2_sm90a_m16n64_pad_hpad",
+    "kvcache_bf16_d256_causal_paged_fa2_sm90a_m16n64_pad_hpad",
+    "kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad",
+    "kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad_hpad",
+    "kvcache_bf16_d192_causal_paged_fa2_sm80_m16n64_pad_hpad",
+    "kvcache_bf16_d256_causal_paged_fa2_sm80_m16n64_pad_hpad"]
+
+
 def test_explain_kvcache_hit(run_cli):
     result = run_cli("--explain", "op=kvcache,dtype=bf16,hdim=128,mask=causal,paged=true,"
                                   "seqlen_q=1,seqlen_k=4000,arch=90", "--preset", "extended")
@@ -518,14 +531,7 @@ def test_explain_kvcache_hit(run_cli):
         "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad_hpad by rule 5 of the dispatch "
         "order, exact head dims first: pad_hdim=false against pad_hdim=true",
         "serving, in dispatch order:",
-        "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad",
-        "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad_hpad",
-        "  kvcache_bf16_d192_causal_paged_fa2_sm90a_m16n64_pad_hpad",
-        "  kvcache_bf16_d256_causal_paged_fa2_sm90a_m16n64_pad_hpad",
-        "  kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad",
-        "  kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad_hpad",
-        "  kvcache_bf16_d192_causal_paged_fa2_sm80_m16n64_pad_hpad",
-        "  kvcache_bf16_d256_causal_paged_fa2_sm80_m16n64_pad_hpad"]
+        *(f"  {name}" for name in BF16_D128_CAUSAL_PAGED_DECODE)]
 
 
 def test_explain_kvcache_chunk_runs_the_prefill_instance(run_cli):
