@@ -66,7 +66,9 @@ def prune(points: tuple[MatrixPoint, ...], op_config: OperationConfig,
           config: Config) -> tuple[MatrixPoint, ...]:
     """Drops the points some rule matches. A rule of the operation's own that matches no point
     of its matrix is dead configuration, most likely a typo in a value that does exist, so it
-    is an error (a shared rule needs to match a point of some operation's)."""
+    is an error (a shared rule needs to match a point of some operation's). So is a kept
+    pad_hdim=true point of a kernel that takes exact head dims only
+    (operations.Kernel.padded_hdim_step None): its TU would not compile."""
     shared = set(config.shared_rules)
     for rule in op_config.rules:
         if rule not in shared and not any(rule.matches(point) for point in points):
@@ -77,6 +79,15 @@ def prune(points: tuple[MatrixPoint, ...], op_config: OperationConfig,
         raise config.error(op_config.lines["rules"],
                            f"{op_config.label}.rules: they prune every point of the matrix, so "
                            f"nothing would be built")
+    op = op_config.op
+    exact = next((p for p in kept
+                  if p.pad_hdim and op.kernel(p.pipeline).padded_hdim_step is None), None)
+    if exact is not None:
+        pipeline = exact.pipeline.token
+        raise config.error(op_config.lines["rules"],
+                           f"{op_config.label}.rules: they keep pad_hdim=true points of pipeline "
+                           f"{pipeline}, whose kernel takes exact head dims only; add a rule "
+                           f"with when: {{pipeline: {pipeline}, pad_hdim: true}}")
     return kept
 
 

@@ -85,7 +85,7 @@ class Kernel:
     # rows move in whole 16-byte pieces (fa2's forward and backward; the API pads other head
     # dims with copies), 1 where a row's last piece may be partial (the KV-cache decode kernel,
     # whose cache is written in place and cannot be copied per call). None: exact head dims
-    # only (instances.yaml prunes its pad_hdim instances).
+    # only (instances.yaml must prune its pad_hdim instances; catalog.prune checks).
     padded_hdim_step: int | None = 8
 
 

@@ -335,6 +335,14 @@ def test_fa3_tile_violating_a_constraint_is_an_error(config_error, line_of, old,
     assert f"tiles[2]: pipeline fa3 needs {reason}" in error.message
 
 
+def test_head_dim_padding_kept_for_an_exact_kernel_is_an_error(config_error, line_of):
+    # fa3's kernels take exact head dims only (operations.Kernel.padded_hdim_step None).
+    error, text = config_error(*FA3, ("pad_hdim: [false]", "pad_hdim: [false, true]"))
+    assert error.line == line_of(text, "rules:")
+    assert ("they keep pad_hdim=true points of pipeline fa3, whose kernel takes exact head dims "
+            "only; add a rule with when: {pipeline: fa3, pad_hdim: true}") in error.message
+
+
 def test_fa3_shared_memory_counts_its_barriers(config_error, line_of):
     # 2 * (128 * 128 + 2 * 256 * 256) + 1024 = 295936 bytes, past sm90a's 232448.
     error, text = config_error(*FA3, ("block_m: 128, block_n: 128, warps: 12",

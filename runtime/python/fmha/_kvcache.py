@@ -90,7 +90,7 @@ class _KvcachePlan:
 
     def __init__(self, args, out_shape, lse_shape, workspace_bytes: int, device: int):
         self.args = args
-        self.out_shape = out_shape  # its rows padded to a multiple of 8 (_out_pitch)
+        self.out_shape = out_shape  # rows of the head dim up to a multiple of 8 (_build_args)
         self.lse_shape = lse_shape
         self.workspace_bytes = workspace_bytes
         self.device = device

@@ -43,7 +43,7 @@ struct KvcacheConfig
     static constexpr int kHeadDimQK = kHeadDimQK_;
     static constexpr int kHeadDimV = kHeadDimV_;
     static constexpr bool kPaged = kPaged_;
-    static constexpr bool kPadHdim = false;  // fa3 takes exact head dims (instances.yaml)
+    static constexpr bool kPadHdim = kPadHdim_;  // false: FwdConfig static_asserts it
   };
 
   // The forward's parameters with the cache's tensor maps in place of K's and V's.
