@@ -359,13 +359,15 @@ struct TileCopies {
 };
 
 // A paged cache's block-table entries reach shared memory by cp.async two tiles ahead of the
-// copies that read them: the entries of key tile j travel in the commit group of tile j - 2, so
-// the wait the loop makes for a tile's keys also covers the entries of the tile it issues next.
-// Before, each thread loaded its rows' entries into registers one step ahead; under a full
-// memory system those loads came back after the step, and the next tile's copies waited on
-// them (batch 1 x 8k keys, pages of 16: 21.2 us at 16 splits against 10.5 contiguous,
-// docs/perf-notes.md v17). Slot j % kPageSlots holds the entries of tile j from page
-// key0 / page_size on: at most kBlockN of them (pages of one key).
+// copies that read them: the entries of a split's step j travel in the commit group of step
+// j - 2, so the wait the loop makes for a tile's keys also covers the entries of the tile it
+// issues next. Before, each thread loaded its rows' entries into registers one step ahead;
+// under a full memory system those loads came back after the step, and the next tile's copies
+// waited on them (batch 1 x 8k keys, pages of 16: 21.2 us at 16 splits against 10.5
+// contiguous, docs/perf-notes.md v17). Slot j % kPageSlots holds the entries of step j's tile
+// from page key0 / page_size on: at most kBlockN of them (pages of one key). A tile's entries
+// are read up to the table row's last column, not the sequence's last page, so which entries
+// a step needs never waits on the sequence's length; those past its pages are never used.
 template <class Cfg>
 struct PageSlots {
   static constexpr int kLead = Cfg::kStages - 1;  // tiles between a slot's fill and its use
@@ -374,18 +376,18 @@ struct PageSlots {
 
   int32_t* slots;         // in shared memory (Cfg::kPageSlotBytes)
   const int32_t* table;   // the sequence's row of the block table
-  int last_page;          // the sequence's last page holding an attended key
+  int last_column;        // the row's last entry
 
-  __device__ __forceinline__ int32_t* entries(int n_block) const {
-    return slots + (n_block % Cfg::kPageSlots) * Cfg::kBlockN;
+  __device__ __forceinline__ int32_t* entries(int step) const {
+    return slots + (step % Cfg::kPageSlots) * Cfg::kBlockN;
   }
-  // Starts the copies of tile n_block's entries, one a thread.
-  __device__ __forceinline__ void fetch(int n_block, const FastDivisor& page_size) const {
+  // Starts the copies of the entries of step `step`'s tile n_block, one a thread.
+  __device__ __forceinline__ void fetch(int step, int n_block, const FastDivisor& page_size) const {
     const int first = page_size.quotient(n_block * Cfg::kBlockN);
     const int count =
-        min(page_size.quotient(n_block * Cfg::kBlockN + Cfg::kBlockN - 1), last_page) - first + 1;
+        min(page_size.quotient(n_block * Cfg::kBlockN + Cfg::kBlockN - 1), last_column) - first + 1;
     for (int e = threadIdx.x; e < count; e += Cfg::kThreads) {
-      sm80::cp_async_4(sm80::smem_addr(entries(n_block) + e), table + first + e);
+      sm80::cp_async_4(sm80::smem_addr(entries(step) + e), table + first + e);
     }
   }
 };
@@ -484,22 +486,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   const int rows_here = min(kBlockM, p.rows - row0);
   const int first_token = row0 / p.group;
   const int last_token = (row0 + rows_here - 1) / p.group;
-  // The sequence's keys, counted from key_begin: a left-padded row's start (cache_leftpad),
-  // clamped to the keys there are. Masks and ALiBi read key distances, which the shift keeps.
-  const int keys_end = attended_keys(p, batch);
-  const int key_begin =
-      p.cache_leftpad != nullptr ? min(max(p.cache_leftpad[batch], 0), keys_end) : 0;
-  const int keys = keys_end - key_begin;
-  const Mask mask(p.seqlen_q, keys, /*bottom_right=*/true, p.window_left, p.window_right);
-
-  // This split's share of the key tiles the rows see: an even split of this sequence's own
-  // range, so short sequences of a batch do not leave splits idle.
-  const int n_begin_all = mask.n_block_begin(first_token);
-  const int n_end_all = max(mask.n_block_end(last_token), n_begin_all);
-  const int per_split = (n_end_all - n_begin_all + p.num_splits - 1) / p.num_splits;
-  const int n_begin = min(n_begin_all + split * per_split, n_end_all);
-  const int n_end = min(n_begin + per_split, n_end_all);
-  const int n_steps = n_end - n_begin;
 
   const auto* q = static_cast<const Element*>(p.q);
   const auto* k_cache = static_cast<const Element*>(p.k_cache);
@@ -507,6 +493,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   const uint32_t s_q = sm80::smem_addr(smem);
   const uint32_t s_k = s_q + QTile::kBytes;
   const uint32_t s_v = s_k + kStages * KTile::kBytes;
+
+  // A paged split's first tiles are tiles split + s * num_splits (below) whatever the
+  // sequence's length, unless a window moves the first one: their block-table entries go out
+  // now, with the length's and Q's reads, and the prologue waits on two round trips before
+  // the first keys, as a contiguous cache's does, not three (length, entries, keys).
+  using Pages = PageSlots<Cfg>;
+  const Pages pages{reinterpret_cast<int32_t*>(smem + QTile::kBytes + Cfg::kRingBytes),
+                    p.block_table + batch * p.block_table_batch_stride,
+                    Cfg::kPaged ? p.page_size.quotient(p.seqlen_cache - 1) : 0};
+  constexpr bool kEntriesBeforeLength = Cfg::kPaged && !Mask::kHasLeft;
+  if constexpr (kEntriesBeforeLength) {
+    for (int s = 0; s < Pages::kLead; ++s) pages.fetch(s, split + s * p.num_splits, p.page_size);
+  }
 
   // Q: the 16 packed rows (zeros past the last).
   {
@@ -522,19 +521,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
       sm80::cp_async_16(s_q + QTile::offset(r, chunk), bytes > 0 ? src : q, bytes);
     }
   }
+
+  // The sequence's keys, counted from key_begin: a left-padded row's start (cache_leftpad),
+  // clamped to the keys there are. Masks and ALiBi read key distances, which the shift keeps.
+  const int keys_end = attended_keys(p, batch);
+  const int key_begin =
+      p.cache_leftpad != nullptr ? min(max(p.cache_leftpad[batch], 0), keys_end) : 0;
+  const int keys = keys_end - key_begin;
+  const Mask mask(p.seqlen_q, keys, /*bottom_right=*/true, p.window_left, p.window_right);
+
+  // This split's share of the key tiles the rows see, every num_splits-th of this sequence's
+  // own range (an even share, so short sequences of a batch do not leave splits idle): step i
+  // takes tile n_begin_all + split + i * num_splits. Interleaved rather than in one run, a
+  // split's tiles depend on the length only through where they end (the entries above).
+  const int n_begin_all = mask.n_block_begin(first_token);
+  const int n_end_all = max(mask.n_block_end(last_token), n_begin_all);
+  const int n_steps = max(n_end_all - n_begin_all - split + p.num_splits - 1, 0) / p.num_splits;
+  auto tile_of = [&](int step) { return n_begin_all + split + step * p.num_splits; };
+
   const int cache_index =
       !Cfg::kPaged && p.cache_batch_idx != nullptr ? p.cache_batch_idx[batch] : batch;
-  using Pages = PageSlots<Cfg>;
-  const Pages pages{reinterpret_cast<int32_t*>(smem + QTile::kBytes + Cfg::kRingBytes),
-                    p.block_table + batch * p.block_table_batch_stride,
-                    Cfg::kPaged && keys > 0 ? p.page_size.quotient(keys - 1) : 0};
   auto fetch_pages = [&](int step) {
     if constexpr (Cfg::kPaged) {
-      if (step < n_steps) pages.fetch(n_begin + step, p.page_size);
+      if (step < n_steps) pages.fetch(step, tile_of(step), p.page_size);
     }
   };
-  auto load_kv = [&](int n_block, int stage) {
-    const int32_t* entries = pages.entries(n_block);
+  auto load_kv = [&](int step, int stage) {
+    const int n_block = tile_of(step);
+    const int32_t* entries = pages.entries(step);
     load_cache_tile<Cfg, KTile, kRunsInPage, kPartialPieces>(
         s_k + stage * KTile::kBytes, k_cache, entries, p.page_size, p.kc_batch_stride,
         p.kc_seq_stride, p.kc_head_stride, cache_index, key_begin, kv_head, n_block, keys,
@@ -546,17 +560,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   };
   // Prologue: kStages - 1 tiles in flight (Q joins the first group), each group carrying the
   // block-table entries of the tile kStages - 1 after it (PageSlots). The first tiles' entries
-  // come first, in a round trip of their own. One commit group per tile, empty where there is
+  // (with Q) land before any key is copied. One commit group per tile, empty where there is
   // none, so the wait counts stay uniform.
   if constexpr (Cfg::kPaged) {
-    for (int s = 0; s < Pages::kLead; ++s) fetch_pages(s);
+    if constexpr (!kEntriesBeforeLength) {
+      for (int s = 0; s < Pages::kLead; ++s) fetch_pages(s);
+    }
     sm80::cp_async_commit();
     sm80::cp_async_wait<0>();
     __syncthreads();
   }
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_steps) load_kv(n_begin + s, s);
+    if (s < n_steps) load_kv(s, s);
     fetch_pages(s + Pages::kLead);
     sm80::cp_async_commit();
   }
@@ -598,12 +614,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   uint32_t q_frag[Cfg::kQInRegisters ? kDimQK / 16 : 1][4];
 
   for (int it = 0; it < n_steps; ++it) {
-    const int n_block = n_begin + it;
+    const int n_block = tile_of(it);
     const int stage = it % kStages;
     // This step's tile (with Q, and the entries of the tile issued next) has landed...
     sm80::cp_async_wait<kStages - 2>();
     __syncthreads();  // ...for every thread, and every warp is done with the stage reloaded next
-    if (it + kStages - 1 < n_steps) load_kv(n_block + kStages - 1, (it + kStages - 1) % kStages);
+    if (it + kStages - 1 < n_steps) load_kv(it + kStages - 1, (it + kStages - 1) % kStages);
     fetch_pages(it + kStages - 1 + Pages::kLead);
     sm80::cp_async_commit();
     if constexpr (Cfg::kQInRegisters) {
