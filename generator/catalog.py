@@ -114,11 +114,13 @@ def assign_tiles(points: tuple[MatrixPoint, ...], op_config: OperationConfig,
                                            f"fix or remove it")
     for (pipeline, arch, *_), entry in used.items():
         smem = op_config.op.kernel(pipeline).shared_memory
-        needed = smem.bytes(entry.tile, entry.hdim)
-        if needed > arch.smem_limit:
-            raise config.error(entry.line, f"{entry.label}: the tile needs {needed} bytes of "
-                                           f"shared memory ({smem.formula}), more than the "
-                                           f"{arch.smem_limit} a CTA may use on {arch.token}")
+        for what, tile in (("the tile", entry.tile), ("its full-grid tile", entry.tile.full_grid)):
+            needed = smem.bytes(tile, entry.hdim) if tile else 0
+            if needed > arch.smem_limit:
+                raise config.error(entry.line, f"{entry.label}: {what} needs {needed} bytes of "
+                                               f"shared memory ({smem.formula}), more than the "
+                                               f"{arch.smem_limit} a CTA may use on "
+                                               f"{arch.token}")
     return tuple(instances)
 
 

@@ -11,7 +11,9 @@ The file's sections:
     matrix:    optional; the values of its own axes (and of shared ones the top matrix leaves
                out): each axis of an operation is given once, here or in the top matrix; its
                matrix is their cross product
-    tiles:     the tile of each (pipeline, arch, hdim_q, hdim_v), with the reason for it
+    tiles:     the tile of each (pipeline, arch, hdim_q, hdim_v), with the reason for it;
+               where the kernel takes one (Kernel.full_grid_tile), a second tile for the calls
+               whose units alone fill every SM (`full_grid`)
     rules:     optional; its pruning rules, `{when: {axis: value, [values] or {not: either}},
                reason: ...}`
   presets:     named filters over every operation, like CK's receipts; `default` is what a
@@ -21,14 +23,14 @@ The file's sections:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
 from . import yamllines
 from .errors import ConfigError, GeneratorError
 from .model import Condition, MatrixPoint, Tile
-from .operations import OPERATIONS, Operation
+from .operations import OPERATIONS, Kernel, Operation
 from .schema import (BOOL_AXES, CONDITION_AXES, ENUM_AXES, INT_AXES, MATRIX_AXES, Arch, EnumAxis,
                      Pipeline)
 from .yamllines import LineList, LineMap
@@ -184,6 +186,12 @@ def _describe(value) -> str:
     return f"{kind} {_yaml_text(value)}" if isinstance(value, (bool, int, float, str)) else kind
 
 
+def _full_grid_kernels() -> str:
+    """The pipelines whose launchers take a full-grid tile, for messages: `kvcache's fa2`."""
+    return ", ".join(f"{op.token}'s {kernel.pipeline.token}" for op in OPERATIONS.values()
+                     for kernel in op.kernels if kernel.full_grid_tile)
+
+
 class _Reader:
     """Turns the loaded YAML into a Config, or a ConfigError at the first mistake.
 
@@ -296,7 +304,7 @@ class _Reader:
 
     def tile(self, op: Operation, data, label: str, line: int) -> TileEntry:
         selectors = ("arch", "paged") if "paged" in op.traits.axes() else ("arch",)
-        fields = self.mapping(data, label, line, optional=selectors,
+        fields = self.mapping(data, label, line, optional=(*selectors, "full_grid"),
                               required=(*_TILE_MATCH_KEYS, *_TILE_SHAPE_KEYS, "why"))
 
         def field(key: str, read):
@@ -309,14 +317,39 @@ class _Reader:
         arch = axis("arch") if "arch" in fields else None
         paged = axis("paged") if "paged" in fields else None
         hdim = (axis("hdim_q"), axis("hdim_v"))
-        tile = Tile(**{key: field(key, self.positive_int) for key in _TILE_SHAPE_KEYS})
-        for constraint in op.kernel(pipeline).tile_constraints:
+        kernel = op.kernel(pipeline)
+        full_grid = None
+        if "full_grid" in fields:
+            where = f"{label}.full_grid"
+            if not kernel.full_grid_tile:
+                raise self.error(fields.line_of("full_grid"),
+                                 f"{where}: pipeline {pipeline.token} of {op.token} runs one "
+                                 f"tile for every call; a full-grid tile is for "
+                                 f"{_full_grid_kernels()}")
+            grid_fields = self.mapping(fields["full_grid"], where, fields.line_of("full_grid"),
+                                       required=_TILE_SHAPE_KEYS[1:])
+            full_grid = self.tile_shape(
+                kernel, {"block_m": fields["block_m"], **grid_fields}, hdim, where,
+                fields.line_of("full_grid"),
+                lambda key: grid_fields.line_of(key) if key in grid_fields
+                else fields.line_of(key))
+        tile = replace(self.tile_shape(kernel, fields, hdim, label, line, fields.line_of),
+                       full_grid=full_grid)
+        return TileEntry(label, pipeline, arch, hdim, tile, field("why", self.text), line, paged)
+
+    def tile_shape(self, kernel: Kernel, fields, hdim: tuple[int, int], label: str, line: int,
+                   line_of) -> Tile:
+        """The tile of `_TILE_SHAPE_KEYS` in `fields`, checked against the kernel's
+        constraints."""
+        tile = Tile(**{key: self.positive_int(fields[key], f"{label}.{key}", line_of(key))
+                       for key in _TILE_SHAPE_KEYS})
+        for constraint in kernel.tile_constraints:
             if not constraint.holds(tile, hdim):
-                raise self.error(line, f"{label}: pipeline {pipeline.token} needs "
+                raise self.error(line, f"{label}: pipeline {kernel.pipeline.token} needs "
                                        f"{constraint.reason}; got block_m={tile.block_m}, "
                                        f"block_n={tile.block_n}, warps={tile.warps}, "
                                        f"stages={tile.stages}, hdim_q={hdim[0]}, hdim_v={hdim[1]}")
-        return TileEntry(label, pipeline, arch, hdim, tile, field("why", self.text), line, paged)
+        return tile
 
     def rule(self, data, label: str, line: int, ops: list[Operation],
              shared: bool = False) -> Rule:

@@ -142,6 +142,9 @@ class Tile:
     block_n: int
     warps: int
     stages: int  # fwd and kvcache: K/V tiles in flight in shared memory; bwd: Q/dO tiles
+    # kvcache (a kernel with Kernel.full_grid_tile): the tile of calls whose units (sequence,
+    # K/V head, row block) alone fill every SM, with this tile's block_m; None: this one
+    full_grid: Tile | None = None
 
 
 @dataclass(frozen=True)

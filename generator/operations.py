@@ -87,6 +87,9 @@ class Kernel:
     # whose cache is written in place and cannot be copied per call). None: exact head dims
     # only (instances.yaml must prune its pad_hdim instances; catalog.prune checks).
     padded_hdim_step: int | None = 8
+    # Its launcher and workspace function take a second config, the tile's `full_grid` (a
+    # tile entry may give one), which runs the calls whose units alone fill every SM.
+    full_grid_tile: bool = False
 
 
 # Keys a prefill kernel's pages hold a multiple of: its TMA boxes are one page's rows and start
@@ -488,7 +491,7 @@ KVCACHE = Operation(
                    "2 * (block_m * hdim_q + stages * block_n * (hdim_q + hdim_v)) + "
                    "4 * (stages + 1) * block_n", _kvcache_fa2_smem_bytes),
                uses_cutlass=False, workspace="fmha::fa2::kvcache_workspace_bytes",
-               padded_hdim_step=1),
+               padded_hdim_step=1, full_grid_tile=True),
     ),
     template="kvcache_instance.cu.j2",
     args="KvcacheArgs",

@@ -45,6 +45,8 @@ def instance_record(instance: Instance) -> dict:
         "block_n": tile.block_n,
         "warps": tile.warps,
         "stages": tile.stages,
+        # The tile of calls that fill every SM, where the instance has one.
+        **({"full_grid": _tile_fields(tile.full_grid)} if tile.full_grid else {}),
         "tu": tu_name(instance),
     }
 
@@ -185,15 +187,19 @@ def _instance_fields(op: Operation, instance: Instance) -> dict:
         "element": traits.dtype.element,
         "hdim_q": traits.hdim_q,
         "hdim_v": traits.hdim_v,
-        "block_m": tile.block_m,
-        "block_n": tile.block_n,
-        "warps": tile.warps,
-        "stages": tile.stages,
+        "tile": _tile_fields(tile),
+        # The tile of calls that fill every SM (Kernel.full_grid_tile), or None.
+        "full_grid": _tile_fields(tile.full_grid) if tile.full_grid else None,
         **_trait_fields(traits),
         "pad_seqlen": _cpp_bool(point.pad_seqlen),
         "pad_hdim": _cpp_bool(point.pad_hdim),
         "smem_limit": point.arch.smem_limit,
     }
+
+
+def _tile_fields(tile) -> dict:
+    return {"block_m": tile.block_m, "block_n": tile.block_n, "warps": tile.warps,
+            "stages": tile.stages}
 
 
 def _table(op: Operation, selection: Selection) -> dict:
@@ -231,9 +237,12 @@ def _dispatch_row(op: Operation, instance: Instance) -> dict:
         "block_n": tile.block_n,
         "pad_seqlen": _cpp_bool(point.pad_seqlen),
         "pad_hdim": _cpp_bool(point.pad_hdim),
-        # The rows of an operation with a prefill kernel (kvcache) say whether they are its.
+        # The rows of an operation with a prefill kernel (kvcache) say whether they are its,
+        # and where its kernels may take a full-grid tile, that tile's block_n (0: none).
         "prefill": (f" /*prefill=*/{_cpp_bool(op.kernel(point.pipeline).prefill)},"
                     if any(kernel.prefill for kernel in op.kernels) else ""),
+        "full_grid": (f" /*full_grid_block_n=*/{tile.full_grid.block_n if tile.full_grid else 0},"
+                      if any(kernel.full_grid_tile for kernel in op.kernels) else ""),
         "functions": ", ".join(export.pointer(instance.name) for export in op.exports),
     }
 

@@ -594,12 +594,14 @@ def test_repository_kvcache_matrix():
     for instance in decode:
         point = instance.point
         # Three stages but where they would pass A100's shared memory (d256: 200 KB); on sm90a
-        # d64 (both caches) and paged d128 in 8 warps on 128-key tiles.
+        # d64 (both caches) and paged d128 in 8 warps on 128-key tiles, paged d128 with the
+        # 4-warp tile for calls that fill every SM.
         a100_d256 = point.arch.token == "sm80" and point.traits.hdim_q == 256
-        eight_warps = point.arch.token == "sm90a" and (
-            point.traits.hdim_q == 64 or (point.traits.paged and point.traits.hdim_q == 128))
-        expected = (Tile(16, 128, 8, 3) if eight_warps
-                    else Tile(16, 64, 4, 2 if a100_d256 else 3))
+        paged_d128 = (point.arch.token == "sm90a" and point.traits.paged
+                      and point.traits.hdim_q == 128)
+        eight_warps = paged_d128 or (point.arch.token == "sm90a" and point.traits.hdim_q == 64)
+        expected = (Tile(16, 128, 8, 3, full_grid=Tile(16, 64, 4, 3) if paged_d128 else None)
+                    if eight_warps else Tile(16, 64, 4, 2 if a100_d256 else 3))
         assert instance.tile == expected
     forward_tiles = {i.point.traits.hdim_q: i.tile for i in catalog.of(OPERATION.get("fwd"))
                      if i.point.pipeline.token == "fa3"}
@@ -666,6 +668,44 @@ def test_a_tile_entry_both_with_and_without_paged_is_an_error(config_error, line
 def test_paged_selects_no_tile_of_an_operation_without_it(config_error, line_of):
     error, _ = config_error(("pipeline: fa2, hdim_q: 64", "pipeline: fa2, paged: true, hdim_q: 64"))
     assert "paged" in error.message
+
+
+FULL_GRID_D128 = D128_TILE.replace("stages: 2,", "stages: 2, full_grid: {block_n: 64, warps: 4, "
+                                                "stages: 3},")
+
+
+def test_kvcache_full_grid_tile_rides_with_the_tile(build):
+    # A kvcache fa2 tile may name the tile of calls that fill every SM: the instances keep the
+    # entry's tile (and name) and carry the second one, with the entry's block_m.
+    _, catalog = build(BWD_OPERATION, KVCACHE_OPERATION, (D128_TILE, FULL_GRID_D128))
+    tiles = {(i.point.traits.hdim_q, i.tile) for i in catalog.of(OPERATION.get("kvcache"))}
+    assert tiles == {(64, Tile(16, 64, 4, 2)),
+                     (128, Tile(16, 128, 4, 2, full_grid=Tile(16, 64, 4, 3)))}
+
+
+@pytest.mark.parametrize("old, new, fragment, message", [
+    # Only a launcher that takes a second config may have one.
+    ("warps: 8, stages: 2, why: d64}",
+     "warps: 8, stages: 2, full_grid: {block_n: 64, warps: 4, stages: 2}, why: d64}", "why: d64}",
+     "operations.fwd.tiles[0].full_grid: pipeline fa2 of fwd runs one tile for every call; a "
+     "full-grid tile is for kvcache's fa2"),
+    # It shares the entry's block_m (the packed rows of a CTA) and names the rest.
+    (D128_TILE, FULL_GRID_D128.replace("{block_n: 64", "{block_m: 16, block_n: 64"),
+     "why: kvcache d128", "operations.kvcache.tiles[1].full_grid: unknown key 'block_m'; valid: "
+     "block_n, warps, stages"),
+    (D128_TILE, FULL_GRID_D128.replace(" warps: 4, stages: 3}", " stages: 3}"),
+     "why: kvcache d128", "operations.kvcache.tiles[1].full_grid: missing field 'warps'"),
+    # The kernel's constraints hold for it too.
+    (D128_TILE, FULL_GRID_D128.replace("{block_n: 64", "{block_n: 48"), "why: kvcache d128",
+     "operations.kvcache.tiles[1].full_grid: pipeline fa2 needs block_n % (16 * warps) == 0"),
+    # So does the arch's shared memory: 2 * (16 * 128 + 3 * 256 * 256) + 4 * 4 * 256 bytes.
+    (D128_TILE, FULL_GRID_D128.replace("{block_n: 64", "{block_n: 256"), "why: kvcache d128",
+     "operations.kvcache.tiles[1]: its full-grid tile needs 401408 bytes of shared memory"),
+])
+def test_a_wrong_full_grid_tile_is_an_error(config_error, line_of, old, new, fragment, message):
+    error, text = config_error(BWD_OPERATION, KVCACHE_OPERATION, (old, new))
+    assert error.line == line_of(text, fragment)
+    assert error.message.startswith(message)
 
 
 @pytest.mark.parametrize("old, new, reason", [

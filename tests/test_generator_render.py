@@ -799,6 +799,43 @@ size_t workspace_kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad(const Kvca
 """
 
 
+def test_a_full_grid_tile_is_the_instances_second_config(build):
+    # The launcher and the workspace function take both configs; the name and the table's
+    # tile are the entry's own, and the manifest records the second.
+    full_grid = ("block_n: 128, warps: 4, stages: 2, why: kvcache d128",
+                 "block_n: 128, warps: 8, stages: 2, full_grid: {block_n: 64, warps: 4, "
+                 "stages: 3}, why: kvcache d128")
+    config, catalog = build(BWD_OPERATION, KVCACHE_OPERATION, full_grid)
+    files = render(select(config, catalog, "default", "kvcache,bf16,hdim128,causal,paged,sm90a"),
+                   source="config.yaml")
+    name = "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad"
+    assert files[f"{name}.cu"].split("namespace fmha::detail::instances {\n")[1] == f"""\
+using Config_{name} = fmha::fa2::KvcacheConfig<
+    /*Element=*/__nv_bfloat16, /*kHeadDimQK=*/128, /*kHeadDimV=*/128, /*kBlockM=*/16, /*kBlockN=*/128,
+    /*kNumWarps=*/8, /*kStages=*/2, /*kMask=*/fmha::MaskType::kCausal, /*kBias=*/fmha::BiasType::kNone,
+    /*kPaged=*/true, /*kSoftcap=*/false,
+    /*kPadSeqlen=*/true, /*kPadHdim=*/false, /*kSmemLimit=*/232448>;
+// The tile of calls whose units alone fill every SM.
+using FullGridConfig_{name} = fmha::fa2::KvcacheConfig<
+    /*Element=*/__nv_bfloat16, /*kHeadDimQK=*/128, /*kHeadDimV=*/128, /*kBlockM=*/16, /*kBlockN=*/64,
+    /*kNumWarps=*/4, /*kStages=*/3, /*kMask=*/fmha::MaskType::kCausal, /*kBias=*/fmha::BiasType::kNone,
+    /*kPaged=*/true, /*kSoftcap=*/false,
+    /*kPadSeqlen=*/true, /*kPadHdim=*/false, /*kSmemLimit=*/232448>;
+cudaError_t launch_{name}(const KvcacheArgs& args, cudaStream_t stream) {{
+  return fmha::fa2::launch_kvcache<Config_{name}, FullGridConfig_{name}>(args, stream);
+}}
+size_t workspace_{name}(const KvcacheArgs& args) {{
+  return fmha::fa2::kvcache_workspace_bytes<Config_{name}, FullGridConfig_{name}>(args);
+}}
+}}  // namespace fmha::detail::instances
+"""
+    assert ("/*block_m=*/16, /*block_n=*/128, /*pad_seqlen=*/true, /*pad_hdim=*/false, "
+            "/*prefill=*/false, /*full_grid_block_n=*/64,") in files["dispatch_table.cpp"]
+    (record,) = [r for r in json.loads(files[MANIFEST])["instances"] if r["name"] == name]
+    assert (record["block_n"], record["warps"], record["full_grid"]) == (
+        128, 8, {"block_m": 16, "block_n": 64, "warps": 4, "stages": 3})
+
+
 def test_every_kvcache_trait_reaches_the_tu_and_the_table(build):
     config, catalog = build(KVCACHE_OPERATION, ("bias: [none]", "bias: [none, alibi]"),
                             ("softcap: [false]", "softcap: [false, true]"))
@@ -822,7 +859,7 @@ const KvcacheInstanceEntry kKvcacheRows[] = {{
       /*mask=*/fmha::MaskType::kCausal, /*bias=*/fmha::BiasType::kAlibi,
       /*paged=*/true, /*softcap=*/true}},
      /*pipeline=*/"fa2", /*arch=*/"sm80", /*arch_cc=*/80, /*arch_exact=*/false,
-     /*block_m=*/16, /*block_n=*/64, /*pad_seqlen=*/true, /*pad_hdim=*/false, /*prefill=*/false,
+     /*block_m=*/16, /*block_n=*/64, /*pad_seqlen=*/true, /*pad_hdim=*/false, /*prefill=*/false, /*full_grid_block_n=*/0,
      &instances::launch_{name}, &instances::workspace_{name}}},
 }};
 }}  // namespace
@@ -914,8 +951,9 @@ def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
         "KV-cache problem: dtype=fp16 hdim_q=128 hdim_v=128 mask=none bias=none paged=true "
         "softcap=false; seqlen_q=1 seqlen_new=0 seqlen_cache=256 (the cache lengths are on the "
         "device); this GPU is sm90.\n"
-        "Runs kvcache_fp16_d128_paged_fa2_sm90a_m16n128_pad (fa2, sm90a, tile 16x128, head dims "
-        "128x128, pad_seqlen=true, pad_hdim=false).\n")
+        "Runs kvcache_fp16_d128_paged_fa2_sm90a_m16n128_pad (fa2, sm90a, tile 16x128 (16x64 "
+        "where the sequences and K/V heads fill every SM), head dims 128x128, pad_seqlen=true, "
+        "pad_hdim=false).\n")
     assert ("  kvcache_fp16_d128_paged_fa2_sm80_m16n64_pad: sm90a before sm80: code for the newest "
             "architecture the GPU runs\n") in hit
     assert ("  kvcache_fp16_d128_paged_fa2_sm90a_m16n128_pad_hpad: exact head dims before padded "

@@ -3,7 +3,8 @@ reference (tests/reference.py's kvcache_reference), on fresh random inputs and a
 allocator: decode (one query token) and several query tokens, MQA/GQA/MHA, contiguous caches
 (with cache_batch_idx) and paged ones (pages of 1 to 256 tokens in shuffled order), empty and
 full caches, k/v appended in place with and without rotary (both layouts), forced and chosen
-key splits, and each instance's own mask, ALiBi and soft-cap, and a NaN in the cache reaching
+key splits, a step whose sequences and heads alone fill every SM (an instance's full-grid
+tile), and each instance's own mask, ALiBi and soft-cap, and a NaN in the cache reaching
 exactly the rows it reaches in the reference. Head-dim-padded instances also run head dims
 below their own: a multiple of 8 and one that is not, in place where the rows start on 16-byte
 boundaries and on the copies fwd_kvcache makes where they do not. The cache the call leaves is
@@ -236,6 +237,22 @@ def test_instance(inst, case_index):
     if case.leftpad and inst["paged"]:
         pytest.skip("cache_leftpad offsets a contiguous cache's rows; paged caches take none")
     _check(inst, case, inst["name"], seed=case_index)
+
+
+def _full_grid_case() -> Case:
+    """A decode step of more sequences x K/V heads than the GPU has SMs: an instance with a
+    full-grid tile (instances.yaml's `full_grid`) runs it on that one. Lengths from 0 to the
+    capacity, the new token appended and rotated, pages of 16."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = sms // 4 + 1
+    return Case(batch, 1, 16, 4, 400, tuple(i * 53 % 400 for i in range(batch)), seqlen_new=1,
+                rotary="neox", page_size=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inst", DECODE_INSTANCES, ids=lambda i: i["name"])
+def test_a_step_that_fills_every_sm(inst):
+    _check(inst, _full_grid_case(), inst["name"], seed=300)
 
 
 # Head dims below a padded instance's own: the next multiple of 8 down, one that is no

@@ -132,6 +132,7 @@ py::dict kvcache_info_dict(const fmha::KvcacheInstanceInfo& i) {
   d["softcap"] = i.traits.softcap;
   add_build_fields(d, i);
   d["prefill"] = i.prefill;
+  d["full_grid_block_n"] = i.full_grid_block_n;
   return d;
 }
 

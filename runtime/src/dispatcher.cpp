@@ -32,6 +32,20 @@ std::string extent(int rows, int cols) {
   return std::to_string(rows) + "x" + std::to_string(cols);
 }
 
+// An instance's tile as explain() names it; a decode instance with a full-grid tile names both.
+template <class Entry>
+std::string tile_text(const Entry& e) {
+  return extent(e.block_m, e.block_n);
+}
+std::string tile_text(const KvcacheInstanceEntry& e) {
+  std::string text = extent(e.block_m, e.block_n);
+  if (e.full_grid_block_n > 0) {
+    text += " (" + extent(e.block_m, e.full_grid_block_n) +
+            " where the sequences and K/V heads fill every SM)";
+  }
+  return text;
+}
+
 std::string sm(int cc) { return "sm" + std::to_string(cc); }
 
 // Each operation's table of compiled instances and of its pipelines' gaps, and how messages
@@ -737,7 +751,7 @@ std::string explain_in_table(const Args& args, int cc) {
   }
   const Entry& chosen = *runs.front();
   s << "Runs " << chosen.name << " (" << chosen.pipeline << ", " << chosen.arch << ", tile "
-    << extent(chosen.block_m, chosen.block_n) << ", head dims "
+    << tile_text(chosen) << ", head dims "
     << extent(chosen.traits.hdim_q, chosen.traits.hdim_v)
     << ", pad_seqlen=" << token(chosen.pad_seqlen) << ", pad_hdim=" << token(chosen.pad_hdim)
     << ").\n";
@@ -828,6 +842,7 @@ BwdInstanceInfo to_info(const BwdInstanceEntry& e) { return info_of<BwdInstanceI
 KvcacheInstanceInfo to_info(const KvcacheInstanceEntry& e) {
   KvcacheInstanceInfo info = info_of<KvcacheInstanceInfo>(e);
   info.prefill = e.prefill;
+  info.full_grid_block_n = e.full_grid_block_n;
   return info;
 }
 

@@ -405,6 +405,8 @@ struct KvcacheInstanceInfo {
   bool pad_seqlen = false;
   bool pad_hdim = false;  // also runs every head dim below its own, multiple of 8 or not
   bool prefill = false;  // a tile for many query tokens (fa3 on sm90a): chunked prefill
+  int full_grid_block_n = 0;  // the keys per step of the calls whose sequences x K/V heads
+                              // fill every SM, where they run another tile; 0: block_n
 };
 
 // KV-cache attention on `stream`: appends k_new/v_new (rotated, when asked) to the cache, then

@@ -144,6 +144,9 @@ struct KvcacheInstanceEntry {
   bool pad_hdim;
   bool prefill;  // a tile for many query tokens (fa3): it runs the calls kPrefill* below allow;
                  // the decode kernel the others
+  int full_grid_block_n;  // keys per step of the tile that runs the calls whose units
+                          // (sequence, K/V head, row block) alone fill every SM (instances.yaml's
+                          // full_grid); 0: block_n's tile runs every call
   KvcacheLaunchFn launch;
   KvcacheWorkspaceFn workspace;
 };

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "fmha/fmha.h"
 #include "fmha/kernels/dependent_launch.cuh"
@@ -982,6 +983,13 @@ cudaError_t launch_attention(const KvcacheParams& p, dim3 grid, cudaStream_t str
   return launch_attention_kernel<Cfg, kRunsInPage, false>(p, grid, stream);
 }
 
+// The call's (sequence, K/V head, row block) units: its CTAs before any split.
+template <class Cfg>
+int64_t kvcache_units(const KvcacheArgs& a) {
+  const int64_t rows = static_cast<int64_t>(a.seqlen_q) * (a.nhead_q / a.nhead_k);
+  return static_cast<int64_t>(a.batch) * a.nhead_k * ((rows + Cfg::kBlockM - 1) / Cfg::kBlockM);
+}
+
 // Splits per (sequence, K/V head, row block): args.num_splits when given, else as many as put
 // one CTA on each SM, and one split where the sequences and heads alone fill that. Measured on
 // an H100 (bf16 d128, 8 K/V heads, batch 1-16 x 8k-128k keys, counts from 1 to 128): on a
@@ -1001,12 +1009,17 @@ int kvcache_num_splits(const KvcacheArgs& a) {
   const int key_tiles = (a.seqlen_cache + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (a.num_splits > 0) return std::min(a.num_splits, std::max(1, key_tiles));
   const int most = std::max(1, std::min(kMaxSplits, key_tiles));
-  const int64_t rows = static_cast<int64_t>(a.seqlen_q) * (a.nhead_q / a.nhead_k);
-  const int64_t units = static_cast<int64_t>(a.batch) * a.nhead_k *
-                        ((rows + Cfg::kBlockM - 1) / Cfg::kBlockM);
+  const int64_t units = kvcache_units<Cfg>(a);
   const int64_t ctas = std::max(1, multiprocessor_count());
   if (units >= ctas) return 1;
   return static_cast<int>(std::min<int64_t>(most, ctas / units));
+}
+
+// Whether the call's units alone put a CTA on every SM, where an instance with a full-grid
+// tile runs that one (launch_kvcache).
+template <class Cfg>
+bool kvcache_fills_grid(const KvcacheArgs& a) {
+  return kvcache_units<Cfg>(a) >= std::max(1, multiprocessor_count());
 }
 
 inline size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -1018,7 +1031,7 @@ inline size_t rotated_q_bytes(const KvcacheArgs& a, int hdim_q) {
 }
 
 template <class Cfg>
-size_t kvcache_workspace_bytes(const KvcacheArgs& a) {
+size_t kvcache_tile_workspace_bytes(const KvcacheArgs& a) {
   const int splits = kvcache_num_splits<Cfg>(a);
   const size_t rows = static_cast<size_t>(a.batch) * a.nhead_q * a.seqlen_q;
   size_t bytes = 0;
@@ -1114,15 +1127,16 @@ cudaError_t launch_append(KvcacheParams& p, cudaStream_t stream) {
   return cudaSuccess;
 }
 
+// One call on one tile: the append, the attention and the combine.
 template <class Cfg>
-cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
+cudaError_t launch_kvcache_tile(const KvcacheArgs& a, cudaStream_t stream) {
   KvcacheParams p = kvcache_params(a);
   p.m_blocks = (p.rows + Cfg::kBlockM - 1) / Cfg::kBlockM;
   p.num_splits = kvcache_num_splits<Cfg>(a);
   p.softmax_mul = Cfg::kLogitsInScores ? static_cast<float>(M_LOG2E)
                                        : a.softmax_scale * static_cast<float>(M_LOG2E);
 
-  // The workspace, in kvcache_workspace_bytes()'s order.
+  // The workspace, in kvcache_tile_workspace_bytes()'s order.
   auto* workspace = static_cast<unsigned char*>(a.workspace);
   const size_t rows = static_cast<size_t>(a.batch) * a.nhead_q * a.seqlen_q;
   if (p.num_splits > 1) {
@@ -1147,6 +1161,29 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
 
   const auto combine_ctas = static_cast<unsigned>((static_cast<int64_t>(rows) + 3) / 4);
   return launch_dependent<kvcache_combine_kernel<Cfg>>(combine_ctas, 128, 0, stream, p);
+}
+
+// An instance's tile, or its full-grid tile (instances.yaml's `full_grid`) for calls whose units
+// alone fill every SM: a tile for few CTAs (8 warps on 128 keys, one CTA an SM: its warps
+// issue more of a step's copies and MMAs at once) loses where the CTAs come in waves, whose
+// prologues and merges then run with nothing beside them (bf16 d128, pages of 16, H100: batch
+// 32 x 1k keys 2656 GB/s on it against 2779 on 4 warps of 64 keys, two CTAs an SM; batch 8 x
+// 1k 2998 against 2760; docs/perf-notes.md v21). FullGridCfg = Cfg: one tile for every call.
+template <class Cfg, class FullGridCfg = Cfg>
+cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<Cfg, FullGridCfg>) {
+    if (kvcache_fills_grid<Cfg>(a)) return launch_kvcache_tile<FullGridCfg>(a, stream);
+  }
+  return launch_kvcache_tile<Cfg>(a, stream);
+}
+
+// The scratch of the tile launch_kvcache runs for the call.
+template <class Cfg, class FullGridCfg = Cfg>
+size_t kvcache_workspace_bytes(const KvcacheArgs& a) {
+  if constexpr (!std::is_same_v<Cfg, FullGridCfg>) {
+    if (kvcache_fills_grid<Cfg>(a)) return kvcache_tile_workspace_bytes<FullGridCfg>(a);
+  }
+  return kvcache_tile_workspace_bytes<Cfg>(a);
 }
 
 }  // namespace fmha::fa2
