@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
-from bench import decode, prefill
+from bench import decode, generate, prefill
 from fmha.timing import graph_median_ms, host_us, interleaved_medians
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -109,6 +109,20 @@ def parse_args(argv):
                    help="with --prefill: query tokens per chunk")
     p.add_argument("--contexts", type=csv(int), default=[4096, 8192, 16384],
                    help="with --prefill: keys a sequence holds with its chunk")
+    p.add_argument("--generate", action="store_true",
+                   help="decode end to end: transformers' generate() of a random Llama-family "
+                        "model with attn_implementation fmha against sdpa (bench/generate.py); "
+                        "--batches (default 1,8,32), --hidden")
+    p.add_argument("--prompts", type=csv(int), default=[512, 2048],
+                   help="with --generate: prompt lengths")
+    p.add_argument("--new-tokens", type=int, default=64, help="with --generate: tokens generated")
+    p.add_argument("--model-layers", type=int, default=16, help="with --generate")
+    p.add_argument("--model-head-dim", type=int, default=64, help="with --generate")
+    p.add_argument("--model-kv-heads", type=int, default=8, help="with --generate")
+    p.add_argument("--vocab", type=int, default=32000, help="with --generate")
+    p.add_argument("--left-pad", action="store_true",
+                   help="with --generate: a quarter of each batch's rows left-padded to half "
+                        "the prompt")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
     unknown = set(args.dtypes) - set(DTYPES)
@@ -116,6 +130,9 @@ def parse_args(argv):
         p.error(f"unknown dtype {sorted(unknown)}; valid: {', '.join(DTYPES)}")
     if args.deterministic and not args.bwd:
         p.error("--deterministic times the backward: give --bwd too")
+    if args.generate and (args.new_tokens < 2 or args.hidden % args.model_head_dim):
+        p.error("--generate needs --new-tokens >= 2 (a step is the time past the first token) "
+                "and --hidden a multiple of --model-head-dim")
     return args
 
 
@@ -424,6 +441,8 @@ def main(argv=None):
         return main_decode(args)
     if args.prefill:
         return main_prefill(args)
+    if args.generate:
+        return main_generate(args)
     if args.bwd:
         return main_backward(args, causal_values)
     rows = []
@@ -542,6 +561,34 @@ def main_prefill(args):
     print(f"{info['gpu']}, torch {info['torch']}; chunked prefill TFLOP/s (causal, "
           f"bottom-right), medians")
     print(prefill.format_rows(rows))
+
+
+def main_generate(args):
+    """python -m bench --generate: ms per prefill and per decode step of generate(), fmha and
+    sdpa, on the grid of --batches x --prompts."""
+    model = generate.build_model(args)
+    rows = []
+    for batch in args.batches or [1, 8, 32]:
+        for prompt in args.prompts:
+            rows.append(generate.run_generate_case(model, batch, prompt, args))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    import transformers
+
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "model": {
+                "hidden": args.hidden, "layers": args.model_layers,
+                "heads": f"{args.hidden // args.model_head_dim}/{args.model_kv_heads}",
+                "head_dim": args.model_head_dim, "vocab": args.vocab}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "generate_rows": rows}, f, indent=1)
+    m = info["model"]
+    print(f"{info['gpu']}, torch {info['torch']}, transformers {info['transformers']}; "
+          f"generate() of a random Llama (hidden {m['hidden']}, {m['layers']} layers, heads "
+          f"{m['heads']} of {m['head_dim']}, vocabulary {m['vocab']}), bf16, eager, greedy, "
+          f"{args.new_tokens} new tokens{', left-padded rows' if args.left_pad else ''}; ms, "
+          f"medians of {args.rounds} rounds")
+    print(generate.format_rows(rows))
 
 
 if __name__ == "__main__":

@@ -225,6 +225,34 @@ def test_left_padded_decode_runs_the_kvcache_kernel_from_each_rows_first_token(k
     assert call["cache_leftpad"].tolist() == [0, 3, 1]
 
 
+def test_a_steps_layers_read_its_left_padding_back_once(kernels, monkeypatch):
+    # Every layer of a decode step gets the same mask: the first layer's check (a read back to
+    # the host) serves the others; a new mask, one written in place, or another query count
+    # is checked again, and the answer follows it.
+    q, k, v = qkv(seqlen_q=1)
+    checks = []
+    original_bool = bool
+    monkeypatch.setattr(_flash, "bool", lambda x: checks.append(1) or original_bool(x),
+                        raising=False)
+    mask = left_padded([7, 4, 6], 7)
+    for _ in range(3):
+        _flash.flash_attention(q, k, v, causal=True, padding_mask=mask)
+    assert len(checks) == 1
+    assert [call["cache_leftpad"].tolist() for call in kernels] == [[0, 3, 1]] * 3
+    mask[1, 5] = False  # in place: row 1 has a hole now, which the kvcache kernel cannot take
+    _flash.flash_attention(q, k, v, causal=True, padding_mask=mask)
+    assert len(checks) == 2 and "kvcache" not in kernels[-1]
+    _flash.flash_attention(q, k, v, causal=True, padding_mask=left_padded([7, 5, 6], 7))
+    assert len(checks) == 3 and kernels[-1]["cache_leftpad"].tolist() == [0, 2, 1]
+    # Row 1's 2 tokens are fewer than 3 queries (group mode), not than 1 (the kvcache kernel).
+    mask = left_padded([7, 2, 6], 7)
+    q3, k3, v3 = qkv(seqlen_q=3)
+    _flash.flash_attention(q3, k3, v3, causal=True, padding_mask=mask)
+    assert len(checks) == 4 and "kvcache" not in kernels[-1]
+    _flash.flash_attention(q, k, v, causal=True, padding_mask=mask)
+    assert len(checks) == 5 and kernels[-1]["cache_leftpad"].tolist() == [0, 5, 1]
+
+
 def test_padding_rows_of_a_prefill_are_zero(kernels):
     q, k, v = qkv()
     mask = left_padded([7, 2, 5], 7)

@@ -10,6 +10,7 @@ caller's batch. Plain torch: no other library is imported here.
 """
 
 import functools
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -93,15 +94,49 @@ def _decodes(q, k, v, cu_seqlens_q, dropout_p) -> bool:
 def _left_padding(padding_mask: torch.Tensor, seqlen_q: int) -> Optional[torch.Tensor]:
     """Each row's count of padding slots (int32, fwd_kvcache's cache_leftpad) where every row is
     padding, then tokens to its end, at least seqlen_q of them (the queries are tokens); else
-    None. generate() pads on the left, so its decode steps qualify. Reads one bool back to the
-    host, as the group-mode path's pack_padding_mask reads a length."""
+    None. generate() pads on the left, so its decode steps qualify. The answer reads one bool
+    back to the host (as the group-mode path's pack_padding_mask reads a length), which stalls
+    the host until the GPU catches up; every layer of a step gets the same mask tensor, so the
+    step's first layer reads it and the others reuse it (_LastLeftPadding)."""
+    known = _last_left_padding.get(padding_mask, seqlen_q)
+    if known is not _UNKNOWN:
+        return known
     keys = padding_mask.shape[1]
     tokens = padding_mask.sum(dim=-1, dtype=torch.int32)
     first = padding_mask.int().argmax(dim=-1)  # the first token's slot (0 in a row of none)
     pads = keys - tokens
     if not bool(((first == pads) & (tokens >= seqlen_q)).all()):
-        return None
+        pads = None
+    _last_left_padding.put(padding_mask, seqlen_q, pads)
     return pads
+
+
+_UNKNOWN = object()
+
+
+class _LastLeftPadding:
+    """_left_padding's last answer, for the mask tensor it was asked of (held weakly, so a freed
+    mask whose id is reused never matches) as long as that tensor is not written in place (its
+    version counter) and for the same number of queries. One tuple, replaced whole, so threads
+    never see a key with another call's answer."""
+
+    def __init__(self):
+        self._entry = None  # (weakref to the mask, its version, seqlen_q, answer)
+
+    def get(self, mask: torch.Tensor, seqlen_q: int):
+        entry = self._entry
+        if entry is None:
+            return _UNKNOWN
+        ref, version, queries, answer = entry
+        if ref() is not mask or mask._version != version or queries != seqlen_q:
+            return _UNKNOWN
+        return answer
+
+    def put(self, mask: torch.Tensor, seqlen_q: int, answer: Optional[torch.Tensor]) -> None:
+        self._entry = (weakref.ref(mask), mask._version, seqlen_q, answer)
+
+
+_last_left_padding = _LastLeftPadding()
 
 
 @functools.lru_cache(maxsize=1)
