@@ -552,6 +552,20 @@ def test_llama_generate(transformers, cache, lengths):
         torch.testing.assert_close(step_got, step_want, rtol=0, atol=1e-4)
 
 
+def test_llama_generate_reads_a_steps_left_padding_back_once(transformers, monkeypatch):
+    # The model hands every layer of a decode step the same mask: one read back to the host a
+    # step, not one a layer.
+    model, _ = tiny(transformers, "LlamaConfig")
+    checks = []
+    original_bool = bool
+    monkeypatch.setattr(_flash, "bool", lambda x: checks.append(1) or original_bool(x),
+                        raising=False)
+    ids, mask = prompts([9, 5], 9)
+    model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    decodes = [call for call in reference_fwd.calls if call.get("kvcache")]
+    assert len(decodes) == 7 * model.config.num_hidden_layers and len(checks) == 7
+
+
 def test_mistral_sliding_window(transformers):
     model, eager = tiny(transformers, "MistralConfig", sliding_window=4)
     assert_same_logits(model, eager, *prompts([12, 9], 12))
