@@ -189,7 +189,7 @@ def _instance_fields(op: Operation, instance: Instance) -> dict:
         "hdim_v": traits.hdim_v,
         "tile": _tile_fields(tile),
         # The tile of calls that fill every SM (Kernel.full_grid_tile), or None.
-        "full_grid": _tile_fields(tile.full_grid) if tile.full_grid else None,
+        "full_grid": _tile_fields(tile.full_grid),
         **_trait_fields(traits),
         "pad_seqlen": _cpp_bool(point.pad_seqlen),
         "pad_hdim": _cpp_bool(point.pad_hdim),
@@ -197,7 +197,10 @@ def _instance_fields(op: Operation, instance: Instance) -> dict:
     }
 
 
-def _tile_fields(tile) -> dict:
+def _tile_fields(tile) -> dict | None:
+    """A tile's shape (None for no tile: an instance without a full-grid one)."""
+    if tile is None:
+        return None
     return {"block_m": tile.block_m, "block_n": tile.block_n, "warps": tile.warps,
             "stages": tile.stages}
 

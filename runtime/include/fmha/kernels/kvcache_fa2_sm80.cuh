@@ -495,17 +495,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   const uint32_t s_k = s_q + QTile::kBytes;
   const uint32_t s_v = s_k + kStages * KTile::kBytes;
 
-  // A paged split's first tiles are tiles split + s * num_splits (below) whatever the
-  // sequence's length, unless a window moves the first one: their block-table entries go out
-  // now, with the length's and Q's reads, and the prologue waits on two round trips before
-  // the first keys, as a contiguous cache's does, not three (length, entries, keys).
+  // Step i of this split takes key tile begin + split + i * num_splits, begin being the first
+  // tile the rows see (below). Without a window begin is 0, so a paged split's first tiles
+  // are known before the sequence's length: their block-table entries go out now, with the
+  // length's and Q's reads, and the prologue waits on two round trips before the first keys,
+  // as a contiguous cache's does, not three (length, entries, keys).
+  auto tile_at = [&](int begin, int step) { return begin + split + step * p.num_splits; };
   using Pages = PageSlots<Cfg>;
   const Pages pages{reinterpret_cast<int32_t*>(smem + QTile::kBytes + Cfg::kRingBytes),
                     p.block_table + batch * p.block_table_batch_stride,
                     Cfg::kPaged ? p.page_size.quotient(p.seqlen_cache - 1) : 0};
   constexpr bool kEntriesBeforeLength = Cfg::kPaged && !Mask::kHasLeft;
   if constexpr (kEntriesBeforeLength) {
-    for (int s = 0; s < Pages::kLead; ++s) pages.fetch(s, split + s * p.num_splits, p.page_size);
+    for (int s = 0; s < Pages::kLead; ++s) pages.fetch(s, tile_at(0, s), p.page_size);
   }
 
   // Q: the 16 packed rows (zeros past the last).
@@ -532,13 +534,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   const Mask mask(p.seqlen_q, keys, /*bottom_right=*/true, p.window_left, p.window_right);
 
   // This split's share of the key tiles the rows see, every num_splits-th of this sequence's
-  // own range (an even share, so short sequences of a batch do not leave splits idle): step i
-  // takes tile n_begin_all + split + i * num_splits. Interleaved rather than in one run, a
-  // split's tiles depend on the length only through where they end (the entries above).
+  // own range (an even share, so short sequences of a batch do not leave splits idle).
+  // Interleaved rather than in one run, a split's tiles depend on the length only through
+  // where they end (the entries above).
   const int n_begin_all = mask.n_block_begin(first_token);
   const int n_end_all = max(mask.n_block_end(last_token), n_begin_all);
   const int n_steps = max(n_end_all - n_begin_all - split + p.num_splits - 1, 0) / p.num_splits;
-  auto tile_of = [&](int step) { return n_begin_all + split + step * p.num_splits; };
+  auto tile_of = [&](int step) { return tile_at(n_begin_all, step); };
 
   const int cache_index =
       !Cfg::kPaged && p.cache_batch_idx != nullptr ? p.cache_batch_idx[batch] : batch;
@@ -990,6 +992,13 @@ int64_t kvcache_units(const KvcacheArgs& a) {
   return static_cast<int64_t>(a.batch) * a.nhead_k * ((rows + Cfg::kBlockM - 1) / Cfg::kBlockM);
 }
 
+// Whether the call's units alone put a CTA on every SM: it runs one split, and an instance
+// with a full-grid tile runs that one (launch_kvcache).
+template <class Cfg>
+bool kvcache_fills_grid(const KvcacheArgs& a) {
+  return kvcache_units<Cfg>(a) >= std::max(1, multiprocessor_count());
+}
+
 // Splits per (sequence, K/V head, row block): args.num_splits when given, else as many as put
 // one CTA on each SM, and one split where the sequences and heads alone fill that. Measured on
 // an H100 (bf16 d128, 8 K/V heads, batch 1-16 x 8k-128k keys, counts from 1 to 128): on a
@@ -1008,18 +1017,10 @@ int kvcache_num_splits(const KvcacheArgs& a) {
   constexpr int kMaxSplits = 128;
   const int key_tiles = (a.seqlen_cache + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (a.num_splits > 0) return std::min(a.num_splits, std::max(1, key_tiles));
+  if (kvcache_fills_grid<Cfg>(a)) return 1;
   const int most = std::max(1, std::min(kMaxSplits, key_tiles));
-  const int64_t units = kvcache_units<Cfg>(a);
-  const int64_t ctas = std::max(1, multiprocessor_count());
-  if (units >= ctas) return 1;
-  return static_cast<int>(std::min<int64_t>(most, ctas / units));
-}
-
-// Whether the call's units alone put a CTA on every SM, where an instance with a full-grid
-// tile runs that one (launch_kvcache).
-template <class Cfg>
-bool kvcache_fills_grid(const KvcacheArgs& a) {
-  return kvcache_units<Cfg>(a) >= std::max(1, multiprocessor_count());
+  return static_cast<int>(
+      std::min<int64_t>(most, std::max(1, multiprocessor_count()) / kvcache_units<Cfg>(a)));
 }
 
 inline size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
