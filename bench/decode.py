@@ -5,15 +5,20 @@ Decode reads every cached key and value once and does little arithmetic on them,
 measure is bandwidth: bytes = K and V of every sequence (batch * cache_len * nheads_k * 2 *
 headdim * 2) plus q and out, over the median GPU time of a call replayed from a CUDA graph
 (fmha.timing.capture_graph; a serving loop captures its decode steps, and eager calls at small
-shapes would time the host, not the kernels). The yardstick is the device-to-device copy
-bandwidth measured in the same run (torch's copy_ of a 1 GiB buffer, counting the bytes read
-and written). fmha runs a contiguous cache and paged caches (--pages); SDPA has no paged cache
-and runs the contiguous one, (b, h, 1, d) against (b, h_k, L, d) with enable_gqa, with each
-backend that accepts it (the best one's time is the row's sdpa column). Host time per call is
-measured apart, eagerly, on the smallest shape (fmha.timing's host_us), for fmha and for SDPA's
-default choice.
+shapes would time the host, not the kernels). The graph's calls take several copies of the
+case's caches in turn, as a model's decode step reads each layer's own cache once: a cache
+smaller than the GPU's L2 (50 MB on an H100; batch 1 x 8k keys at d128 with 8 K/V heads is
+34 MB) re-read by every call would be served from L2, and time the L2, not the memory
+(fmha.timing.copies_beyond_l2; the `copies` column). The yardstick is the device-to-device
+copy bandwidth measured in the same run (torch's copy_ of a 1 GiB buffer, counting the bytes
+read and written). fmha runs a contiguous cache and paged caches (--pages); SDPA has no paged
+cache and runs the contiguous one, (b, h, 1, d) against (b, h_k, L, d) with enable_gqa, with
+each backend that accepts it (the best one's time is the row's sdpa column). Host time per
+call is measured apart, eagerly, on the smallest shape (fmha.timing's host_us), for fmha and
+for SDPA's default choice.
 """
 
+import math
 import statistics
 
 import torch
@@ -21,7 +26,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
-from fmha.timing import capture_graph, host_us, interleaved_medians, median_ms
+from fmha.timing import (capture_graph, copies_beyond_l2, host_us, interleaved_medians,
+                         median_ms, rotating)
 
 SDPA_DECODE_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
@@ -51,18 +57,20 @@ def _cache(batch, cache_len, nhead_k, d, dtype, page_size):
     return k, torch.randn_like(k), table
 
 
-def _sdpa_calls(row, q, k_cache, v_cache):
-    """Each SDPA backend that accepts the decode shape, as a call on (b, h, s, d) tensors."""
+def _sdpa_calls(row, q, caches):
+    """Each SDPA backend that accepts the decode shape, as a call that takes the contiguous
+    `caches` ((k_cache, v_cache) pairs) in turn, on (b, h, s, d) views."""
     qt = q.transpose(1, 2)
-    kt, vt = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    views = [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in caches]
     calls = {}
     for name, backend in SDPA_DECODE_BACKENDS.items():
-        def call(backend=backend):
+        def call(kt, vt, backend=backend):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
         try:
-            call()
-            calls[f"sdpa_{name}"] = call
+            call(*views[0])
+            calls[f"sdpa_{name}"] = rotating([lambda kt=kt, vt=vt, call=call: call(kt, vt)
+                                               for kt, vt in views])
         except RuntimeError as err:
             row[f"sdpa_{name}_error"] = str(err).splitlines()[0]
     return calls
@@ -74,39 +82,44 @@ def run_decode_case(dtype, d, nhead_q, nhead_k, batch, cache_len, args):
     q = torch.randn(batch, 1, nhead_q, d, device="cuda", dtype=dtype)
     lengths = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
     calls = {}
-    # Every layout's cache is alive while the row's calls take turns: past ~80% of the free
+    # Every layout's caches are alive while the row's calls take turns: past ~80% of the free
     # memory (b64 x 128k keys is 34 GB a layout at d128) the row keeps the contiguous one.
     element = torch.finfo(dtype).bits // 8
     cache_bytes = 2 * element * batch * cache_len * nhead_k * d
+    copies = copies_beyond_l2(cache_bytes)
+    row["cache_copies"] = copies
     layouts = [0, *[p for p in args.pages if p]]
-    if cache_bytes * len(layouts) > 0.8 * torch.cuda.mem_get_info()[0]:
+    if copies * cache_bytes * len(layouts) > 0.8 * torch.cuda.mem_get_info()[0]:
         row["paged_skipped"] = "memory"
         layouts = [0]
     for page_size in layouts:
         if page_size and cache_len % page_size:
             continue
-        k_cache, v_cache, table = _cache(batch, cache_len, nhead_k, d, dtype, page_size)
+        caches = [_cache(batch, cache_len, nhead_k, d, dtype, page_size) for _ in range(copies)]
         name = f"fmha_paged{page_size}" if page_size else "fmha"
         try:
-            call = (lambda k_cache=k_cache, v_cache=v_cache, table=table: fmha.fwd_kvcache(
-                q, k_cache, v_cache, cache_seqlens=lengths, block_table=table))
-            call()
-            calls[name] = call
+            steps = [lambda k_cache=k_cache, v_cache=v_cache, table=table: fmha.fwd_kvcache(
+                q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
+                for k_cache, v_cache, table in caches]
+            steps[0]()
+            calls[name] = rotating(steps)
             if not page_size:
-                row["instance"] = fmha.select_kvcache(q, k_cache, v_cache,
+                row["instance"] = fmha.select_kvcache(q, caches[0][0], caches[0][1],
                                                       cache_seqlens=lengths)["name"]
-                calls.update(_sdpa_calls(row, q, k_cache, v_cache))
+                calls.update(_sdpa_calls(row, q, [(k, v) for k, v, _ in caches]))
         except ValueError as err:  # not in this build
             row[f"{name}_error"] = str(err).splitlines()[0]
-    # Each call replays from a CUDA graph of GRAPH_CALLS calls, as a serving loop runs decode:
-    # back-to-back eager calls would time the host (about 30 us a call) at small shapes.
+    # Each call replays from a CUDA graph of GRAPH_CALLS calls or more (each copy as often), as
+    # a serving loop runs decode: back-to-back eager calls would time the host (about 30 us a
+    # call) at small shapes.
+    graph_calls = copies * math.ceil(GRAPH_CALLS / copies)
     replays = {}
     for name, call in calls.items():
         try:
-            replays[name] = capture_graph(call, GRAPH_CALLS).replay
+            replays[name] = capture_graph(call, graph_calls).replay
         except RuntimeError as err:  # a backend that cannot be captured (or memory)
             row[f"{name}_error"] = "graph capture: " + str(err).splitlines()[0]
-    medians = {name: ms / GRAPH_CALLS for name, ms in interleaved_medians(
+    medians = {name: ms / graph_calls for name, ms in interleaved_medians(
         replays, args.warmup_ms, args.repeat_ms, args.rounds).items()}
     bytes_moved = cache_bytes + 2 * element * batch * nhead_q * d
     for name, ms in medians.items():
@@ -142,7 +155,7 @@ def format_rows(rows, copy_gbs) -> str:
     columns = ["fmha", *sorted({k for r in rows for k in r if k.startswith("fmha_paged")
                                 and not k.endswith("_error")}), "sdpa"]
     header = f"{'case':>34} " + " ".join(f"{c:>13}" for c in columns) + \
-        f" {'fmha/copy':>9} {'fmha/sdpa':>9}  sdpa backend"
+        f" {'fmha/copy':>9} {'fmha/sdpa':>9} {'copies':>6}  sdpa backend"
     lines = [header]
     for r in rows:
         case = f"{r['dtype']} d{r['hdim']} h{r['heads']} b{r['batch']} L{r['cache_len']}"
@@ -151,5 +164,6 @@ def format_rows(rows, copy_gbs) -> str:
         fmha_gbs = r.get("fmha")
         of_copy = f"{fmha_gbs / copy_gbs:9.2f}" if fmha_gbs else f"{'-':>9}"
         vs = f"{fmha_gbs / r['sdpa']:8.2f}x" if fmha_gbs and r.get("sdpa") else f"{'-':>9}"
-        lines.append(f"{case:>34} {cells} {of_copy} {vs}  {r.get('sdpa_best', '-')}")
+        lines.append(f"{case:>34} {cells} {of_copy} {vs} {r.get('cache_copies', 1):6d}"
+                     f"  {r.get('sdpa_best', '-')}")
     return "\n".join(lines)

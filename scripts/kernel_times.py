@@ -6,10 +6,11 @@ kernel of a multi-kernel operation a change moved.
         [--num-splits 16]
 
 bwd: fmha.bwd on the bench's shapes (16k tokens, hidden 2048); decode: one fmha.fwd_kvcache
-step (bf16 d128, 64 query heads on 8 K/V heads), each call replayed from a CUDA graph so that
-the gaps between kernels are those a serving loop sees. Prints, per kernel, the median
-microseconds over --calls calls, and the median span from the first kernel's start to the
-last one's end.
+step (bf16, --hdim, 64 query heads on 8 K/V heads), replayed from a CUDA graph so that the gaps
+between kernels are those a serving loop sees, the steps taking copies of the cache in turn
+as the bench does (--copies; fmha.timing.copies_beyond_l2 by default, so that a cache smaller
+than L2 is not read from L2). Prints, per kernel, the median microseconds over --calls calls,
+and the median span from the first kernel's start to the last one's end.
 """
 
 import argparse
@@ -20,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fmha
-from fmha.timing import capture_graph
+from fmha.timing import capture_graph, copies_beyond_l2, rotating
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,10 +35,10 @@ def bwd_call(args):
     return lambda: fmha.bwd(dout, q, k, v, out, lse, causal=args.causal)
 
 
-def decode_step(batch, cache_len, page_size=0, gqa=8, num_splits=0):
-    """One decode step's call (bf16 d128, 8 K/V heads, a full cache; paged in shuffled pages
-    when page_size is given), for this script and scripts/ncu_decode_case.py."""
-    dtype, d, heads_k = torch.bfloat16, 128, 8
+def decode_step(batch, cache_len, page_size=0, gqa=8, num_splits=0, d=128):
+    """One decode step's call (bf16, head dim d, 8 K/V heads, a full cache; paged in shuffled
+    pages when page_size is given), for this script and scripts/ncu_decode_case.py."""
+    dtype, heads_k = torch.bfloat16, 8
     q = torch.randn(batch, 1, heads_k * gqa, d, device="cuda", dtype=dtype)
     lengths = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
     if page_size:
@@ -54,8 +55,12 @@ def decode_step(batch, cache_len, page_size=0, gqa=8, num_splits=0):
 
 
 def decode_call(args):
-    step = decode_step(args.batch, args.cache_len, args.page_size, args.gqa, args.num_splits)
-    return capture_graph(step, 1).replay
+    """A replay of one graph of decode steps, one a copy of the cache, and its step count."""
+    cache_bytes = args.batch * args.cache_len * 8 * args.hdim * 2 * 2  # decode_step's K and V
+    copies = args.copies or copies_beyond_l2(cache_bytes)
+    steps = [decode_step(args.batch, args.cache_len, args.page_size, args.gqa, args.num_splits,
+                         args.hdim) for _ in range(copies)]
+    return capture_graph(rotating(steps), copies).replay, copies
 
 
 def main():
@@ -72,10 +77,12 @@ def main():
     p.add_argument("--gqa", type=int, default=8)
     p.add_argument("--page-size", type=int, default=0)
     p.add_argument("--num-splits", type=int, default=0, help="decode: 0 lets fmha choose")
+    p.add_argument("--copies", type=int, default=0,
+                   help="decode: copies of the cache the steps take in turn (0: enough to pass L2)")
     p.add_argument("--calls", type=int, default=20)
     args = p.parse_args()
 
-    call = bwd_call(args) if args.op == "bwd" else decode_call(args)
+    call, steps = (bwd_call(args), 1) if args.op == "bwd" else decode_call(args)
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -86,15 +93,15 @@ def main():
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                       and e.device_time > 0 and "memcpy" not in e.name.lower()),
                      key=lambda e: e.time_range.start)
-    per_call = len(kernels) // args.calls
+    per_call = len(kernels) // (args.calls * steps)
     times = defaultdict(list)
     spans = []
-    for c in range(args.calls):
+    for c in range(args.calls * steps):
         group = kernels[c * per_call:(c + 1) * per_call]
         for e in group:
             times[e.name].append(e.time_range.end - e.time_range.start)
         spans.append(group[-1].time_range.end - group[0].time_range.start)
-    print(f"{torch.cuda.get_device_name()}; {args.op}, medians of {args.calls} calls, us")
+    print(f"{torch.cuda.get_device_name()}; {args.op}, medians of {args.calls * steps} calls, us")
     for name, us in times.items():
         short = name.split("(")[0].split("<")[0].split("::")[-1]
         print(f"  {short:<32} {statistics.median(us):9.1f}")

@@ -14,6 +14,8 @@ reads that transient instead. On an H100, 30 calls each (~50 ms) put fmha at 0.9
 bf16 d128 at S = 8k; 200 calls each after 50 warm-up calls put it at 1.01-1.02x, in two runs.
 """
 
+import itertools
+import math
 import statistics
 import time
 
@@ -86,6 +88,23 @@ def capture_graph(fn, calls: int = 20) -> "torch.cuda.CUDAGraph":
         for _ in range(calls):
             fn()
     return graph
+
+
+def copies_beyond_l2(nbytes: int, l2_multiple: int = 4) -> int:
+    """How many copies of an input of `nbytes` the timed calls should take in turn so that
+    together they hold `l2_multiple` times the GPU's L2 (one where the input alone does): an
+    input smaller than L2 (50 MB on an H100) that every call re-reads is served from L2 after
+    the first call, and a memory-bound kernel's time is then the L2's, not the memory's. The
+    copies stand for what a real workload reads between two calls: a model's decode step reads
+    each layer's own KV cache once."""
+    l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(1, math.ceil(l2_multiple * l2_bytes / nbytes))
+
+
+def rotating(calls: list):
+    """One call that runs `calls` in turn, the next one at each call."""
+    turn = itertools.count()
+    return lambda: calls[next(turn) % len(calls)]()
 
 
 def graph_median_ms(fn, calls: int = 20, warmup_ms: float = 100.0,
