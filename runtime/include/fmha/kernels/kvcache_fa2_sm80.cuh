@@ -479,7 +479,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   const int split = blockIdx.x % p.num_splits;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
-  let_dependents_launch();
+  // The stream's next kernel may launch now where it is this call's combine (a few small CTAs
+  // that wait for this grid), else only once every CTA has left its main loop (below): the
+  // next call's attention kernel launched now would take the SMs' free slots while this grid
+  // runs, two CTAs on some SMs and none on others once this grid ends. bf16 d64 decode, batch
+  // 16 x 32k keys (128 CTAs, one split), H100: 344 us a call alone, 391 back to back launched
+  // at the start, 354 launched after the main loop (docs/perf-notes.md v22).
+  if (p.num_splits > 1) let_dependents_launch();
   wait_for_previous_grids();  // q, the cache and its lengths may come from the append kernel
 
   // Packed row r is query token r / group of query head kv_head * group + r % group.
@@ -741,6 +747,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   // row, not an element: with the max and the exponentials in a loop over single elements,
   // the attention kernel of a decode step (bf16 d128, 64 query heads on 8 K/V heads, batch 1 x
   // 8k keys, H100) took 10.5 us, and 9.1 with them once a row (perf notes v19).
+  if (p.num_splits == 1) let_dependents_launch();
   sm80::cp_async_wait<0>();
   __syncthreads();
   constexpr int kWarps = Cfg::kNumWarps;
