@@ -3,7 +3,7 @@ kernel of a multi-kernel operation a change moved.
 
     python scripts/kernel_times.py bwd --dtype bf16 --hdim 64 --seqlen 2048 --causal
     python scripts/kernel_times.py decode --batch 1 --cache-len 8192 [--page-size 16]
-        [--num-splits 16]
+        [--page-order shuffled|ordered|2mb] [--num-splits 16] [--copies N]
 
 bwd: fmha.bwd on the bench's shapes (16k tokens, hidden 2048); decode: one fmha.fwd_kvcache
 step (bf16, --hdim, 64 query heads on 8 K/V heads), replayed from a CUDA graph so that the gaps
@@ -35,16 +35,32 @@ def bwd_call(args):
     return lambda: fmha.bwd(dout, q, k, v, out, lse, causal=args.causal)
 
 
-def decode_step(batch, cache_len, page_size=0, gqa=8, num_splits=0, d=128):
-    """One decode step's call (bf16, head dim d, 8 K/V heads, a full cache; paged in shuffled
-    pages when page_size is given), for this script and scripts/ncu_decode_case.py."""
+def page_order(count, page_bytes, order):
+    """The pool's `count` pages in the block table's order: "shuffled" (a real allocator's pages
+    are anywhere), "ordered" (the pool's own order, a contiguous cache's addresses), or "2mb"
+    (shuffled within each 2 MB of the pool, those blocks shuffled too: what address translation
+    sees of "ordered", what the DRAM sees of "shuffled")."""
+    if order == "ordered":
+        return torch.arange(count, device="cuda", dtype=torch.int32)
+    if order == "shuffled":
+        return torch.randperm(count, device="cuda", dtype=torch.int32)
+    group = max(1, (2 << 20) // page_bytes)
+    blocks = torch.randperm(-(-count // group)).tolist()
+    return torch.cat([b * group + torch.randperm(min(group, count - b * group))
+                      for b in blocks]).to(device="cuda", dtype=torch.int32)
+
+
+def decode_step(batch, cache_len, page_size=0, gqa=8, num_splits=0, d=128, order="shuffled"):
+    """One decode step's call (bf16, head dim d, 8 K/V heads, a full cache; paged when
+    page_size is given, the pages in `order` (page_order)), for this script and
+    scripts/ncu_decode_case.py."""
     dtype, heads_k = torch.bfloat16, 8
     q = torch.randn(batch, 1, heads_k * gqa, d, device="cuda", dtype=dtype)
     lengths = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
     if page_size:
         pages = cache_len // page_size
         k = torch.randn(batch * pages, page_size, heads_k, d, device="cuda", dtype=dtype)
-        table = torch.randperm(batch * pages, device="cuda", dtype=torch.int32)
+        table = page_order(batch * pages, page_size * heads_k * d * 2, order)
         table = table.view(batch, pages)
     else:
         k = torch.randn(batch, cache_len, heads_k, d, device="cuda", dtype=dtype)
@@ -59,7 +75,7 @@ def decode_call(args):
     cache_bytes = args.batch * args.cache_len * 8 * args.hdim * 2 * 2  # decode_step's K and V
     copies = args.copies or copies_beyond_l2(cache_bytes)
     steps = [decode_step(args.batch, args.cache_len, args.page_size, args.gqa, args.num_splits,
-                         args.hdim) for _ in range(copies)]
+                         args.hdim, args.page_order) for _ in range(copies)]
     return capture_graph(rotating(steps), copies).replay, copies
 
 
@@ -76,6 +92,8 @@ def main():
     p.add_argument("--cache-len", type=int, default=8192)
     p.add_argument("--gqa", type=int, default=8)
     p.add_argument("--page-size", type=int, default=0)
+    p.add_argument("--page-order", choices=["shuffled", "ordered", "2mb"], default="shuffled",
+                   help="decode: the block table's order of the pool's pages (page_order)")
     p.add_argument("--num-splits", type=int, default=0, help="decode: 0 lets fmha choose")
     p.add_argument("--copies", type=int, default=0,
                    help="decode: copies of the cache the steps take in turn (0: enough to pass L2)")
