@@ -41,10 +41,7 @@ def instance_record(instance: Instance) -> dict:
         "arch": point.arch.token,
         "pad_seqlen": point.pad_seqlen,
         "pad_hdim": point.pad_hdim,
-        "block_m": tile.block_m,
-        "block_n": tile.block_n,
-        "warps": tile.warps,
-        "stages": tile.stages,
+        **_tile_fields(tile),
         # The tile of calls that fill every SM, where the instance has one.
         **({"full_grid": _tile_fields(tile.full_grid)} if tile.full_grid else {}),
         "tu": tu_name(instance),

@@ -24,6 +24,7 @@ import fmha
 from fmha.timing import capture_graph, copies_beyond_l2, rotating
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DECODE_KV_HEADS = 8  # decode_step's K/V heads (bf16: 2 bytes an element)
 
 
 def bwd_call(args):
@@ -54,7 +55,7 @@ def decode_step(batch, cache_len, page_size=0, gqa=8, num_splits=0, d=128, order
     """One decode step's call (bf16, head dim d, 8 K/V heads, a full cache; paged when
     page_size is given, the pages in `order` (page_order)), for this script and
     scripts/ncu_decode_case.py."""
-    dtype, heads_k = torch.bfloat16, 8
+    dtype, heads_k = torch.bfloat16, DECODE_KV_HEADS
     q = torch.randn(batch, 1, heads_k * gqa, d, device="cuda", dtype=dtype)
     lengths = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
     if page_size:
@@ -72,7 +73,7 @@ def decode_step(batch, cache_len, page_size=0, gqa=8, num_splits=0, d=128, order
 
 def decode_call(args):
     """A replay of one graph of decode steps, one a copy of the cache, and its step count."""
-    cache_bytes = args.batch * args.cache_len * 8 * args.hdim * 2 * 2  # decode_step's K and V
+    cache_bytes = 2 * args.batch * args.cache_len * DECODE_KV_HEADS * args.hdim * 2  # K and V
     copies = args.copies or copies_beyond_l2(cache_bytes)
     steps = [decode_step(args.batch, args.cache_len, args.page_size, args.gqa, args.num_splits,
                          args.hdim, args.page_order) for _ in range(copies)]
