@@ -594,12 +594,10 @@ def test_repository_kvcache_matrix():
     for instance in decode:
         point = instance.point
         # Three stages but where they would pass A100's shared memory (d256: 200 KB); on sm90a
-        # d64 (both caches) and paged d128 in 8 warps on 128-key tiles, with the 4-warp tile
-        # for calls that fill every SM.
+        # d64 (both caches) in 8 warps on 128-key tiles, with the 4-warp tile for calls that
+        # fill every SM.
         a100_d256 = point.arch.token == "sm80" and point.traits.hdim_q == 256
-        paged_d128 = (point.arch.token == "sm90a" and point.traits.paged
-                      and point.traits.hdim_q == 128)
-        eight_warps = paged_d128 or (point.arch.token == "sm90a" and point.traits.hdim_q == 64)
+        eight_warps = point.arch.token == "sm90a" and point.traits.hdim_q == 64
         expected = (Tile(16, 128, 8, 3, full_grid=Tile(16, 64, 4, 3))
                     if eight_warps else Tile(16, 64, 4, 2 if a100_d256 else 3))
         assert instance.tile == expected

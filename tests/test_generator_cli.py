@@ -498,10 +498,10 @@ def test_list_and_json_of_kvcache_instances(run_cli):
                      "--targets", "sm90a")
     assert result.stdout.split() == ["kvcache_bf16_d128_causal_fa3_sm90a_m128n128_pad",
                                      "kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
-                                     "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad",
                                      "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad",
-                                     "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad_hpad",
-                                     "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad_hpad"]
+                                     "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
+                                     "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad_hpad",
+                                     "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad_hpad"]
     records = json.loads(run_cli("--json", "--preset", "all", "--filter",
                                  "kvcache,fp16,hdim256,window,alibi,paged,softcap").stdout)
     assert [r["name"] for r in records] == [
@@ -515,8 +515,8 @@ def test_list_and_json_of_kvcache_instances(run_cli):
 # The decode instances of the extended preset that serve a bf16 d128 causal paged call on an
 # H100, in dispatch order: newest arch first, then exact head dims, then the tightest padded.
 BF16_D128_CAUSAL_PAGED_DECODE = [
-    "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad",
-    "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad_hpad",
+    "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
+    "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad_hpad",
     "kvcache_bf16_d192_causal_paged_fa2_sm90a_m16n64_pad_hpad",
     "kvcache_bf16_d256_causal_paged_fa2_sm90a_m16n64_pad_hpad",
     "kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad",
@@ -532,9 +532,9 @@ def test_explain_kvcache_hit(run_cli):
     assert result.stdout.splitlines() == [
         "problem: op=kvcache,dtype=bf16,hdim=128x128,mask=causal,bias=none,paged=true,"
         "softcap=false,seqlen_q=1,seqlen_k=4000,seqused=false,arch=90",
-        "chosen:  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad",
+        "chosen:  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
         "why:     8 of the 324 selected kvcache instances serve it; it goes ahead of the runner-up "
-        "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad_hpad by rule 5 of the dispatch "
+        "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad_hpad by rule 5 of the dispatch "
         "order, exact head dims first: pad_hdim=false against pad_hdim=true",
         "serving, in dispatch order:",
         *(f"  {name}" for name in BF16_D128_CAUSAL_PAGED_DECODE)]
@@ -549,12 +549,12 @@ def test_explain_kvcache_chunk_runs_the_prefill_instance(run_cli):
     assert result.stdout.splitlines()[1:] == [
         "chosen:  kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
         "why:     9 of the 324 selected kvcache instances serve it; it goes ahead of the runner-up "
-        "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad by rule 3 of the dispatch order, "
+        "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad by rule 3 of the dispatch order, "
         "newer pipeline first: pipeline fa3 against pipeline fa2",
         "serving, in dispatch order:",
         "  kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
-        "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad",
-        "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad_hpad",
+        "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
+        "  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad_hpad",
         "  kvcache_bf16_d192_causal_paged_fa2_sm90a_m16n64_pad_hpad",
         "  kvcache_bf16_d256_causal_paged_fa2_sm90a_m16n64_pad_hpad",
         "  kvcache_bf16_d128_causal_paged_fa2_sm80_m16n64_pad",

@@ -1174,9 +1174,10 @@ cudaError_t launch_kvcache_tile(const KvcacheArgs& a, cudaStream_t stream) {
 // An instance's tile, or its full-grid tile (instances.yaml's `full_grid`) for calls whose units
 // alone fill every SM: a tile for few CTAs (8 warps on 128 keys, one CTA an SM: its warps
 // issue more of a step's copies and MMAs at once) loses where the CTAs come in waves, whose
-// prologues and merges then run with nothing beside them (bf16 d128, pages of 16, H100: batch
-// 32 x 1k keys 2656 GB/s on it against 2779 on 4 warps of 64 keys, two CTAs an SM; batch 8 x
-// 1k 2998 against 2760; docs/perf-notes.md v21). FullGridCfg = Cfg: one tile for every call.
+// prologues and merges then run with nothing beside them (bf16 d64, GQA 8:1, H100: batch 32 x
+// 1k/8k/32k keys 2550/2894/2921 GB/s on it against 2595/3042/3045 on 4 warps of 64 keys, two
+// CTAs an SM, where batch 8 x 8k/32k reads 2-9% more on it on pages; docs/perf-notes.md v22,
+// v23). FullGridCfg = Cfg: one tile for every call.
 template <class Cfg, class FullGridCfg = Cfg>
 cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   if constexpr (!std::is_same_v<Cfg, FullGridCfg>) {
