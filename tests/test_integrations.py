@@ -165,6 +165,21 @@ def test_pack_positions_splits_a_row_where_positions_restart():
     assert _flash.pack_positions(torch.tensor([[5, 6, 7, 8]])) is None
 
 
+def test_a_forwards_layers_pack_its_positions_once(monkeypatch):
+    # Every layer of a forward gets the same position ids: the first layer's reads back to the
+    # host serve the others; new ids, or ids written in place, are read again.
+    reads = []
+    original = _flash._pack_positions
+    monkeypatch.setattr(_flash, "_pack_positions", lambda ids: reads.append(1) or original(ids))
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    answers = [_flash.pack_positions(positions) for _ in range(3)]
+    assert len(reads) == 1 and all(a[0].tolist() == [0, 3, 5] for a in answers)
+    positions[0, 3] = 3  # in place: one sequence now
+    assert _flash.pack_positions(positions) is None and len(reads) == 2
+    assert _flash.pack_positions(torch.tensor([[0, 0]]))[0].tolist() == [0, 1, 2]
+    assert len(reads) == 3
+
+
 def test_pad_head_dim_zero_pads_to_a_multiple_of_8():
     x = randn(2, 3, 4, 60)
     padded = _flash.pad_head_dim(x)
@@ -251,6 +266,31 @@ def test_a_steps_layers_read_its_left_padding_back_once(kernels, monkeypatch):
     assert len(checks) == 4 and "kvcache" not in kernels[-1]
     _flash.flash_attention(q, k, v, causal=True, padding_mask=mask)
     assert len(checks) == 5 and kernels[-1]["cache_leftpad"].tolist() == [0, 5, 1]
+
+
+def test_a_forwards_layers_pack_its_padding_mask_once(kernels, monkeypatch):
+    # Group mode: the first layer packs the mask (a read back to the host each for the keys and
+    # the queries), the others reuse the packing; a mask written in place, or another query
+    # count, is packed again.
+    packs = []
+    original = _flash.pack_padding_mask
+    monkeypatch.setattr(_flash, "pack_padding_mask",
+                        lambda mask: packs.append(mask.shape[1]) or original(mask))
+    mask = left_padded([7, 4, 6], 7)
+    q, k, v = qkv(seqlen_q=7)
+    for _ in range(3):
+        _flash.flash_attention(q, k, v, causal=True, padding_mask=mask)
+    assert packs == [7]  # a prefill's queries are its keys
+    assert all(torch.equal(call["cu_seqlens_k"], kernels[0]["cu_seqlens_k"]) for call in kernels)
+    mask[0, 0] = False  # in place
+    out = _flash.flash_attention(q, k, v, causal=True, padding_mask=mask)
+    assert packs == [7, 7] and kernels[-1]["cu_seqlens_k"].tolist() == [0, 6, 10, 16]
+    torch.testing.assert_close(out, expected_rows(q, k, v, mask), rtol=0, atol=ATOL)
+    q3, k3, v3 = qkv(seqlen_q=3)
+    mask = holed(left_padded([7, 4, 6], 7))  # no left padding: group mode for a chunk
+    for _ in range(2):
+        _flash.flash_attention(q3, k3, v3, causal=True, padding_mask=mask)
+    assert packs == [7, 7, 7, 3]
 
 
 def test_padding_rows_of_a_prefill_are_zero(kernels):
@@ -560,10 +600,29 @@ def test_llama_generate_reads_a_steps_left_padding_back_once(transformers, monke
     original_bool = bool
     monkeypatch.setattr(_flash, "bool", lambda x: checks.append(1) or original_bool(x),
                         raising=False)
+    packs = []
+    original_pack = _flash.pack_padding_mask
+    monkeypatch.setattr(_flash, "pack_padding_mask",
+                        lambda mask: packs.append(1) or original_pack(mask))
     ids, mask = prompts([9, 5], 9)
     model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     decodes = [call for call in reference_fwd.calls if call.get("kvcache")]
     assert len(decodes) == 7 * model.config.num_hidden_layers and len(checks) == 7
+    # The prefill (group mode) packs the mask once, not once a layer.
+    assert len(packs) == 1
+
+
+def test_llama_generate_of_one_prompt_reads_its_positions_back_once(transformers, monkeypatch):
+    # A batch of one row without a mask: each layer asks whether the position ids pack several
+    # sequences (a read back to the host); the prefill's first layer answers for the others.
+    model, eager = tiny(transformers, "LlamaConfig")
+    reads = []
+    original = _flash._pack_positions
+    monkeypatch.setattr(_flash, "_pack_positions", lambda ids: reads.append(1) or original(ids))
+    ids, _ = prompts([9], 9)
+    options = dict(max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(ids, **options), eager.generate(ids, **options))
+    assert len(reads) == 1
 
 
 def test_mistral_sliding_window(transformers):

@@ -47,7 +47,17 @@ def pack_positions(position_ids: torch.Tensor) -> Optional[tuple[torch.Tensor, i
     """(cu_seqlens, max_seqlen) of the sequences packed into one row (padding-free batches),
     told apart by their position ids, each sequence's counting up from the row's smallest;
     None where the row holds one sequence. Reads from the device twice: where the sequences
-    start, and the longest one."""
+    start, and the longest one; every layer of a forward gets the same position ids, so its
+    first layer reads them and the others reuse the answer (_LastAnswer)."""
+    known = _last_positions.get(position_ids)
+    if known is not _UNKNOWN:
+        return known
+    answer = _pack_positions(position_ids)
+    _last_positions.put(position_ids, None, answer)
+    return answer
+
+
+def _pack_positions(position_ids: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
     positions = position_ids.flatten()
     starts = torch.nonzero(positions == positions.min()).flatten()
     if starts.numel() <= 1:
@@ -97,7 +107,7 @@ def _left_padding(padding_mask: torch.Tensor, seqlen_q: int) -> Optional[torch.T
     None. generate() pads on the left, so its decode steps qualify. The answer reads one bool
     back to the host (as the group-mode path's pack_padding_mask reads a length), which stalls
     the host until the GPU catches up; every layer of a step gets the same mask tensor, so the
-    step's first layer reads it and the others reuse it (_LastLeftPadding)."""
+    step's first layer reads it and the others reuse it (_LastAnswer)."""
     known = _last_left_padding.get(padding_mask, seqlen_q)
     if known is not _UNKNOWN:
         return known
@@ -111,32 +121,58 @@ def _left_padding(padding_mask: torch.Tensor, seqlen_q: int) -> Optional[torch.T
     return pads
 
 
+def _pack_batch(padding_mask: torch.Tensor, seqlen_q: int) -> tuple[Packed, Packed]:
+    """The keys and the queries (the last seqlen_q slots of each row) a padding mask keeps, for
+    group mode. Each packing reads a length back to the host; every layer of a forward gets the
+    same mask, so its first layer packs it and the others reuse the answer (_LastAnswer)."""
+    known = _last_batch.get(padding_mask, seqlen_q)
+    if known is not _UNKNOWN:
+        return known
+    batch, seqlen_k = padding_mask.shape
+    keys = pack_padding_mask(padding_mask)
+    if seqlen_q == seqlen_k:
+        queries = keys
+    elif seqlen_q == 1:  # a decode step: each row's one query, no search for it
+        queries = Packed(torch.arange(batch, device=padding_mask.device),
+                         torch.arange(batch + 1, dtype=torch.int32, device=padding_mask.device),
+                         1)
+    else:
+        queries = pack_padding_mask(padding_mask[:, -seqlen_q:])
+    _last_batch.put(padding_mask, seqlen_q, (keys, queries))
+    return keys, queries
+
+
 _UNKNOWN = object()
 
 
-class _LastLeftPadding:
-    """_left_padding's last answer, for the mask tensor it was asked of (held weakly, so a freed
-    mask whose id is reused never matches) as long as that tensor is not written in place (its
-    version counter) and for the same number of queries. One tuple, replaced whole, so threads
-    never see a key with another call's answer."""
+class _LastAnswer:
+    """The last answer to a question about a tensor that reads it back to the host (a mask's
+    left padding, its packing, the position ids' sequences): every layer of a forward gets the
+    same tensor, so the first layer asks and the others reuse the answer, one stall of the host
+    a forward, not one a layer. Held weakly (a freed tensor whose id is reused never matches),
+    as long as the tensor is not written in place (its version counter) and for the same `key`
+    (the question's other arguments). One tuple, replaced whole, so threads never see a key with
+    another call's answer."""
 
     def __init__(self):
-        self._entry = None  # (weakref to the mask, its version, seqlen_q, answer)
+        self._entry = None  # (weakref to the tensor, its version, key, answer)
 
-    def get(self, mask: torch.Tensor, seqlen_q: int):
+    def get(self, tensor: torch.Tensor, key=None):
         entry = self._entry
         if entry is None:
             return _UNKNOWN
-        ref, version, queries, answer = entry
-        if ref() is not mask or mask._version != version or queries != seqlen_q:
+        ref, version, known_key, answer = entry
+        if ref() is not tensor or tensor._version != version or known_key != key:
             return _UNKNOWN
         return answer
 
-    def put(self, mask: torch.Tensor, seqlen_q: int, answer: Optional[torch.Tensor]) -> None:
-        self._entry = (weakref.ref(mask), mask._version, seqlen_q, answer)
+    def put(self, tensor: torch.Tensor, key, answer) -> None:
+        self._entry = (weakref.ref(tensor), tensor._version, key, answer)
 
 
-_last_left_padding = _LastLeftPadding()
+_last_left_padding = _LastAnswer()
+_last_batch = _LastAnswer()
+_last_positions = _LastAnswer()
 
 
 @functools.lru_cache(maxsize=1)
@@ -193,14 +229,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             except fmha.MissingInstanceError:  # a build without this kvcache instance
                 pass
     if padding_mask is not None:
-        keys = pack_padding_mask(padding_mask)
-        if seqlen_q == k.shape[1]:
-            queries = keys
-        elif seqlen_q == 1:  # a decode step: each row's one query, no search for it
-            queries = Packed(torch.arange(batch, device=q.device),
-                             torch.arange(batch + 1, dtype=torch.int32, device=q.device), 1)
-        else:
-            queries = pack_padding_mask(padding_mask[:, -seqlen_q:])
+        keys, queries = _pack_batch(padding_mask, seqlen_q)
         out = fmha.fwd(gather_tokens(q, queries.indices), gather_tokens(k, keys.indices),
                        gather_tokens(v, keys.indices), cu_seqlens_q=queries.cu_seqlens,
                        cu_seqlens_k=keys.cu_seqlens, max_seqlen_q=queries.max_seqlen,
