@@ -908,7 +908,7 @@ fmha::KvcacheArgs call(int hdim, bool paged) {
 }
 
 int main() {
-  std::cout << fmha::detail::explain_selection(call(128, true), 90) << "----\\n";
+  std::cout << fmha::detail::explain_selection(call(64, true), 90) << "----\\n";
   std::cout << fmha::detail::explain_selection(call(100, false), 90) << "----\\n";
   std::cout << fmha::detail::explain_selection(call(80, false), 80) << "----\\n";
   fmha::KvcacheArgs unaligned = call(128, false);
@@ -948,15 +948,15 @@ def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
     ran = subprocess.run([str(program)], capture_output=True, text=True, check=True)
     hit, padded, miss, unaligned, both = ran.stdout.split("----\n")
     assert hit.startswith(
-        "KV-cache problem: dtype=fp16 hdim_q=128 hdim_v=128 mask=none bias=none paged=true "
+        "KV-cache problem: dtype=fp16 hdim_q=64 hdim_v=64 mask=none bias=none paged=true "
         "softcap=false; seqlen_q=1 seqlen_new=0 seqlen_cache=256 (the cache lengths are on the "
         "device); this GPU is sm90.\n"
-        "Runs kvcache_fp16_d128_paged_fa2_sm90a_m16n128_pad (fa2, sm90a, tile 16x128 (16x64 "
-        "where the sequences and K/V heads fill every SM), head dims 128x128, pad_seqlen=true, "
+        "Runs kvcache_fp16_d64_paged_fa2_sm90a_m16n128_pad (fa2, sm90a, tile 16x128 (16x64 "
+        "where the sequences and K/V heads fill every SM), head dims 64x64, pad_seqlen=true, "
         "pad_hdim=false).\n")
-    assert ("  kvcache_fp16_d128_paged_fa2_sm80_m16n64_pad: sm90a before sm80: code for the newest "
+    assert ("  kvcache_fp16_d64_paged_fa2_sm80_m16n64_pad: sm90a before sm80: code for the newest "
             "architecture the GPU runs\n") in hit
-    assert ("  kvcache_fp16_d128_paged_fa2_sm90a_m16n128_pad_hpad: exact head dims before padded "
+    assert ("  kvcache_fp16_d64_paged_fa2_sm90a_m16n128_pad_hpad: exact head dims before padded "
             "ones: no zero-filled lanes\n") in hit
     # Head dims below an instance's, multiple of 8 or not, run its head-dim-padded variant.
     assert padded.startswith(
