@@ -11,7 +11,7 @@ caller's batch. Plain torch: no other library is imported here.
 
 import functools
 import weakref
-from typing import NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +49,7 @@ def pack_positions(position_ids: torch.Tensor) -> Optional[tuple[torch.Tensor, i
     None where the row holds one sequence. Reads from the device twice: where the sequences
     start, and the longest one; every layer of a forward gets the same position ids, so its
     first layer reads them and the others reuse the answer (_LastAnswer)."""
-    known = _last_positions.get(position_ids)
-    if known is not _UNKNOWN:
-        return known
-    answer = _pack_positions(position_ids)
-    _last_positions.put(position_ids, None, answer)
-    return answer
+    return _last_positions.answer(position_ids, None, lambda: _pack_positions(position_ids))
 
 
 def _pack_positions(position_ids: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
@@ -108,41 +103,32 @@ def _left_padding(padding_mask: torch.Tensor, seqlen_q: int) -> Optional[torch.T
     back to the host (as the group-mode path's pack_padding_mask reads a length), which stalls
     the host until the GPU catches up; every layer of a step gets the same mask tensor, so the
     step's first layer reads it and the others reuse it (_LastAnswer)."""
-    known = _last_left_padding.get(padding_mask, seqlen_q)
-    if known is not _UNKNOWN:
-        return known
-    keys = padding_mask.shape[1]
-    tokens = padding_mask.sum(dim=-1, dtype=torch.int32)
-    first = padding_mask.int().argmax(dim=-1)  # the first token's slot (0 in a row of none)
-    pads = keys - tokens
-    if not bool(((first == pads) & (tokens >= seqlen_q)).all()):
-        pads = None
-    _last_left_padding.put(padding_mask, seqlen_q, pads)
-    return pads
+    def ask():
+        keys = padding_mask.shape[1]
+        tokens = padding_mask.sum(dim=-1, dtype=torch.int32)
+        first = padding_mask.int().argmax(dim=-1)  # the first token's slot (0 in a row of none)
+        pads = keys - tokens
+        return pads if bool(((first == pads) & (tokens >= seqlen_q)).all()) else None
+
+    return _last_left_padding.answer(padding_mask, seqlen_q, ask)
 
 
 def _pack_batch(padding_mask: torch.Tensor, seqlen_q: int) -> tuple[Packed, Packed]:
     """The keys and the queries (the last seqlen_q slots of each row) a padding mask keeps, for
     group mode. Each packing reads a length back to the host; every layer of a forward gets the
     same mask, so its first layer packs it and the others reuse the answer (_LastAnswer)."""
-    known = _last_batch.get(padding_mask, seqlen_q)
-    if known is not _UNKNOWN:
-        return known
-    batch, seqlen_k = padding_mask.shape
-    keys = pack_padding_mask(padding_mask)
-    if seqlen_q == seqlen_k:
-        queries = keys
-    elif seqlen_q == 1:  # a decode step: each row's one query, no search for it
-        queries = Packed(torch.arange(batch, device=padding_mask.device),
-                         torch.arange(batch + 1, dtype=torch.int32, device=padding_mask.device),
-                         1)
-    else:
-        queries = pack_padding_mask(padding_mask[:, -seqlen_q:])
-    _last_batch.put(padding_mask, seqlen_q, (keys, queries))
-    return keys, queries
+    def ask():
+        batch, seqlen_k = padding_mask.shape
+        keys = pack_padding_mask(padding_mask)
+        if seqlen_q == seqlen_k:
+            return keys, keys
+        if seqlen_q == 1:  # a decode step: each row's one query, no search for it
+            device = padding_mask.device
+            return keys, Packed(torch.arange(batch, device=device),
+                                torch.arange(batch + 1, dtype=torch.int32, device=device), 1)
+        return keys, pack_padding_mask(padding_mask[:, -seqlen_q:])
 
-
-_UNKNOWN = object()
+    return _last_batch.answer(padding_mask, seqlen_q, ask)
 
 
 class _LastAnswer:
@@ -157,17 +143,17 @@ class _LastAnswer:
     def __init__(self):
         self._entry = None  # (weakref to the tensor, its version, key, answer)
 
-    def get(self, tensor: torch.Tensor, key=None):
+    def answer(self, tensor: torch.Tensor, key, ask: Callable[[], Any]):
+        """The last answer where it was for this tensor, unwritten since, and this key; else
+        ask()'s, kept."""
         entry = self._entry
-        if entry is None:
-            return _UNKNOWN
-        ref, version, known_key, answer = entry
-        if ref() is not tensor or tensor._version != version or known_key != key:
-            return _UNKNOWN
-        return answer
-
-    def put(self, tensor: torch.Tensor, key, answer) -> None:
+        if entry is not None:
+            ref, version, known_key, known = entry
+            if ref() is tensor and tensor._version == version and known_key == key:
+                return known
+        answer = ask()
         self._entry = (weakref.ref(tensor), tensor._version, key, answer)
+        return answer
 
 
 _last_left_padding = _LastAnswer()
