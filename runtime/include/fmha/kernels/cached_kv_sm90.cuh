@@ -61,6 +61,13 @@ struct CacheTensor {
   int64_t page_stride;
 };
 
+// One TMA box of a key tile: its destination in a stage and its map coordinates (the first,
+// the 64 columns, is always 0).
+struct CacheBox {
+  void* smem;  // null: the lane has no box in this tile
+  int rows, columns, groups, outer;
+};
+
 struct CachedKv {
   CacheMap k;
   CacheMap v;
@@ -71,6 +78,7 @@ struct CachedKv {
   int pages_per_seq;  // block_table's columns; 1 when contiguous
   int heads;          // K/V heads
   int box_rows;       // keys per TMA box, a multiple of 8 (cache_box_rows)
+  int boxes_per_tile;  // kBlockN / box_rows, the lanes that issue a tile's boxes
   int absent_page;    // a page index past the cache's, for keys past a sequence's pages
 
   // The page and the row in it of key `key` of sequence `batch`.
@@ -89,43 +97,51 @@ struct CachedKv {
   }
 
   // Where box `lane` of the key tile starting at `key0` comes from (one table read per box);
-  // every lane of the warp calls it, a tile ahead of `load`ing its own box.
-  template <bool kPaged, int kBlockN>
+  // every lane of the warp calls it, a tile ahead of its box's copy.
+  template <bool kPaged>
   __device__ __forceinline__ int2 box_source(int batch, int key0, int lane) const {
-    return lane < kBlockN / box_rows ? locate<kPaged>(batch, key0 + lane * box_rows)
-                                     : make_int2(0, 0);
+    return lane < boxes_per_tile ? locate<kPaged>(batch, key0 + lane * box_rows)
+                                 : make_int2(0, 0);
   }
 
-  // Lane `lane`'s box of the key tile into one stage (`stage(row, col)`: its element's
-  // address), completing on `barrier`. Each box is issued by its own lane: issued by one lane
-  // in turn, the 8 boxes of a 128-key tile of 16-key pages left the producer behind the
-  // consumers (d128 chunked prefill at 0.48-0.55x of the contiguous cache, H100).
-  template <int kBlockN, int kHeadDim, class StageAddress>
-  __device__ __forceinline__ void load(const CacheMap& map, uint64_t& barrier,
-                                       StageAddress stage, int2 source, int head,
-                                       int lane) const {
-    if (lane >= kBlockN / box_rows) return;
+  // Lane `lane`'s box of a key tile from `source` into one stage (`stage(row, col)`: its
+  // element's address), made before the stage is free (fwd_fa3_sm90.cuh's producer). Each box
+  // is issued by its own lane: issued by one lane in turn, the 8 boxes of a 128-key tile of
+  // 16-key pages left the producer behind the consumers (d128 chunked prefill at 0.48-0.55x of
+  // the contiguous cache, H100).
+  template <int kHeadDim, class StageAddress>
+  __device__ __forceinline__ CacheBox box(const CacheMap& map, StageAddress stage, int2 source,
+                                          int head, int lane) const {
+    CacheBox b;
+    b.smem = lane < boxes_per_tile ? stage(lane * box_rows, 0) : nullptr;
     const int page = source.x;
     const int row = source.y;
-    int rows = 0;                          // the 8-row dimension, or the page's rows
-    int columns = 0;                       // the column blocks (with the heads)
-    int groups = row / 8;                  // the row groups, or the heads
-    int outer = page;                      // the pages (with the heads)
+    b.rows = 0;             // the 8-row dimension, or the page's rows
+    b.columns = 0;          // the column blocks (with the heads)
+    b.groups = row / 8;     // the row groups, or the heads
+    b.outer = page;         // the pages (with the heads)
     switch (map.fold) {
       case CacheFold::kHeadsInColumns:
-        columns = head * (kHeadDim / 64);
+        b.columns = head * (kHeadDim / 64);
         break;
       case CacheFold::kHeadsInPages:
-        outer = page * heads + head;
+        b.outer = page * heads + head;
         break;
       case CacheFold::kEightRowBoxes:
-        rows = row;
-        groups = head;
+        b.rows = row;
+        b.groups = head;
         break;
     }
+    return b;
+  }
+
+  // The box's copy, completing on `barrier` (a lane without a box copies nothing).
+  __device__ __forceinline__ static void copy(const CacheMap& map, uint64_t& barrier,
+                                              const CacheBox& b) {
+    if (b.smem == nullptr) return;
     cute::SM90_TMA_LOAD_5D::copy(
         &map.tma, &barrier, static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
-        stage(lane * box_rows, 0), 0, rows, columns, groups, outer);
+        b.smem, 0, b.rows, b.columns, b.groups, b.outer);
   }
 };
 

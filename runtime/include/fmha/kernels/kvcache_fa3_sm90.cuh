@@ -79,6 +79,7 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   cache.box_rows = cache_box_rows<Cfg::kBlockN>(a.page_size, cache.k.fold, cache.v.fold);
   // The dispatcher runs this pipeline on pages of multiples of 8 keys only.
   if (cache.box_rows == 0) return cudaErrorInvalidValue;
+  cache.boxes_per_tile = Cfg::kBlockN / cache.box_rows;
 
   fa2::KvcacheParams append = fa2::kvcache_params(a);
   if (a.rotary_dim > 0) append.q_rotated = a.workspace;
