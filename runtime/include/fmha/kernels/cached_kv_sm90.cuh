@@ -75,16 +75,25 @@ struct CachedKv {
   const int32_t* cache_batch_idx;  // contiguous, optional: the cache row of each sequence
   int64_t block_table_batch_stride;
   int page_size;      // keys a page holds; contiguous: the cache's seqlen (one page a sequence)
+  int page_shift;     // log2(page_size) for pages of a power of 2 keys, else -1
   int pages_per_seq;  // block_table's columns; 1 when contiguous
   int heads;          // K/V heads
   int box_rows;       // keys per TMA box, a multiple of 8 (cache_box_rows)
   int boxes_per_tile;  // kBlockN / box_rows, the lanes that issue a tile's boxes
   int absent_page;    // a page index past the cache's, for keys past a sequence's pages
 
-  // The page and the row in it of key `key` of sequence `batch`.
+  // The page and the row in it of key `key` of sequence `batch`. The producer warp runs this
+  // for every box, beside two consumer warps on its SM sub-partition: an integer division is
+  // a ~20-instruction subroutine, so pages of a power of 2 keys shift, and a contiguous cache
+  // (one page a sequence) compares.
   template <bool kPaged>
   __device__ __forceinline__ int2 locate(int batch, int key) const {
-    const int index = key / page_size;
+    int index;
+    if constexpr (kPaged) {
+      index = page_shift >= 0 ? key >> page_shift : key / page_size;
+    } else {
+      index = key < page_size ? 0 : 1;
+    }
     int page = absent_page;
     if (index < pages_per_seq) {
       if constexpr (kPaged) {
@@ -104,21 +113,21 @@ struct CachedKv {
                                  : make_int2(0, 0);
   }
 
-  // Lane `lane`'s box of a key tile from `source` into one stage (`stage(row, col)`: its
-  // element's address), made before the stage is free (fwd_fa3_sm90.cuh's producer). Each box
-  // is issued by its own lane: issued by one lane in turn, the 8 boxes of a 128-key tile of
-  // 16-key pages left the producer behind the consumers (d128 chunked prefill at 0.48-0.55x of
-  // the contiguous cache, H100).
-  template <int kHeadDim, class StageAddress>
-  __device__ __forceinline__ CacheBox box(const CacheMap& map, StageAddress stage, int2 source,
+  // Lane `lane`'s box of a key tile from `source`, into the stage at `stage` (its rows in
+  // 8-row groups of every column, one group after another), made before the stage is free
+  // (fwd_fa3_sm90.cuh's producer). Each box is issued by its own lane: issued by one lane in
+  // turn, the 8 boxes of a 128-key tile of 16-key pages left the producer behind the consumers
+  // (d128 chunked prefill at 0.48-0.55x of the contiguous cache, H100).
+  template <int kHeadDim, typename Element>
+  __device__ __forceinline__ CacheBox box(const CacheMap& map, Element* stage, int2 source,
                                           int head, int lane) const {
     CacheBox b;
-    b.smem = lane < boxes_per_tile ? stage(lane * box_rows, 0) : nullptr;
+    b.smem = lane < boxes_per_tile ? stage + lane * box_rows * kHeadDim : nullptr;
     const int page = source.x;
-    const int row = source.y;
+    const int row = source.y;  // >= 0
     b.rows = 0;             // the 8-row dimension, or the page's rows
     b.columns = 0;          // the column blocks (with the heads)
-    b.groups = row / 8;     // the row groups, or the heads
+    b.groups = row >> 3;    // the row groups, or the heads
     b.outer = page;         // the pages (with the heads)
     switch (map.fold) {
       case CacheFold::kHeadsInColumns:

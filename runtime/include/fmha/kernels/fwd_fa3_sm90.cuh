@@ -477,12 +477,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         auto sources_of = [&](int n_block) {
           return cache.template box_source<Cfg::kPaged>(tile.batch, n_block * kBlockN, lane);
         };
+        // A lane's box starts box_rows x lane rows into its stage (CachedKv::box): a stage
+        // holds 8-row groups of every column one after another, and the 128-byte swizzle acts
+        // on address bits inside a group's 1 KB blocks, which a group's start leaves alone.
+        static_assert(get_nonswizzle_portion(typename Cfg::SmemLayoutK{})(8, 0, 0) ==
+                              8 * Cfg::kHeadDimQK &&
+                      get_nonswizzle_portion(typename Cfg::SmemLayoutV{})(8, 0, 0) ==
+                              8 * Cfg::kHeadDimV);
         auto issue = [&](auto& pipe, auto& state, const CacheMap& map, auto& smem,
                          auto head_dim, int2 source) {
           const int stage = state.index();
           const CacheBox box = cache.template box<decltype(head_dim)::value>(
-              map, [&](int row, int col) { return raw_pointer_cast(&smem(row, col, stage)); },
-              source, kv_head, lane);
+              map, raw_pointer_cast(&smem(0, 0, stage)), source, kv_head, lane);
           uint64_t* barrier = pipe.producer_get_barrier(state);
           pipe.producer_acquire(state);
           CachedKv::copy(map, *barrier, box);

@@ -126,6 +126,11 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   cache.cache_batch_idx = a.cache_batch_idx;
   cache.block_table_batch_stride = a.block_table_batch_stride;
   cache.page_size = page_size;
+  cache.page_shift = -1;
+  if ((page_size & (page_size - 1)) == 0) {
+    cache.page_shift = 0;
+    while ((1 << cache.page_shift) < page_size) ++cache.page_shift;
+  }
   cache.pages_per_seq = paged ? a.seqlen_cache / a.page_size : 1;
   cache.heads = a.nhead_k;
   cache.absent_page = a.batch_cache;
