@@ -14,6 +14,7 @@
 // whole swizzle atoms); ALiBi and soft-capping calls run the decode pipeline (instances.yaml).
 #pragma once
 
+#include "fmha/kernels/fast_divisor.cuh"
 #include "fmha/kernels/fwd_fa3_sm90.cuh"
 #include "fmha/kernels/kvcache_fa2_sm80.cuh"
 
@@ -126,10 +127,10 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   cache.cache_batch_idx = a.cache_batch_idx;
   cache.block_table_batch_stride = a.block_table_batch_stride;
   cache.page_size = page_size;
-  cache.page_shift = -1;
-  if ((page_size & (page_size - 1)) == 0) {
-    cache.page_shift = 0;
-    while ((1 << cache.page_shift) < page_size) ++cache.page_shift;
+  cache.page_shift = -1;  // read by paged kernels only
+  if (paged) {
+    const FastDivisor pages(page_size);  // its shift is ceil(log2(page_size))
+    if ((1 << pages.shift) == page_size) cache.page_shift = pages.shift;
   }
   cache.pages_per_seq = paged ? a.seqlen_cache / a.page_size : 1;
   cache.heads = a.nhead_k;
