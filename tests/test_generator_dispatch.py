@@ -285,9 +285,9 @@ def test_duplicate_names_are_an_error(make_instance):
 
 
 def test_repository_proof_is_fast():
-    start = time.perf_counter()
+    start = time.process_time()
     check_dispatchable(DEFAULT_CATALOG.instances)
-    assert time.perf_counter() - start < 3  # about 0.3 s on an idle machine
+    assert time.process_time() - start < 3  # ~0.3 s; CPU time, which other jobs do not inflate
 
 
 # -- the bwd operation -------------------------------------------------------------------------
