@@ -80,11 +80,10 @@ struct KvcacheConfig {
   static constexpr int kPageSlotBytes = kPaged ? kPageSlots * kBlockN * 4 : 0;
   static constexpr int kSmemBytes = QTile::kBytes + kRingBytes + kPageSlotBytes;
   static_assert(kSmemBytes <= kSmemLimit, "the tile does not fit the target's shared memory");
-  // The warps' merge reuses the ring: fp32 O (rows padded by 4 words) and log-sum-exp of each
-  // warp's 16 rows, then each row's weight of each warp and its log-sum-exp.
+  // The warps' merge reuses the ring: each warp's fp32 O (rows padded by 4 words) and the
+  // running max and sum of its 16 rows.
   static constexpr int kMergeBytes =
-      (kNumWarps * kBlockM * (kHeadDimV + 4) + kNumWarps * kBlockM + kBlockM * kNumWarps +
-       kBlockM) * 4;
+      (kNumWarps * kBlockM * (kHeadDimV + 4) + 2 * kNumWarps * kBlockM) * 4;
   static_assert(kMergeBytes <= kRingBytes, "the warps' merge must fit the K/V ring");
   // As many CTAs an SM as its shared memory holds (2 at d128 on sm90a, 4 at d64), which caps
   // the registers: decode streams keys, and bytes in flight scale with CTAs.
@@ -740,13 +739,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
     }
   }
 
-  // Merge the warps: each writes its normalized O and log-sum-exp (natural log) of its 16 rows
-  // into the ring (free once every copy has landed and every warp left the loop); then one
-  // thread a row turns the warps' log-sum-exps into the row's weights exp(lse_w - lse_max) /
-  // sum and its log-sum-exp, and the CTA sums the weighted rows 4 columns a thread. Weights a
-  // row, not an element: with the max and the exponentials in a loop over single elements,
-  // the attention kernel of a decode step (bf16 d128, 64 query heads on 8 K/V heads, batch 1 x
-  // 8k keys, H100) took 10.5 us, and 9.1 with them once a row (perf notes v19).
+  // Merge the warps: each stages its unnormalized O and its rows' running max (in exp2's units)
+  // and sum in the ring (free once every copy has landed and every warp left the loop); after
+  // one barrier each row's threads weigh the warps themselves, exp2(m_w - m) a warp, and sum
+  // the warps' rows over their columns. The merge is every CTA's tail, after its last tile
+  // lands: with three barriers (a thread a row turning the warps' log-sum-exps into weights
+  // between two of them) and the weights re-read for every 4 columns, a decode step's attention
+  // kernel (bf16 d128, 64 query heads on 8 K/V heads, batch 1 x 8k keys, H100) took 14.8 us
+  // against 14.4 now, and batch 1 x 1k keys read 587 GB/s against 621 (docs/perf-notes.md v26).
   if (p.num_splits == 1) let_dependents_launch();
   sm80::cp_async_wait<0>();
   __syncthreads();
@@ -754,87 +754,87 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   // fp32 words per staged row: 16-byte rows for the float4 reads, 4 banks apart.
   constexpr int kOStride = kDimV + 4;
   float* merge_o = reinterpret_cast<float*>(smem + QTile::kBytes);
-  float* merge_lse = merge_o + kWarps * kBlockM * kOStride;  // (warp, row)
-  float* merge_weight = merge_lse + kWarps * kBlockM;        // (row, warp)
-  float* merge_row_lse = merge_weight + kBlockM * kWarps;    // (row)
+  float2* merge_state = reinterpret_cast<float2*>(merge_o + kWarps * kBlockM * kOStride);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float sum = row_sum[h];
     sum += __shfl_xor_sync(0xffffffff, sum, 1);
     sum += __shfl_xor_sync(0xffffffff, sum, 2);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
     const int r = lane / 4 + 8 * h;
-    float* o_row = merge_o + (warp * kBlockM + r) * kOStride;
+    float* o_row = merge_o + (warp * kBlockM + r) * kOStride + (lane % 4) * 2;
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt) {
-      o_row[dt * 8 + (lane % 4) * 2] = o_acc[dt][2 * h] * inv;
-      o_row[dt * 8 + (lane % 4) * 2 + 1] = o_acc[dt][2 * h + 1] * inv;
+      *reinterpret_cast<float2*>(o_row + dt * 8) =
+          make_float2(o_acc[dt][2 * h], o_acc[dt][2 * h + 1]);
     }
-    if (lane % 4 == 0) {
-      // A NaN sum (NaN or +inf among the logits) is no empty row: its log-sum-exp is NaN.
-      merge_lse[warp * kBlockM + r] =
-          sum > 0.f    ? (row_max[h] * p.softmax_mul + log2f(sum)) * static_cast<float>(M_LN2)
-          : sum == 0.f ? -INFINITY
-                       : NAN;
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x < rows_here) {
-    const int r = threadIdx.x;
-    float lse_max = -INFINITY;
-    bool nan = false;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float l = merge_lse[w * kBlockM + r];
-      lse_max = fmaxf(lse_max, l);
-      nan |= isnan(l);
-    }
-    // No visible key in any warp: weights 0, so the row's output is 0; a NaN anywhere: NaN
-    // weights, so the row's output is NaN.
-    float weight[kWarps];
-    float weight_sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      weight[w] = lse_max == -INFINITY ? 0.f : __expf(merge_lse[w * kBlockM + r] - lse_max);
-      weight_sum += weight[w];
-    }
-    const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) merge_weight[r * kWarps + w] = nan ? NAN : weight[w] * inv;
-    merge_row_lse[r] = nan                    ? NAN
-                       : lse_max == -INFINITY ? -INFINITY
-                                              : lse_max + __logf(weight_sum);
+    // The max in exp2's units (0 where nothing was visible, as the loop subtracted).
+    const float m_scaled = row_max[h] == -INFINITY ? 0.f : row_max[h] * p.softmax_mul;
+    if (lane % 4 == 0) merge_state[warp * kBlockM + r] = make_float2(m_scaled, sum);
   }
   __syncthreads();
 
-  const bool final_output = p.num_splits == 1;
-  constexpr int kQuads = kDimV / 4;  // 4 columns a thread
-  for (int idx = threadIdx.x; idx < rows_here * kQuads; idx += Cfg::kThreads) {
-    const int r = idx / kQuads;
-    const int d = idx % kQuads * 4;
-    float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+  // kRowThreads threads a row, each weighing the warps once and taking every kRowThreads-th
+  // 4 columns of it: its float4 reads are independent, and each 8 threads of a warp read 128
+  // contiguous bytes of one row.
+  constexpr int kQuads = kDimV / 4;
+  constexpr int kRowThreads = Cfg::kThreads / kBlockM;
+  static_assert(kQuads % kRowThreads == 0, "a row's columns split evenly over its threads");
+  const int r = threadIdx.x / kRowThreads;
+  if (r < rows_here) {
+    // A warp that saw no key of the row has sum 0 and weighs 0; a NaN sum (NaN or +inf among
+    // the logits) makes the row NaN, its log-sum-exp too; no key in any warp: output 0 and
+    // log-sum-exp -inf.
+    float2 state[kWarps];
+    float m = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float weight = merge_weight[r * kWarps + w];
-      const float4 x = *reinterpret_cast<const float4*>(merge_o + (w * kBlockM + r) * kOStride + d);
-      out.x += weight * x.x, out.y += weight * x.y, out.z += weight * x.z, out.w += weight * x.w;
+      state[w] = merge_state[w * kBlockM + r];
+      if (state[w].y > 0.f) m = fmaxf(m, state[w].x);
     }
-    const float lse = merge_row_lse[r];
+    float weight[kWarps];
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      weight[w] = state[w].y > 0.f ? sm80::fast_exp2(state[w].x - m) : 0.f;
+      sum += isnan(state[w].y) ? NAN : weight[w] * state[w].y;
+    }
+    const float inv = sum > 0.f ? 1.f / sum : isnan(sum) ? NAN : 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) weight[w] *= inv;
+    const float lse = sum > 0.f    ? (m + log2f(sum)) * static_cast<float>(M_LN2)
+                      : sum == 0.f ? -INFINITY
+                                   : NAN;
     const int token = (row0 + r) / p.group;
     const int head = kv_head * p.group + (row0 + r) % p.group;
-    if (final_output) {
-      auto* o = static_cast<Element*>(p.o) + batch * p.o_batch_stride + token * p.o_seq_stride +
-                head * p.o_head_stride;
-      store_quad<Cfg>(o, d, out, p.hdim_v);
-      if (d == 0 && p.lse != nullptr) {
+    const int first_d = threadIdx.x % kRowThreads * 4;
+    const bool final_output = p.num_splits == 1;
+    auto* o = static_cast<Element*>(p.o) + batch * p.o_batch_stride + token * p.o_seq_stride +
+              head * p.o_head_stride;
+    const int64_t partial_row =
+        ((static_cast<int64_t>(split) * p.batch + batch) * p.nhead_q + head) * p.seqlen_q + token;
+#pragma unroll
+    for (int q = 0; q < kQuads / kRowThreads; ++q) {
+      const int d = first_d + q * kRowThreads * 4;
+      float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float4 x =
+            *reinterpret_cast<const float4*>(merge_o + (w * kBlockM + r) * kOStride + d);
+        out.x += weight[w] * x.x, out.y += weight[w] * x.y;
+        out.z += weight[w] * x.z, out.w += weight[w] * x.w;
+      }
+      if (final_output) {
+        store_quad<Cfg>(o, d, out, p.hdim_v);
+      } else {
+        *reinterpret_cast<float4*>(p.o_partial + partial_row * kDimV + d) = out;
+      }
+    }
+    if (first_d == 0) {
+      if (!final_output) {
+        p.lse_partial[partial_row] = lse;
+      } else if (p.lse != nullptr) {
         p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + token] = lse;
       }
-    } else {
-      const int64_t partial_row =
-          ((static_cast<int64_t>(split) * p.batch + batch) * p.nhead_q + head) * p.seqlen_q +
-          token;
-      *reinterpret_cast<float4*>(p.o_partial + partial_row * kDimV + d) = out;
-      if (d == 0) p.lse_partial[partial_row] = lse;
     }
   }
 }
