@@ -3,7 +3,7 @@ kernel of a multi-kernel operation a change moved.
 
     python scripts/kernel_times.py bwd --dtype bf16 --hdim 64 --seqlen 2048 --causal
     python scripts/kernel_times.py decode --batch 1 --cache-len 8192 [--page-size 16]
-        [--page-order shuffled|ordered|2mb] [--num-splits 16] [--copies N]
+        [--page-order shuffled|ordered|2mb|sorted] [--num-splits 16] [--copies N]
 
 bwd: fmha.bwd on the bench's shapes (16k tokens, hidden 2048); decode: one fmha.fwd_kvcache
 step (bf16, --hdim, 64 query heads on 8 K/V heads), replayed from a CUDA graph so that the gaps
@@ -53,7 +53,8 @@ def page_order(count, page_bytes, order):
 
 def decode_step(batch, cache_len, page_size=0, gqa=8, num_splits=0, d=128, order="shuffled"):
     """One decode step's call (bf16, head dim d, 8 K/V heads, a full cache; paged when
-    page_size is given, the pages in `order` (page_order)), for this script and
+    page_size is given, the pages in `order`: page_order's, or "sorted", each sequence's pages
+    shuffled over the pool and its table row in address order), for this script and
     scripts/ncu_decode_case.py."""
     dtype, heads_k = torch.bfloat16, DECODE_KV_HEADS
     q = torch.randn(batch, 1, heads_k * gqa, d, device="cuda", dtype=dtype)
@@ -61,8 +62,10 @@ def decode_step(batch, cache_len, page_size=0, gqa=8, num_splits=0, d=128, order
     if page_size:
         pages = cache_len // page_size
         k = torch.randn(batch * pages, page_size, heads_k, d, device="cuda", dtype=dtype)
-        table = page_order(batch * pages, page_size * heads_k * d * 2, order)
-        table = table.view(batch, pages)
+        table = page_order(batch * pages, page_size * heads_k * d * 2,
+                           "shuffled" if order == "sorted" else order).view(batch, pages)
+        if order == "sorted":
+            table = table.sort(dim=1).values
     else:
         k = torch.randn(batch, cache_len, heads_k, d, device="cuda", dtype=dtype)
         table = None
@@ -93,8 +96,10 @@ def main():
     p.add_argument("--cache-len", type=int, default=8192)
     p.add_argument("--gqa", type=int, default=8)
     p.add_argument("--page-size", type=int, default=0)
-    p.add_argument("--page-order", choices=["shuffled", "ordered", "2mb"], default="shuffled",
-                   help="decode: the block table's order of the pool's pages (page_order)")
+    p.add_argument("--page-order", choices=["shuffled", "ordered", "2mb", "sorted"],
+                   default="shuffled",
+                   help="decode: the block table's order of the pool's pages (page_order; sorted: "
+                        "a sequence's pages shuffled over the pool, its table in address order)")
     p.add_argument("--num-splits", type=int, default=0, help="decode: 0 lets fmha choose")
     p.add_argument("--copies", type=int, default=0,
                    help="decode: copies of the cache the steps take in turn (0: enough to pass L2)")
