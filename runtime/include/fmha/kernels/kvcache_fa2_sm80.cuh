@@ -774,8 +774,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   __syncthreads();
 
   // kRowThreads threads a row, each weighing the warps once and taking every kRowThreads-th
-  // 4 columns of it: its float4 reads are independent, and each 8 threads of a warp read 128
-  // contiguous bytes of one row.
+  // 4 columns of it: its float4 reads are independent, and a row's threads read adjacent
+  // 16-byte pieces of it.
   constexpr int kQuads = kDimV / 4;
   constexpr int kRowThreads = Cfg::kThreads / kBlockM;
   static_assert(kQuads % kRowThreads == 0, "a row's columns split evenly over its threads");
