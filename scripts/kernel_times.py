@@ -36,25 +36,29 @@ def bwd_call(args):
     return lambda: fmha.bwd(dout, q, k, v, out, lse, causal=args.causal)
 
 
-def page_order(count, page_bytes, order):
-    """The pool's `count` pages in the block table's order: "shuffled" (a real allocator's pages
-    are anywhere), "ordered" (the pool's own order, a contiguous cache's addresses), or "2mb"
-    (shuffled within each 2 MB of the pool, those blocks shuffled too: what address translation
-    sees of "ordered", what the DRAM sees of "shuffled")."""
+def block_table(batch, pages, page_bytes, order):
+    """A (batch, pages) block table over a pool of batch * pages pages in `order`: "shuffled" (a
+    real allocator's pages are anywhere), "ordered" (the pool's own order, a contiguous cache's
+    addresses), "2mb" (shuffled within each 2 MB of the pool, those blocks shuffled too: what
+    address translation sees of "ordered", what the DRAM sees of "shuffled"), or "sorted" (each
+    sequence's pages shuffled over the pool, its row in address order)."""
+    count = batch * pages
     if order == "ordered":
-        return torch.arange(count, device="cuda", dtype=torch.int32)
-    if order == "shuffled":
-        return torch.randperm(count, device="cuda", dtype=torch.int32)
-    group = max(1, (2 << 20) // page_bytes)
-    blocks = torch.randperm(-(-count // group)).tolist()
-    return torch.cat([b * group + torch.randperm(min(group, count - b * group))
-                      for b in blocks]).to(device="cuda", dtype=torch.int32)
+        table = torch.arange(count, device="cuda", dtype=torch.int32)
+    elif order in ("shuffled", "sorted"):
+        table = torch.randperm(count, device="cuda", dtype=torch.int32)
+    else:
+        group = max(1, (2 << 20) // page_bytes)
+        blocks = torch.randperm(-(-count // group)).tolist()
+        table = torch.cat([b * group + torch.randperm(min(group, count - b * group))
+                           for b in blocks]).to(device="cuda", dtype=torch.int32)
+    table = table.view(batch, pages)
+    return table.sort(dim=1).values if order == "sorted" else table
 
 
 def decode_step(batch, cache_len, page_size=0, gqa=8, num_splits=0, d=128, order="shuffled"):
     """One decode step's call (bf16, head dim d, 8 K/V heads, a full cache; paged when
-    page_size is given, the pages in `order`: page_order's, or "sorted", each sequence's pages
-    shuffled over the pool and its table row in address order), for this script and
+    page_size is given, the pages in `order` (block_table)), for this script and
     scripts/ncu_decode_case.py."""
     dtype, heads_k = torch.bfloat16, DECODE_KV_HEADS
     q = torch.randn(batch, 1, heads_k * gqa, d, device="cuda", dtype=dtype)
@@ -62,10 +66,7 @@ def decode_step(batch, cache_len, page_size=0, gqa=8, num_splits=0, d=128, order
     if page_size:
         pages = cache_len // page_size
         k = torch.randn(batch * pages, page_size, heads_k, d, device="cuda", dtype=dtype)
-        table = page_order(batch * pages, page_size * heads_k * d * 2,
-                           "shuffled" if order == "sorted" else order).view(batch, pages)
-        if order == "sorted":
-            table = table.sort(dim=1).values
+        table = block_table(batch, pages, page_size * heads_k * d * 2, order)
     else:
         k = torch.randn(batch, cache_len, heads_k, d, device="cuda", dtype=dtype)
         table = None
@@ -98,8 +99,7 @@ def main():
     p.add_argument("--page-size", type=int, default=0)
     p.add_argument("--page-order", choices=["shuffled", "ordered", "2mb", "sorted"],
                    default="shuffled",
-                   help="decode: the block table's order of the pool's pages (page_order; sorted: "
-                        "a sequence's pages shuffled over the pool, its table in address order)")
+                   help="decode: the block table's order of the pool's pages (block_table)")
     p.add_argument("--num-splits", type=int, default=0, help="decode: 0 lets fmha choose")
     p.add_argument("--copies", type=int, default=0,
                    help="decode: copies of the cache the steps take in turn (0: enough to pass L2)")

@@ -4,7 +4,7 @@ hold four times the L2 together (fmha.timing). A decode step reads its cache onc
 its ceiling at that size; the 1 GiB copy the bench divides by overstates it at small sizes,
 where a launch, the first round trip to memory and the last CTAs' tail are a large part.
 
-    python scripts/read_ceiling.py [--mib 4,34,...]
+    PYTHONPATH=build/X/python:. python scripts/read_ceiling.py [--mib 4,34,...]
 
 The read is a Triton kernel (Triton ships with CUDA builds of torch; fmha does not use it):
 each program sums `block * iters` consecutive bf16 elements, `block` of them an iteration, and
@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bench.decode import GRAPH_CALLS, copy_bandwidth_gbs
 from fmha.timing import capture_graph, copies_beyond_l2, median_ms, rotating
 
 # (elements an iteration, iterations a program, warps): 4 KB to 128 KB a program.
@@ -32,7 +33,6 @@ READ_SHAPES = [(1024, 2, 4), (1024, 4, 4), (2048, 8, 8), (4096, 4, 8), (1024, 32
 # (keys a program, warps) of the head-strided read: from one 64-key tile (16 KB of one head's
 # rows) to a split of 4k keys (1 MB).
 HEAD_READ_SHAPES = [(64, 4), (256, 4), (1024, 4), (4096, 4)]
-GRAPH_CALLS = 20  # as bench/decode.py's
 
 
 @triton.jit
@@ -121,11 +121,7 @@ def main():
     p.add_argument("--repeat-ms", type=float, default=300.0)
     args = p.parse_args()
     sizes = [int(m * 2**20) // 2 * 2 for m in args.mib] if args.mib else decode_sizes()
-    big = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    big_out = torch.empty_like(big)
-    copy_gbs = 2 * big.numel() / median_ms(lambda: big_out.copy_(big), args.warmup_ms,
-                                           args.repeat_ms) * 1e-6
-    del big, big_out
+    copy_gbs = copy_bandwidth_gbs(args)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}; GB/s, medians; copy of 1 GiB (read + written, one buffer, as "
           f"the decode bench) {copy_gbs:.0f}")
