@@ -496,7 +496,7 @@ def test_select_bwd_describes_the_layouts_bwd_uses(no_device_check):
     t = inputs(hq=8, hk=2)
     bias = torch.zeros(16, 16, dtype=F16)
     a = _bwd._described_bwd("select_bwd", t["q"], t["k"], t["v"], True, None,
-                            dict(bias=bias, return_dbias=True, deterministic=True))
+                            dict(bias=bias, return_dbias=True, deterministic=True), 0)
     assert a.fwd.lse != 0 and a.dbias != 0 and a.deterministic  # wanted, never read
     assert (a.fwd.o_seq_stride, a.dout_seq_stride, a.dq_seq_stride, a.dk_seq_stride) == (
         8 * 64, 8 * 64, 8 * 64, 2 * 64)

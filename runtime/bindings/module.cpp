@@ -151,12 +151,24 @@ py::dict kvcache_traits_dict(const fmha::KvcacheTraits& t) {
 
 int code(const fmha::Status& st) { return static_cast<int>(st.code); }
 
-// explain() of any operation's args: (status code, message, text).
+// explain() of any operation's args on the current device (cc 0) or a GPU of compute
+// capability cc: (status code, message, text).
 template <class Args>
-std::tuple<int, std::string, std::string> explain_args(const Args& args) {
+std::tuple<int, std::string, std::string> explain_args(const Args& args, int cc) {
   std::string text;
-  const fmha::Status st = fmha::explain(args, &text);
+  const fmha::Status st = fmha::explain(args, cc, &text);
   return {code(st), st.message, text};
+}
+
+// select() of any operation's args, as explain_args: (status code, message, the chosen
+// instance as `to_dict` makes it, or None).
+template <class Info, class Args>
+std::tuple<int, std::string, py::object> select_args(const Args& args, int cc,
+                                                     py::dict (*to_dict)(const Info&)) {
+  Info info;
+  const fmha::Status st = fmha::select(args, cc, &info);
+  py::object chosen = st.ok() ? py::object(to_dict(info)) : py::none();
+  return {code(st), st.message, chosen};
 }
 
 // (status code, message, instance name): the Python side maps codes to exception types.
@@ -223,13 +235,6 @@ py::object run_planned(const fmha::FwdArgs& plan, uintptr_t q, uintptr_t k, uint
   }
   if (st.ok()) return py::none();
   return py::make_tuple(code(st), st.message);
-}
-
-std::tuple<int, std::string, py::object> select_instance(const fmha::FwdArgs& args) {
-  fmha::InstanceInfo info;
-  const fmha::Status st = fmha::select(args, &info);
-  py::object chosen = st.ok() ? py::object(info_dict(info)) : py::none();
-  return {code(st), st.message, chosen};
 }
 
 std::tuple<int, std::string> dropout_mask(uint64_t seed, uint32_t offset, float dropout_p,
@@ -333,13 +338,6 @@ std::tuple<int, std::string, size_t> planned_workspace_size(const fmha::BwdArgs&
   return bwd_workspace_size(args, std::move(instance));
 }
 
-std::tuple<int, std::string, py::object> select_bwd(const fmha::BwdArgs& args) {
-  fmha::BwdInstanceInfo info;
-  const fmha::Status st = fmha::select(args, &info);
-  py::object chosen = st.ok() ? py::object(bwd_info_dict(info)) : py::none();
-  return {code(st), st.message, chosen};
-}
-
 // KV-cache attention's fwd(): (status code, message, instance name).
 std::tuple<int, std::string, std::string> fwd_kvcache(const fmha::KvcacheArgs& args,
                                                       uintptr_t stream,
@@ -406,13 +404,6 @@ py::object run_kvcache_planned(const fmha::KvcacheArgs& plan, uintptr_t q, uintp
   }
   if (st.ok()) return py::none();
   return py::make_tuple(code(st), st.message);
-}
-
-std::tuple<int, std::string, py::object> select_kvcache(const fmha::KvcacheArgs& args) {
-  fmha::KvcacheInstanceInfo info;
-  const fmha::Status st = fmha::select(args, &info);
-  py::object chosen = st.ok() ? py::object(kvcache_info_dict(info)) : py::none();
-  return {code(st), st.message, chosen};
 }
 
 void bind_kvcache_args(py::module_& m) {
@@ -653,12 +644,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("fwd", &fwd, py::arg("args"), py::arg("stream"), py::arg("instance") = py::none(),
         "Run the forward pass on the stream (a cudaStream_t as an int), with the dispatcher's "
         "instance or the one named; returns (status code, message, instance name).");
-  m.def("select", &select_instance, py::arg("args"),
-        "The instance fwd would run on the current device; returns (code, message, info dict "
+  m.def("select", [](const fmha::FwdArgs& args, int cc) {
+    return select_args<fmha::InstanceInfo>(args, cc, &info_dict);
+  }, py::arg("args"), py::arg("cc") = 0,
+        "The instance fwd would run on the current device (cc 0) or on a GPU of compute "
+        "capability cc (major * 10 + minor, no GPU needed); returns (code, message, info dict "
         "or None).");
-  m.def("explain", &explain_args<fmha::FwdArgs>, py::arg("args"),
-        "Why select chooses what it chooses, or what would build an instance on a miss; "
-        "returns (code, message, text).");
+  m.def("explain", &explain_args<fmha::FwdArgs>, py::arg("args"), py::arg("cc") = 0,
+        "Why select chooses what it chooses, or what would build an instance on a miss, for "
+        "the current device (cc 0) or compute capability cc; returns (code, message, text).");
   m.def("dropout_mask", &dropout_mask, py::arg("seed"), py::arg("offset"), py::arg("dropout_p"),
         py::arg("batch"), py::arg("nhead"), py::arg("seqlen_q"), py::arg("seqlen_k"),
         py::arg("keep"), py::arg("stream"),
@@ -679,10 +673,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("instance") = py::none(),
         "The workspace bwd needs for args on the current device (pointers are not read), with "
         "the dispatcher's backward instance or the one named; returns (code, message, bytes).");
-  m.def("select_bwd", &select_bwd, py::arg("args"),
-        "The backward instance bwd would run on the current device; returns (code, message, "
-        "info dict or None).");
-  m.def("explain_bwd", &explain_args<fmha::BwdArgs>, py::arg("args"),
+  m.def("select_bwd", [](const fmha::BwdArgs& args, int cc) {
+    return select_args<fmha::BwdInstanceInfo>(args, cc, &bwd_info_dict);
+  }, py::arg("args"), py::arg("cc") = 0,
+        "The backward instance bwd would run on the current device (cc 0) or compute "
+        "capability cc; returns (code, message, info dict or None).");
+  m.def("explain_bwd", &explain_args<fmha::BwdArgs>, py::arg("args"), py::arg("cc") = 0,
         "Why select_bwd chooses what it chooses, or what would build an instance on a miss; "
         "returns (code, message, text).");
   m.def("bwd_instances", [] {
@@ -702,10 +698,13 @@ PYBIND11_MODULE(_C, m) {
         "The workspace fwd_kvcache needs for args on the current device, with the dispatcher's "
         "KV-cache instance or the one named (pointers are not read; a non-zero one says the "
         "call has that operand); returns (code, message, bytes).");
-  m.def("select_kvcache", &select_kvcache, py::arg("args"),
-        "The KV-cache instance fwd_kvcache would run on the current device; returns (code, "
-        "message, info dict or None).");
+  m.def("select_kvcache", [](const fmha::KvcacheArgs& args, int cc) {
+    return select_args<fmha::KvcacheInstanceInfo>(args, cc, &kvcache_info_dict);
+  }, py::arg("args"), py::arg("cc") = 0,
+        "The KV-cache instance fwd_kvcache would run on the current device (cc 0) or compute "
+        "capability cc; returns (code, message, info dict or None).");
   m.def("explain_kvcache", &explain_args<fmha::KvcacheArgs>, py::arg("args"),
+        py::arg("cc") = 0,
         "Why select_kvcache chooses what it chooses, or what would build an instance on a miss; "
         "returns (code, message, text).");
   m.def("kvcache_instances", [] {

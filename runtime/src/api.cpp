@@ -662,22 +662,42 @@ Status run_kvcache(const KvcacheArgs& args, Stream stream, const std::string* in
 
 // ---- what select(), explain() and the instance lists of every operation share ---------------
 
-// The dispatcher's choice for `args`, whose checks without memory gave `checked`.
+// select() and explain() without a compute capability ask for the current device's.
+constexpr int kCurrentDevice = 0;
+
+// The compute capability a select() or explain() is for: `requested`, or the current device's
+// for kCurrentDevice.
+Status query_cc(int requested, const char* api, int* cc) {
+  if (requested == kCurrentDevice) return detail::current_device_cc(cc);
+  if (requested < 10) {
+    return {Status::Code::kInvalidArgument,
+            std::string(api) + ": cc must be a compute capability, major * 10 + minor (80 for "
+            "an A100, 90 for an H100), got " + std::to_string(requested)};
+  }
+  *cc = requested;
+  return Status::Ok();
+}
+
+// The dispatcher's choice for `args` on a GPU of compute capability `requested_cc`, whose
+// checks without memory gave `checked`.
 template <class Entry, class Args>
-Status select_checked(const Status& checked, const Args& args, const Entry** entry) {
+Status select_checked(const Status& checked, const Args& args, int requested_cc,
+                      const Entry** entry) {
   if (!checked.ok()) return checked;
   int cc = 0;
-  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
+  if (Status st = query_cc(requested_cc, "fmha::select", &cc); !st.ok()) return st;
   return detail::select_instance(args, cc, entry);
 }
 
 // A miss is what explain() is for, so it is explained, not returned as an error: the status
-// fails only for invalid arguments (`checked`) or a device that cannot be queried.
+// fails only for invalid arguments (`checked`, `requested_cc`) or a device that cannot be
+// queried.
 template <class Args>
-Status explain_checked(const Status& checked, const Args& args, std::string* explanation) {
+Status explain_checked(const Status& checked, const Args& args, int requested_cc,
+                       std::string* explanation) {
   if (!checked.ok()) return checked;
   int cc = 0;
-  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
+  if (Status st = query_cc(requested_cc, "fmha::explain", &cc); !st.ok()) return st;
   if (explanation != nullptr) *explanation = detail::explain_selection(args, cc);
   return Status::Ok();
 }
@@ -709,8 +729,12 @@ FwdTraits FwdArgs::traits() const {
 }
 
 Status select(const FwdArgs& args, InstanceInfo* chosen) {
+  return select(args, kCurrentDevice, chosen);
+}
+
+Status select(const FwdArgs& args, int cc, InstanceInfo* chosen) {
   const detail::InstanceEntry* entry = nullptr;
-  if (Status st = select_checked(check_args(args, /*check_memory=*/false), args, &entry);
+  if (Status st = select_checked(check_args(args, /*check_memory=*/false), args, cc, &entry);
       !st.ok()) {
     return st;
   }
@@ -723,7 +747,11 @@ Status select(const FwdArgs& args, InstanceInfo* chosen) {
 }
 
 Status explain(const FwdArgs& args, std::string* explanation) {
-  return explain_checked(check_args(args, /*check_memory=*/false), args, explanation);
+  return explain(args, kCurrentDevice, explanation);
+}
+
+Status explain(const FwdArgs& args, int cc, std::string* explanation) {
+  return explain_checked(check_args(args, /*check_memory=*/false), args, cc, explanation);
 }
 
 Status fwd(const FwdArgs& args, Stream stream, std::string* chosen) {
@@ -788,8 +816,12 @@ Status bwd_workspace_size(const std::string& instance, const BwdArgs& args, size
 }
 
 Status select(const BwdArgs& args, BwdInstanceInfo* chosen) {
+  return select(args, kCurrentDevice, chosen);
+}
+
+Status select(const BwdArgs& args, int cc, BwdInstanceInfo* chosen) {
   const detail::BwdInstanceEntry* entry = nullptr;
-  if (Status st = select_checked(check_bwd_args(args, /*check_memory=*/false), args, &entry);
+  if (Status st = select_checked(check_bwd_args(args, /*check_memory=*/false), args, cc, &entry);
       !st.ok()) {
     return st;
   }
@@ -798,7 +830,11 @@ Status select(const BwdArgs& args, BwdInstanceInfo* chosen) {
 }
 
 Status explain(const BwdArgs& args, std::string* explanation) {
-  return explain_checked(check_bwd_args(args, /*check_memory=*/false), args, explanation);
+  return explain(args, kCurrentDevice, explanation);
+}
+
+Status explain(const BwdArgs& args, int cc, std::string* explanation) {
+  return explain_checked(check_bwd_args(args, /*check_memory=*/false), args, cc, explanation);
 }
 
 std::vector<BwdInstanceInfo> bwd_instances() {
@@ -853,8 +889,13 @@ Status kvcache_workspace_size(const std::string& instance, const KvcacheArgs& ar
 }
 
 Status select(const KvcacheArgs& args, KvcacheInstanceInfo* chosen) {
+  return select(args, kCurrentDevice, chosen);
+}
+
+Status select(const KvcacheArgs& args, int cc, KvcacheInstanceInfo* chosen) {
   const detail::KvcacheInstanceEntry* entry = nullptr;
-  if (Status st = select_checked(check_kvcache_args(args, /*check_memory=*/false), args, &entry);
+  if (Status st =
+          select_checked(check_kvcache_args(args, /*check_memory=*/false), args, cc, &entry);
       !st.ok()) {
     return st;
   }
@@ -863,7 +904,11 @@ Status select(const KvcacheArgs& args, KvcacheInstanceInfo* chosen) {
 }
 
 Status explain(const KvcacheArgs& args, std::string* explanation) {
-  return explain_checked(check_kvcache_args(args, /*check_memory=*/false), args, explanation);
+  return explain(args, kCurrentDevice, explanation);
+}
+
+Status explain(const KvcacheArgs& args, int cc, std::string* explanation) {
+  return explain_checked(check_kvcache_args(args, /*check_memory=*/false), args, cc, explanation);
 }
 
 std::vector<KvcacheInstanceInfo> kvcache_instances() {

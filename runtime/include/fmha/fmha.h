@@ -353,6 +353,14 @@ FMHA_API Status select(const FwdArgs& args, InstanceInfo* chosen);
 // first, or the nearest compiled instances and the generator filter that would build one.
 FMHA_API Status explain(const FwdArgs& args, std::string* explanation);
 
+// select() and explain() (of every operation) for a GPU of compute capability `cc`, major * 10
+// + minor (80 for an A100, 90 for an H100 or H200), instead of the current device. The choice
+// depends only on the problem and the target, so these make no CUDA call and need no GPU: a
+// build's coverage, or the filter that builds a missing instance, can be asked on any machine.
+// cc 0 asks for the current device, as the overloads without it do.
+FMHA_API Status select(const FwdArgs& args, int cc, InstanceInfo* chosen);
+FMHA_API Status explain(const FwdArgs& args, int cc, std::string* explanation);
+
 // Writes the dropout keep pattern fwd() applies for (seed, offset, p): keep[b][h][i][j] is 1
 // where the probability of query row i and key j of head h of sequence b is kept, else 0;
 // uint8, contiguous (batch, nhead, seqlen_q, seqlen_k). For tests and for reproducing a run.
@@ -381,6 +389,8 @@ FMHA_API Status bwd_workspace_size(const std::string& instance, const BwdArgs& a
 // select() and explain() of the backward.
 FMHA_API Status select(const BwdArgs& args, BwdInstanceInfo* chosen);
 FMHA_API Status explain(const BwdArgs& args, std::string* explanation);
+FMHA_API Status select(const BwdArgs& args, int cc, BwdInstanceInfo* chosen);
+FMHA_API Status explain(const BwdArgs& args, int cc, std::string* explanation);
 
 // Every compiled backward instance, in the dispatcher's order of preference.
 FMHA_API std::vector<BwdInstanceInfo> bwd_instances();
@@ -423,6 +433,8 @@ FMHA_API Status kvcache_workspace_size(const std::string& instance, const Kvcach
                                        size_t* bytes);
 FMHA_API Status select(const KvcacheArgs& args, KvcacheInstanceInfo* chosen);
 FMHA_API Status explain(const KvcacheArgs& args, std::string* explanation);
+FMHA_API Status select(const KvcacheArgs& args, int cc, KvcacheInstanceInfo* chosen);
+FMHA_API Status explain(const KvcacheArgs& args, int cc, std::string* explanation);
 FMHA_API std::vector<KvcacheInstanceInfo> kvcache_instances();
 
 FMHA_API const char* to_string(DataType);

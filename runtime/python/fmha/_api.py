@@ -109,11 +109,13 @@ def _seed_operand(seed: Optional[int]) -> torch.Tensor:
 def _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
              alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-             materialize: bool, api: str = "fwd", more_checks=None) -> _Operands:
+             materialize: bool, api: str = "fwd", more_checks=None,
+             check_device: bool = True) -> _Operands:
     """Every check of a call, then its operands: what fwd, select and explain share, and bwd,
     select_bwd and explain_bwd (`api` names the caller in messages). more_checks(p, o): the
     caller's own checks of the Problem and Options, run before the device check; it returns
-    the further tensors (by name) whose device to check."""
+    the further tensors (by name) whose device to check. Without check_device (select and
+    explain for a named GPU), tensors may be on any device, meta tensors included."""
     group = check_mode(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, api)
     p = check_inputs(q, k, v, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      api)
@@ -123,9 +125,10 @@ def _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
     check_bias(bias, attn_mask, alibi_slopes, q.dtype, p, api)
     check_seqused(seqused_q, seqused_k, p, api)
     more = {} if more_checks is None else more_checks(p, o)
-    check_devices(api=api, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                  seqused_q=seqused_q, seqused_k=seqused_k, bias=bias, attn_mask=attn_mask,
-                  alibi_slopes=alibi_slopes, **more)
+    if check_device:
+        check_devices(api=api, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+                      cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+                      bias=bias, attn_mask=attn_mask, alibi_slopes=alibi_slopes, **more)
     if materialize and alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
         alibi_slopes = alibi_slopes.contiguous()  # slope (b, h) is at b * batch stride + h
     seed = _seed_operand(o.dropout_seed) if materialize and o.dropout_p > 0 else None
@@ -435,45 +438,89 @@ _OPTION_DEFAULTS = dict(
     seqused_k=None,
 )
 
-# select() and explain() read no pointer, but FwdArgs says that the log-sum-exp is wanted by its
-# pointer being set: any non-null (aligned) value says so.
-_LSE_WANTED = 16
+# select() and explain() read no pointer, but the C++ arguments say that an optional operand is
+# given (the log-sum-exp wanted, seqused, a bias, a paged cache's table) by its pointer being
+# set: any non-null, aligned value says so, also for tensors without memory (meta tensors).
+_PRESENT = 16
 
 
-def _described(api: str, q, k, v, causal, softmax_scale, options: dict) -> "_C.FwdArgs":
+def _mark_present(args, **operands) -> None:
+    """Sets the pointer field of each operand given (not None) to _PRESENT."""
+    for name, operand in operands.items():
+        if operand is not None:
+            setattr(args, name, _PRESENT)
+
+
+def _target_cc(capability, api: str) -> int:
+    """The compute capability (major * 10 + minor) that select/explain answer for: 0, the
+    current device's, for None."""
+    if capability is None:
+        return 0
+    if (not isinstance(capability, tuple) or len(capability) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in capability)):
+        raise TypeError(
+            f"fmha.{api}: capability must be a (major, minor) pair of ints, as "
+            f"torch.cuda.get_device_capability() returns, e.g. (9, 0) for an H100; got "
+            f"{capability!r}")
+    major, minor = capability
+    if not (1 <= major and 0 <= minor <= 9):
+        raise ValueError(f"fmha.{api}: capability must be a GPU's (major, minor), e.g. (8, 0) "
+                         f"or (9, 0); got {capability!r}")
+    return major * 10 + minor
+
+
+def _ask(query, args, q: torch.Tensor, cc: int):
+    """query(args, cc) of fmha._C (select*, explain*): for a GPU of compute capability cc,
+    or with cc 0 for q's GPU."""
+    if cc:
+        return query(args, cc)
+    with torch.cuda.device(q.device):
+        return query(args, 0)
+
+
+def _described(api: str, q, k, v, causal, softmax_scale, options: dict,
+               cc: int) -> "_C.FwdArgs":
     unknown = sorted(set(options) - set(_OPTION_DEFAULTS))
     if unknown:
         raise TypeError(f"fmha.{api}: unexpected keyword argument {unknown[0]!r}; it takes "
-                        f"fmha.fwd's, without instance")
+                        f"fmha.fwd's, without instance, and capability")
     ops = _prepare(q, k, v, causal, softmax_scale, **{**_OPTION_DEFAULTS, **options},
-                   materialize=False)
+                   materialize=False, check_device=not cc)
     args = _make_args(ops, out=None, lse=None)
     if ops.return_lse:
-        args.lse = _LSE_WANTED
+        args.lse = _PRESENT
+    _mark_present(args, bias_ptr=ops.bias, alibi_slopes=ops.alibi_slopes,
+                  cu_seqlens_q=ops.cu_seqlens_q, cu_seqlens_k=ops.cu_seqlens_k,
+                  seqused_q=ops.seqused_q, seqused_k=ops.seqused_k)
     return args
 
 
-def select(q, k, v, causal=False, softmax_scale=None, **options) -> dict:
+def select(q, k, v, causal=False, softmax_scale=None, *, capability=None, **options) -> dict:
     """The compiled instance fwd would run for these arguments (fwd's, without instance) on q's
     GPU, without running it: a dict as fmha.instances() lists them.
 
+    capability: a GPU's (major, minor), as torch.cuda.get_device_capability() gives it, to ask
+    for that GPU instead of q's: then q, k, v and the other tensors may be on any device (meta
+    tensors need no memory), and no GPU is needed.
+
     Raises MissingInstanceError, naming the filter that would build a fitting instance.
     """
-    args = _described("select", q, k, v, causal, softmax_scale, options)
-    with torch.cuda.device(q.device):
-        code, message, info = _C.select(args)
+    cc = _target_cc(capability, "select")
+    args = _described("select", q, k, v, causal, softmax_scale, options, cc)
+    code, message, info = _ask(_C.select, args, q, cc)
     _raise_for(code, message)
     return info
 
 
-def explain(q, k, v, causal=False, softmax_scale=None, **options) -> str:
+def explain(q, k, v, causal=False, softmax_scale=None, *, capability=None, **options) -> str:
     """Why fwd would run the instance it runs for these arguments (fwd's, without instance) on
-    q's GPU: the instance, the rule that ranks it before every other instance that could run the
-    call, and the instances that come close; or, when none fits, the nearest ones and the
-    generator filter that would build one. Raises only for invalid arguments."""
-    args = _described("explain", q, k, v, causal, softmax_scale, options)
-    with torch.cuda.device(q.device):
-        code, message, text = _C.explain(args)
+    q's GPU, or on a GPU of `capability` as select() takes it: the instance, the rule that ranks
+    it before every other instance that could run the call, and the instances that come close;
+    or, when none fits, the nearest ones and the generator filter that would build one. Raises
+    only for invalid arguments."""
+    cc = _target_cc(capability, "explain")
+    args = _described("explain", q, k, v, causal, softmax_scale, options, cc)
+    code, message, text = _ask(_C.explain, args, q, cc)
     _raise_for(code, message)
     return text
 

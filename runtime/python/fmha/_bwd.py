@@ -24,12 +24,15 @@ import torch
 from fmha import _C, _head_dims, _plans
 from fmha._api import (
     _LIBRARY,
-    _LSE_WANTED,
     _OPTION_DEFAULTS,
+    _PRESENT,
+    _ask,
     _make_args,
+    _mark_present,
     _Operands,
     _prepare,
     _raise_for,
+    _target_cc,
 )
 from fmha._checks import (
     SEED_LIMIT,
@@ -41,11 +44,6 @@ from fmha._checks import (
     v_layout,
     ROW_PIECE,
 )
-
-# select_bwd/explain_bwd read no pointer; BwdArgs says that dbias is wanted by its pointer being
-# set, as FwdArgs says it of the log-sum-exp.
-_DBIAS_WANTED = 16
-
 
 def _contiguous_strides(shape) -> tuple:
     """kernel_strides of a contiguous tensor of `shape`: what the plans allocate, and what
@@ -79,7 +77,7 @@ def _make_bwd_args(ops: _Operands, dout, out, lse, dq, dk, dv, dbias, determinis
         f.o_batch_stride, f.o_seq_stride, f.o_head_stride = _bsh(
             _contiguous_strides(out_shape), group)
         lse_strides = _contiguous_strides(_plans.lse_shape(q, group))
-        f.lse = _LSE_WANTED
+        f.lse = _PRESENT
         f.lse_head_stride = lse_strides[-2]
         f.lse_batch_stride = 0 if group else lse_strides[0]
     dout_strides = _contiguous_strides(out_shape) if dout is None else kernel_strides(dout)
@@ -96,7 +94,7 @@ def _make_bwd_args(ops: _Operands, dout, out, lse, dq, dk, dv, dbias, determinis
         b.dq, b.dk, b.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
     if dbias is not None or dbias_wanted:
         # The full (batch, nheads, seqlen_q, seqlen_k) gradient, contiguous.
-        b.dbias = _DBIAS_WANTED if dbias is None else dbias.data_ptr()
+        b.dbias = _PRESENT if dbias is None else dbias.data_ptr()
         b.dbias_batch_stride, b.dbias_head_stride, b.dbias_seq_stride = _contiguous_strides(
             ops.bias.shape)[:3]
     b.deterministic = deterministic
@@ -386,11 +384,12 @@ _BWD_OPTION_DEFAULTS = {
 }
 
 
-def _described_bwd(api: str, q, k, v, causal, softmax_scale, options: dict) -> "_C.BwdArgs":
+def _described_bwd(api: str, q, k, v, causal, softmax_scale, options: dict,
+                   cc: int) -> "_C.BwdArgs":
     unknown = sorted(set(options) - set(_BWD_OPTION_DEFAULTS))
     if unknown:
         raise TypeError(f"fmha.{api}: unexpected keyword argument {unknown[0]!r}; it takes "
-                        f"fmha.bwd's, without dout, out, lse and instance")
+                        f"fmha.bwd's, without dout, out, lse and instance, and capability")
     kwargs = {**_BWD_OPTION_DEFAULTS, **options}
     deterministic, return_dbias = kwargs.pop("deterministic"), kwargs.pop("return_dbias")
 
@@ -400,33 +399,41 @@ def _described_bwd(api: str, q, k, v, causal, softmax_scale, options: dict) -> "
         return {}
 
     ops = _prepare(q, k, v, causal, softmax_scale, return_lse=True, materialize=False, api=api,
-                   more_checks=more_checks, **kwargs)
-    return _make_bwd_args(ops, None, None, None, None, None, None, None, deterministic,
+                   more_checks=more_checks, check_device=not cc, **kwargs)
+    args = _make_bwd_args(ops, None, None, None, None, None, None, None, deterministic,
                           return_dbias)
+    _mark_present(args.fwd, bias_ptr=ops.bias, alibi_slopes=ops.alibi_slopes,
+                  cu_seqlens_q=ops.cu_seqlens_q, cu_seqlens_k=ops.cu_seqlens_k,
+                  seqused_q=ops.seqused_q, seqused_k=ops.seqused_k)
+    return args
 
 
-def select_bwd(q, k, v, causal=False, softmax_scale=None, **options) -> dict:
+def select_bwd(q, k, v, causal=False, softmax_scale=None, *, capability=None,
+               **options) -> dict:
     """The compiled backward instance fmha.bwd (and autograd through fmha.fwd) would run for
     these arguments on q's GPU, without running it: fmha.bwd's arguments without dout, out, lse
     and instance (the keyword options: fwd's without return_lse, plus deterministic and
-    return_dbias). A dict as fmha.bwd_instances() lists them.
+    return_dbias). A dict as fmha.bwd_instances() lists them. capability: a GPU's (major,
+    minor) to ask for instead of q's, as fmha.select takes it (no GPU needed).
 
     Raises MissingInstanceError, naming the filter that would build a fitting instance.
     """
-    args = _described_bwd("select_bwd", q, k, v, causal, softmax_scale, options)
-    with torch.cuda.device(q.device):
-        code, message, info = _C.select_bwd(args)
+    cc = _target_cc(capability, "select_bwd")
+    args = _described_bwd("select_bwd", q, k, v, causal, softmax_scale, options, cc)
+    code, message, info = _ask(_C.select_bwd, args, q, cc)
     _raise_for(code, message)
     return info
 
 
-def explain_bwd(q, k, v, causal=False, softmax_scale=None, **options) -> str:
+def explain_bwd(q, k, v, causal=False, softmax_scale=None, *, capability=None,
+                **options) -> str:
     """Why fmha.bwd would run the backward instance it runs for these arguments (select_bwd's)
-    on q's GPU: the instance and the rule that ranks it first, or, when none fits, the nearest
-    ones and the generator filter that would build one. Raises only for invalid arguments."""
-    args = _described_bwd("explain_bwd", q, k, v, causal, softmax_scale, options)
-    with torch.cuda.device(q.device):
-        code, message, text = _C.explain_bwd(args)
+    on q's GPU, or on a GPU of `capability`: the instance and the rule that ranks it first, or,
+    when none fits, the nearest ones and the generator filter that would build one. Raises only
+    for invalid arguments."""
+    cc = _target_cc(capability, "explain_bwd")
+    args = _described_bwd("explain_bwd", q, k, v, causal, softmax_scale, options, cc)
+    code, message, text = _ask(_C.explain_bwd, args, q, cc)
     _raise_for(code, message)
     return text
 

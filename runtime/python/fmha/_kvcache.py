@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from fmha import _C, _head_dims, _plans
-from fmha._api import _raise_for
+from fmha._api import _ask, _mark_present, _raise_for, _target_cc
 from fmha._checks import (
     DTYPE_CODES,
     INT_LIMIT,
@@ -166,8 +166,10 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch
 
 def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
                 block_table, rotary_cos, rotary_sin, rotary_interleaved, causal, window_size,
-                softcap, alibi_slopes, softmax_scale, num_splits, return_lse):
-    """Every check of a call, then its KvcacheArgs (pointers left 0) and output shapes."""
+                softcap, alibi_slopes, softmax_scale, num_splits, return_lse,
+                check_device: bool = True):
+    """Every check of a call, then its KvcacheArgs (pointers left 0) and output shapes. Without
+    check_device (select/explain for a named GPU), tensors may be on any device."""
     _check_tensor("q", q, 4)
     if q.dtype not in DTYPE_CODES:
         _fail(f"q must be float16 or bfloat16, got {q.dtype}")
@@ -278,11 +280,11 @@ def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if t is not None:
             _check_rows(name, t)
-    check_devices(api=_API, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
-                  cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-                  cache_leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos,
-                  rotary_sin=rotary_sin,
-                  alibi_slopes=alibi_slopes)
+    if check_device:
+        check_devices(api=_API, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                      cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                      cache_leftpad=cache_leftpad, block_table=block_table,
+                      rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
 
     a = _C.KvcacheArgs()
     a.dtype = DTYPE_CODES[q.dtype]
@@ -316,16 +318,6 @@ def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache
     a.softcap = float(softcap)
     a.num_splits = num_splits
     return a, out_shape, lse_shape
-
-
-# Pointers a described call passes so that the C++ checks see which optional operands it has.
-_PRESENT = 16
-
-
-def _mark_present(a, **optional) -> None:
-    for name, t in optional.items():
-        if t is not None:
-            setattr(a, name, _PRESENT)
 
 
 _PLANS = _plans.PlanTable()
@@ -427,7 +419,7 @@ def _fwd_kvcache_on_copies(q, k_cache, v_cache, k, v, *, softmax_scale, return_l
     return (out, lse) if return_lse else out
 
 
-def _described(q, k_cache, v_cache, k, v, cache_seqlens, options: dict):
+def _described(q, k_cache, v_cache, k, v, cache_seqlens, options: dict, cc: int):
     defaults = dict(block_table=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
                     rotary_sin=None,
                     rotary_interleaved=False, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -440,27 +432,32 @@ def _described(q, k_cache, v_cache, k, v, cache_seqlens, options: dict):
                              o["cache_leftpad"], o["block_table"], o["rotary_cos"], o["rotary_sin"],
                              o["rotary_interleaved"], o["causal"], o["window_size"],
                              o["softcap"], o["alibi_slopes"], o["softmax_scale"],
-                             o["num_splits"], o["return_lse"])
+                             o["num_splits"], o["return_lse"], check_device=not cc)
     _mark_present(args, k_new=k, v_new=v, block_table=o["block_table"],
-                  cache_leftpad=o["cache_leftpad"], rotary_cos=o["rotary_cos"],
+                  cache_batch_idx=o["cache_batch_idx"], cache_leftpad=o["cache_leftpad"],
+                  rotary_cos=o["rotary_cos"], rotary_sin=o["rotary_sin"],
                   alibi_slopes=o["alibi_slopes"])
     return args
 
 
-def select_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, **options) -> dict:
-    """The instance fwd_kvcache would run for this call, without running it."""
-    args = _described(q, k_cache, v_cache, k, v, cache_seqlens, options)
-    with torch.cuda.device(q.get_device()):
-        code, message, chosen = _C.select_kvcache(args)
+def select_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, capability=None,
+                   **options) -> dict:
+    """The instance fwd_kvcache would run for this call, without running it. capability: a
+    GPU's (major, minor) to ask for instead of q's, as fmha.select takes it (no GPU needed)."""
+    cc = _target_cc(capability, "select_kvcache")
+    args = _described(q, k_cache, v_cache, k, v, cache_seqlens, options, cc)
+    code, message, chosen = _ask(_C.select_kvcache, args, q, cc)
     _raise_for(code, message)
     return chosen
 
 
-def explain_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, **options) -> str:
-    """Why fwd_kvcache picks what it picks for this call, in words."""
-    args = _described(q, k_cache, v_cache, k, v, cache_seqlens, options)
-    with torch.cuda.device(q.get_device()):
-        code, message, text = _C.explain_kvcache(args)
+def explain_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, capability=None,
+                    **options) -> str:
+    """Why fwd_kvcache picks what it picks for this call, in words (for a GPU of `capability`
+    where given)."""
+    cc = _target_cc(capability, "explain_kvcache")
+    args = _described(q, k_cache, v_cache, k, v, cache_seqlens, options, cc)
+    code, message, text = _ask(_C.explain_kvcache, args, q, cc)
     _raise_for(code, message)
     return text
 
