@@ -520,6 +520,53 @@ def test_padding_mask_of_cross_attention_leaves_the_keys_alone():
     assert hf.padding_mask(3, 8, None, q_length=2, q_offset=0, mask_function=every_key) is None
 
 
+def test_padding_mask_of_packed_sequences_takes_tensor_indices():
+    """Padding-free training without a cache: transformers composes its causal mask with the
+    packed sequences' (and_masks), whose function calls tensor methods on the indices."""
+    def and_masks(batch_idx, head_idx, q_idx, kv_idx):
+        return q_idx.new_ones((), dtype=torch.bool) & causal(batch_idx, head_idx, q_idx, kv_idx)
+
+    assert hf.padding_mask(1, 8, None, q_length=8, q_offset=0, mask_function=and_masks) is None
+
+
+def eager_rows(q, k, v, padding_mask, *, causal, sliding_window=None):
+    """transformers' eager attention of every row, padding included, in float64: an additive
+    mask of float32's minimum on the keys a row may not see, which swamps any score, so a row
+    that sees no key attends to all keys alike. The queries are the last seqlen_q keys."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    group = q.shape[2] // k.shape[2]
+    i = torch.arange(seqlen_k - seqlen_q, seqlen_k).view(-1, 1)
+    j = torch.arange(seqlen_k).view(1, -1)
+    sees = padding_mask[:, None, None, :] & (j <= i if causal else torch.ones_like(j <= i))
+    if sliding_window is not None:
+        sees = sees & (i - j < sliding_window)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(group, 2))
+    scores = scores * q.shape[-1] ** -0.5 + torch.where(sees, 0.0, torch.finfo(torch.float32).min)
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1),
+                        v.double().repeat_interleave(group, 2))
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_attention_forward_gives_rows_that_see_no_key_eagers_value(kernels, sliding_window):
+    """A left-padded prefill (or training step): every row as eager attention has it, the
+    padding rows that see no key (the mean of V over all keys) included, where fmha.fwd gives
+    them 0; those rows reach a training loss (the slot before a row's first token predicts
+    it)."""
+    q, k, v = qkv()
+    mask = left_padded([7, 4, 1], 7)
+    out, _ = hf.attention_forward(CAUSAL_MODULE, *as_module_layout(q, k, v), mask,
+                                  sliding_window=sliding_window)
+    expected = eager_rows(q, k, v, mask, causal=True, sliding_window=sliding_window)
+    torch.testing.assert_close(out, expected, rtol=0, atol=ATOL)
+    # The blind rows' values reach V in the backward, as eager's do.
+    v.requires_grad_()
+    out, _ = hf.attention_forward(CAUSAL_MODULE, *as_module_layout(q, k, v), mask)
+    out[2, :6].sum().backward()  # row 2's padding only: each is the mean of row 2's V
+    torch.testing.assert_close(v.grad[2], torch.full_like(v.grad[2], 6 * 2 / 7), rtol=0,
+                               atol=ATOL)
+    assert not v.grad[:2].any()
+
+
 def test_register_names_the_transformers_it_needs(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
     with pytest.raises(ImportError, match=r"transformers >= 4\.53"):

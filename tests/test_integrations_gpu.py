@@ -222,6 +222,77 @@ def test_gemma2_softcap_matches_eager(transformers):
                         logits(reference, ids, mask)[kept].float(), "logits")
 
 
+# ---- training: padded and packed batches ----------------------------------------------------
+
+# The families the integration serves, each with the fmha.fwd options its attention needs (a
+# sliding window shorter than the sequences, soft-capping) and its bf16 yardstick: SDPA, or eager
+# where transformers has no SDPA path (Gemma2's soft-capping).
+FAMILIES = {
+    "llama-gqa": ("LlamaConfig", "sdpa", {}, [dict(causal=True)]),
+    "mistral-window": ("MistralConfig", "sdpa", dict(sliding_window=16),
+                       [dict(causal=True, window_size=(15, 0))]),
+    "gemma2-softcap": ("Gemma2Config", "eager",
+                       dict(sliding_window=16, attn_logit_softcapping=1.0,
+                            query_pre_attn_scalar=64),
+                       [dict(causal=True, window_size=(15, 0), softcap=1.0),
+                        dict(causal=True, softcap=1.0)]),
+}
+TRAINING_LENGTHS = [48, 37, 11]  # a batch's sequences: left-padded to 48, or packed into one row
+# fmha's gradients may be this much further from the float32 model's than the yardstick's.
+GRADIENT_SLACK = 1.2
+
+
+def training_batch(layout):
+    """(inputs, labels) of one training step over TRAINING_LENGTHS' sequences: left-padded with
+    an attention mask and labels -100 on padding, as a padded training batch has them; or
+    packed into one row, position ids restarting at each sequence (padding-free training),
+    labels -100 on each sequence's first token (the previous sequence's last one predicts it)."""
+    ids, mask = prompts(TRAINING_LENGTHS, max(TRAINING_LENGTHS), seed=5)
+    if layout == "left-padded":
+        return dict(input_ids=ids, attention_mask=mask), ids.masked_fill(mask == 0, -100)
+    rows = [row[row.ne(0)] for row in ids * mask]
+    packed = torch.cat(rows)[None]
+    positions = torch.cat([torch.arange(len(row), device=DEVICE) for row in rows])[None]
+    labels = packed.clone()
+    labels[0, positions[0] == 0] = -100
+    return dict(input_ids=packed, position_ids=positions, use_cache=False), labels
+
+
+def gradients(model, inputs, labels):
+    """Every parameter's gradient of one training step's loss, flattened into one float32
+    vector."""
+    model.train().zero_grad(set_to_none=True)
+    model(**inputs, labels=labels).loss.backward()
+    return torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("layout", ["left-padded", "packed"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_gradients_match_the_yardstick(transformers, family, layout):
+    """One training step's gradients with fmha attention are at most GRADIENT_SLACK times as far
+    (relative L2 over all parameters) from the float32 eager model's as the bf16 yardstick's.
+    Left padding puts rows that see no key into the loss (the slot before a row's first
+    token predicts it): fmha gives them eager's value. Where the build lacks the family's
+    traits, the step fails with a MissingInstanceError naming the filter that builds them."""
+    config_class, yardstick, options, calls = FAMILIES[family]
+    model, yardstick_model, reference = models(transformers, config_class, yardstick,
+                                               **options)
+    inputs, labels = training_batch(layout)
+    try:
+        for call in calls:
+            needs_instance(**call)
+    except pytest.skip.Exception:
+        with pytest.raises(fmha.MissingInstanceError, match="FMHA_FILTER="):
+            gradients(model, inputs, labels)
+        return
+    want = gradients(reference, inputs, labels)
+    distance = (gradients(model, inputs, labels) - want).norm() / want.norm()
+    yardstick_distance = (gradients(yardstick_model, inputs, labels) - want).norm() / want.norm()
+    assert distance <= GRADIENT_SLACK * yardstick_distance, (
+        f"fmha's gradients are {distance:.3e} from the float32 model's, {yardstick}'s "
+        f"{yardstick_distance:.3e}")
+
+
 # ---- SDPA's flash backend -------------------------------------------------------------------
 
 

@@ -34,8 +34,9 @@ from importlib import metadata
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-from fmha.integrations._flash import flash_attention, pack_positions
+from fmha.integrations._flash import flash_attention, pack_positions, window_size
 
 # The name models take as attn_implementation once register() ran.
 NAME = "fmha"
@@ -84,7 +85,7 @@ def padding_mask(batch_size: int, kv_length: int, attention_mask: Optional[torch
     what transformers passes.
     """
     if attention_mask is None:
-        if q_length is None or mask_function is None or mask_function(0, 0, 0, 1):
+        if q_length is None or mask_function is None or _sees(mask_function, 0, 1):
             return None
         written = int(q_offset) + q_length
         if written >= kv_length:
@@ -94,6 +95,14 @@ def padding_mask(batch_size: int, kv_length: int, attention_mask: Optional[torch
     if attention_mask.shape[1] == kv_length and attention_mask.all():
         return None
     return attention_mask
+
+
+def _sees(mask_function, q_idx: int, kv_idx: int) -> bool:
+    """Whether the model's mask function lets query q_idx see key kv_idx (of sequence 0, head
+    0). The indices go in as 0-d tensors, as transformers passes them: the functions it
+    composes (and_masks, for a causal mask over packed sequences) call tensor methods on them."""
+    index = (torch.tensor(i) for i in (0, 0, q_idx, kv_idx))
+    return bool(mask_function(*index))
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -144,4 +153,40 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out = flash_attention(q, k, v, causal=causal, softmax_scale=scaling,
                           sliding_window=sliding_window, softcap=softcap or 0.0,
                           dropout_p=dropout, padding_mask=attention_mask, **packed)
+    if attention_mask is not None and q.shape[1] == attention_mask.shape[1]:
+        # A prefill or a training step: the queries are the mask's slots, padding included (a
+        # decode step's are its rows' newest tokens).
+        out = _as_eager_on_blind_rows(out, v[:, :attention_mask.shape[1]], attention_mask,
+                                      causal, sliding_window)
     return out, None
+
+
+def _as_eager_on_blind_rows(out: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor,
+                            causal: bool, sliding_window: Optional[int]) -> torch.Tensor:
+    """out with the rows of queries that see no token (a left-padded row's padding, under a
+    causal mask) as transformers' eager attention has them: the mean of V over all the row's
+    keys, where fmha.fwd (as FlashAttention) gives 0. Eager's additive mask puts the dtype's
+    minimum on every key of such a row, which swamps the scores, so its softmax is uniform.
+    These rows reach the loss: the padding slot before a row's first token predicts that
+    token, and labels that are -100 on padding only keep it. With 0 there, a random Llama's
+    gradients (bf16, 3 x 777 tokens, rows left-padded by 100 and 500) were 1.47x as far from
+    the float32 model's as eager's and SDPA's; with eager's rows, 1.00x (H200, issue 37).
+
+    v (batch, seqlen_k, heads_k, head_dim_v) are the keys' values; out (batch, seqlen_q,
+    heads, head_dim_v) the queries', aligned with the last seqlen_q keys."""
+    batch, seqlen_q, heads = out.shape[:3]
+    seqlen_k = padding_mask.shape[1]
+    left, right = window_size(sliding_window, causal, seqlen_k)
+    # Each query's visible keys [first, last]: it is aligned with key `aligned`.
+    aligned = torch.arange(seqlen_k - seqlen_q, seqlen_k, device=out.device)
+    first = (aligned - left).clamp(min=0) if left >= 0 else torch.zeros_like(aligned)
+    if causal:
+        last = aligned
+    else:
+        last = (aligned + right).clamp(max=seqlen_k - 1) if right >= 0 else \
+            torch.full_like(aligned, seqlen_k - 1)
+    tokens_before = F.pad(padding_mask.to(torch.int32).cumsum(-1, dtype=torch.int32), (1, 0))
+    seen = tokens_before[:, last + 1] - tokens_before[:, first]  # (batch, seqlen_q)
+    accumulate = torch.promote_types(v.dtype, torch.float32)
+    mean_v = v.mean(dim=1, dtype=accumulate).repeat_interleave(heads // v.shape[2], dim=1)
+    return torch.where((seen == 0)[:, :, None, None], mean_v[:, None].to(out.dtype), out)
