@@ -101,3 +101,19 @@ def test_paged_checks():
     # A valid paged call gets as far as the device check.
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         run(call(paged=True, new=1))
+
+
+def test_alibi_slopes_broadcast_over_the_batch_read_their_own_stride():
+    """(batch, heads) slopes expanded from (heads,) have a batch stride of 0: the kernel must
+    read that one, not a dense (batch, heads) one past the heads' floats."""
+    from fmha import _kvcache
+    kw = call(alibi_slopes=torch.rand(8).expand(2, 8))
+    q, k_cache, v_cache = kw.pop("q"), kw.pop("k_cache"), kw.pop("v_cache")
+    args = _kvcache._described(q, k_cache, v_cache, None, None, kw.pop("cache_seqlens"), kw,
+                               cc=90)
+    assert args.alibi_batch_stride == 0
+    kw = call(alibi_slopes=torch.rand(2, 8))
+    q, k_cache, v_cache = kw.pop("q"), kw.pop("k_cache"), kw.pop("v_cache")
+    args = _kvcache._described(q, k_cache, v_cache, None, None, kw.pop("cache_seqlens"), kw,
+                               cc=90)
+    assert args.alibi_batch_stride == 8

@@ -314,7 +314,8 @@ def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache
     a.mask, a.window_left, a.window_right = mask, window_left, window_right
     if alibi_slopes is not None:
         a.bias = _C.BIAS_ALIBI
-        a.alibi_batch_stride = nhead_q if alibi_slopes.dim() == 2 else 0
+        # A (batch, heads) view may broadcast its heads' slopes over the batch (stride 0).
+        a.alibi_batch_stride = alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
     a.softcap = float(softcap)
     a.num_splits = num_splits
     return a, out_shape, lse_shape
