@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# compute-sanitizer over the compiled kernel instances: memcheck on every one
-# (scripts/sanitize.py: one or two tiny problems each, checked against the float64 reference),
-# racecheck on a subset that still covers every trait value (`all` is these two; synccheck and
-# initcheck run on racecheck's subset when named).
+# compute-sanitizer over the compiled kernel instances of every operation (the forward, the
+# backward, KV-cache attention): memcheck on every instance (scripts/sanitize.py: a few tiny
+# problems each, checked against the float64 reference: the forward's two, the backward's two
+# in the default and the deterministic mode, KV-cache decode with key splits on contiguous
+# caches and on pages of every size class, appends with rotary, and chunked prefill), racecheck
+# on a subset that still covers every trait value of each operation (`all` is these two;
+# synccheck and initcheck run on racecheck's subset when named).
 #
 #   bash scripts/sanitize.sh [BUILD_DIR] [all|memcheck|racecheck|synccheck|initcheck]
 #
@@ -10,10 +13,16 @@
 # to $OUT (default /tmp/fmha-out) as sanitize-memcheck.log and sanitize-racecheck.log; the
 # summary lines print last. Torch's own kernels (input set-up) are checked too: they should be
 # clean. Settings:
+#   FMHA_SANITIZE_OPS             the operations, sanitize.py's --ops (default
+#                                 fwd,bwd,kvcache). The operations take turns instance by
+#                                 instance, so a run that the time budget cuts short still
+#                                 covers each; where it does (a large build), one operation
+#                                 a call, e.g. FMHA_SANITIZE_OPS=kvcache, reaches them all
 #   FMHA_SANITIZE_MEMCHECK_ARGS   sanitize.py arguments of the memcheck run
-#                                 (default: --time-budget 300, every instance, 2 cases each)
+#                                 (default: --time-budget 300, every instance, every case)
 #   FMHA_SANITIZE_RACECHECK_ARGS  of the racecheck (synccheck, initcheck) run
-#                                 (default: --limit 16 --cases 1 --time-budget 120)
+#                                 (default: --limit 16 --cases 1 --time-budget 120: 16
+#                                 instances of each operation, their first case)
 #   FMHA_SANITIZE_TIMEOUT_MEMCHECK, FMHA_SANITIZE_TIMEOUT_RACECHECK
 #                                 hard limits in seconds (default 400 and 170, the latter for
 #                                 every subset tool: memcheck and racecheck fit one 10-minute
@@ -50,11 +59,20 @@ if [[ -z $sanitizer ]]; then
   exit 2
 fi
 "$sanitizer" --version | tail -n 1
-"$python" -c "import fmha, torch; print('fmha', len(fmha.instances()), 'instances, targets', fmha.compiled_targets(), '; torch', torch.__version__)" || exit 2
+"$python" - <<'EOF' || exit 2
+import fmha, torch
+# An fmha that predates an operation lists none of it.
+counts = [len(getattr(fmha, listing, list)())
+          for listing in ("instances", "bwd_instances", "kvcache_instances")]
+print("fmha %d forward, %d backward and %d KV-cache instances, targets" % tuple(counts),
+      fmha.compiled_targets(), "; torch", torch.__version__)
+EOF
 
+ops=${FMHA_SANITIZE_OPS:-fwd,bwd,kvcache}
 # shellcheck disable=SC2206  # word splitting of the argument strings is intended
-memcheck_args=(${FMHA_SANITIZE_MEMCHECK_ARGS:---time-budget 300})
-racecheck_args=(${FMHA_SANITIZE_RACECHECK_ARGS:---limit 16 --cases 1 --time-budget 120})
+memcheck_args=(--ops "$ops" ${FMHA_SANITIZE_MEMCHECK_ARGS:---time-budget 300})
+racecheck_args=(--ops "$ops"
+                ${FMHA_SANITIZE_RACECHECK_ARGS:---limit 16 --cases 1 --time-budget 120})
 extra=(${FMHA_SANITIZER_FLAGS:-})
 
 status=0
@@ -80,7 +98,7 @@ run_tool() {  # run_tool TOOL TIMEOUT [sanitizer flags...] -- [sanitize.py args.
   kinds=$(grep -E '^========= +(Invalid|Program hit|Leaked|Out-of-range|Misaligned|Malformed|Race|Potential|Error|Warning|Barrier|Hardware|Uninitialized)' "$log" \
           | sed -E 's/ at 0x[0-9a-f]+.*//; s/ of size [0-9]+.*//' | sort | uniq -c | sort -rn | head -n 8)
   local in_fmha
-  in_fmha=$(grep -cE '^=========.*(fmha::|fwd_kernel|dropout_mask_kernel)' "$log")
+  in_fmha=$(grep -cE '^=========.*(fmha::|fwd_kernel|bwd_|kvcache_|dropout_mask_kernel)' "$log")
   local verdict="clean"
   if grep -qiE 'device not supported|not supported on this (device|platform)|unable to (create|attach)' "$log"; then
     verdict="REFUSED: compute-sanitizer cannot run on this machine (a gVisor runtime refuses it; Firecracker machines ran it)"
