@@ -15,7 +15,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <new>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -180,9 +182,8 @@ bool same_bits(const Gradients& x, const Gradients& y) {
   return eq(x.dq, y.dq) && eq(x.dk, y.dk) && eq(x.dv, y.dv) && eq(x.dbias, y.dbias);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The program, but for running out of host memory: its exit status.
+int run_program(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "-?") || !std::strcmp(argv[i], "--help")) {
       std::fputs(kUsage, stdout);
@@ -198,6 +199,15 @@ int main(int argc, char** argv) {
   } catch (const UsageError& e) {
     std::fprintf(stderr, "fmha_bwd: %s (fmha_bwd -? lists the flags)\n", e.what());
     return 2;
+  }
+  // The library's checks of the forward call's sizes and options (the backward's sizes are
+  // its), before any buffer is allocated: a problem past its limits would otherwise first fill
+  // host buffers of its size. Which instances run (or that none does), and whether there is a
+  // GPU, the calls themselves say.
+  const fmha::Status checked = fmha::select(describe_fwd(p), nullptr);
+  if (checked.code == fmha::Status::Code::kInvalidArgument) {
+    std::fprintf(stderr, "%s\n", checked.message.c_str());
+    return 1;
   }
   const bool bf16 = p.dtype == fmha::DataType::kBF16;
 
@@ -303,4 +313,19 @@ int main(int argc, char** argv) {
   }
   if (!reproducible) std::fprintf(stderr, "deterministic mode: a later run's gradients differ in their bits\n");
   return valid ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // The host may not hold what the flags ask for: the per-sequence lengths, the inputs, dO and
+  // the gradients drawn there and kept as floats for the reference.
+  try {
+    return run_program(argc, argv);
+  } catch (const std::bad_alloc&) {
+  } catch (const std::length_error&) {  // a std::vector longer than any allocation
+  }
+  std::fprintf(stderr, "fmha_bwd: out of host memory for the problem's buffers; choose smaller "
+               "sizes\n");
+  return 1;
 }

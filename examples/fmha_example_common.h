@@ -384,9 +384,10 @@ class DeviceMemory {
 template <class T>
 std::vector<int32_t> to_int32(const std::vector<T>& v) { return std::vector<int32_t>(v.begin(), v.end()); }
 
-// The forward call of the problem, V row-major: random Q, K, V (and bias or ALiBi slopes) on
-// the device, their values in `in`, O (and with p.lse the log-sum-exp) allocated.
-inline fmha::FwdArgs make_fwd_args(const Problem& p, std::mt19937& rng, DeviceMemory* mem, HostInputs* in) {
+// The forward call's sizes and options, V row-major, without memory (no pointer, no stride):
+// what the library checks before it reads a pointer (fmha::select reads none), and
+// make_fwd_args starts from.
+inline fmha::FwdArgs describe_fwd(const Problem& p) {
   fmha::FwdArgs a;
   a.dtype = p.dtype;
   a.mode = p.mode;
@@ -394,6 +395,23 @@ inline fmha::FwdArgs make_fwd_args(const Problem& p, std::mt19937& rng, DeviceMe
   a.seqlen_q = *std::max_element(p.rows_q.begin(), p.rows_q.end());
   a.seqlen_k = *std::max_element(p.rows_k.begin(), p.rows_k.end());
   a.nhead_q = p.nhead_q, a.nhead_k = p.nhead_k, a.hdim_q = p.hdim_q, a.hdim_v = p.hdim_v;
+  a.softmax_scale = p.scale;
+  a.mask = p.mask;
+  a.mask_align = p.align;
+  a.window_left = p.window_left;
+  a.window_right = p.window_right;
+  a.bias = p.bias;
+  a.softcap = p.softcap;
+  a.dropout_p = p.p_drop;
+  a.dropout_seed = p.drop_seed;
+  a.dropout_offset = p.drop_offset;
+  return a;
+}
+
+// The forward call of the problem, V row-major: random Q, K, V (and bias or ALiBi slopes) on
+// the device, their values in `in`, O (and with p.lse the log-sum-exp) allocated.
+inline fmha::FwdArgs make_fwd_args(const Problem& p, std::mt19937& rng, DeviceMemory* mem, HostInputs* in) {
+  fmha::FwdArgs a = describe_fwd(p);
   const bool batch_mode = p.mode == fmha::Mode::kBatch;
 
   // Q, K, V and O: (batch, seqlen, head, hdim), or (token, head, hdim) packed.
@@ -419,13 +437,6 @@ inline fmha::FwdArgs make_fwd_args(const Problem& p, std::mt19937& rng, DeviceMe
   if (p.seqused_q) a.seqused_q = mem->upload(to_int32(p.len_q));
   if (p.seqused_k) a.seqused_k = mem->upload(to_int32(p.len_k));
 
-  a.softmax_scale = p.scale;
-  a.mask = p.mask;
-  a.mask_align = p.align;
-  a.window_left = p.window_left;
-  a.window_right = p.window_right;
-
-  a.bias = p.bias;
   if (p.bias == fmha::BiasType::kElementwise) {
     a.bias_ptr = mem->upload(random_tensor(p.bias_elements(), p.dtype, rng, &in->bias));
     a.bias_batch_stride = p.bias_batch_stride();
@@ -440,10 +451,6 @@ inline fmha::FwdArgs make_fwd_args(const Problem& p, std::mt19937& rng, DeviceMe
     a.alibi_slopes = mem->upload(in->slopes);
     a.alibi_batch_stride = p.alibi_batch_stride();
   }
-  a.softcap = p.softcap;
-  a.dropout_p = p.p_drop;
-  a.dropout_seed = p.drop_seed;
-  a.dropout_offset = p.drop_offset;
   if (p.lse) {
     a.lse = static_cast<float*>(mem->alloc(p.lse_elements() * sizeof(float)));
     a.lse_batch_stride = p.lse_batch_stride();

@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <new>
 #include <optional>
 #include <random>
 #include <stdexcept>
@@ -447,9 +448,10 @@ class DeviceMemory {
 template <class T>
 std::vector<int32_t> to_int32(const std::vector<T>& v) { return std::vector<int32_t>(v.begin(), v.end()); }
 
-// Random inputs on the device (and their values in `in`), poison-ready outputs, and the
-// arguments describing them.
-fmha::FwdArgs make_args(const Problem& p, std::mt19937& rng, DeviceMemory* mem, HostInputs* in) {
+// The problem's sizes, layout and options, without memory (no pointer, no stride): what the
+// library checks before it reads a pointer (fmha::select reads none), and make_args starts
+// from.
+fmha::FwdArgs describe(const Problem& p) {
   fmha::FwdArgs a;
   a.dtype = p.dtype;
   a.mode = p.mode;
@@ -457,6 +459,24 @@ fmha::FwdArgs make_args(const Problem& p, std::mt19937& rng, DeviceMemory* mem, 
   a.seqlen_q = *std::max_element(p.rows_q.begin(), p.rows_q.end());
   a.seqlen_k = *std::max_element(p.rows_k.begin(), p.rows_k.end());
   a.nhead_q = p.nhead_q, a.nhead_k = p.nhead_k, a.hdim_q = p.hdim_q, a.hdim_v = p.hdim_v;
+  a.vlayout = p.vlayout;
+  a.softmax_scale = p.scale;
+  a.mask = p.mask;
+  a.mask_align = p.align;
+  a.window_left = p.window_left;
+  a.window_right = p.window_right;
+  a.bias = p.bias;
+  a.softcap = p.softcap;
+  a.dropout_p = p.p_drop;
+  a.dropout_seed = p.drop_seed;
+  a.dropout_offset = p.drop_offset;
+  return a;
+}
+
+// Random inputs on the device (and their values in `in`), poison-ready outputs, and the
+// arguments describing them.
+fmha::FwdArgs make_args(const Problem& p, std::mt19937& rng, DeviceMemory* mem, HostInputs* in) {
+  fmha::FwdArgs a = describe(p);
   const bool batch_mode = p.mode == fmha::Mode::kBatch;
 
   // Q, K, V (row-major) and O: (batch, seqlen, head, hdim), or (token, head, hdim) packed.
@@ -472,7 +492,6 @@ fmha::FwdArgs make_args(const Problem& p, std::mt19937& rng, DeviceMemory* mem, 
     a.k_batch_stride = p.rows_k[0] * a.k_seq_stride;
     a.o_batch_stride = p.rows_q[0] * a.o_seq_stride;
   }
-  a.vlayout = p.vlayout;
   if (p.vlayout == fmha::VLayout::kRowMajor) {
     a.v = mem->upload(v);
     a.v_seq_stride = int64_t(p.nhead_k) * p.hdim_v, a.v_head_stride = p.hdim_v, a.v_dim_stride = 1;
@@ -493,13 +512,6 @@ fmha::FwdArgs make_args(const Problem& p, std::mt19937& rng, DeviceMemory* mem, 
   if (p.seqused_q) a.seqused_q = mem->upload(to_int32(p.len_q));
   if (p.seqused_k) a.seqused_k = mem->upload(to_int32(p.len_k));
 
-  a.softmax_scale = p.scale;
-  a.mask = p.mask;
-  a.mask_align = p.align;
-  a.window_left = p.window_left;
-  a.window_right = p.window_right;
-
-  a.bias = p.bias;
   if (p.bias == fmha::BiasType::kElementwise) {
     a.bias_ptr = mem->upload(random_tensor(p.bias_elements(), p.dtype, rng, &in->bias));
     a.bias_batch_stride = p.bias_batch_stride();
@@ -514,10 +526,6 @@ fmha::FwdArgs make_args(const Problem& p, std::mt19937& rng, DeviceMemory* mem, 
     a.alibi_slopes = mem->upload(in->slopes);
     a.alibi_batch_stride = p.alibi_batch_stride();
   }
-  a.softcap = p.softcap;
-  a.dropout_p = p.p_drop;
-  a.dropout_seed = p.drop_seed;
-  a.dropout_offset = p.drop_offset;
   if (p.lse) {
     a.lse = static_cast<float*>(mem->alloc(p.lse_elements() * sizeof(float)));
     a.lse_batch_stride = p.lse_batch_stride();
@@ -614,9 +622,8 @@ int64_t sum(const std::vector<int>& v) {
   return total;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The program, but for running out of host memory: its exit status.
+int run_program(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "-?") || !std::strcmp(argv[i], "--help")) {
       std::fputs(kUsage, stdout);
@@ -631,6 +638,14 @@ int main(int argc, char** argv) {
   } catch (const UsageError& e) {
     std::fprintf(stderr, "fmha_fwd: %s (fmha_fwd -? lists the flags)\n", e.what());
     return 2;
+  }
+  // The library's checks of the sizes and options, before any buffer is allocated: a problem
+  // past its limits would otherwise first fill host buffers of its size. Which instance runs
+  // (or that none does), and whether there is a GPU, the call itself says.
+  const fmha::Status checked = fmha::select(describe(p), nullptr);
+  if (checked.code == fmha::Status::Code::kInvalidArgument) {
+    std::fprintf(stderr, "%s\n", checked.message.c_str());
+    return 1;
   }
   const bool bf16 = p.dtype == fmha::DataType::kBF16;
 
@@ -724,4 +739,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%lld output elements past seqused_q were written\n", (long long)err.written_padding);
   }
   return valid ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // The host may not hold what the flags ask for: the per-sequence lengths, and the inputs,
+  // drawn there and kept as floats for the reference.
+  try {
+    return run_program(argc, argv);
+  } catch (const std::bad_alloc&) {
+  } catch (const std::length_error&) {  // a std::vector longer than any allocation
+  }
+  std::fprintf(stderr, "fmha_fwd: out of host memory for the problem's buffers; choose smaller "
+               "sizes\n");
+  return 1;
 }
