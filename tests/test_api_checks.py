@@ -8,7 +8,11 @@ switches the device check off and reads the FwdArgs the call would pass to C++.
 """
 
 import math
+import os
 import re
+import resource
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +20,7 @@ torch = pytest.importorskip("torch")
 fmha = pytest.importorskip("fmha", reason="the fmha module is not built")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
-from fmha import _C, _api  # noqa: E402
+from fmha import _C, _api, _head_dims  # noqa: E402
 from fmha._checks import check_alignment, check_options  # noqa: E402
 from generator.schema import ARCH  # noqa: E402
 
@@ -117,7 +121,7 @@ def test_head_dims_must_be_positive_and_past_256_multiples_of_8(d, dv):
 
 
 @pytest.mark.parametrize("d,dv", [(36, 36), (64, 12), (100, 256)])
-def test_head_dims_that_are_not_multiples_of_8_run_padded(monkeypatch, d, dv):
+def test_head_dims_that_are_not_multiples_of_8_run_padded(monkeypatch, no_device_check, d, dv):
     """fmha.fwd runs them on copies zero-padded to multiples of 8 (fmha._head_dims), with the
     softmax scale of the call's own head dim, and cuts out back to v's head dim."""
     calls = []
@@ -138,6 +142,36 @@ def test_head_dims_that_are_not_multiples_of_8_run_padded(monkeypatch, d, dv):
         assert torch.equal(padded[..., :width], given) and not padded[..., width:].any()
     assert scale == d ** -0.5 and options["return_lse"]
     assert out.shape == (*q.shape[:-1], dv) and lse.shape == (2, 4, 16)
+
+
+def test_a_column_major_v_is_padded_into_a_row_major_copy(monkeypatch, no_device_check):
+    """The copy of a V^T view (its sequence dim contiguous) is row-major: a column-major copy
+    would have V's head-dim stride of seqlen_k (229 here), no multiple of 8, which fwd's own
+    checks refuse."""
+    padded = []
+    fwd = _api.fwd
+    monkeypatch.setattr(_api, "fwd", lambda q, k, v, *args, **options: padded.append(v) or q)
+    q, k, _ = qkv(sk=229, d=32)
+    v = torch.randn(2, 4, 50, 229, dtype=q.dtype).permute(0, 3, 1, 2)  # (b, sk, hk, dv) of V^T
+    fwd(q, k, v)
+    assert padded[0].shape == (2, 229, 4, 56) and padded[0].is_contiguous()
+    assert torch.equal(padded[0][..., :50], v) and not padded[0][..., 50:].any()
+
+
+@pytest.mark.parametrize("change,message", [
+    # k's heads expanded (stride 0) past v's: a copy of k would take 2 GiB.
+    (dict(k=torch.zeros(1, 1, 1, 36, dtype=torch.float16).expand(2, 16, 2**20, 36)),
+     "k has 1048576 heads but v has 4"),
+    (dict(v=torch.zeros(2, 8, 4, 36, dtype=torch.float16)), "k has seqlen 16 but v has 8"),
+    (dict(), "q is on cpu; fmha.fwd needs CUDA tensors"),  # a valid call
+])
+def test_a_padded_call_is_checked_before_anything_is_copied(monkeypatch, change, message):
+    def copy(x):
+        raise AssertionError("copied before the checks")
+
+    monkeypatch.setattr(_head_dims, "pad", copy)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fmha.fwd(**{**dict(zip("qkv", qkv(d=36, dv=36))), **change})
 
 
 @pytest.mark.parametrize(
@@ -711,6 +745,23 @@ def test_select_and_explain_check_like_fwd(api):
         api(q, k, v, casual=True)
 
 
+@pytest.mark.parametrize("api", [fmha.select, fmha.explain])
+def test_select_and_explain_describe_the_padded_call(api):
+    """A head dim that fwd runs zero-padded (fmha._head_dims) is described as fwd runs it: on
+    row-major copies of the padded head dims, whatever the given layouts; nothing is copied."""
+    q, k, _ = qkv(d=60)
+    v = torch.randn(2, 4, 12, 16, dtype=q.dtype).permute(0, 3, 1, 2)  # V^T: (b, sk, hk, 12)
+    a = _api._described(api.__name__, q, k, v, True, None, {}, cc=80)
+    assert (a.hdim_q, a.hdim_v, a.vlayout) == (64, 16, _C.VLAYOUT_ROW_MAJOR)
+    assert (a.q_seq_stride, a.k_head_stride, a.v_seq_stride, a.v_dim_stride) == (
+        4 * 64, 64, 4 * 16, 1)
+    assert a.softmax_scale == pytest.approx(60 ** -0.5)  # the call's own head dim's
+    try:  # the answer for a GPU of that capability, or the miss that says what it asked for
+        api(q, k, v, causal=True, capability=(8, 0))
+    except fmha.MissingInstanceError as miss:
+        assert "hdim_q=64 hdim_v=16" in str(miss)
+
+
 @pytest.mark.parametrize(
     "args,error,message",
     [
@@ -719,7 +770,7 @@ def test_select_and_explain_check_like_fwd(api):
         ((0, -1, 0.1, 1, 1, 1, 1), ValueError, r"offset must be in \[0, 2\*\*32\)"),
         ((0, 0, "0.1", 1, 1, 1, 1), TypeError, "dropout_p must be a float, got str"),
         ((0, 0, 1.0, 1, 1, 1, 1), ValueError, r"dropout_p must be in \[0, 1\)"),
-        ((0, 0, 0.1, -1, 1, 1, 1), ValueError, "batch must be non-negative, got -1"),
+        ((0, 0, 0.1, -1, 1, 1, 1), ValueError, r"batch must be in \[0, 2\*\*31\), got -1"),
         ((0, 0, 0.1, 1, 1, 1, 2.0), TypeError, "seqlen_k must be an int, got float"),
     ],
 )
@@ -731,6 +782,42 @@ def test_dropout_mask_arguments(args, error, message):
 def test_dropout_mask_needs_a_cuda_device():
     with pytest.raises(ValueError, match="device must be a CUDA device, got cpu"):
         fmha.dropout_mask(0, 0, 0.1, 1, 1, 4, 4, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "device,error,message",
+    [
+        (1.5, TypeError, "device must be a torch.device, a str, an int or None, got float"),
+        (True, TypeError, "got bool"),
+        ("xyz", ValueError, "device must be a CUDA device, got 'xyz'"),
+        ("cuda:-1", ValueError, "device must be a CUDA device, got 'cuda:-1'"),
+        (torch.device("meta"), ValueError, "device must be a CUDA device, got meta"),
+        (-1, ValueError, r"device must be a CUDA device of this machine, which has \d+ "
+                         r"\(torch.cuda.device_count\(\)\), got -1"),
+        (4096, ValueError, "of this machine, .* got 4096"),  # no GPU 0: torch.device's low byte
+        ("cuda:128", ValueError, "of this machine, .* got 'cuda:128'"),  # cuda:-128 to torch
+    ],
+)
+def test_dropout_mask_device_is_checked_before_anything_is_allocated(monkeypatch, device, error,
+                                                                     message):
+    monkeypatch.setattr(torch, "empty", None)  # nothing may be allocated
+    with pytest.raises(error, match=message):
+        fmha.dropout_mask(0, 0, 0.1, 1, 1, 4, 4, device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the current device of a torch with CUDA")
+def test_dropout_mask_default_device_on_a_torch_without_cuda():
+    with pytest.raises(ValueError, match=r"must be a CUDA device of this machine, which has 0 "
+                                         r".*, got None \(the current device\)"):
+        fmha.dropout_mask(0, 0, 0.1, 1, 1, 4, 4)
+
+
+@pytest.mark.parametrize("name", ["batch", "nhead", "seqlen_q", "seqlen_k"])
+def test_dropout_mask_sizes_must_fit_an_int(monkeypatch, name):
+    sizes = {**dict(batch=1, nhead=1, seqlen_q=1, seqlen_k=1), name: 2**31}
+    monkeypatch.setattr(torch, "empty", None)  # nothing may be allocated
+    with pytest.raises(ValueError, match=rf"{name} must be in \[0, 2\*\*31\), got 2147483648"):
+        fmha.dropout_mask(0, 0, 0.1, **sizes, device="cuda:0")
 
 
 # ---- the C++ checks, reached through the bindings with an FwdArgs of integers ----------------
@@ -981,3 +1068,43 @@ def test_plan_table_drops_the_oldest_plan_first():
         table.put(key, key.upper())
     assert len(table) == 3 and table.get("a") is None
     assert [table.get(key) for key in "bcd"] == ["B", "C", "D"]
+
+
+# ---- the example programs --------------------------------------------------------------------
+
+# Where fmha_fwd and fmha_bwd are: FMHA_EXAMPLES_DIR, else the build directory fmha was imported
+# from (BUILD/python/fmha).
+EXAMPLES_DIR = Path(os.environ.get("FMHA_EXAMPLES_DIR") or Path(fmha.__file__).parents[2])
+# The programs' data segment (malloc) is capped, as tests/fuzz_surface.py caps it, so that a
+# problem too large for the host fails to allocate instead of taking the machine's memory.
+EXAMPLE_MEMORY_LIMIT = 8 << 30
+
+
+@pytest.mark.parametrize("program", ["fmha_fwd", "fmha_bwd"])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["-h=1000000"], "fmha::fwd: batch and nhead_q must be at most 65535"),
+        (["-b=3", "-s=100", "-d=100000"], "fmha::fwd: hdim_q and hdim_v must be at most 65536"),
+        # Within the library's limits, past the host's: Q alone has 3 * 100000 * 8 * 65536
+        # elements, kept on the host for the reference too.
+        (["-b=3", "-s=100000", "-d=65536", "-v=0"],
+         "out of host memory for the problem's buffers; choose smaller sizes"),
+        # Past the host's before the library sees the sizes: 8 GiB of per-sequence lengths.
+        (["-b=2147483647"], "out of host memory for the problem's buffers"),
+    ],
+)
+def test_examples_refuse_sizes_they_cannot_hold(program, argv, message):
+    """Sizes the library refuses fail its checks before anything is allocated, and host buffers
+    that cannot be allocated end the program with a message: exit status 1 either way, not a
+    std::bad_alloc out of main (SIGABRT)."""
+    path = EXAMPLES_DIR / program
+    if not path.is_file():
+        pytest.skip(f"{path} is not built (FMHA_EXAMPLES_DIR names the build directory)")
+
+    def cap_memory():
+        resource.setrlimit(resource.RLIMIT_DATA, (EXAMPLE_MEMORY_LIMIT, EXAMPLE_MEMORY_LIMIT))
+
+    done = subprocess.run([str(path), *argv], capture_output=True, text=True, timeout=60,
+                          preexec_fn=cap_memory)
+    assert done.returncode == 1 and message in done.stderr, (done.returncode, done.stderr)

@@ -19,7 +19,7 @@ fmha = pytest.importorskip("fmha", reason="the fmha module is not built")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from fmha import _C, _api, _bwd, _plans  # noqa: E402
+from fmha import _C, _api, _bwd, _head_dims, _plans  # noqa: E402
 
 F16 = torch.float16
 
@@ -177,7 +177,7 @@ def test_forward_checks_of_q_k_v_say_bwd(name):
         call(t)
 
 
-def test_head_dims_that_are_not_multiples_of_8_run_padded(monkeypatch):
+def test_head_dims_that_are_not_multiples_of_8_run_padded(monkeypatch, no_device_check):
     """fmha.bwd runs them on copies zero-padded to multiples of 8, with the softmax scale of
     the call's own head dim, and cuts the gradients back to q's, k's and v's shapes."""
     calls = []
@@ -198,6 +198,37 @@ def test_head_dims_that_are_not_multiples_of_8_run_padded(monkeypatch):
     assert scale == 36 ** -0.5
     for grad, name, shift in zip(grads, "qkv", (1, 2, 3)):
         assert grad.is_contiguous() and torch.equal(grad, t[name] + shift), name
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(lse=torch.zeros(2, 4, 15)), "lse has shape (2, 4, 15)"),
+    (dict(out=torch.zeros(2, 16, 4, 24, dtype=F16)), "out has shape (2, 16, 4, 24)"),
+    # k's heads expanded (stride 0) past q's: a copy of k would take 2 GiB.
+    (dict(k=torch.zeros(1, 1, 1, 36, dtype=F16).expand(2, 16, 2**20, 36)),
+     "k has 1048576 heads but v has 4"),
+    (dict(), "q is on cpu; fmha.bwd needs CUDA tensors"),  # a valid call
+])
+def test_a_padded_call_is_checked_before_anything_is_copied(monkeypatch, change, message):
+    def copy(x):
+        raise AssertionError("copied before the checks")
+
+    monkeypatch.setattr(_head_dims, "pad", copy)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call({**inputs(d=36, dv=20), **change})
+
+
+def test_a_transposed_v_of_a_padded_call_runs_on_a_row_major_copy(monkeypatch, no_device_check):
+    """The backward takes no V^T, but a V^T view whose head dim runs padded is copied, and the
+    copy is row-major."""
+    padded = []
+    bwd = _bwd.bwd
+    monkeypatch.setattr(_bwd, "bwd", lambda dout, q, k, v, *args, **options:
+                        padded.append(v) or (q, k, v))
+    t = inputs(dv=20)
+    t["v"] = torch.randn(2, 4, 20, 16).to(F16).permute(0, 3, 1, 2)  # (b, sk, hk, dv) of V^T
+    bwd(**t)
+    assert padded[0].shape == (2, 16, 4, 24) and padded[0].is_contiguous()
+    assert torch.equal(padded[0][..., :20], t["v"])
 
 
 def test_a_transposed_v_is_refused():
@@ -502,6 +533,22 @@ def test_select_bwd_describes_the_layouts_bwd_uses(no_device_check):
         8 * 64, 8 * 64, 8 * 64, 2 * 64)
     assert (a.fwd.lse_batch_stride, a.fwd.lse_head_stride) == (8 * 16, 16)
     assert a.traits()["dbias"] and a.traits()["mask"] == _C.MASK_CAUSAL
+
+
+@pytest.mark.parametrize("api", [fmha.select_bwd, fmha.explain_bwd])
+def test_select_bwd_and_explain_bwd_describe_the_padded_call(api):
+    """Head dims that bwd runs zero-padded are described as bwd runs them: on contiguous copies
+    of the padded head dims (and gradients of those), with the call's own softmax scale."""
+    t = inputs(d=36, dv=20)
+    a = _bwd._described_bwd(api.__name__, t["q"], t["k"], t["v"], True, None, {}, 90)
+    assert (a.fwd.hdim_q, a.fwd.hdim_v) == (40, 24)
+    assert (a.fwd.q_seq_stride, a.fwd.v_seq_stride, a.fwd.o_seq_stride) == (4 * 40, 4 * 24, 4 * 24)
+    assert (a.dq_seq_stride, a.dv_seq_stride, a.dout_seq_stride) == (4 * 40, 4 * 24, 4 * 24)
+    assert a.fwd.softmax_scale == pytest.approx(36 ** -0.5)
+    try:  # the answer for a GPU of that capability, or the miss that says what it asked for
+        api(t["q"], t["k"], t["v"], causal=True, capability=(9, 0))
+    except fmha.MissingInstanceError as miss:
+        assert "hdim_q=40 hdim_v=24" in str(miss)
 
 
 @pytest.mark.parametrize("api", [fmha.select_bwd, fmha.explain_bwd])

@@ -7,6 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 fmha = pytest.importorskip("fmha", reason="the fmha module is not built")
+from fmha import _head_dims, _kvcache  # noqa: E402
 
 
 def call(b=2, sq=1, hq=8, hk=2, d=64, capacity=128, new=0, paged=False, page_size=16,
@@ -59,6 +60,7 @@ BAD_CALLS = [
     ("scale", dict(softmax_scale=0.0), ValueError, "softmax_scale must be finite and positive"),
     ("splits", dict(num_splits=-1), TypeError, "num_splits must be an int >= 0"),
     ("alibi shape", dict(alibi_slopes=torch.rand(4)), ValueError, "alibi_slopes must have shape"),
+    ("alibi type", dict(alibi_slopes=True), TypeError, "alibi_slopes must be a torch.Tensor"),
     ("rotary without k", dict(rotary_cos=torch.rand(128, 16).half(),
                               rotary_sin=torch.rand(128, 16).half()), ValueError,
      "rotate the appended k"),
@@ -106,7 +108,6 @@ def test_paged_checks():
 def test_alibi_slopes_broadcast_over_the_batch_read_their_own_stride():
     """(batch, heads) slopes expanded from (heads,) have a batch stride of 0: the kernel must
     read that one, not a dense (batch, heads) one past the heads' floats."""
-    from fmha import _kvcache
     kw = call(alibi_slopes=torch.rand(8).expand(2, 8))
     q, k_cache, v_cache = kw.pop("q"), kw.pop("k_cache"), kw.pop("v_cache")
     args = _kvcache._described(q, k_cache, v_cache, None, None, kw.pop("cache_seqlens"), kw,
@@ -117,3 +118,65 @@ def test_alibi_slopes_broadcast_over_the_batch_read_their_own_stride():
     args = _kvcache._described(q, k_cache, v_cache, None, None, kw.pop("cache_seqlens"), kw,
                                cc=90)
     assert args.alibi_batch_stride == 8
+
+
+# ---- head dims that are no multiple of 8 ------------------------------------------------------
+
+
+def rows_of(width: int, *shape):
+    """A tensor of `shape` whose rows lie `width` elements apart: the [..., :headdim] view of a
+    wider buffer, which fwd_kvcache runs in place where `width` is a multiple of 8."""
+    return torch.randn(*shape[:-1], width).half()[..., :shape[-1]]
+
+
+def test_copies_keep_every_head_dim(monkeypatch):
+    """Operands whose rows are not 16-byte aligned run on copies that are the [..., :headdim]
+    views of zero-padded buffers, so that they keep their head dims: those of the operands that
+    run in place (the caches here) must still match them."""
+    monkeypatch.setattr(_kvcache, "check_devices", lambda **tensors: None)
+    ran = []
+    fwd_kvcache = _kvcache.fwd_kvcache
+    monkeypatch.setattr(_kvcache, "fwd_kvcache", lambda *operands, **options: ran.append(
+        (operands, options)) or operands[0])
+    q, k, v = rows_of(235, 2, 1, 8, 235), rows_of(235, 2, 3, 2, 235), rows_of(235, 2, 3, 2, 235)
+    k_cache, v_cache = rows_of(240, 2, 64, 2, 235), rows_of(240, 2, 64, 2, 235)
+    seqlens = torch.zeros(2, dtype=torch.int32)
+    fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
+    (operands, options), = ran
+    for given, run in zip((q, k_cache, v_cache, k, v), operands):
+        assert run.shape == given.shape and torch.equal(run, given)
+        assert all(stride % 8 == 0 for stride in run.stride()[:-1])
+    assert operands[1] is k_cache and operands[2] is v_cache  # in place
+    _kvcache._build_args(*operands, seqlens, None, None, None, None, None, False, False,
+                         (-1, -1), 0.0, None, None, 0, False, check_device=False)
+
+
+@pytest.mark.parametrize("change,message", [
+    # k's heads expanded (stride 0) past the cache's: a copy of k would take 2 GiB.
+    (dict(k=torch.zeros(1, 1, 1, 60).half().expand(2, 16, 2**20, 60)), "k must have shape"),
+    (dict(cache_seqlens=torch.zeros(3, dtype=torch.int32)), "cache_seqlens must have shape"),
+    (dict(), "needs CUDA tensors"),  # a valid call
+])
+def test_copies_come_after_every_check(monkeypatch, change, message):
+    def copy(*args, **kwargs):
+        raise AssertionError("copied before the checks")
+
+    monkeypatch.setattr(_head_dims, "pad", copy)
+    with pytest.raises(ValueError, match=message):
+        run({**call(d=60, new=16), **change})
+
+
+@pytest.mark.parametrize("api", [fmha.select_kvcache, fmha.explain_kvcache])
+def test_select_and_explain_kvcache_describe_the_copies(api):
+    """They describe the call fwd_kvcache runs: on the copies, rows 56 elements apart, of the
+    operands whose rows are not in place (q's and the caches' here), without copying."""
+    kw = call(hq=4, d=53)
+    a = _kvcache._described(kw.pop("q"), kw.pop("k_cache"), kw.pop("v_cache"), None, None,
+                            kw.pop("cache_seqlens"), kw, cc=90)
+    assert (a.hdim_q, a.hdim_v) == (53, 53)
+    assert (a.q_batch_stride, a.q_head_stride, a.k_cache_seq_stride) == (4 * 56, 56, 2 * 56)
+    kw = call(hq=4, d=53)
+    try:  # the answer for a GPU of that capability, or the miss that says what it asked for
+        api(kw.pop("q"), kw.pop("k_cache"), kw.pop("v_cache"), capability=(9, 0), **kw)
+    except fmha.MissingInstanceError as miss:
+        assert "hdim_q=53 hdim_v=53" in str(miss)

@@ -16,6 +16,7 @@ import torch
 from fmha import _C, _head_dims, _plans
 from fmha._checks import (
     DTYPE_CODES,
+    INT_LIMIT,
     OFFSET_LIMIT,
     SEED_LIMIT,
     Options,
@@ -355,6 +356,11 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
         return (out, lse) if return_lse else out
 
     if _head_dims.needs_padding(q, v):  # no plan: the padded call keeps its own
+        # Every check first: a bad call fails before q, k or v is copied.
+        _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
+                 alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
+                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                 materialize=False)
         result = fwd(_head_dims.pad(q), _head_dims.pad(k), _head_dims.pad(v), causal,
                      _head_dims.default_scale(q, softmax_scale), window_size=window_size,
                      mask_align=mask_align, bias=bias, attn_mask=attn_mask,
@@ -486,13 +492,24 @@ def _described(api: str, q, k, v, causal, softmax_scale, options: dict,
                         f"fmha.fwd's, without instance, and capability")
     ops = _prepare(q, k, v, causal, softmax_scale, **{**_OPTION_DEFAULTS, **options},
                    materialize=False, check_device=not cc)
-    args = _make_args(ops, out=None, lse=None)
+    args = _make_args(_padded_as_described(ops), out=None, lse=None)
     if ops.return_lse:
         args.lse = _PRESENT
     _mark_present(args, bias_ptr=ops.bias, alibi_slopes=ops.alibi_slopes,
                   cu_seqlens_q=ops.cu_seqlens_q, cu_seqlens_k=ops.cu_seqlens_k,
                   seqused_q=ops.seqused_q, seqused_k=ops.seqused_k)
     return args
+
+
+def _padded_as_described(ops: _Operands) -> _Operands:
+    """A checked call as fwd and bwd run it: on copies with head dims padded to multiples of 8
+    where it runs padded, as meta tensors of the copies' shapes and strides (nothing copied;
+    select and explain read no pointer)."""
+    if not _head_dims.needs_padding(ops.q, ops.v):
+        return ops
+    pad = _head_dims.pad
+    return ops._replace(q=pad(ops.q, meta=True), k=pad(ops.k, meta=True),
+                        v=pad(ops.v, meta=True))
 
 
 def select(q, k, v, causal=False, softmax_scale=None, *, capability=None, **options) -> dict:
@@ -529,26 +546,24 @@ def dropout_mask(seed, offset, dropout_p, batch, nhead, seqlen_q, seqlen_k,
                  device=None) -> torch.Tensor:
     """The dropout pattern fwd applies with dropout_seed=seed, dropout_offset=offset and this
     dropout_p: a uint8 CUDA tensor (batch, nhead, seqlen_q, seqlen_k), 1 where the probability
-    of query row i and key j of head h of sequence b is kept. device: a CUDA device, default
-    the current one."""
+    of query row i and key j of head h of sequence b is kept. device: a CUDA device of this
+    machine (a torch.device, a str such as "cuda:1", or an index), default the current one."""
+    # fmha::dropout_mask takes the sizes as int.
     ints = dict(seed=(seed, SEED_LIMIT, "2**64"), offset=(offset, OFFSET_LIMIT, "2**32"),
-                batch=(batch, None, ""), nhead=(nhead, None, ""), seqlen_q=(seqlen_q, None, ""),
-                seqlen_k=(seqlen_k, None, ""))
+                batch=(batch, INT_LIMIT, "2**31"), nhead=(nhead, INT_LIMIT, "2**31"),
+                seqlen_q=(seqlen_q, INT_LIMIT, "2**31"), seqlen_k=(seqlen_k, INT_LIMIT, "2**31"))
     for name, (value, limit, limit_text) in ints.items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"fmha.dropout_mask: {name} must be an int, got {type(value).__name__}")
-        if value < 0 or (limit is not None and value >= limit):
-            bounds = f"in [0, {limit_text})" if limit is not None else "non-negative"
-            raise ValueError(f"fmha.dropout_mask: {name} must be {bounds}, got {value}")
+        if not 0 <= value < limit:
+            raise ValueError(f"fmha.dropout_mask: {name} must be in [0, {limit_text}), got {value}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(
             f"fmha.dropout_mask: dropout_p must be a float, got {type(dropout_p).__name__}"
         )
     if not 0 <= dropout_p < 1:
         raise ValueError(f"fmha.dropout_mask: dropout_p must be in [0, 1), got {dropout_p}")
-    device = torch.device("cuda" if device is None else device)
-    if device.type != "cuda":
-        raise ValueError(f"fmha.dropout_mask: device must be a CUDA device, got {device}")
+    device = _dropout_mask_device(device)
     keep = torch.empty((batch, nhead, seqlen_q, seqlen_k), dtype=torch.uint8, device=device)
     with torch.cuda.device(keep.device):
         code, message = _C.dropout_mask(seed, offset, float(dropout_p), batch, nhead, seqlen_q,
@@ -556,6 +571,34 @@ def dropout_mask(seed, offset, dropout_p, batch, nhead, seqlen_q, seqlen_k,
                                         torch.cuda.current_stream(keep.device).cuda_stream)
     _raise_for(code, message)
     return keep
+
+
+def _dropout_mask_device(device) -> torch.device:
+    """dropout_mask's `device` as a CUDA device of this machine, with its index: a torch.device,
+    a str torch parses ("cuda", "cuda:1"), an int (an index, as torch.cuda's functions take it),
+    or None for the current one."""
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int, type(None))):
+        raise TypeError(f"fmha.dropout_mask: device must be a torch.device, a str, an int or "
+                        f"None, got {type(device).__name__}")
+    if isinstance(device, int):  # checked here: torch.device keeps an index's low byte only
+        index = device
+    else:
+        try:
+            parsed = torch.device("cuda" if device is None else device)
+        except RuntimeError:  # a str that names no device
+            raise ValueError(f"fmha.dropout_mask: device must be a CUDA device, got "
+                             f"{device!r}") from None
+        if parsed.type != "cuda":
+            raise ValueError(f"fmha.dropout_mask: device must be a CUDA device, got {parsed}")
+        index = parsed.index
+    count = torch.cuda.device_count()  # 0 on a torch without CUDA, which has no current device
+    if index is None and count:
+        index = torch.cuda.current_device()
+    if index is None or not 0 <= index < count:
+        given = "None (the current device)" if device is None else repr(device)
+        raise ValueError(f"fmha.dropout_mask: device must be a CUDA device of this machine, "
+                         f"which has {count} (torch.cuda.device_count()), got {given}")
+    return torch.device("cuda", index)
 
 
 def instances() -> list[dict]:

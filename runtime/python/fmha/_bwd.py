@@ -30,6 +30,7 @@ from fmha._api import (
     _make_args,
     _mark_present,
     _Operands,
+    _padded_as_described,
     _prepare,
     _raise_for,
     _target_cc,
@@ -332,7 +333,17 @@ def bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, *, window_siz
             _raise_for_bwd_plan(failed, dout, q, k, v, out)
         return (dq, dk, dv, dbias.sum_to_size(given.shape)) if return_dbias else (dq, dk, dv)
 
+    def more_checks(p, o):
+        check_bwd_options(v, p, bias, attn_mask, deterministic, return_dbias, "bwd")
+        check_bwd_operands(dout, q, k, v, out, lse, p, o, "bwd")
+        return dict(dout=dout, out=out, lse=lse)
+
     if _head_dims.needs_padding(q, v):  # no plan: the padded call keeps its own
+        # Every check first: a bad call fails before anything is copied.
+        _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
+                 alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, True,
+                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                 materialize=False, api="bwd", more_checks=more_checks)
         pad = _head_dims.pad
         grads = bwd(pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal,
                     _head_dims.default_scale(q, softmax_scale), window_size=window_size,
@@ -346,11 +357,6 @@ def bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, *, window_siz
         cut = tuple(grad[..., :like.shape[-1]].contiguous()
                     for grad, like in zip(grads[:3], (q, k, v)))
         return cut + tuple(grads[3:])
-
-    def more_checks(p, o):
-        check_bwd_options(v, bias, attn_mask, deterministic, return_dbias, "bwd")
-        check_bwd_operands(dout, q, k, v, out, lse, p, o, "bwd")
-        return dict(dout=dout, out=out, lse=lse)
 
     ops = _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
                    alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, True,
@@ -394,14 +400,14 @@ def _described_bwd(api: str, q, k, v, causal, softmax_scale, options: dict,
     deterministic, return_dbias = kwargs.pop("deterministic"), kwargs.pop("return_dbias")
 
     def more_checks(p, o):
-        check_bwd_options(v, kwargs["bias"], kwargs["attn_mask"], deterministic, return_dbias,
-                          api)
+        check_bwd_options(v, p, kwargs["bias"], kwargs["attn_mask"], deterministic,
+                          return_dbias, api)
         return {}
 
     ops = _prepare(q, k, v, causal, softmax_scale, return_lse=True, materialize=False, api=api,
                    more_checks=more_checks, check_device=not cc, **kwargs)
-    args = _make_bwd_args(ops, None, None, None, None, None, None, None, deterministic,
-                          return_dbias)
+    args = _make_bwd_args(_padded_as_described(ops), None, None, None, None, None, None, None,
+                          deterministic, return_dbias)
     _mark_present(args.fwd, bias_ptr=ops.bias, alibi_slopes=ops.alibi_slopes,
                   cu_seqlens_q=ops.cu_seqlens_q, cu_seqlens_k=ops.cu_seqlens_k,
                   seqused_q=ops.seqused_q, seqused_k=ops.seqused_k)

@@ -28,6 +28,17 @@ INT_LIMIT = 2**31  # sizes and window sizes are ints in fmha::FwdArgs
 # and every stride but the contiguous one is a multiple of 8 elements.
 ALIGN_BYTES = 16
 ROW_PIECE = 8
+# The largest head dim any kernel takes: beyond it there is nothing to pad to, and the checks
+# say so in their own words.
+MAX_HEAD_DIM = 256
+
+
+def runs_padded(hdim_q: int, hdim_v: int) -> bool:
+    """Whether fmha.fwd and fmha.bwd run a call of these head dims on copies of its tensors
+    zero-padded to multiples of 8 (fmha._head_dims): a head dim that is no multiple of 8, and
+    both within what the kernels take."""
+    return (bool((hdim_q | hdim_v) % ROW_PIECE) and 0 < hdim_q <= MAX_HEAD_DIM
+            and 0 < hdim_v <= MAX_HEAD_DIM)
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,12 @@ class Problem:
     nhead_k: int
     hdim_q: int
     hdim_v: int
+
+    def copies(self, t: torch.Tensor) -> bool:
+        """Whether fwd and bwd run the call on a zero-padded copy of t (q, k, v, out or dout:
+        one of a head dim that is no multiple of 8, in a call that runs padded), whose layout
+        is then the copy's, whatever t's."""
+        return runs_padded(self.hdim_q, self.hdim_v) and t.shape[-1] % ROW_PIECE != 0
 
 
 @dataclass(frozen=True)
@@ -186,32 +203,36 @@ def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         raise ValueError(
             f"fmha.{api}: q's {hq} heads must be a multiple of k/v's {hk} heads (MQA/GQA)"
         )
-    for name, t in named[:2]:
-        if t.stride(-1) != 1 and t.size(-1) > 1:
+    p = Problem(group, b, seqlen_q, seqlen_k, hq, hk, dq, dv)
+    # The layouts of the tensors the kernels read: a tensor the call copies (p.copies) has the
+    # copy's.
+    laid_out = [(name, t) for name, t in named if not p.copies(t)]
+    for name, t in laid_out:
+        if name != "v" and t.stride(-1) != 1 and t.size(-1) > 1:
             raise ValueError(
                 f"fmha.{api}: {name}'s last (head) dimension must be contiguous, got strides "
                 f"{tuple(t.stride())}; pass {name}.contiguous() or a view of a contiguous tensor"
             )
     layout = v_layout(v)[0]
-    if layout is None:
+    if layout is None and not p.copies(v):
         raise ValueError(
             f"fmha.{api}: v must have its head dimension (last) or its sequence dimension "
             f"contiguous, got shape {_shape(v)} and strides {tuple(v.stride())}; pass "
             "v.contiguous(), or a transpose of a contiguous V^T for the column-major layout"
         )
-    # fwd and bwd pad head dims up to 256 to multiples of 8 (fmha._head_dims); what reaches
-    # here unpadded would also make the strides of a contiguous tensor odd: say what is wrong
-    # in its own terms.
-    if dq == 0 or dv == 0 or dq % ROW_PIECE or dv % ROW_PIECE:
+    # fwd and bwd pad head dims up to 256 to multiples of 8 (runs_padded); past 256 such a head
+    # dim would also make the strides of a contiguous tensor odd: say what is wrong in its own
+    # terms.
+    if not runs_padded(dq, dv) and (dq == 0 or dv == 0 or dq % ROW_PIECE or dv % ROW_PIECE):
         raise ValueError(
             f"fmha.{api}: head dims must be positive, and multiples of {ROW_PIECE} past 256 (the "
             f"kernels move rows in 16-byte pieces; smaller ones run zero-padded), got {dq} for "
             f"q and k and {dv} for v"
         )
-    v_contiguous = -1 if layout == _C.VLAYOUT_ROW_MAJOR else -3
-    for name, t, contiguous in (("q", q, -1), ("k", k, -1), ("v", v, v_contiguous)):
+    for name, t in laid_out:
+        contiguous = -3 if name == "v" and layout == _C.VLAYOUT_COL_MAJOR else -1
         _check_strides(name, t, contiguous % t.dim(), api)
-    return Problem(group, b, seqlen_q, seqlen_k, hq, hk, dq, dv)
+    return p
 
 
 def kernel_strides(t: torch.Tensor) -> tuple:
@@ -419,10 +440,12 @@ def check_seqused(seqused_q, seqused_k, p: Problem, api: str = "fwd") -> None:
         _check_entries_contiguous(name, t, api)
 
 
-def check_bwd_options(v, bias, attn_mask, deterministic, return_dbias, api: str = "bwd") -> None:
+def check_bwd_options(v, p: Problem, bias, attn_mask, deterministic, return_dbias,
+                      api: str = "bwd") -> None:
     """What fmha.bwd (and select_bwd/explain_bwd) asks beyond a forward call: a row-major V
-    (the backward's kernels take no V^T), its two flags, and a bias for return_dbias."""
-    if v_layout(v)[0] != _C.VLAYOUT_ROW_MAJOR:
+    (the backward's kernels take no V^T; a copy, p.copies, is row-major), its two flags, and a
+    bias for return_dbias."""
+    if v_layout(v)[0] != _C.VLAYOUT_ROW_MAJOR and not p.copies(v):
         raise ValueError(
             f"fmha.{api}: v must be row-major (its head dimension contiguous) for the backward, "
             f"got strides {tuple(v.stride())}; a V^T view (sequence dimension contiguous) runs "
@@ -445,7 +468,8 @@ def check_bwd_operands(dout, q, k, v, out, lse, p: Problem, o: Options,
                        api: str = "bwd") -> None:
     """fmha.bwd's operands beyond the forward's: out and lse as the forward returned them
     (fmha.fwd(..., return_lse=True)), dout of out's shape and dtype, both in layouts the kernels
-    take, and the forward's dropout seed. Devices are checked with the others, last."""
+    take where the call does not copy them (p.copies), and the forward's dropout seed. Devices
+    are checked with the others, last."""
     for name, t in (("dout", dout), ("out", out), ("lse", lse)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fmha.{api}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -488,6 +512,8 @@ def check_bwd_operands(dout, q, k, v, out, lse, p: Problem, o: Options,
             f"{tuple(lse.stride())}; pass lse.contiguous()"
         )
     for name, t in (("out", out), ("dout", dout)):
+        if p.copies(t):
+            continue
         if t.stride(-1) != 1 and t.size(-1) > 1:
             raise ValueError(
                 f"fmha.{api}: {name}'s last (head) dimension must be contiguous, got strides "

@@ -34,10 +34,11 @@ def _fail(message: str) -> None:
     raise ValueError(f"fmha.{_API}: {message}")
 
 
-def _check_tensor(name: str, t, ndim: int, dtype=None) -> None:
+def _check_tensor(name: str, t, ndim: Optional[int], dtype=None) -> None:
+    """A tensor of `ndim` dimensions (None: any) and `dtype` (None: any)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"fmha.{_API}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
+    if ndim is not None and t.dim() != ndim:
         _fail(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if dtype is not None and t.dtype != dtype:
         _fail(f"{name} must be {dtype}, got {t.dtype}")
@@ -167,9 +168,11 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch
 def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
                 block_table, rotary_cos, rotary_sin, rotary_interleaved, causal, window_size,
                 softcap, alibi_slopes, softmax_scale, num_splits, return_lse,
-                check_device: bool = True):
+                check_device: bool = True, on_copies: bool = False):
     """Every check of a call, then its KvcacheArgs (pointers left 0) and output shapes. Without
-    check_device (select/explain for a named GPU), tensors may be on any device."""
+    check_device (select/explain for a named GPU), tensors may be on any device. on_copies: the
+    call runs on copies of the operands that _head_dims.rows_copied (_fwd_kvcache_on_copies),
+    whose rows are the copies' and go unchecked here."""
     _check_tensor("q", q, 4)
     if q.dtype not in DTYPE_CODES:
         _fail(f"q must be float16 or bfloat16, got {q.dtype}")
@@ -266,7 +269,7 @@ def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache
     if not (math.isfinite(softcap) and softcap >= 0):
         _fail(f"softcap must be finite and non-negative (0: off), got {softcap}")
     if alibi_slopes is not None:
-        _check_tensor("alibi_slopes", alibi_slopes, alibi_slopes.dim(), torch.float32)
+        _check_tensor("alibi_slopes", alibi_slopes, None, torch.float32)  # its shape next
         if tuple(alibi_slopes.shape) not in ((nhead_q,), (batch, nhead_q)):
             _fail(f"alibi_slopes must have shape ({nhead_q},) or ({batch}, {nhead_q}), got "
                   f"{tuple(alibi_slopes.shape)}")
@@ -278,7 +281,7 @@ def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache
     if not isinstance(return_lse, bool):
         raise TypeError(f"fmha.{_API}: return_lse must be a bool")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-        if t is not None:
+        if t is not None and not (on_copies and _head_dims.rows_copied(t)):
             _check_rows(name, t)
     if check_device:
         check_devices(api=_API, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
@@ -357,6 +360,11 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
                     window_size, softcap, softmax_scale, num_splits, return_lse, instance)
     plan = _PLANS.get(key) if key is not None else None
     if plan is None and _head_dims.kvcache_needs_copies(q, k_cache, v_cache, k, v):
+        # Every check first: a bad call fails before anything is copied.
+        _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                    block_table, rotary_cos, rotary_sin, rotary_interleaved, causal, window_size,
+                    softcap, alibi_slopes, softmax_scale, num_splits, return_lse,
+                    on_copies=True)
         return _fwd_kvcache_on_copies(
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
             cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
@@ -390,13 +398,14 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
     return (out, lse) if return_lse else out
 
 
-def _fwd_kvcache_on_copies(q, k_cache, v_cache, k, v, *, softmax_scale, return_lse, **options):
+def _fwd_kvcache_on_copies(q, k_cache, v_cache, k, v, **options):
     """fwd_kvcache of a call with a head dim that is no multiple of 8 in rows that do not start
-    on 16-byte boundaries (a contiguous tensor of such a head dim): on copies zero-padded to a
-    multiple of 8 of the operands whose rows are not in place, as FlashAttention-2 runs every
-    such call. A cache copied here and appended to is copied back: the whole cache each call,
-    which a serving loop avoids by allocating its caches as [..., :headdim] views of buffers
-    whose head dim is a multiple of 8 (they run in place, as every operand that is one)."""
+    on 16-byte boundaries (a contiguous tensor of such a head dim): on copies of the operands
+    whose rows are not in place, each the [..., :headdim] view of a buffer zero-padded to a
+    multiple of 8 (_head_dims.padded_rows), so that every head dim stays the call's. A cache
+    copied here and appended to is copied back: the whole cache each call, which a serving loop
+    avoids by allocating its caches as such views (they run in place, as every operand that is
+    one)."""
     k_run, v_run = _head_dims.padded_rows(k_cache), _head_dims.padded_rows(v_cache)
     if k_run is not k_cache or v_run is not v_cache:
         warnings.warn(
@@ -406,18 +415,14 @@ def _fwd_kvcache_on_copies(q, k_cache, v_cache, k, v, *, softmax_scale, return_l
             f"{' and back' if k is not None else ''}; allocate each cache as the [..., :headdim] "
             f"view of a buffer whose head dim is a multiple of {ROW_PIECE} to run in place",
             stacklevel=3)
-    result = fwd_kvcache(
-        _head_dims.padded_rows(q), k_run, v_run, _head_dims.padded_rows(k),
-        _head_dims.padded_rows(v), softmax_scale=_head_dims.default_scale(q, softmax_scale),
-        return_lse=return_lse, **options)
+    result = fwd_kvcache(_head_dims.padded_rows(q), k_run, v_run, _head_dims.padded_rows(k),
+                         _head_dims.padded_rows(v), **options)
     if k is not None:
         if k_run is not k_cache:
-            k_cache.copy_(k_run[..., :k_cache.shape[-1]])
+            k_cache.copy_(k_run)
         if v_run is not v_cache:
-            v_cache.copy_(v_run[..., :v_cache.shape[-1]])
-    out, lse = result if return_lse else (result, None)
-    out = out[..., :v_cache.shape[-1]]
-    return (out, lse) if return_lse else out
+            v_cache.copy_(v_run)
+    return result
 
 
 def _described(q, k_cache, v_cache, k, v, cache_seqlens, options: dict, cc: int):
@@ -429,11 +434,20 @@ def _described(q, k_cache, v_cache, k, v, cache_seqlens, options: dict, cc: int)
     if unknown:
         raise TypeError(f"fmha.{_API}: unexpected options {sorted(unknown)}")
     o = {**defaults, **options}
-    args, _, _ = _build_args(q, k_cache, v_cache, k, v, cache_seqlens, o["cache_batch_idx"],
-                             o["cache_leftpad"], o["block_table"], o["rotary_cos"], o["rotary_sin"],
-                             o["rotary_interleaved"], o["causal"], o["window_size"],
-                             o["softcap"], o["alibi_slopes"], o["softmax_scale"],
-                             o["num_splits"], o["return_lse"], check_device=not cc)
+    on_copies = _head_dims.kvcache_needs_copies(q, k_cache, v_cache, k, v)
+
+    def build(q, k_cache, v_cache, k, v, check_device: bool):
+        return _build_args(q, k_cache, v_cache, k, v, cache_seqlens, o["cache_batch_idx"],
+                           o["cache_leftpad"], o["block_table"], o["rotary_cos"],
+                           o["rotary_sin"], o["rotary_interleaved"], o["causal"],
+                           o["window_size"], o["softcap"], o["alibi_slopes"],
+                           o["softmax_scale"], o["num_splits"], o["return_lse"],
+                           check_device=check_device, on_copies=on_copies)[0]
+
+    args = build(q, k_cache, v_cache, k, v, check_device=not cc)
+    if on_copies:  # described on meta tensors of the copies' shapes and strides, as they run
+        args = build(*(_head_dims.padded_rows(t, meta=True) for t in (q, k_cache, v_cache, k, v)),
+                     check_device=False)
     _mark_present(args, k_new=k, v_new=v, block_table=o["block_table"],
                   cache_batch_idx=o["cache_batch_idx"], cache_leftpad=o["cache_leftpad"],
                   rotary_cos=o["rotary_cos"], rotary_sin=o["rotary_sin"],
