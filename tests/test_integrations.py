@@ -488,6 +488,82 @@ def test_attention_forward_refuses_what_it_cannot_run():
         hf.attention_forward(CAUSAL_MODULE, q, k, v, torch.zeros(3, 1, 7, 7))
 
 
+def hf_call(**changes):
+    """attention_forward's arguments, valid (q 3 x 4 heads x 7 tokens, k and v 2 heads x 7,
+    a left-padding mask), with `changes` replacing any."""
+    q, k, v = as_module_layout(*qkv())
+    return {**dict(query=q, key=k, value=v, attention_mask=left_padded([7, 4, 6], 7)), **changes}
+
+
+@pytest.mark.parametrize("changes,error,message", [
+    (dict(query=randn(3, 4, 7)), ValueError,
+     r"fmha: query must be 4-D \(batch, heads, seqlen, head_dim\), got shape \(3, 4, 7\)"),
+    (dict(key=[1, 2]), TypeError, "fmha: key must be a torch.Tensor, got list"),
+    (dict(key=randn(0, 2, 7, 16)), ValueError, "fmha: q, k and v must have one batch size, got "
+                                               "3, 0 and 3"),
+    (dict(value=randn(3, 2, 6, 16)), ValueError, "fmha: k and v must have one seqlen"),
+    (dict(query=randn(3, 3, 7, 16)), ValueError, "fmha: q's 3 heads must be a multiple of k's "
+                                                 "and v's 2"),
+    (dict(key=randn(3, 2, 7, 8)), ValueError, "fmha: q has head dim 16 but k has 8"),
+    # Consistent, but too long: a copy of the padded query would take 1 TiB.
+    (dict(query=randn(1, 1, 1, 12).expand(3, 4, 2**31 + 8, 12), key=randn(3, 2, 7, 12),
+          value=randn(3, 2, 7, 12), attention_mask=None), ValueError,
+     r"fmha: q has shape \(3, 2147483656, 4, 12\); every size must be below 2\*\*31"),
+    (dict(query=randn(3, 4, 7, 0), key=randn(3, 2, 7, 0)), ValueError,
+     "fmha: head dims must be positive, got 0 for q and k and 16 for v"),
+    (dict(attention_mask=left_padded([7, 4, 6, 1], 7)), ValueError,
+     r"fmha: padding_mask must be \(batch, seqlen\) with batch 3 .* got shape \(4, 7\)"),
+    (dict(attention_mask=left_padded([7, 4, 6], 9)), ValueError,  # longer than the keys
+     r"seqlen_q 7 <= seqlen <= seqlen_k 7 .* got shape \(3, 9\)"),
+    (dict(attention_mask=left_padded([7, 4, 6], 7).float()), TypeError,
+     "fmha: padding_mask must be bool or of an integer dtype"),
+    (dict(attention_mask=torch.ones(3, 7, dtype=torch.bool, device="meta")), ValueError,
+     "fmha: attention_mask is on meta but query is on cpu; query, key, value and "
+     "attention_mask must be on one device"),
+    (dict(attention_mask=None, max_length_q=torch.tensor(7, device="meta"),
+          cu_seq_lens_q=torch.tensor([0, 7]), cu_seq_lens_k=torch.tensor([0, 7]), max_length_k=7),
+     ValueError, "fmha: max_length_q is on meta; fmha needs CUDA tensors"),
+])
+def test_attention_forward_checks_its_arguments_first(kernels, changes, error, message):
+    """Before any indexing, packing or padding: a call that fails here would otherwise fail in
+    torch's own terms (index_select, nonzero, a division by a head dim of 0)."""
+    with pytest.raises(error, match=message):
+        hf.attention_forward(CAUSAL_MODULE, **hf_call(**changes))
+    assert kernels == []
+
+
+def test_attention_forward_needs_one_position_per_token(kernels):
+    q, k, v = as_module_layout(*qkv(batch=1))
+    with pytest.raises(ValueError, match=r"fmha: position_ids must hold one position per token, "
+                                         r"\(1, seqlen\) = \(1, 7\), got shape \(2, 7\)"):
+        hf.attention_forward(CAUSAL_MODULE, q, k, v, None,
+                             position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * 2))
+    assert kernels == []
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_attention_forward_refuses_meta_tensors(kernels, autocast):
+    """Meta tensors hold no mask or lengths to read (nor a device for autocast to ask): the
+    ValueError of a call that needs CUDA tensors, before any of it."""
+    tensors = {name: t.to("meta") for name, t in hf_call().items()}
+    if autocast:
+        tensors.update(query=tensors["query"].float(), attention_mask=None)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with pytest.raises(ValueError, match="fmha: query is on meta; fmha needs CUDA tensors"):
+            hf.attention_forward(CAUSAL_MODULE, **tensors)
+    assert kernels == []
+
+
+def test_a_padded_batch_of_no_queries(kernels):
+    """The queries are the mask's last seqlen_q slots: none of them when seqlen_q is 0 (a slice
+    [-0:] would be all of them). Right padding: group mode, not the decode path."""
+    q, k, v = qkv(seqlen_q=0)
+    out = _flash.flash_attention(q, k, v, causal=True,
+                                 padding_mask=left_padded([7, 4, 6], 7).flip(-1))
+    assert out.shape == (3, 0, 4, 16)
+    assert kernels[0]["q"].shape[0] == 0
+
+
 def causal(batch_idx, head_idx, q_idx, kv_idx):
     """transformers' causal_mask_function."""
     return kv_idx <= q_idx
@@ -787,6 +863,18 @@ def test_sdpa_remove_gives_the_operators_back(kernels, replaced):
     installed.remove()
     torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)
     assert replaced == ["forward"] and len(kernels) == 1
+
+
+def test_sdpa_register_on_a_torch_without_cuda_registers_nothing(monkeypatch):
+    """SDPA there never reaches the CUDA flash operators, which register() would replace (and
+    has no kernel of torch's to fall back to): it says so, and code that registers fmha runs on
+    torch's CPU kernels unchanged."""
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    with pytest.warns(UserWarning, match=r"fmha.integrations.sdpa.register\(\): torch .* is "
+                                         r"built without CUDA.* nothing is registered"):
+        sdpa.register()
+    assert torch.nn.attention.current_flash_attention_impl() != sdpa.NAME
+    sdpa.unregister()
 
 
 def test_sdpa_register_names_the_torch_it_needs(monkeypatch):

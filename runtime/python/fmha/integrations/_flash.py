@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import fmha
+from fmha._checks import INT_LIMIT
 from fmha._head_dims import pad as pad_head_dim
 
 # Query tokens per sequence up to which an unpadded call against more keys (a decode step, or a
@@ -36,11 +37,12 @@ class Packed(NamedTuple):
 
 def pack_padding_mask(padding_mask: torch.Tensor) -> Packed:
     """The tokens that a (batch, seqlen) padding mask keeps (nonzero: a token, 0: padding), in
-    order. Reads the longest length back to the host: fmha.fwd takes it as an int."""
+    order. Reads the longest length back to the host (0 of an empty batch): fmha.fwd takes it
+    as an int."""
     lengths = padding_mask.sum(dim=-1, dtype=torch.int32)
     indices = torch.nonzero(padding_mask.flatten()).flatten()
     cu_seqlens = F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
-    return Packed(indices, cu_seqlens, int(lengths.max()))
+    return Packed(indices, cu_seqlens, int(lengths.max()) if lengths.numel() else 0)
 
 
 def pack_positions(position_ids: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
@@ -126,7 +128,7 @@ def _pack_batch(padding_mask: torch.Tensor, seqlen_q: int) -> tuple[Packed, Pack
             device = padding_mask.device
             return keys, Packed(torch.arange(batch, device=device),
                                 torch.arange(batch + 1, dtype=torch.int32, device=device), 1)
-        return keys, pack_padding_mask(padding_mask[:, -seqlen_q:])
+        return keys, pack_padding_mask(padding_mask[:, seqlen_k - seqlen_q:])
 
     return _last_batch.answer(padding_mask, seqlen_q, ask)
 
@@ -168,6 +170,52 @@ def _cache_lengths(batch: int, keys: int, device: torch.device) -> torch.Tensor:
     return torch.full((batch,), keys, dtype=torch.int32, device=device)
 
 
+def _check_shapes(q, k, v, padding_mask: Optional[torch.Tensor]) -> None:
+    """What flash_attention's packing, padding and indexing need of its arguments, checked
+    before any of it: shapes that agree, sizes fmha.fwd takes (a copy of an expanded tensor
+    past them would fail to allocate), positive head dims (the default scale divides by one)
+    and a padding mask of the keys that covers the queries; without them torch's indexing would
+    fail in its own terms. fmha.fwd checks the rest of q, k and v (dtypes, devices)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fmha: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"fmha: {name} must be 4-D (batch, seqlen, heads, head_dim), got "
+                             f"shape {tuple(t.shape)}")
+        if max(t.shape) >= INT_LIMIT:
+            raise ValueError(f"fmha: {name} has shape {tuple(t.shape)}; every size must be below "
+                             "2**31 (fmha.fwd takes sizes as int)")
+    (batch, seqlen_q, heads, head_dim), (batch_k, seqlen_k, heads_k, head_dim_k) = q.shape, k.shape
+    batch_v, seqlen_v, heads_v, head_dim_v = v.shape
+    if not batch_k == batch_v == batch:
+        raise ValueError(f"fmha: q, k and v must have one batch size, got {batch}, {batch_k} and "
+                         f"{batch_v}")
+    if (seqlen_v, heads_v) != (seqlen_k, heads_k):
+        raise ValueError(f"fmha: k and v must have one seqlen and one head count, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if heads_k == 0 or heads % heads_k:
+        raise ValueError(f"fmha: q's {heads} heads must be a multiple of k's and v's {heads_k} "
+                         "(MQA/GQA)")
+    if head_dim_k != head_dim:
+        raise ValueError(f"fmha: q has head dim {head_dim} but k has {head_dim_k}")
+    if head_dim == 0 or head_dim_v == 0:
+        raise ValueError(f"fmha: head dims must be positive, got {head_dim} for q and k and "
+                         f"{head_dim_v} for v")
+    if padding_mask is None:
+        return
+    if not isinstance(padding_mask, torch.Tensor):
+        raise TypeError(f"fmha: padding_mask must be a torch.Tensor or None, got "
+                        f"{type(padding_mask).__name__}")
+    if padding_mask.dtype.is_floating_point or padding_mask.dtype.is_complex:
+        raise TypeError(f"fmha: padding_mask must be bool or of an integer dtype (nonzero: a "
+                        f"token), got {padding_mask.dtype}")
+    if (padding_mask.dim() != 2 or padding_mask.shape[0] != batch
+            or not seqlen_q <= padding_mask.shape[1] <= seqlen_k):
+        raise ValueError(f"fmha: padding_mask must be (batch, seqlen) with batch {batch} and "
+                         f"seqlen_q {seqlen_q} <= seqlen <= seqlen_k {seqlen_k} (a slot per key, "
+                         f"the queries in the last ones), got shape {tuple(padding_mask.shape)}")
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                     softmax_scale: Optional[float] = None, sliding_window: Optional[int] = None,
                     softcap: float = 0.0, dropout_p: float = 0.0,
@@ -188,6 +236,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     max_seqlen_q/max_seqlen_k instead: sequences packed back to back along the rows, every
     token a sequence's (padding-free batches).
     """
+    _check_shapes(q, k, v, padding_mask)
     batch, seqlen_q = q.shape[:2]
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     if padding_mask is not None and k.shape[1] > padding_mask.shape[1]:

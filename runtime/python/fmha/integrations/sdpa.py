@@ -21,6 +21,7 @@ Needs torch 2.11 or newer: the registry came in 2.10, but restoring torch's kern
 replaced it (torch.library.get_kernel) in 2.11. Written against torch 2.13, run on 2.11.
 """
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,8 +44,17 @@ _BACKWARD = "_scaled_dot_product_flash_attention_backward"
 def register() -> None:
     """Makes fmha the implementation of SDPA's flash backend on CUDA, until unregister()
     (activating another implementation, e.g. torch's "FA4", also replaces it). Raises
-    RuntimeError on a torch older than MIN_TORCH."""
+    RuntimeError on a torch older than MIN_TORCH. On a torch built without CUDA, whose SDPA
+    never reaches the CUDA operators (as torch's own FA3 and FA4 are never reached there), it
+    only warns that it registers nothing: code that registers fmha runs there unchanged, on
+    torch's CPU kernels."""
     attention = _registry()
+    if not torch.backends.cuda.is_built():
+        warnings.warn(
+            f"fmha.integrations.sdpa.register(): torch {torch.__version__} is built without "
+            "CUDA, so SDPA has no CUDA flash operators for fmha to serve; nothing is registered",
+            stacklevel=2)
+        return
     attention.register_flash_attention_impl(NAME, register_fn=install)
     attention.activate_flash_attention_impl(NAME)
 

@@ -122,11 +122,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise NotImplementedError(
             "fmha: attention sinks (s_aux) have no fmha kernel; run this model with "
             "attn_implementation='sdpa' or 'eager'")
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError(
-            f"fmha: attention_mask must be the 2D padding mask that fmha's mask function makes, "
-            f"got {attention_mask.dim()} dimensions; a mask built outside the model's mask "
-            "functions (e.g. a 4D mask passed in) needs attn_implementation='sdpa' or 'eager'")
+    _check_tensors(query, key, value, attention_mask, kwargs)
     causal = module.is_causal if is_causal is None else is_causal
     # The kernels take (batch, seqlen, heads, head_dim): views of the modules' layout.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -144,7 +140,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       max_seqlen_k=int(kwargs["max_length_k"]))
     elif (attention_mask is None and q.shape[0] == 1 and q.shape[1] > 1
           and q.shape[1] == k.shape[1] and kwargs.get("position_ids") is not None):
-        sequences = pack_positions(kwargs["position_ids"])
+        position_ids = kwargs["position_ids"]
+        if position_ids.numel() != q.shape[1]:  # each token's position, in the row's order
+            raise ValueError(
+                f"fmha: position_ids must hold one position per token, (1, seqlen) = (1, "
+                f"{q.shape[1]}), got shape {tuple(position_ids.shape)}")
+        sequences = pack_positions(position_ids)
         if sequences is not None:
             cu_seqlens, max_seqlen = sequences
             packed = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
@@ -159,6 +160,43 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = _as_eager_on_blind_rows(out, v[:, :attention_mask.shape[1]], attention_mask,
                                       causal, sliding_window)
     return out, None
+
+
+# The keyword arguments of transformers' attention call that attention_forward reads, besides
+# the mask: the packed sequences' positions or their lengths (flash_attention_2's).
+_PACKING_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                   "max_length_k")
+
+
+def _check_tensors(query, key, value, attention_mask, kwargs: dict) -> None:
+    """What attention_forward needs of its tensors before it uses them, checked first: query,
+    key and value 4-D (it takes their transposes), a 2D attention_mask on their device (it
+    indexes the keys by it), and no meta tensor (it reads the mask and the packed sequences'
+    positions or lengths back to the host, and under autocast asks for the device's dtype).
+    The shapes are flash_attention's to check."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fmha: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"fmha: {name} must be 4-D (batch, heads, seqlen, head_dim), got "
+                             f"shape {tuple(t.shape)}")
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"fmha: attention_mask must be a torch.Tensor or None, got "
+                        f"{type(attention_mask).__name__}")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"fmha: attention_mask must be the 2D padding mask that fmha's mask function makes, "
+            f"got {attention_mask.dim()} dimensions; a mask built outside the model's mask "
+            "functions (e.g. a 4D mask passed in) needs attn_implementation='sdpa' or 'eager'")
+    for name, t in (("key", key), ("value", value), ("attention_mask", attention_mask)):
+        if t is not None and t.device != query.device:
+            raise ValueError(f"fmha: {name} is on {t.device} but query is on {query.device}; "
+                             "query, key, value and attention_mask must be on one device")
+    for name, t in {"query": query, **{n: kwargs.get(n) for n in _PACKING_KWARGS}}.items():
+        if isinstance(t, torch.Tensor) and t.is_meta:
+            raise ValueError(f"fmha: {name} is on meta; fmha needs CUDA tensors (attention_forward "
+                             "reads the padding mask and the packed sequences' positions and "
+                             "lengths, which meta tensors do not hold)")
 
 
 def _as_eager_on_blind_rows(out: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor,
