@@ -477,7 +477,8 @@ def draw_attention(d: Draw, api: str, group: bool) -> Call:
     describes = api not in ("fwd", "bwd")
     pool = d.machine.bwd_instances if backward else d.machine.fwd_instances
     inst = _instance(d, pool, mode="group" if group else "batch")
-    trait = (lambda key, draw: inst[key]) if inst else (lambda key, draw: draw())
+    # A backward instance has no V layout: that trait is drawn for it.
+    trait = lambda key, draw: inst[key] if inst and key in inst else draw()  # noqa: E731
 
     dtype = INSTANCE_DTYPES[inst["dtype"]] if inst else d.pick(HALF)
     dq, dv = _head_dims(d, inst)
@@ -584,7 +585,8 @@ def draw_attention(d: Draw, api: str, group: bool) -> Call:
 def draw_kvcache(d: Draw, api: str) -> Call:
     """A valid call of fwd_kvcache (api "fwd_kvcache") or of select/explain_kvcache."""
     inst = _instance(d, d.machine.kvcache_instances)
-    trait = (lambda key, draw: inst[key]) if inst else (lambda key, draw: draw())
+    # A backward instance has no V layout: that trait is drawn for it.
+    trait = lambda key, draw: inst[key] if inst and key in inst else draw()  # noqa: E731
     dtype = INSTANCE_DTYPES[inst["dtype"]] if inst else d.pick(HALF)
     dq, dv = _head_dims(d, inst)
     mask = trait("mask", lambda: d.weighted({"none": 5, "causal": 4, "window": 2}))

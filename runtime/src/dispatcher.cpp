@@ -50,7 +50,8 @@ std::string sm(int cc) { return "sm" + std::to_string(cc); }
 
 // Each operation's table of compiled instances and of its pipelines' gaps, and how messages
 // name it: `kind` goes before "instance" ("no compiled fmha bwd instance runs ..."), `listing`
-// is the API function that lists its instances, `problem` starts explain()'s first line.
+// is the API function that lists its instances, `problem` starts explain()'s first line,
+// `entry_point` is the call whose messages these are (the prefix its argument checks have).
 // padded_hdim_step: the step of the head dims its head-dim-padded entries run (registry.h), so
 // that a miss may suggest one; 0 where its kernels take exact head dims only.
 struct FwdTable {
@@ -58,6 +59,7 @@ struct FwdTable {
   using Gap = PipelineGap;
   static const char* kind() { return ""; }
   static const char* listing() { return "instances"; }
+  static const char* entry_point() { return "fmha::fwd"; }
   static const char* problem() { return "Problem"; }
   static int padded_hdim_step() { return kPaddedHeadDimStep; }
   static const Entry* entries() { return kInstances; }
@@ -70,6 +72,7 @@ struct BwdTable {
   using Gap = BwdPipelineGap;
   static const char* kind() { return "bwd "; }
   static const char* listing() { return "bwd_instances"; }
+  static const char* entry_point() { return "fmha::bwd"; }
   static const char* problem() { return "Backward problem"; }
   static int padded_hdim_step() { return kBwdPaddedHeadDimStep; }
   static const Entry* entries() { return kBwdInstances; }
@@ -82,6 +85,7 @@ struct KvcacheTable {
   using Gap = KvcachePipelineGap;
   static const char* kind() { return "kvcache "; }
   static const char* listing() { return "kvcache_instances"; }
+  static const char* entry_point() { return "fmha::fwd_kvcache"; }
   static const char* problem() { return "KV-cache problem"; }
   static int padded_hdim_step() { return kKvcachePaddedHeadDimStep; }
   static const Entry* entries() { return kKvcacheInstances; }
@@ -721,7 +725,8 @@ Status find_in_table(const std::string& name, const Args& args, int cc, const En
       return Status::Ok();
     }
     return {Status::Code::kInvalidArgument,
-            "instance " + name + " cannot run this problem: " + reason(stage, e, args, wanted, cc)};
+            std::string(Table::entry_point()) + ": instance " + name +
+                " cannot run this problem: " + reason(stage, e, args, wanted, cc)};
   }
   return {Status::Code::kNoInstance, "no compiled " + std::string(Table::kind()) +
                                          "instance is called '" + name + "' (fmha::" +
