@@ -5,7 +5,7 @@
 # outside the build (tests/test_misses_gpu.py, each in a process of its own), every compiled
 # instance of each operation, the plans, training through the transformers integration, and
 # the fuzz test over the public surface. scripts/device_check.sh checks dev builds made
-# elsewhere; this is the build that crashed on every miss in issue 37, which those never saw.
+# elsewhere; this is the build that once crashed on every miss, which those never saw.
 #
 #   bash scripts/wheel_check.sh [TESTS...]       (default: the list below)
 #
@@ -29,11 +29,18 @@ fi
 start=$SECONDS
 "${install[@]}" > "$out/pip.log" 2>&1
 rc=$?
-echo "pip install: exit $rc after $((SECONDS - start)) s, $(grep -c 'Building CUDA object' "$out/pip.log") CUDA TUs"
+tus=$(grep -c 'Building CUDA object' "$out/pip.log")
+echo "pip install: exit $rc after $((SECONDS - start)) s, $tus CUDA TUs"
 [[ $rc -eq 0 ]] || { tail -n 30 "$out/pip.log"; exit 1; }
 
-# From outside the checkout, so that `import fmha` finds the installed package.
-python3 -c "import fmha, os; print('installed', os.path.dirname(fmha.__file__), fmha.compiled_targets(), len(fmha.instances()), len(fmha.bwd_instances()), len(fmha.kvcache_instances()), 'instances')" || exit 1
+# `import fmha` finds the installed package: the checkout's runtime/python is on no path.
+python3 - <<'EOF' || exit 1
+import os
+import fmha
+counts = (len(fmha.instances()), len(fmha.bwd_instances()), len(fmha.kvcache_instances()))
+print("installed", os.path.dirname(fmha.__file__), fmha.compiled_targets(),
+      "%d forward, %d backward, %d KV-cache instances" % counts)
+EOF
 tests=("$@")
 if [[ ${#tests[@]} -eq 0 ]]; then
   tests=(tests/test_misses_gpu.py tests/test_package.py tests/test_dispatch_parity.py

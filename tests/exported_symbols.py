@@ -3,7 +3,7 @@
 A module that exports the C++ or CUDA runtime it carries (a toolchain that links libstdc++
 statically, libcudart_static) lends it to the whole process: in a Python process that holds
 libstdc++.so.6 already, the dynamic linker binds part of the module's copy to that library, and
-formatting an integer into a std::ostringstream crashed (issue 37). libfmha and fmha._C must
+formatting an integer into a std::ostringstream crashed. libfmha and fmha._C must
 export their own API only: what fmha.h marks FMHA_API, PyInit__C, and the weak instances of
 header templates every C++ module defines alike.
 """

@@ -1,4 +1,4 @@
-"""The problems of tests/test_fuzz_surface.py (issue 37: no input crashes the process), and the
+"""The problems of tests/test_fuzz_surface.py (no input crashes the process), and the
 worker that runs them; the test starts this file in subprocesses and judges what they report.
 
 A problem is one call of fmha's public surface, drawn from random.Random(seed) alone, with a

@@ -1,4 +1,4 @@
-"""No input crashes the process (issue 37): a fuzz test of fmha's whole public surface.
+"""No input crashes the process: a fuzz test of fmha's whole public surface.
 
 tests/fuzz_surface.py draws the problems, each one call from its seed: fmha.fwd in batch and
 group mode, fmha.bwd, autograd through fmha.fwd, select/explain and their backward and KV-cache
@@ -21,7 +21,7 @@ Pass rule:
   F.scaled_dot_product_attention, what torch's own checks raise before fmha is reached is
   torch's business;
 - no message is garbled: cut off where the C++ runtime failed to format a value into it
-  (fuzz_surface.GARBLED), the form issue 37 takes where it does not crash;
+  (fuzz_surface.GARBLED), the form a leaked C++ runtime takes where it does not crash;
 - a valid call returns, or raises MissingInstanceError (traits the build lacks); one on a CPU
   or meta device stops at the device check, with the ValueError that says so.
 

@@ -1,4 +1,4 @@
-"""The calls issue 37 found killing the process on a build without their instances: each runs
+"""Calls that once killed the process on a build without their instances: each runs
 in a process of its own, so that a crash fails its case (with the signal) instead of ending the
 test run, and must end with a result or a MissingInstanceError that names the filter to build.
 

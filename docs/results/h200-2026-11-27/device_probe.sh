@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where does a miss's message crash when fmha is built on the GPU machine? (issue 37)
+# Where does a miss's message crash when fmha is built on the GPU machine?
 set -u
 cd "$(dirname "$0")"
 g++ --version | head -1; nvcc --version | tail -1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Why does the GPU machine's build of libfmha.so carry its own libstdc++? (issue 37)
+# Why does the GPU machine's build of libfmha.so carry its own libstdc++?
 set -u
 cd "$(dirname "$0")/.."
 root=$PWD
