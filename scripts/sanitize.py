@@ -45,6 +45,7 @@ padding. An instance's problems come most telling first, so --cases 1 keeps the 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 import zlib
@@ -82,6 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, default=0, metavar="N",
                     help="keep N instances of each operation, those covering the most trait "
                          "values first (0: all)")
+    ap.add_argument("--shard", default="1/1", metavar="K/N",
+                    help="run part K of N of each operation's chosen instances (every N-th in "
+                         "coverage order, from the K-th), so that N processes on N GPUs share "
+                         "a large build (scripts/sanitize.sh's FMHA_SANITIZE_GPUS)")
     ap.add_argument("--cases", type=int, default=0, metavar="N",
                     help="problems per instance, its first N (0, the default: all of them: 2 "
                          "for the forward and the backward, 4 to 8 for the KV cache)")
@@ -106,6 +111,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--limit must be >= 0")
     if args.cases < 0:
         ap.error("--cases must be >= 0")
+    shard = re.fullmatch(r"([1-9][0-9]*)/([1-9][0-9]*)", args.shard)
+    if not shard or int(shard[1]) > int(shard[2]):
+        ap.error(f"--shard takes K/N with 1 <= K <= N, e.g. 2/4; got {args.shard!r}")
+    args.shard = (int(shard[1]), int(shard[2]))
     ops = list(dict.fromkeys(op.strip() for op in args.ops.split(",") if op.strip()))
     unknown = [op for op in ops if op not in OPERATIONS]
     if unknown or not ops:
@@ -408,7 +417,7 @@ def main(argv=None) -> int:
               "works without one", file=sys.stderr)
         return 2
     cc = device_cc(torch) if have_gpu else None
-    compiled, chosen, not_here = {}, {}, 0
+    compiled, chosen, not_here, n_unsharded = {}, {}, 0, 0
     for op in args.ops:
         operation = OPERATIONS[op]
         listing = getattr(fmha, operation.listing, None)
@@ -416,9 +425,16 @@ def main(argv=None) -> int:
         chosen[op], skipped = choose_instances(
             compiled[op], (lambda i: runs_here(i, cc)) if cc else (lambda i: True), args.filter,
             args.limit, args.all_archs, operation.key_traits)
+        n_unsharded += len(chosen[op])
+        part, parts = args.shard
+        chosen[op] = chosen[op][part - 1::parts]
         not_here += skipped
     n_compiled = sum(len(insts) for insts in compiled.values())
     n_chosen = sum(len(insts) for insts in chosen.values())
+    if not n_chosen and n_unsharded:
+        print(f"sanitize.py: shard {args.shard[0]}/{args.shard[1]} holds none of the "
+              f"{n_unsharded} instances to run")
+        return 0
     if not n_chosen:
         print(f"sanitize.py: no instance to run (operations {','.join(args.ops)}, filters "
               f"{args.filter}, {not_here} filtered instances do not run on this GPU)",
@@ -430,6 +446,8 @@ def main(argv=None) -> int:
         f"{op} {sum(1 for entry in plan if entry[0] == op)} cases on {len(chosen[op])} of "
         f"{len(compiled[op])} instances" if compiled[op] else f"{op} none compiled"
         for op in args.ops)
+    if args.shard != (1, 1):
+        per_op += "; shard %d/%d" % args.shard
     if args.list:
         for n, (op, inst, label, case) in enumerate(plan, 1):
             print(f"[{n:4d}/{len(plan)}] {inst['name']} {label}: {case.describe()}")

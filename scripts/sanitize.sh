@@ -27,6 +27,9 @@
 #                                 hard limits in seconds (default 400 and 170, the latter for
 #                                 every subset tool: memcheck and racecheck fit one 10-minute
 #                                 device call; run them separately for more)
+#   FMHA_SANITIZE_GPUS            GPU indices, e.g. 0,1,2,3: each tool runs one process per GPU,
+#                                 each on its shard of the instances (sanitize.py --shard K/N),
+#                                 for builds of hundreds of instances (the coverage preset)
 #   FMHA_SANITIZER_FLAGS          extra compute-sanitizer flags, e.g. --report-api-errors no
 #   COMPUTE_SANITIZER, PYTHON     the programs to use
 # Exit status: 0 when every run was clean and complete, 1 on sanitizer errors or failed cases,
@@ -77,23 +80,15 @@ extra=(${FMHA_SANITIZER_FLAGS:-})
 
 status=0
 summary=()
-run_tool() {  # run_tool TOOL TIMEOUT [sanitizer flags...] -- [sanitize.py args...]
-  local tool=$1 limit=$2
-  shift 2
-  local flags=()
-  while [[ $# -gt 0 && $1 != -- ]]; do flags+=("$1"); shift; done
-  shift
-  local log="$out/sanitize-$tool.log"
-  local cmd=("$sanitizer" --tool "$tool" --error-exitcode 1 --target-processes all
-             ${flags[@]+"${flags[@]}"} ${extra[@]+"${extra[@]}"} "$python" scripts/sanitize.py "$@")
-  echo "== $tool (log: $log): ${cmd[*]}"
-  local t0=$SECONDS
-  timeout --signal=INT --kill-after=30 "$limit" "${cmd[@]}" >"$log" 2>&1
-  local rc=$?
-  local took=$((SECONDS - t0))
+# One sanitizer process per GPU of FMHA_SANITIZE_GPUS, each on its shard of the instances.
+gpus=()
+IFS=, read -r -a gpus <<<"${FMHA_SANITIZE_GPUS:-}"
+
+judge_log() {  # judge_log TOOL LIMIT LOG RC SECONDS: the run's verdict and lines, into summary
+  local tool=$1 limit=$2 log=$3 rc=$4 took=$5
   # What the run says, last: sanitize.py's summary and the sanitizer's own summary lines.
   local lines
-  lines=$(grep -E '^sanitize\.py (summary|: the CUDA|: time budget)|========= [A-Z ]*SUMMARY' "$log")
+  lines=$(grep -E '^sanitize\.py (summary|: the CUDA|: time budget|: shard)|========= [A-Z ]*SUMMARY' "$log")
   local kinds
   kinds=$(grep -E '^========= +(Invalid|Program hit|Leaked|Out-of-range|Misaligned|Malformed|Race|Potential|Error|Warning|Barrier|Hardware|Uninitialized)' "$log" \
           | sed -E 's/ at 0x[0-9a-f]+.*//; s/ of size [0-9]+.*//' | sort | uniq -c | sort -rn | head -n 8)
@@ -113,11 +108,40 @@ run_tool() {  # run_tool TOOL TIMEOUT [sanitizer flags...] -- [sanitize.py args.
     verdict="FAILED (rc $rc)"
     status=1
   fi
-  summary+=("-- $tool: $verdict, ${took} s")
+  summary+=("-- $tool ($log): $verdict, ${took} s")
   [[ -n $lines ]] && summary+=("$lines")
   if [[ -n $kinds ]]; then
     summary+=("   reports by kind:" "$kinds" "   report lines naming fmha kernels: $in_fmha")
   fi
+}
+
+run_tool() {  # run_tool TOOL TIMEOUT [sanitizer flags...] -- [sanitize.py args...]
+  local tool=$1 limit=$2
+  shift 2
+  local flags=()
+  while [[ $# -gt 0 && $1 != -- ]]; do flags+=("$1"); shift; done
+  shift
+  local cmd=("$sanitizer" --tool "$tool" --error-exitcode 1 --target-processes all
+             ${flags[@]+"${flags[@]}"} ${extra[@]+"${extra[@]}"} "$python" scripts/sanitize.py "$@")
+  local t0=$SECONDS
+  if [[ ${#gpus[@]} -le 1 ]]; then
+    local log="$out/sanitize-$tool.log"
+    echo "== $tool (log: $log): ${cmd[*]}"
+    timeout --signal=INT --kill-after=30 "$limit" "${cmd[@]}" >"$log" 2>&1
+    judge_log "$tool" "$limit" "$log" $? $((SECONDS - t0))
+    return
+  fi
+  local n=${#gpus[@]} pids=() k
+  echo "== $tool on GPUs ${gpus[*]}, a shard each (logs: $out/sanitize-$tool-K-of-$n.log): ${cmd[*]} --shard K/$n"
+  for ((k = 1; k <= n; k++)); do
+    CUDA_VISIBLE_DEVICES=${gpus[k - 1]} timeout --signal=INT --kill-after=30 "$limit" \
+      "${cmd[@]}" --shard "$k/$n" >"$out/sanitize-$tool-$k-of-$n.log" 2>&1 &
+    pids+=($!)
+  done
+  for ((k = 1; k <= n; k++)); do
+    wait "${pids[k - 1]}"
+    judge_log "$tool" "$limit" "$out/sanitize-$tool-$k-of-$n.log" $? $((SECONDS - t0))
+  done
 }
 
 for tool in $tools; do
