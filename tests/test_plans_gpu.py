@@ -90,9 +90,16 @@ def test_a_planned_signature_still_rejects_what_its_checks_reject():
             (dict(return_lse=1), TypeError, "return_lse must be a bool"),
             (dict(window_size=(8, False)), TypeError, "window_size must be a"),
             (dict(dropout_seed=-1), ValueError, "dropout_seed must be in"),
-            (dict(dropout_offset=2**32), ValueError, "dropout_offset must be in")):
+            (dict(dropout_offset=2**32), ValueError, "dropout_offset must be in"),
+            # A list where a tensor belongs: the signature is not made of it (no AttributeError).
+            (dict(seqused_q=[256, 256]), TypeError, "seqused_q must be a torch.Tensor"),
+            (dict(alibi_slopes=[0.5] * 4), TypeError, "alibi_slopes must be a torch.Tensor")):
         with pytest.raises(error, match=message):
             fmha.fwd(q, k, v, **{**good, **change})
+    out, lse = fmha.fwd(q, k, v, **good)
+    with pytest.raises(TypeError, match="fmha.bwd: seqused_k must be a torch.Tensor"):
+        fmha.bwd(out, q, k, v, out, lse, causal=True, softmax_scale=0.5, dropout_seed=1,
+                 seqused_k=(256, 256))
     # Same shape and strides, 2 bytes off a 16-byte boundary: only the pointer differs.
     off = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape)
     with pytest.raises(ValueError, match="q starts 2 bytes past a 16-byte boundary"):

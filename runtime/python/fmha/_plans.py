@@ -187,6 +187,9 @@ def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
         return None
     if not (dropout_offset.__class__ is int and 0 <= dropout_offset < OFFSET_LIMIT):
         return None
+    optional = (bias, attn_mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    if not all(t is None or isinstance(t, torch.Tensor) for t in optional):
+        return None  # a list where a tensor belongs: the op's checks name it
     varlen = is_varlen(cu_seqlens_q, bias if bias is not None else attn_mask)
     if varlen and not _varlen_sizes_pass(q, k, v, max_seqlen_q, max_seqlen_k):
         return None
