@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import random
+import subprocess
 import sys
 import threading
 import zlib
@@ -523,6 +524,45 @@ def test_threads_with_own_streams_match_serial_bitwise():
             what = f"{problems[i][0]['name']} from thread {t}"
             assert_bitwise(out, serial[i][0], what)
             assert_bitwise(lse, serial[i][1], what + " (lse)")
+
+
+# A thread whose first CUDA call is fmha's: the autograd engine's device thread in a training
+# step (its first backward), or a new thread of the caller's. Run in a process of its own, so
+# that a launch with a broken TMA descriptor (the bug this guards) fails the test, not the run.
+FIRST_CALL_SCRIPT = """
+import threading, torch, fmha
+q, k, v, dout = (torch.randn(2, 256, 4, 128, dtype=torch.bfloat16, device="cuda")
+                 for _ in range(4))
+def step():
+    out, lse = fmha.fwd(q, k, v, causal=True, return_lse=True)
+    return (out,) + fmha.bwd(dout, q, k, v, out, lse, causal=True, deterministic=True)
+want = step()  # the plans exist: the thread's calls reach C++ with no torch CUDA call first
+got = []
+thread = threading.Thread(target=lambda: got.extend(step()))
+thread.start()
+thread.join()
+torch.cuda.synchronize()
+assert len(got) == 4 and all(torch.equal(g, w) for g, w in zip(got, want)), "results differ"
+leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+fmha.fwd(*leaves, causal=True).backward(dout)
+torch.cuda.synchronize()
+print("OUTCOME ok")
+"""
+
+
+@pytest.mark.gpu
+def test_a_threads_first_cuda_call_may_be_fmhas():
+    try:
+        fmha.select(*(torch.empty(2, 256, 4, 128, dtype=torch.bfloat16, device=DEVICE)
+                      for _ in range(3)), causal=True)
+        fmha.select_bwd(*(torch.empty(2, 256, 4, 128, dtype=torch.bfloat16, device=DEVICE)
+                          for _ in range(3)), causal=True)
+    except fmha.MissingInstanceError as exc:
+        pytest.skip(f"no bf16 d128 causal instance in the build: {str(exc)[:80]}")
+    done = subprocess.run([sys.executable, "-c", FIRST_CALL_SCRIPT], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "OUTCOME ok" in done.stdout, (
+        f"exit {done.returncode}:\n{done.stdout[-1000:]}\n{done.stderr[-2000:]}")
 
 
 def _capture(fn):

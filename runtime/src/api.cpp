@@ -365,7 +365,7 @@ Status check_args(const FwdArgs& a, bool check_memory) {
 Status run(const FwdArgs& args, Stream stream, const std::string* instance, std::string* chosen) {
   if (Status st = check_args(args, /*check_memory=*/true); !st.ok()) return st;
   int cc = 0;
-  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
+  if (Status st = detail::launch_device_cc(&cc); !st.ok()) return st;
   const detail::InstanceEntry* entry = nullptr;
   const Status found = instance != nullptr ? detail::find_instance(*instance, args, cc, &entry)
                                            : detail::select_instance(args, cc, &entry);
@@ -444,7 +444,7 @@ Status run_bwd(const BwdArgs& args, Stream stream, const std::string* instance,
                std::string* chosen) {
   if (Status st = check_bwd_args(args, /*check_memory=*/true); !st.ok()) return st;
   int cc = 0;
-  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
+  if (Status st = detail::launch_device_cc(&cc); !st.ok()) return st;
   const detail::BwdInstanceEntry* entry = nullptr;
   const Status found = instance != nullptr ? detail::find_instance(*instance, args, cc, &entry)
                                            : detail::select_instance(args, cc, &entry);
@@ -644,7 +644,7 @@ Status run_kvcache(const KvcacheArgs& args, Stream stream, const std::string* in
                    std::string* chosen) {
   if (Status st = check_kvcache_args(args, /*check_memory=*/true); !st.ok()) return st;
   int cc = 0;
-  if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
+  if (Status st = detail::launch_device_cc(&cc); !st.ok()) return st;
   const detail::KvcacheInstanceEntry* entry = nullptr;
   const Status found = instance != nullptr ? detail::find_instance(*instance, args, cc, &entry)
                                            : detail::select_instance(args, cc, &entry);

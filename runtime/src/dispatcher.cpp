@@ -800,11 +800,15 @@ Info info_of(const Entry& e) {
 
 }  // namespace
 
-Status current_device_cc(int* cc) {
+namespace {
+
+Status device_cc(int* cc, bool bind_context) {
   int device = 0, major = 0, minor = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  // CUDA 12 and newer: cudaSetDevice binds the device's primary context to this thread now.
+  if (err == cudaSuccess && bind_context) err = cudaSetDevice(device);
   if (err != cudaSuccess) {
     return {Status::Code::kCudaError,
             std::string("cannot query the current CUDA device: ") + cudaGetErrorString(err)};
@@ -812,6 +816,12 @@ Status current_device_cc(int* cc) {
   *cc = major * 10 + minor;
   return Status::Ok();
 }
+
+}  // namespace
+
+Status current_device_cc(int* cc) { return device_cc(cc, /*bind_context=*/false); }
+
+Status launch_device_cc(int* cc) { return device_cc(cc, /*bind_context=*/true); }
 
 Status select_instance(const FwdArgs& args, int cc, const InstanceEntry** chosen) {
   return select_in_table(args, cc, chosen);

@@ -14,6 +14,13 @@ namespace fmha::detail {
 // Compute capability of the current device as major*10+minor, or a failed status.
 Status current_device_cc(int* cc);
 
+// current_device_cc for a call that launches, with the device's primary context bound to the
+// calling thread. The runtime binds a thread lazily, at its first call that needs a context;
+// on a thread whose first CUDA call is fmha's (an autograd engine's device thread, a new
+// thread of the caller's) the fa3 launchers would encode their TMA descriptors, driver calls,
+// with none bound: CUDA_ERROR_INVALID_CONTEXT, then a launch with unset descriptors.
+Status launch_device_cc(int* cc);
+
 // The entry that runs `args` on a device of compute capability `cc`, or a kNoInstance status
 // naming the traits asked for, the nearest compiled instances and the filter that builds one.
 Status select_instance(const FwdArgs& args, int cc, const InstanceEntry** chosen);
