@@ -248,6 +248,52 @@ def test_autograd_takes_any_dout_layout():
 
 
 @pytest.mark.gpu
+def test_eager_training_calls_take_a_plan():
+    """A training call (inputs that need grad, grad on) repeats its signature's checks once:
+    later calls run the plan's forward and backward (fmha._bwd._PlannedAttention), with the
+    op's autograd formula's gradients bit for bit."""
+    inst = _plain_instance()
+    case = forward_case(_plain_spec(inst), seed=6)
+    inp = case.inputs
+    leaves = [t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v)]
+    with deterministic_algorithms():
+        first = torch.autograd.grad(fmha.fwd(*leaves, **case.kwargs), leaves, inp.dout)
+        out = fmha.fwd(*leaves, **case.kwargs)
+        assert type(out.grad_fn).__name__ == "_PlannedAttentionBackward"
+        again = torch.autograd.grad(out, leaves, inp.dout)
+        compiled = torch.compile(lambda q, k, v: fmha.fwd(q, k, v, **case.kwargs),
+                                 fullgraph=True)
+        through_op = torch.autograd.grad(compiled(*leaves), leaves, inp.dout)
+    for name, a, b, c in zip(R.GRAD_NAMES, first, again, through_op):
+        assert torch.equal(a, b), f"{name}: a planned call's gradient differs from the first's"
+        assert torch.equal(a, c), f"{name}: the op's formula's gradient differs"
+    R.check_grads(case, dict(zip(R.GRAD_NAMES, again)), "planned training call")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gradients_come_back_in_the_leaves_layout(compiled):
+    """(b, h, s, d) leaves passed as transpose(1, 2) views get (b, h, s, d)-contiguous
+    gradients: the kernels write them in the views' strides, so autograd's transpose back is
+    the leaf's own layout and nothing is copied."""
+    inst = _plain_instance()
+    case = forward_case(_plain_spec(inst), seed=7)
+    inp = case.inputs
+    leaves = [t.detach().transpose(1, 2).contiguous().requires_grad_()
+              for t in (inp.q, inp.k, inp.v)]
+    attention = lambda q, k, v: fmha.fwd(q, k, v, **case.kwargs)  # noqa: E731
+    if compiled:
+        attention = torch.compile(attention, fullgraph=True)
+    with deterministic_algorithms():
+        attention(*(t.transpose(1, 2) for t in leaves)).backward(inp.dout)
+    want = fmha.bwd(inp.dout, inp.q, inp.k, inp.v, case.out, case.lse, **case.kwargs,
+                    deterministic=True)
+    for name, leaf, w in zip(R.GRAD_NAMES, leaves, want):
+        assert leaf.grad.is_contiguous(), f"{name}: strides {leaf.grad.stride()}"
+        assert torch.equal(leaf.grad.transpose(1, 2), w), f"{name} differs from fmha.bwd's"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("d,layout", [(36, "bshd"), (60, "poison"), (100, "bhsd")])
 def test_head_dims_not_multiples_of_8_run_padded(d, layout):
     """Head dims that are no multiple of 8 run on zero-padded copies (fmha._head_dims) with the

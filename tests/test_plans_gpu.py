@@ -107,8 +107,8 @@ def test_a_planned_signature_still_rejects_what_its_checks_reject():
 
 
 def test_modes_subclasses_and_grad_take_the_op():
-    """What the plans must not bypass: a dispatch mode sees fmha::fwd, and calls with tensors
-    that need grad or are subclasses go through the op as before."""
+    """What the plans must not bypass: a dispatch mode sees fmha::fwd, and calls with tensor
+    subclasses or with a bias that autograd records go through the op as before."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     spec = SPECS["plain"]
@@ -129,9 +129,17 @@ def test_modes_subclasses_and_grad_take_the_op():
     with Recorder() as recorder:
         fmha.fwd(q, k, v)
     assert "fmha.fwd.default" in recorder.ops
-    assert _api._plans.call_key(q.requires_grad_(), k, v, False, None, (-1, -1), "top_left",
-                                None, None, None, 0.0, 0.0, None, 0, False, None, None, None,
-                                None, None, None, None) is None
+
+    def key(q, bias=None):
+        return _api._plans.call_key(q, k, v, False, None, (-1, -1), "top_left", bias, None,
+                                    None, 0.0, 0.0, None, 0, False, None, None, None, None,
+                                    None, None, None)
+    # A call autograd records has a key of its own (its plan trains), but not with a bias,
+    # whose gradient the op's formula computes.
+    inference = key(q)
+    training = key(q.requires_grad_())
+    assert training is not None and training != inference
+    assert key(q, bias=torch.zeros(256, 256, dtype=q.dtype, device=q.device)) is None
     q.requires_grad_(False)
     assert _api._plans.call_key(torch.nn.Parameter(q, requires_grad=False), k, v, False, None,
                                 (-1, -1), "top_left", None, None, None, 0.0, 0.0, None, 0,

@@ -348,6 +348,11 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
         if plan.draws_seed:
             _refuse_drawn_seed_in_capture()
             dropout_seed = int(_seed_operand(None).item()) % SEED_LIMIT
+        if plan.backward is not None:  # autograd records the call
+            out, lse = _planned_attention(q, k, v, plan, (
+                None, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                max_seqlen_q, max_seqlen_k, dropout_seed or 0, dropout_offset, instance))
+            return (out, lse) if return_lse else out
         out, lse, failed = plan.run(q, k, v, bias, attn_mask, alibi_slopes, cu_seqlens_q,
                                     cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                     max_seqlen_k, dropout_seed or 0, dropout_offset, instance)
@@ -385,14 +390,26 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
             return _fwd_op(*ops._replace(return_lse=True), instance)[0]
         out, lse = _fwd_op(*ops, instance)
         return (out, lse) if return_lse else out
+    trains = _needs_grad(ops)  # then the key ruled out a bias (fmha._plans.call_key)
+    if trains:
+        ops = ops._replace(return_lse=True)  # the backward reads the log-sum-exp
     plan = _plans.make(ops, bias_from_mask=bias is None and attn_mask is not None,
-                       draws_seed=ops.dropout_p > 0 and dropout_seed is None)
-    out, lse = _first_call(_PLANS, key, plan, ops, bias, attn_mask, instance)
+                       draws_seed=ops.dropout_p > 0 and dropout_seed is None, trains=trains)
+    if trains:
+        out, lse = _planned_attention(q, k, v, plan, (
+            (_PLANS, key, ops), ops.alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
+            seqused_k, max_seqlen_q, max_seqlen_k, 0, dropout_offset, instance))
+    else:
+        out, lse = _first_call(_PLANS, key, plan, ops, bias, attn_mask, instance)
     return (out, lse) if return_lse else out
 
 
 # Plans of the eager calls fwd has checked, by call signature (fmha._plans).
 _PLANS = _plans.PlanTable()
+
+# fmha._bwd._PlannedAttention.apply, the autograd Function of a planned call that trains; set
+# by fmha._bwd, which imports this module.
+_planned_attention = None
 
 
 def _needs_grad(ops: _Operands) -> bool:

@@ -21,18 +21,21 @@ from typing import Optional
 
 import torch
 
-from fmha import _C, _head_dims, _plans
+from fmha import _C, _api, _head_dims, _plans
 from fmha._api import (
     _LIBRARY,
     _OPTION_DEFAULTS,
     _PRESENT,
     _ask,
+    _first_call,
     _make_args,
     _mark_present,
     _Operands,
     _padded_as_described,
     _prepare,
     _raise_for,
+    _raise_for_plan,
+    _seed_operand,
     _target_cc,
 )
 from fmha._checks import (
@@ -83,12 +86,13 @@ def _make_bwd_args(ops: _Operands, dout, out, lse, dq, dk, dv, dbias, determinis
         f.lse_batch_stride = 0 if group else lse_strides[0]
     dout_strides = _contiguous_strides(out_shape) if dout is None else kernel_strides(dout)
     b.dout_batch_stride, b.dout_seq_stride, b.dout_head_stride = _bsh(dout_strides, group)
-    b.dq_batch_stride, b.dq_seq_stride, b.dq_head_stride = _bsh(
-        _contiguous_strides(q.shape), group)
-    b.dk_batch_stride, b.dk_seq_stride, b.dk_head_stride = _bsh(
-        _contiguous_strides(k.shape), group)
-    b.dv_batch_stride, b.dv_seq_stride, b.dv_head_stride = _bsh(
-        _contiguous_strides(v.shape), group)
+    # The gradients' layouts: the plans' (fmha._plans.grad_like), here without memory.
+    dq_like, dk_like, dv_like = (
+        (dq, dk, dv) if dq is not None else
+        (_plans.grad_like(t.to("meta"), group) for t in (q, k, v)))
+    b.dq_batch_stride, b.dq_seq_stride, b.dq_head_stride = _bsh(kernel_strides(dq_like), group)
+    b.dk_batch_stride, b.dk_seq_stride, b.dk_head_stride = _bsh(kernel_strides(dk_like), group)
+    b.dv_batch_stride, b.dv_seq_stride, b.dv_head_stride = _bsh(kernel_strides(dv_like), group)
     if dout is not None:
         b.dout = dout.data_ptr()
     if dq is not None:
@@ -142,9 +146,9 @@ def _bwd_impl(
     return_dbias: bool,
     instance: Optional[str],
 ) -> tuple:
-    """Returns (dq, dk, dv, dbias): contiguous, of q's, k's and v's shapes; dbias of bias's
-    (batch, nheads, seqlen_q, seqlen_k) shape with return_dbias, else without elements. A
-    signature's later calls reuse its first call's BwdArgs (fmha._plans.BwdPlan)."""
+    """Returns (dq, dk, dv, dbias): in q's, k's and v's layouts (fmha._plans.grad_like); dbias
+    of bias's (batch, nheads, seqlen_q, seqlen_k) shape with return_dbias, else without
+    elements. A signature's later calls reuse its first call's BwdArgs (fmha._plans.BwdPlan)."""
     key = _plans.bwd_op_key(dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
                             cu_seqlens_k, seqused_q, seqused_k, dropout_seed, max_seqlen_q,
                             max_seqlen_k, softmax_scale, mask, mask_align, window_left,
@@ -208,7 +212,9 @@ def _bwd_fake(dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seql
               window_left, window_right, softcap, dropout_p, dropout_seed, dropout_offset,
               deterministic, return_dbias, instance):
     dbias = q.new_empty(bias.shape if return_dbias and bias is not None else (0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+    group = cu_seqlens_q is not None
+    return (_plans.grad_like(q, group), _plans.grad_like(k, group), _plans.grad_like(v, group),
+            dbias)
 
 
 def _bwd_backward(ctx, *grads):
@@ -280,6 +286,77 @@ torch.library.register_autograd("fmha::fwd", _fwd_backward, setup_context=_fwd_s
                                 lib=_LIBRARY)
 
 
+# ---- eager training: fmha.fwd's planned calls under autograd ----------------------------------
+
+
+class _PlannedAttention(torch.autograd.Function):
+    """fmha::fwd's autograd formula for an eager call that takes a plan that trains
+    (fmha._plans.Plan.backward; fmha._api.fwd): the forward runs the plan, the backward a
+    BwdPlan of it, each a signature's checks once and then pointers, as the untraced
+    inference path does. The op's formula above stays for torch.compile and export, for calls
+    with a bias, and for every call that takes the op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, call):
+        # One tuple for the rest: Function.apply's cost grows with its argument count.
+        (first, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+         max_seqlen_k, dropout_seed, dropout_offset, instance) = call
+        if first is not None:  # the signature's first call: (its table, key and checked ops)
+            table, key, ops = first
+            out, lse = _first_call(table, key, plan, ops, None, None, instance)
+            dropout_seed = plan.args.dropout_seed  # drawn by the checks of an unseeded call
+        else:
+            out, lse, failed = plan.run(q, k, v, None, None, alibi_slopes, cu_seqlens_q,
+                                        cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                        max_seqlen_k, dropout_seed, dropout_offset, instance)
+            if failed is not None:
+                _raise_for_plan(failed, q, k, v)
+        ctx.mark_non_differentiable(lse)
+        # No zeros for lse's gradient, which the backward never reads: a fill kernel a step.
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                              seqused_q, seqused_k)
+        ctx.plan = plan
+        ctx.call = (max_seqlen_q, max_seqlen_k, dropout_seed, dropout_offset)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        if dout is None:  # no gradient reached out (lse takes none)
+            return None, None, None, None, None
+        (q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
+         seqused_k) = ctx.saved_tensors
+        plan = ctx.plan
+        max_seqlen_q, max_seqlen_k, dropout_seed, dropout_offset = ctx.call
+        dout = _kernel_layout(dout)
+        if plan.args.vlayout != _C.VLAYOUT_ROW_MAJOR:
+            v = v.contiguous()  # the backward takes row-major V only; dv has v's shape either way
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        key = (_plans.packed_layout(dout) if plan.varlen else _plans.layout(dout), deterministic)
+        bwd_plan = plan.backward.get(key)
+        if bwd_plan is None:
+            a = plan.args
+            seed = _seed_operand(dropout_seed) if a.dropout_p > 0 else None
+            ops = _Operands(q, k, v, None, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                            seqused_k, max_seqlen_q, max_seqlen_k, a.softmax_scale, a.mask,
+                            a.mask_align, a.window_left, a.window_right, a.softcap, a.dropout_p,
+                            seed, dropout_offset, True)
+            dq, dk, dv, _ = _bwd_first_call(plan.backward, key, ops, dout, out, lse,
+                                            deterministic, False, None, None)
+        else:
+            dq, dk, dv, _, failed = bwd_plan.run(dout, q, k, v, out, lse, None, alibi_slopes,
+                                                 cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                                 seqused_k, max_seqlen_q, max_seqlen_k,
+                                                 dropout_seed, dropout_offset, None)
+            if failed is not None:
+                _raise_for_bwd_plan(failed, dout, q, k, v, out)
+        return dq, dk, dv, None, None
+
+
+_api._planned_attention = _PlannedAttention.apply
+
+
 # ---- the public API -----------------------------------------------------------------------------
 
 
@@ -311,9 +388,11 @@ def bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, *, window_siz
     the dimensions the bias broadcasts. instance: a name from fmha.bwd_instances() to run
     instead of the dispatcher's choice.
 
-    Returns (dq, dk, dv), or (dq, dk, dv, dbias): new contiguous tensors of q's, k's, v's (and
-    the bias's) shapes and q's dtype; with MQA/GQA dk and dv are summed over the query heads
-    that share a K/V head. Runs on torch.cuda.current_stream(q.device).
+    Returns (dq, dk, dv), or (dq, dk, dv, dbias): new tensors of q's, k's, v's (and the
+    bias's) shapes and q's dtype, each in its tensor's strides where that tensor is dense (a
+    (b, h, s, d) tensor's transpose(1, 2) gets a gradient laid out alike; group mode and other
+    views get contiguous ones); with MQA/GQA dk and dv are summed over the query heads that
+    share a K/V head. Runs on torch.cuda.current_stream(q.device).
     """
     if instance is not None:
         check_instance(instance, "bwd")

@@ -11,8 +11,12 @@ signature: a training loop that passes a new seed per step keeps its one plan. S
 mode (varlen), the token counts and the longest lengths, which change with every packed batch.
 
 Only plain eager calls take this path (call_key says which); under torch.compile, a dispatch
-or function mode, tensor subclasses or autograd, fmha.fwd calls its torch.library op as before,
-and the op's implementation keeps plans of its own, by the op's arguments (op_key).
+or function mode or tensor subclasses, fmha.fwd calls its torch.library op as before, and the
+op's implementation keeps plans of its own, by the op's arguments (op_key). A call autograd
+records takes a plan too, one that trains: fmha._bwd's autograd Function runs the forward's
+plan and, in the backward, a BwdPlan the forward's plan keeps (Plan.backward), with none of
+the op's per-call dispatch and argument handling (its autograd wrapper costs several hundred
+microseconds a step).
 
 The backward's op fmha::bwd keeps plans the same way (BwdPlan, bwd_op_key): a key of its
 operands' layouts and its options, the BwdArgs built on a signature's first call, and a later
@@ -36,10 +40,10 @@ class Plan:
     """A checked call signature: everything fwd passes to C++ but the call's own values."""
 
     __slots__ = ("args", "out_shape", "lse_shape", "varlen", "seqused", "bias_from_mask",
-                 "draws_seed", "device")
+                 "draws_seed", "device", "backward")
 
     def __init__(self, out_shape: tuple, lse_shape: Optional[tuple], varlen: bool, seqused: bool,
-                 bias_from_mask: bool, draws_seed: bool, device: int):
+                 bias_from_mask: bool, draws_seed: bool, device: int, trains: bool = False):
         self.args: Optional["_C.FwdArgs"] = None  # the first call's; fwd sets it
         # The first call's; in varlen the token count (out's first dim, lse's last) is the call's.
         self.out_shape = out_shape
@@ -50,6 +54,9 @@ class Plan:
         self.bias_from_mask = bias_from_mask  # the elementwise bias is attn_mask, not bias
         self.draws_seed = draws_seed  # dropout without a seed: one is drawn per call
         self.device = device
+        # A call autograd records (trains): the plans of its backward, by dout's layout and the
+        # deterministic flag (fmha._bwd.backward_key); None for a call without grad.
+        self.backward: Optional[PlanTable] = PlanTable() if trains else None
 
     def outputs(self, q: torch.Tensor) -> tuple:
         """The call's out and log-sum-exp (None without return_lse), on q's device, contiguous:
@@ -122,7 +129,7 @@ def is_varlen(cu_seqlens_q, bias) -> bool:
     return cu_seqlens_q is not None and bias is None
 
 
-def _packed_layout(t: torch.Tensor) -> tuple:
+def packed_layout(t: torch.Tensor) -> tuple:
     """A packed (tokens, heads, dim) tensor's layout, its token count left out but for whether
     it is above 1 (a dimension of size 1 passes as stride 0: _checks.kernel_strides)."""
     return (t.shape[1:], t.stride(), t.shape[0] > 1, t.dtype, t.get_device())
@@ -132,7 +139,7 @@ def _sizes_key(q, k, v, varlen: bool, max_seqlen_q, max_seqlen_k) -> tuple:
     """What q, k, v and the longest lengths add to a key: their layouts; in varlen without the
     token counts and longest lengths, which are the call's (Plan.launch passes them)."""
     if varlen:
-        return (_packed_layout(q), _packed_layout(k), _packed_layout(v))
+        return (packed_layout(q), packed_layout(k), packed_layout(v))
     return (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
             k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), max_seqlen_q,
             max_seqlen_k)
@@ -160,15 +167,16 @@ def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
     """The signature of a call that may take a plan, or None for a call that takes the
     torch.library op. Options must have their documented types exactly (a bool is no int here),
     so that two calls with one key pass the same checks; any other value takes the op, whose
-    checks accept or reject it as they always did."""
+    checks accept or reject it as they always did. A call that autograd records (grad on, q, k
+    or v needing it) has a key of its own, whose plan trains (Plan.backward), unless it has a
+    bias or attn_mask: the op's autograd formula differentiates those."""
     if torch.compiler.is_compiling():
         return None
     if (q.__class__ is not torch.Tensor or k.__class__ is not torch.Tensor
             or v.__class__ is not torch.Tensor or not q.is_cuda
             or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
         return None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return None
+    trains = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not (causal is True or causal is False) or not (return_lse is True or return_lse is False):
         return None
     if not (softmax_scale is None or is_real(softmax_scale)) or not is_real(softcap):
@@ -190,6 +198,8 @@ def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
     optional = (bias, attn_mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     if not all(t is None or isinstance(t, torch.Tensor) for t in optional):
         return None  # a list where a tensor belongs: the op's checks name it
+    if trains and (bias is not None or attn_mask is not None):
+        return None  # a bias's gradient, or its absence, is the op's autograd formula's work
     varlen = is_varlen(cu_seqlens_q, bias if bias is not None else attn_mask)
     if varlen and not _varlen_sizes_pass(q, k, v, max_seqlen_q, max_seqlen_k):
         return None
@@ -198,7 +208,7 @@ def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
     # their class and requires_grad go without saying; each optional tensor states them.
     return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k), causal, softmax_scale,
             window_size, mask_align, softcap, dropout_p, dropout_seed is None, return_lse,
-            instance,
+            instance, trains,
             None if bias is None else _signature(bias),
             None if attn_mask is None else _signature(attn_mask),
             None if alibi_slopes is None else _signature(alibi_slopes),
@@ -213,7 +223,7 @@ def lse_shape(q: torch.Tensor, group: bool) -> tuple:
     return (q.shape[1], q.shape[0]) if group else (q.shape[0], q.shape[2], q.shape[1])
 
 
-def _layout(t: Optional[torch.Tensor]):
+def layout(t: Optional[torch.Tensor]):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
 
 
@@ -224,18 +234,21 @@ def op_key(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, s
     its other arguments (`options`) decide its FwdArgs; the dropout seed's and offset's values
     are the call's own, and in varlen the token counts and longest lengths too (is_varlen)."""
     varlen = is_varlen(cu_seqlens_q, bias)
-    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k), _layout(bias),
-            _layout(alibi_slopes), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
-            _layout(seqused_q), _layout(seqused_k), dropout_seed is None, options)
+    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k), layout(bias),
+            layout(alibi_slopes), layout(cu_seqlens_q), layout(cu_seqlens_k),
+            layout(seqused_q), layout(seqused_k), dropout_seed is None, options)
 
 
 def reusable(ops, bias, attn_mask, alibi_slopes) -> bool:
     """Whether a later fwd call of this signature can take the plan of this checked one (`ops`,
     fmha._api._Operands, and the arguments fwd got): not when a tensor is of another class or
-    needs grad, nor when the checks made a bias or ALiBi operand anew (a boolean mask turned
-    into a bias, a copy made contiguous), whose pointer a later call would not have."""
-    given = (ops.q, ops.k, ops.v, bias, attn_mask, alibi_slopes, ops.cu_seqlens_q,
-             ops.cu_seqlens_k, ops.seqused_q, ops.seqused_k)
+    one besides q, k and v needs grad (their grad is the key's, call_key), nor when the checks
+    made a bias or ALiBi operand anew (a boolean mask turned into a bias, a copy made
+    contiguous), whose pointer a later call would not have."""
+    if any(t.__class__ is not torch.Tensor for t in (ops.q, ops.k, ops.v)):
+        return False
+    given = (bias, attn_mask, alibi_slopes, ops.cu_seqlens_q, ops.cu_seqlens_k, ops.seqused_q,
+             ops.seqused_k)
     for t in given:
         if t is not None and (t.__class__ is not torch.Tensor or t.requires_grad):
             return False
@@ -245,14 +258,15 @@ def reusable(ops, bias, attn_mask, alibi_slopes) -> bool:
     return ops.alibi_slopes is alibi_slopes
 
 
-def make(ops, bias_from_mask: bool, draws_seed: bool) -> Plan:
+def make(ops, bias_from_mask: bool, draws_seed: bool, trains: bool = False) -> Plan:
     """The plan of a checked call (`ops`, fmha._api._Operands), its FwdArgs still to come: they
-    take the first call's outputs, which the plan allocates (the caller sets them)."""
+    take the first call's outputs, which the plan allocates (the caller sets them). trains: a
+    call autograd records (its ops ask for the log-sum-exp, which the backward reads)."""
     q, v = ops.q, ops.v
     out_shape = (*q.shape[:-1], v.shape[-1])
     return Plan(out_shape, lse_shape(q, ops.cu_seqlens_q is not None) if ops.return_lse else None,
                 is_varlen(ops.cu_seqlens_q, ops.bias), ops.seqused_q is not None, bias_from_mask,
-                draws_seed, q.get_device())
+                draws_seed, q.get_device(), trains)
 
 
 class PlanTable:
@@ -305,14 +319,14 @@ class BwdPlan:
         self.device = device
 
     def outputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-        """(dq, dk, dv, dbias or None): contiguous, of q's, k's and v's shapes (their strides,
-        which the plan's BwdArgs hold, follow from the shapes); dbias zeroed, as the kernels
-        write only the tiles the mask lets them visit."""
-        dq = q.new_empty(q.shape)
-        if self.zero_grads:
-            dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
-        else:
-            dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
+        """(dq, dk, dv, dbias or None): grad_like q, k and v (their strides, which the plan's
+        BwdArgs hold, follow from the layouts in the key); dbias zeroed, as the kernels write
+        only the tiles the mask lets them visit."""
+        group = self.zero_grads
+        dq, dk, dv = grad_like(q, group), grad_like(k, group), grad_like(v, group)
+        if group:
+            dk.zero_()
+            dv.zero_()
         dbias = None if self.dbias_shape is None else q.new_zeros(self.dbias_shape)
         return dq, dk, dv, dbias
 
@@ -378,6 +392,15 @@ class BwdPlan:
             dbias, instance)
 
 
+def grad_like(t: torch.Tensor, group: bool) -> torch.Tensor:
+    """An uninitialized gradient for t, in t's layout where t is dense (a (b, h, s, d) leaf seen
+    through transpose(1, 2) gets a gradient that is its own layout again after autograd's
+    transpose back, which AccumulateGrad then keeps without a copy), else contiguous. Group
+    mode's packed tensors get contiguous ones: a varlen plan serves other token counts, and a
+    dense permuted layout's strides would change with them."""
+    return t.new_empty(t.shape) if group else torch.empty_like(t)
+
+
 def _lse_layout(lse: torch.Tensor) -> tuple:
     """A group-mode log-sum-exp's layout, (nheads, total_q), its token count (and with it the
     head stride of a contiguous one) left out: BwdPlan.launch passes the head stride."""
@@ -392,12 +415,12 @@ def bwd_op_key(dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seq
     dropout seed's and offset's values are the call's own."""
     varlen = is_varlen(cu_seqlens_q, bias)
     if varlen:
-        grads = (_packed_layout(dout), _packed_layout(out), _lse_layout(lse))
+        grads = (packed_layout(dout), packed_layout(out), _lse_layout(lse))
     else:
-        grads = (_layout(dout), _layout(out), _layout(lse))
-    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k), grads, _layout(bias),
-            _layout(alibi_slopes), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
-            _layout(seqused_q), _layout(seqused_k), dropout_seed is None, options)
+        grads = (layout(dout), layout(out), layout(lse))
+    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k), grads, layout(bias),
+            layout(alibi_slopes), layout(cu_seqlens_q), layout(cu_seqlens_k),
+            layout(seqused_q), layout(seqused_k), dropout_seed is None, options)
 
 
 def bwd_call_key(dout, q, k, v, out, lse, causal, softmax_scale, window_size, mask_align, bias,
@@ -429,9 +452,9 @@ def bwd_call_key(dout, q, k, v, out, lse, causal, softmax_scale, window_size, ma
         if not (out.dim() == 3 and out.shape[0] == q.shape[0] and dout.shape == out.shape
                 and lse.dim() == 2 and lse.shape[1] == q.shape[0]):
             return None
-        grads = (_packed_layout(dout), _packed_layout(out), _lse_layout(lse))
+        grads = (packed_layout(dout), packed_layout(out), _lse_layout(lse))
     else:
-        grads = (_layout(dout), _layout(out), _layout(lse))
+        grads = (layout(dout), layout(out), layout(lse))
     return key, grads, deterministic, return_dbias
 
 
