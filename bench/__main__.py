@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
-from bench import decode, generate, prefill
+from bench import decode, generate, host, prefill
 from fmha.timing import graph_median_ms, host_us, interleaved_medians
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -123,6 +123,11 @@ def parse_args(argv):
     p.add_argument("--left-pad", action="store_true",
                    help="with --generate: a quarter of each batch's rows left-padded to half "
                         "the prompt")
+    p.add_argument("--host", action="store_true",
+                   help="host time per call instead: the forward without and with grad, a "
+                        "training call, and a compiled one, of fmha and SDPA (bench/host.py)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="with --host: leave out the compiled training call")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
     unknown = set(args.dtypes) - set(DTYPES)
@@ -445,6 +450,8 @@ def main(argv=None):
         return main_generate(args)
     if args.bwd:
         return main_backward(args, causal_values)
+    if args.host:
+        return main_host(args)
     rows = []
     for dt in args.dtypes:
         for d in args.hdims:
@@ -505,6 +512,17 @@ def main_backward(args, causal_values):
           "included:")
     print("  " + ", ".join(f"{name} {mib:.0f}" if isinstance(mib, float) else f"{name}: {mib}"
                            for name, mib in memory.items()))
+
+
+def main_host(args):
+    """python -m bench --host: host microseconds per call (bench/host.py)."""
+    costs = host.measure(rounds=args.rounds, compiled=not args.no_compile)
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": host.SHAPE}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "host_us_per_call": costs}, f, indent=1)
+    print(f"{info['gpu']}, torch {info['torch']}")
+    print(host.format_rows(costs))
 
 
 def main_decode(args):
