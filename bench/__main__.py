@@ -22,6 +22,9 @@ through fmha.fwd's autograd formula, SDPA's through the backward its forward's a
 runs), on the same grid. --deterministic adds fmha.bwd's deterministic mode, called directly
 (column fmha_det, and det/fmha its share of the default mode's speed). Under the tables: the
 peak memory of one forward+backward of each backend on one shape of the grid.
+
+--host times what a call costs the host instead (bench/host.py): the forward without and with
+grad, a training call and a compiled one, for fmha (both leaf layouts) and SDPA's backends.
 """
 
 import argparse
