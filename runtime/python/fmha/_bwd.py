@@ -45,6 +45,7 @@ from fmha._checks import (
     check_bwd_options,
     check_instance,
     kernel_strides,
+    rows_readable,
     v_layout,
     ROW_PIECE,
 )
@@ -240,9 +241,7 @@ def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
     torch's allocator starts on a 16-byte boundary). Autograd hands gradients over in any
     layout: out.sum()'s is one value expanded, every stride 0. No data_ptr: under torch.compile
     this is traced on fake tensors."""
-    readable = ((t.stride(-1) == 1 or t.size(-1) <= 1)
-                and all(s % ROW_PIECE == 0 for s in kernel_strides(t)[:-1])
-                and t.storage_offset() % ROW_PIECE == 0)
+    readable = rows_readable(t) and t.storage_offset() % ROW_PIECE == 0
     return t if readable else t.clone(memory_format=torch.contiguous_format)
 
 

@@ -242,6 +242,15 @@ def kernel_strides(t: torch.Tensor) -> tuple:
     return tuple([0 if size <= 1 else stride for size, stride in zip(t.shape, t.stride())])
 
 
+def rows_readable(t: torch.Tensor) -> bool:
+    """Whether the kernels read t's rows as it is laid out: its head (last) dim contiguous and
+    every other stride a multiple of ROW_PIECE elements, so that each row starts on a 16-byte
+    boundary as a row does in memory. Where t starts is the caller's to check: by data_ptr()
+    where it has one, by storage_offset() under torch.compile's fake tensors."""
+    return ((t.stride(-1) == 1 or t.shape[-1] <= 1)
+            and all(s % ROW_PIECE == 0 for s in kernel_strides(t)[:-1]))
+
+
 def _check_strides(name: str, t: torch.Tensor, contiguous: int, api: str = "fwd") -> None:
     """Every stride but the contiguous dimension's a multiple of 8 elements, so that each row
     starts on a 16-byte boundary: what the C++ checks ask of every stride they are given."""

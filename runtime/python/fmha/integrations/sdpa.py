@@ -29,6 +29,7 @@ import torch
 import torch.nn.attention
 
 import fmha
+from fmha._checks import rows_readable
 
 # The name of fmha's implementation in torch's registry.
 NAME = "fmha"
@@ -152,9 +153,7 @@ def _kernel_layout(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     fitted = []
     for t in tensors:
         t = t.transpose(1, 2)
-        if (t.stride(-1) != 1 or t.data_ptr() % 16
-                or any(stride % 8 for size, stride in zip(t.shape[:-1], t.stride()[:-1])
-                       if size > 1)):
+        if not rows_readable(t) or t.data_ptr() % 16:
             t = t.contiguous()
         fitted.append(t)
     return tuple(fitted)
