@@ -11,12 +11,12 @@ signature: a training loop that passes a new seed per step keeps its one plan. S
 mode (varlen), the token counts and the longest lengths, which change with every packed batch.
 
 Only plain eager calls take this path (call_key says which); under torch.compile, a dispatch
-or function mode or tensor subclasses, fmha.fwd calls its torch.library op as before, and the
-op's implementation keeps plans of its own, by the op's arguments (op_key). A call autograd
-records takes a plan too, one that trains: fmha._bwd's autograd Function runs the forward's
-plan and, in the backward, a BwdPlan the forward's plan keeps (Plan.backward), with none of
-the op's per-call dispatch and argument handling (its autograd wrapper costs several hundred
-microseconds a step).
+or function mode, torch.func transforms or tensor subclasses, fmha.fwd calls its torch.library
+op as before, and the op's implementation keeps plans of its own, by the op's arguments
+(op_key). A call autograd records takes a plan too, one that trains: fmha._bwd's autograd
+Function runs the forward's plan and, in the backward, a BwdPlan the forward's plan keeps
+(Plan.backward), with none of the op's per-call dispatch and argument handling (its autograd
+wrapper costs several hundred microseconds a step).
 
 The backward's op fmha::bwd keeps plans the same way (BwdPlan, bwd_op_key): a key of its
 operands' layouts and its options, the BwdArgs built on a signature's first call, and a later
@@ -174,7 +174,8 @@ def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
         return None
     if (q.__class__ is not torch.Tensor or k.__class__ is not torch.Tensor
             or v.__class__ is not torch.Tensor or not q.is_cuda
-            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
+            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active()):
         return None
     trains = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not (causal is True or causal is False) or not (return_lse is True or return_lse is False):
