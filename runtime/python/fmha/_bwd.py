@@ -332,7 +332,7 @@ class _PlannedAttention(torch.autograd.Function):
         if plan.args.vlayout != _C.VLAYOUT_ROW_MAJOR:
             v = v.contiguous()  # the backward takes row-major V only; dv has v's shape either way
         deterministic = torch.are_deterministic_algorithms_enabled()
-        key = (_plans.packed_layout(dout) if plan.varlen else _plans.layout(dout), deterministic)
+        key = (_plans.output_layout(dout, plan.varlen), deterministic)
         bwd_plan = plan.backward.get(key)
         if bwd_plan is None:
             a = plan.args

@@ -55,7 +55,7 @@ class Plan:
         self.draws_seed = draws_seed  # dropout without a seed: one is drawn per call
         self.device = device
         # A call autograd records (trains): the plans of its backward, by dout's layout and the
-        # deterministic flag (fmha._bwd.backward_key); None for a call without grad.
+        # deterministic flag (fmha._bwd._PlannedAttention); None for a call without grad.
         self.backward: Optional[PlanTable] = PlanTable() if trains else None
 
     def outputs(self, q: torch.Tensor) -> tuple:
@@ -129,7 +129,7 @@ def is_varlen(cu_seqlens_q, bias) -> bool:
     return cu_seqlens_q is not None and bias is None
 
 
-def packed_layout(t: torch.Tensor) -> tuple:
+def _packed_layout(t: torch.Tensor) -> tuple:
     """A packed (tokens, heads, dim) tensor's layout, its token count left out but for whether
     it is above 1 (a dimension of size 1 passes as stride 0: _checks.kernel_strides)."""
     return (t.shape[1:], t.stride(), t.shape[0] > 1, t.dtype, t.get_device())
@@ -139,7 +139,7 @@ def _sizes_key(q, k, v, varlen: bool, max_seqlen_q, max_seqlen_k) -> tuple:
     """What q, k, v and the longest lengths add to a key: their layouts; in varlen without the
     token counts and longest lengths, which are the call's (Plan.launch passes them)."""
     if varlen:
-        return (packed_layout(q), packed_layout(k), packed_layout(v))
+        return (_packed_layout(q), _packed_layout(k), _packed_layout(v))
     return (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
             k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), max_seqlen_q,
             max_seqlen_k)
@@ -224,7 +224,7 @@ def lse_shape(q: torch.Tensor, group: bool) -> tuple:
     return (q.shape[1], q.shape[0]) if group else (q.shape[0], q.shape[2], q.shape[1])
 
 
-def layout(t: Optional[torch.Tensor]):
+def _layout(t: Optional[torch.Tensor]):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
 
 
@@ -235,9 +235,9 @@ def op_key(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, s
     its other arguments (`options`) decide its FwdArgs; the dropout seed's and offset's values
     are the call's own, and in varlen the token counts and longest lengths too (is_varlen)."""
     varlen = is_varlen(cu_seqlens_q, bias)
-    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k), layout(bias),
-            layout(alibi_slopes), layout(cu_seqlens_q), layout(cu_seqlens_k),
-            layout(seqused_q), layout(seqused_k), dropout_seed is None, options)
+    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k), _layout(bias),
+            _layout(alibi_slopes), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
+            _layout(seqused_q), _layout(seqused_k), dropout_seed is None, options)
 
 
 def reusable(ops, bias, attn_mask, alibi_slopes) -> bool:
@@ -402,6 +402,18 @@ def grad_like(t: torch.Tensor, group: bool) -> torch.Tensor:
     return t.new_empty(t.shape) if group else torch.empty_like(t)
 
 
+def output_layout(t: torch.Tensor, varlen: bool) -> tuple:
+    """The layout of an operand shaped like the output (out, dout): in varlen without its token
+    count, which is the call's."""
+    return _packed_layout(t) if varlen else _layout(t)
+
+
+def _grads_layout(dout, out, lse, varlen: bool) -> tuple:
+    """What dout, out and lse add to a backward call's key."""
+    return (output_layout(dout, varlen), output_layout(out, varlen),
+            _lse_layout(lse) if varlen else _layout(lse))
+
+
 def _lse_layout(lse: torch.Tensor) -> tuple:
     """A group-mode log-sum-exp's layout, (nheads, total_q), its token count (and with it the
     head stride of a contiguous one) left out: BwdPlan.launch passes the head stride."""
@@ -415,13 +427,10 @@ def bwd_op_key(dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seq
     layouts (in varlen without token counts) and its other arguments' values (`options`); the
     dropout seed's and offset's values are the call's own."""
     varlen = is_varlen(cu_seqlens_q, bias)
-    if varlen:
-        grads = (packed_layout(dout), packed_layout(out), _lse_layout(lse))
-    else:
-        grads = (layout(dout), layout(out), layout(lse))
-    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k), grads, layout(bias),
-            layout(alibi_slopes), layout(cu_seqlens_q), layout(cu_seqlens_k),
-            layout(seqused_q), layout(seqused_k), dropout_seed is None, options)
+    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k),
+            _grads_layout(dout, out, lse, varlen), _layout(bias),
+            _layout(alibi_slopes), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
+            _layout(seqused_q), _layout(seqused_k), dropout_seed is None, options)
 
 
 def bwd_call_key(dout, q, k, v, out, lse, causal, softmax_scale, window_size, mask_align, bias,
@@ -447,16 +456,14 @@ def bwd_call_key(dout, q, k, v, out, lse, causal, softmax_scale, window_size, ma
                    instance)
     if key is None:
         return None
-    if is_varlen(cu_seqlens_q, bias if bias is not None else attn_mask):
-        # The checks that read token counts (fmha._checks.check_bwd_operands): out and dout
-        # have q's, lse is (nheads, q's); a call that fails one takes the op, which says so.
-        if not (out.dim() == 3 and out.shape[0] == q.shape[0] and dout.shape == out.shape
-                and lse.dim() == 2 and lse.shape[1] == q.shape[0]):
-            return None
-        grads = (packed_layout(dout), packed_layout(out), _lse_layout(lse))
-    else:
-        grads = (layout(dout), layout(out), layout(lse))
-    return key, grads, deterministic, return_dbias
+    varlen = is_varlen(cu_seqlens_q, bias if bias is not None else attn_mask)
+    # The checks that read token counts (fmha._checks.check_bwd_operands): out and dout have
+    # q's, lse is (nheads, q's); a call that fails one takes the op, which says so.
+    if varlen and not (out.dim() == 3 and out.shape[0] == q.shape[0]
+                       and dout.shape == out.shape and lse.dim() == 2
+                       and lse.shape[1] == q.shape[0]):
+        return None
+    return key, _grads_layout(dout, out, lse, varlen), deterministic, return_dbias
 
 
 def make_bwd(ops, return_dbias: bool) -> BwdPlan:
