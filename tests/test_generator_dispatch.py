@@ -285,9 +285,9 @@ def test_duplicate_names_are_an_error(make_instance):
 
 
 def test_repository_proof_is_fast():
-    start = time.process_time()
+    start = time.thread_time()
     check_dispatchable(DEFAULT_CATALOG.instances)
-    assert time.process_time() - start < 3  # ~0.3 s; CPU time, which other jobs do not inflate
+    assert time.thread_time() - start < 3  # ~0.3 s; this thread's CPU time (test_generator_catalog)
 
 
 # -- the bwd operation -------------------------------------------------------------------------
