@@ -572,11 +572,12 @@ def test_select_bwd_and_explain_bwd_check_like_bwd(api):
 # ---- plans -----------------------------------------------------------------------------------
 
 
-def _bwd_key(t: dict, group: dict, options=()):
-    return _plans.bwd_op_key(t["dout"], t["q"], t["k"], t["v"], t["out"], t["lse"], None, None,
-                             group.get("cu_seqlens_q"), group.get("cu_seqlens_k"), None, None,
-                             None, group.get("max_seqlen_q", 0), group.get("max_seqlen_k", 0),
-                             *options)
+def _bwd_key(t: dict, group: dict, softmax_scale=0.125):
+    ops = _api._Operands(t["q"], t["k"], t["v"], None, None, group.get("cu_seqlens_q"),
+                         group.get("cu_seqlens_k"), None, None, group.get("max_seqlen_q", 0),
+                         group.get("max_seqlen_k", 0), softmax_scale, 0, 0, -1, -1, 0.0, 0.0,
+                         None, 0, True)
+    return _plans.bwd_op_key(t["dout"], t["out"], t["lse"], ops, False, False, None)
 
 
 def test_only_plain_eager_cuda_calls_have_a_bwd_plan_key():
@@ -597,7 +598,7 @@ def test_bwd_plan_keys_leave_varlen_token_counts_to_the_call():
     b, other = packed_inputs(total_q=33, total_k=90)
     other.update(max_seqlen_q=7, max_seqlen_k=90)
     assert _bwd_key(a, group) == _bwd_key(b, other)
-    assert _bwd_key(a, group, (0.5,)) != _bwd_key(a, group, (0.25,))
+    assert _bwd_key(a, group, 0.5) != _bwd_key(a, group, 0.25)
     b["dout"] = torch.randn(33, 4, 128).to(F16)[..., :64]  # another layout
     assert _bwd_key(a, group) != _bwd_key(b, other)
     # Batch mode keys by shape.

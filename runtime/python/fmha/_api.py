@@ -54,7 +54,9 @@ _DRAWN_SEED_LIMIT = 2**63 - 1
 
 
 class _Operands(NamedTuple):
-    """A checked call, in the order fmha::fwd's custom op takes it."""
+    """A checked call: the arguments of fmha::fwd's custom op but the last (instance), in its
+    order, and the forward call's part of fmha::bwd's (fmha._bwd). The ops' schemas derive
+    from these annotations (_schema)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -204,68 +206,49 @@ def _make_args(ops: _Operands, out: Optional[torch.Tensor],
     return a
 
 
+# The schema types of the annotations the ops' argument records use.
+_SCHEMA_TYPES = {torch.Tensor: "Tensor", Optional[torch.Tensor]: "Tensor?", int: "SymInt",
+                 float: "float", bool: "bool", Optional[str]: "str?"}
+
+
+def _schema(name: str, arguments: dict, returns: str) -> str:
+    """A torch.library schema of `arguments`, {name: annotation} in the op's order."""
+    typed = ", ".join(f"{_SCHEMA_TYPES[kind]} {arg}" for arg, kind in arguments.items())
+    return f"{name}({typed}) -> {returns}"
+
+
+# fmha::fwd's arguments: the checked call, then the instance to run (None: the dispatcher's).
+FWD_ARGUMENTS = {**_Operands.__annotations__, "instance": Optional[str]}
+
 # fmha::fwd, declared through torch.library's low-level API. @torch.library.custom_op declares
 # the same op but wraps every call in Python (an autograd layer, an output-aliasing check):
 # 69 us of fwd's 199 us of host time per call on the H100 machine of docs/perf-notes.md v5,
 # where a 2k-token causal call's kernel takes ~250 us.
 _LIBRARY = torch.library.Library("fmha", "DEF")
-_LIBRARY.define(
-    "fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor? alibi_slopes, Tensor? cu_seqlens_q, "
-    "Tensor? cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k, SymInt max_seqlen_q, "
-    "SymInt max_seqlen_k, float softmax_scale, SymInt mask, SymInt mask_align, "
-    "SymInt window_left, SymInt window_right, float softcap, float dropout_p, "
-    "Tensor? dropout_seed, SymInt dropout_offset, bool return_lse, str? instance) "
-    "-> (Tensor, Tensor)",
-    tags=(torch.Tag.pt2_compliant_tag,))
+_LIBRARY.define(_schema("fwd", FWD_ARGUMENTS, "(Tensor, Tensor)"),
+                tags=(torch.Tag.pt2_compliant_tag,))
 
 
-def _fwd_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    alibi_slopes: Optional[torch.Tensor],
-    cu_seqlens_q: Optional[torch.Tensor],
-    cu_seqlens_k: Optional[torch.Tensor],
-    seqused_q: Optional[torch.Tensor],
-    seqused_k: Optional[torch.Tensor],
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    mask: int,
-    mask_align: int,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    dropout_p: float,
-    dropout_seed: Optional[torch.Tensor],
-    dropout_offset: int,
-    return_lse: bool,
-    instance: Optional[str],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out, lse); lse has no elements unless return_lse. A signature's later calls
-    reuse its first call's FwdArgs (fmha._plans), as fwd's eager calls do."""
-    key = _plans.op_key(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                        seqused_k, dropout_seed, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
-                        mask_align, window_left, window_right, softcap, dropout_p, return_lse,
-                        instance)
+def _fwd_impl(*arguments) -> tuple[torch.Tensor, torch.Tensor]:
+    """fmha::fwd (FWD_ARGUMENTS): returns (out, lse); lse has no elements unless return_lse. A
+    signature's later calls reuse its first call's FwdArgs (fmha._plans), as fwd's eager calls
+    do."""
+    ops, instance = _Operands(*arguments[:-1]), arguments[-1]
+    key = _plans.op_key(ops, instance)
     plan = _OP_PLANS.get(key)
     if plan is None:
-        check_alignment(q=q, k=k, v=v)  # before anything is allocated; C++ checks it again
-        ops = _Operands(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                        seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align,
-                        window_left, window_right, softcap, dropout_p, dropout_seed,
-                        dropout_offset, return_lse)
+        check_alignment(q=ops.q, k=ops.k, v=ops.v)  # before any allocation; C++ checks it again
         plan = _plans.make(ops, bias_from_mask=False, draws_seed=False)
-        out, lse = _first_call(_OP_PLANS, key, plan, ops, bias, None, instance)
+        out, lse = _first_call(_OP_PLANS, key, plan, ops, ops.bias, None, instance)
     else:
-        seed = 0 if dropout_seed is None else int(dropout_seed.item()) % SEED_LIMIT
-        out, lse, failed = plan.run(q, k, v, bias, None, alibi_slopes, cu_seqlens_q,
-                                    cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                                    max_seqlen_k, seed, dropout_offset, instance)
+        seed = 0 if ops.dropout_seed is None else int(ops.dropout_seed.item()) % SEED_LIMIT
+        out, lse, failed = plan.run(ops.q, ops.k, ops.v, ops.bias, None, ops.alibi_slopes,
+                                    ops.cu_seqlens_q, ops.cu_seqlens_k, ops.seqused_q,
+                                    ops.seqused_k, ops.max_seqlen_q, ops.max_seqlen_k, seed,
+                                    ops.dropout_offset, instance)
         if failed is not None:
-            _raise_for_plan(failed, q, k, v)
-    return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)
+            _raise_for_plan(failed, ops.q, ops.k, ops.v)
+    return out, lse if lse is not None else ops.q.new_empty((0,), dtype=torch.float32)
 
 
 # Plans of the op's calls (a torch.compile'd graph's, or fwd's under a dispatch mode or with
@@ -273,12 +256,11 @@ def _fwd_impl(
 _OP_PLANS = _plans.PlanTable()
 
 
-def _fwd_fake(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-              max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align, window_left,
-              window_right, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
-              instance):
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    lse_shape = _plans.lse_shape(q, cu_seqlens_q is not None) if return_lse else (0,)
+def _fwd_fake(*arguments):
+    ops = _Operands(*arguments[:-1])
+    q = ops.q
+    out = q.new_empty((*q.shape[:-1], ops.v.shape[-1]))
+    lse_shape = _plans.lse_shape(q, ops.cu_seqlens_q is not None) if ops.return_lse else (0,)
     lse = q.new_empty(lse_shape, dtype=torch.float32)
     return out, lse
 

@@ -35,6 +35,7 @@ from fmha._api import (
     _prepare,
     _raise_for,
     _raise_for_plan,
+    _schema,
     _seed_operand,
     _target_cc,
 )
@@ -109,71 +110,48 @@ def _make_bwd_args(ops: _Operands, dout, out, lse, dq, dk, dv, dbias, determinis
 
 # ---- the op fmha::bwd ---------------------------------------------------------------------------
 
-_LIBRARY.define(
-    "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? bias, "
-    "Tensor? alibi_slopes, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_q, "
-    "Tensor? seqused_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, "
-    "SymInt mask, SymInt mask_align, SymInt window_left, SymInt window_right, float softcap, "
-    "float dropout_p, Tensor? dropout_seed, SymInt dropout_offset, bool deterministic, "
-    "bool return_dbias, str? instance) -> (Tensor, Tensor, Tensor, Tensor)",
-    tags=(torch.Tag.pt2_compliant_tag,))
+# fmha::bwd's arguments: dout and the forward's out and log-sum-exp, the forward's checked call
+# less return_lse (the backward always reads the log-sum-exp), then the backward's flags.
+BWD_ARGUMENTS = {
+    "dout": torch.Tensor, "out": torch.Tensor, "lse": torch.Tensor,
+    **{name: kind for name, kind in _Operands.__annotations__.items() if name != "return_lse"},
+    "deterministic": bool, "return_dbias": bool, "instance": Optional[str],
+}
+_FORWARD_PART = slice(3, -3)  # of BWD_ARGUMENTS: _Operands' fields but return_lse
+
+_LIBRARY.define(_schema("bwd", BWD_ARGUMENTS, "(Tensor, Tensor, Tensor, Tensor)"),
+                tags=(torch.Tag.pt2_compliant_tag,))
 
 
-def _bwd_impl(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    alibi_slopes: Optional[torch.Tensor],
-    cu_seqlens_q: Optional[torch.Tensor],
-    cu_seqlens_k: Optional[torch.Tensor],
-    seqused_q: Optional[torch.Tensor],
-    seqused_k: Optional[torch.Tensor],
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    mask: int,
-    mask_align: int,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    dropout_p: float,
-    dropout_seed: Optional[torch.Tensor],
-    dropout_offset: int,
-    deterministic: bool,
-    return_dbias: bool,
-    instance: Optional[str],
-) -> tuple:
-    """Returns (dq, dk, dv, dbias): in q's, k's and v's layouts (fmha._plans.grad_like); dbias
-    of bias's (batch, nheads, seqlen_q, seqlen_k) shape with return_dbias, else without
-    elements. A signature's later calls reuse its first call's BwdArgs (fmha._plans.BwdPlan)."""
-    key = _plans.bwd_op_key(dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
-                            cu_seqlens_k, seqused_q, seqused_k, dropout_seed, max_seqlen_q,
-                            max_seqlen_k, softmax_scale, mask, mask_align, window_left,
-                            window_right, softcap, dropout_p, deterministic, return_dbias,
-                            instance)
+def _forward_call(arguments: tuple) -> _Operands:
+    """The forward call's record in fmha::bwd's arguments."""
+    return _Operands(*arguments[_FORWARD_PART], True)
+
+
+def _bwd_impl(*arguments) -> tuple:
+    """fmha::bwd (BWD_ARGUMENTS): returns (dq, dk, dv, dbias), in q's, k's and v's layouts
+    (fmha._plans.grad_like); dbias of bias's (batch, nheads, seqlen_q, seqlen_k) shape with
+    return_dbias, else without elements. A signature's later calls reuse its first call's
+    BwdArgs (fmha._plans.BwdPlan)."""
+    dout, out, lse = arguments[:3]
+    deterministic, return_dbias, instance = arguments[-3:]
+    ops = _forward_call(arguments)
+    key = _plans.bwd_op_key(dout, out, lse, ops, deterministic, return_dbias, instance)
     plan = _BWD_OP_PLANS.get(key)
     if plan is None:
-        if return_dbias and bias is None:
+        if return_dbias and ops.bias is None:
             raise ValueError("fmha::bwd: return_dbias=True needs an elementwise bias")
-        ops = _Operands(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                        seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align,
-                        window_left, window_right, softcap, dropout_p, dropout_seed,
-                        dropout_offset, True)
         dq, dk, dv, dbias = _bwd_first_call(_BWD_OP_PLANS, key, ops, dout, out, lse,
-                                            deterministic, return_dbias, bias, instance)
+                                            deterministic, return_dbias, ops.bias, instance)
     else:
-        seed = 0 if dropout_seed is None else int(dropout_seed.item()) % SEED_LIMIT
-        dq, dk, dv, dbias, failed = plan.run(dout, q, k, v, out, lse, bias, alibi_slopes,
-                                             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                                             max_seqlen_q, max_seqlen_k, seed, dropout_offset,
-                                             instance)
+        seed = 0 if ops.dropout_seed is None else int(ops.dropout_seed.item()) % SEED_LIMIT
+        dq, dk, dv, dbias, failed = plan.run(
+            dout, ops.q, ops.k, ops.v, out, lse, ops.bias, ops.alibi_slopes, ops.cu_seqlens_q,
+            ops.cu_seqlens_k, ops.seqused_q, ops.seqused_k, ops.max_seqlen_q, ops.max_seqlen_k,
+            seed, ops.dropout_offset, instance)
         if failed is not None:
-            _raise_for_bwd_plan(failed, dout, q, k, v, out)
-    return dq, dk, dv, dbias if dbias is not None else q.new_empty((0,))
+            _raise_for_bwd_plan(failed, dout, ops.q, ops.k, ops.v, out)
+    return dq, dk, dv, dbias if dbias is not None else ops.q.new_empty((0,))
 
 
 # Plans of the op's calls, by the op's arguments (fmha._plans.bwd_op_key).
@@ -208,14 +186,12 @@ def _raise_for_bwd_plan(failed: tuple, dout, q, k, v, out) -> None:
     _raise_for(*failed)
 
 
-def _bwd_fake(dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-              seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align,
-              window_left, window_right, softcap, dropout_p, dropout_seed, dropout_offset,
-              deterministic, return_dbias, instance):
-    dbias = q.new_empty(bias.shape if return_dbias and bias is not None else (0,))
-    group = cu_seqlens_q is not None
-    return (_plans.grad_like(q, group), _plans.grad_like(k, group), _plans.grad_like(v, group),
-            dbias)
+def _bwd_fake(*arguments):
+    ops, return_dbias = _forward_call(arguments), arguments[-2]
+    q, group = ops.q, ops.cu_seqlens_q is not None
+    dbias = q.new_empty(ops.bias.shape if return_dbias and ops.bias is not None else (0,))
+    return (_plans.grad_like(q, group), _plans.grad_like(ops.k, group),
+            _plans.grad_like(ops.v, group), dbias)
 
 
 def _bwd_backward(ctx, *grads):
@@ -245,40 +221,39 @@ def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
     return t if readable else t.clone(memory_format=torch.contiguous_format)
 
 
+# The tensors of a forward call's record, which its autograd context saves as tensors (the
+# dropout seed among them: the one an unseeded call drew).
+_TENSOR_OPERANDS = tuple(name for name, kind in _Operands.__annotations__.items()
+                         if kind in (torch.Tensor, Optional[torch.Tensor]))
+
+
 def _fwd_setup_context(ctx, inputs, output):
-    (q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-     max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align, window_left, window_right,
-     softcap, dropout_p, dropout_seed, dropout_offset, return_lse, instance) = inputs
+    ops = _Operands(*inputs[:-1])
     out, lse = output
     ctx.mark_non_differentiable(lse)  # the backward takes no gradient of the log-sum-exp
-    # The seed tensor the forward ran with: the one an unseeded call drew.
-    ctx.save_for_backward(q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                          seqused_q, seqused_k, dropout_seed)
-    ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, mask, mask_align, window_left,
-                   window_right, softcap, dropout_p)
-    ctx.dropout_offset = dropout_offset
-    ctx.has_lse = return_lse
+    ctx.save_for_backward(out, lse, *(getattr(ops, name) for name in _TENSOR_OPERANDS))
+    ctx.ops = ops._replace(**dict.fromkeys(_TENSOR_OPERANDS))
 
 
 def _fwd_backward(ctx, dout, _dlse):
-    if not ctx.has_lse:
+    out, lse, *tensors = ctx.saved_tensors
+    ops = ctx.ops._replace(**dict(zip(_TENSOR_OPERANDS, tensors)))
+    if not ops.return_lse:
         raise RuntimeError(
             "fmha::fwd ran with return_lse=False, so its backward has no log-sum-exp to read; "
             "call fmha.fwd, which asks for it whenever autograd records the call, or pass "
             "return_lse=True to the op")
-    (q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-     dropout_seed) = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    return_dbias = bias is not None and needs[3]
-    if v_layout(v)[0] != _C.VLAYOUT_ROW_MAJOR:
-        v = v.contiguous()  # the backward takes row-major V only; dv has v's shape either way
+    return_dbias = ops.bias is not None and needs[3]
+    if v_layout(ops.v)[0] != _C.VLAYOUT_ROW_MAJOR:
+        # The backward takes row-major V only; dv has v's shape either way.
+        ops = ops._replace(v=ops.v.contiguous())
     dq, dk, dv, dbias = _bwd_op(
-        _kernel_layout(dout), q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-        seqused_q, seqused_k, *ctx.options, dropout_seed, ctx.dropout_offset,
-        torch.are_deterministic_algorithms_enabled(), return_dbias, None)
-    # One gradient per input of fmha::fwd: q, k, v, bias, then 18 that have none.
+        _kernel_layout(dout), out, lse, *ops[:-1], torch.are_deterministic_algorithms_enabled(),
+        return_dbias, None)
+    # One gradient per argument of fmha::fwd: q, k, v and bias have one, the others none.
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
-            dbias if return_dbias else None) + (None,) * 18
+            dbias if return_dbias else None) + (None,) * (len(_api.FWD_ARGUMENTS) - 4)
 
 
 torch.library.register_autograd("fmha::fwd", _fwd_backward, setup_context=_fwd_setup_context,
@@ -444,13 +419,8 @@ def bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, *, window_siz
         dq, dk, dv, dbias = _bwd_first_call(_BWD_PLANS, key, ops, dout, out, lse, deterministic,
                                             return_dbias, given, instance)
     else:
-        dq, dk, dv, dbias = _bwd_op(dout, q, k, v, out, lse, ops.bias, ops.alibi_slopes,
-                                    ops.cu_seqlens_q, ops.cu_seqlens_k, ops.seqused_q,
-                                    ops.seqused_k, ops.max_seqlen_q, ops.max_seqlen_k,
-                                    ops.softmax_scale, ops.mask, ops.mask_align, ops.window_left,
-                                    ops.window_right, ops.softcap, ops.dropout_p,
-                                    ops.dropout_seed, ops.dropout_offset, deterministic,
-                                    return_dbias, instance)
+        dq, dk, dv, dbias = _bwd_op(dout, out, lse, *ops[:-1], deterministic, return_dbias,
+                                    instance)
     return (dq, dk, dv, dbias.sum_to_size(given.shape)) if return_dbias else (dq, dk, dv)
 
 

@@ -228,16 +228,20 @@ def _layout(t: Optional[torch.Tensor]):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
 
 
-def op_key(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-           dropout_seed, max_seqlen_q, max_seqlen_k, *options) -> tuple:
-    """The signature of a call of the op fmha::fwd: the op gets operands that fwd's checks (or
-    torch.compile's trace of them) already made final, so only their layouts and the values of
-    its other arguments (`options`) decide its FwdArgs; the dropout seed's and offset's values
-    are the call's own, and in varlen the token counts and longest lengths too (is_varlen)."""
-    varlen = is_varlen(cu_seqlens_q, bias)
-    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k), _layout(bias),
-            _layout(alibi_slopes), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
-            _layout(seqused_q), _layout(seqused_k), dropout_seed is None, options)
+def op_key(ops, *flags) -> tuple:
+    """The signature of a call of the op fmha::fwd (`ops`, fmha._api._Operands, and the op's
+    further arguments, `flags`), or of fmha::bwd's forward part: the op gets operands that
+    fwd's checks (or torch.compile's trace of them) already made final, so only their layouts
+    and the values of its other arguments decide its FwdArgs; the dropout seed's and offset's
+    values are the call's own, and in varlen the token counts and longest lengths too
+    (is_varlen)."""
+    varlen = is_varlen(ops.cu_seqlens_q, ops.bias)
+    return (_sizes_key(ops.q, ops.k, ops.v, varlen, ops.max_seqlen_q, ops.max_seqlen_k),
+            _layout(ops.bias), _layout(ops.alibi_slopes), _layout(ops.cu_seqlens_q),
+            _layout(ops.cu_seqlens_k), _layout(ops.seqused_q), _layout(ops.seqused_k),
+            ops.dropout_seed is None, ops.softmax_scale, ops.mask, ops.mask_align,
+            ops.window_left, ops.window_right, ops.softcap, ops.dropout_p, ops.return_lse,
+            flags)
 
 
 def reusable(ops, bias, attn_mask, alibi_slopes) -> bool:
@@ -420,17 +424,11 @@ def _lse_layout(lse: torch.Tensor) -> tuple:
     return (lse.shape[:-1], lse.stride(-1), lse.shape[-1] > 1, lse.dtype, lse.get_device())
 
 
-def bwd_op_key(dout, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-               seqused_q, seqused_k, dropout_seed, max_seqlen_q, max_seqlen_k,
-               *options) -> tuple:
-    """The signature of a call of the op fmha::bwd, as op_key is fmha::fwd's: its operands'
-    layouts (in varlen without token counts) and its other arguments' values (`options`); the
-    dropout seed's and offset's values are the call's own."""
-    varlen = is_varlen(cu_seqlens_q, bias)
-    return (_sizes_key(q, k, v, varlen, max_seqlen_q, max_seqlen_k),
-            _grads_layout(dout, out, lse, varlen), _layout(bias),
-            _layout(alibi_slopes), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
-            _layout(seqused_q), _layout(seqused_k), dropout_seed is None, options)
+def bwd_op_key(dout, out, lse, ops, *flags) -> tuple:
+    """The signature of a call of the op fmha::bwd: op_key of its forward part (`ops`) and its
+    flags, and the layouts of dout, out and lse (in varlen without token counts)."""
+    return (op_key(ops, *flags),
+            _grads_layout(dout, out, lse, is_varlen(ops.cu_seqlens_q, ops.bias)))
 
 
 def bwd_call_key(dout, q, k, v, out, lse, causal, softmax_scale, window_size, mask_align, bias,
