@@ -21,7 +21,10 @@ forward and backward together at 3.5x: every backend through torch.autograd.grad
 through fmha.fwd's autograd formula, SDPA's through the backward its forward's autograd node
 runs), on the same grid. --deterministic adds fmha.bwd's deterministic mode, called directly
 (column fmha_det, and det/fmha its share of the default mode's speed). Under the tables: the
-peak memory of one forward+backward of each backend on one shape of the grid.
+peak memory of one forward+backward of each backend on one shape of the grid. Then the same
+grid as a training loop meets it (bench/training.py): L2 flushed before each call, inputs
+rotated, backward into the leaves' .grad, the leaves held (b, h, s, d) and (b, s, h, d), host
+time included, with the host's microseconds per call (--no-loop leaves these tables out).
 
 --host times what a call costs the host instead (bench/host.py): the forward without and with
 grad, a training call and a compiled one, for fmha (both leaf layouts) and SDPA's backends.
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
-from bench import decode, generate, host, prefill
+from bench import decode, generate, host, prefill, training
 from fmha.timing import graph_median_ms, host_us, interleaved_medians
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -87,6 +90,8 @@ def parse_args(argv):
     p.add_argument("--bwd", action="store_true",
                    help="time the backward pass (2.5x the forward's FLOPs) and forward+backward "
                         "(3.5x) instead of the forward, on the same grid")
+    p.add_argument("--no-loop", action="store_true",
+                   help="with --bwd: only the kernel-only tables, not the training-loop ones")
     p.add_argument("--deterministic", action="store_true",
                    help="with --bwd: also time fmha.bwd(deterministic=True) (column fmha_det)")
     p.add_argument("--graph", action="store_true",
@@ -255,9 +260,10 @@ def sdpa_backward_calls(bwd, both, qt, kt, vt, causal):
 
 
 def run_backward_case(dtype, d, s, causal, args):
-    """The backward pass and forward+backward of one grid case: two rows, TFLOP/s at
-    FlashAttention's convention of 2.5x (3.5x) the forward's FLOPs, every backend timed in
-    turns with the others (interleaved_medians)."""
+    """The backward pass and forward+backward of one grid case: two kernel-only rows, TFLOP/s
+    at FlashAttention's convention of 2.5x (3.5x) the forward's FLOPs, every backend timed in
+    turns with the others (interleaved_medians), and the training loop's rows
+    (bench/training.py)."""
     d_qk, d_v = head_dims(d)
     b, h = max(1, args.tokens // s), args.hidden // d_qk
     flops = 2 * b * h * s * s * (d_qk + d_v) / (2 if causal else 1)
@@ -274,7 +280,11 @@ def run_backward_case(dtype, d, s, causal, args):
                                (both, {**steps, **sdpa_steps}, 3.5)):
         medians = interleaved_medians(calls, args.warmup_ms, args.repeat_ms, args.rounds)
         row.update({name: factor * flops / ms * 1e-9 for name, ms in medians.items()})
-    return bwd, both
+    del grads, steps, sdpa_grads, sdpa_steps, q, k, v, qt, kt, vt
+    loop = [] if args.no_loop else training.run_case(
+        key, flops, (b, s, h, d_qk, d_v), dtype, causal,
+        {name: SDPA_BACKENDS[name] for name in GRID_BACKENDS}, args)
+    return bwd, both, loop
 
 
 def peak_mib(step) -> float:
@@ -418,6 +428,8 @@ def format_table(rows, first):
         cols += ["fmha_graph", "vs_graph"]
     if any("fmha_det" in r for r in rows):
         cols += ["fmha_det", "det/fmha"]
+    cols += [c for c in ("fmha_host_us", "sdpa_flash_host_us", "cudnn_host_us")
+             if any(c in r for r in rows)]
     lines = [" ".join(f"{c:>14}" for c in cols)]
     for r in rows:
         cells = []
@@ -437,7 +449,8 @@ def format_table(rows, first):
 
 # The columns that name a row, per table: the grid's (dtype hdim causal seqlen) and the
 # feature rows' (dtype hdim feature).
-KEYS = {"case": ("dtype", "hdim", "causal", "seqlen"), "feature": ("dtype", "hdim", "feature")}
+KEYS = {"case": ("dtype", "hdim", "causal", "seqlen"), "feature": ("dtype", "hdim", "feature"),
+        "loop case": ("dtype", "hdim", "causal", "seqlen", "layout")}
 
 
 def main(argv=None):
@@ -486,28 +499,36 @@ def main(argv=None):
 
 def main_backward(args, causal_values):
     """python -m bench --bwd: the backward grid and the forward+backward grid."""
-    bwd_rows, both_rows = [], []
+    bwd_rows, both_rows, loop_rows = [], [], []
     for dt in args.dtypes:
         for d in args.hdims:
             for causal in causal_values:
                 for s in args.seqlens:
-                    bwd, both = run_backward_case(DTYPES[dt], d, s, causal, args)
+                    bwd, both, loop = run_backward_case(DTYPES[dt], d, s, causal, args)
                     bwd_rows.append(bwd)
                     both_rows.append(both)
-                    print(json.dumps({"bwd": bwd, "fwd_bwd": both}), file=sys.stderr, flush=True)
+                    loop_rows += loop
+                    print(json.dumps({"bwd": bwd, "fwd_bwd": both, "loop": loop}),
+                          file=sys.stderr, flush=True)
     memory = measure_backward_memory(args)
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version(), "targets": fmha.compiled_targets(),
             "peak_memory_mib": memory}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"info": info, "bwd_rows": bwd_rows, "fwd_bwd_rows": both_rows}, f,
-                      indent=1)
+            json.dump({"info": info, "bwd_rows": bwd_rows, "fwd_bwd_rows": both_rows,
+                       "loop_rows": loop_rows}, f, indent=1)
     print(f"{info['gpu']}, torch {info['torch']}, cuDNN {info['cudnn']}; TFLOP/s, medians")
-    print("backward (2.5x the forward's FLOPs):")
+    print("backward (2.5x the forward's FLOPs), kernel-only:")
     print(format_table(bwd_rows, "case"))
-    print("forward + backward (3.5x):")
+    print("forward + backward (3.5x), kernel-only:")
     print(format_table(both_rows, "case"))
+    for kind, title in (("bwd", "backward"), ("fwd_bwd", "forward + backward")):
+        rows = [r for r in loop_rows if r["kind"] == kind]
+        if rows:
+            print(f"{title}, training loop (L2 flushed, inputs rotated, host time included; "
+                  "bench/training.py), host us per call last:")
+            print(format_table(rows, "loop case"))
     for error in sorted({r["fmha_error"] for r in bwd_rows if r.get("fmha_error")}):
         print(f"fmha: {error}")
     shape = memory.pop("shape")

@@ -18,6 +18,7 @@ import itertools
 import math
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -31,22 +32,30 @@ def median_ms(fn, warmup_ms: float = 100.0, repeat_ms: float = 200.0,
 
 
 def interleaved_medians(fns: dict, warmup_ms: float = 100.0, repeat_ms: float = 200.0,
-                        rounds: int = 3, min_calls: int = 10) -> dict:
+                        rounds: int = 3, min_calls: int = 10, before=None,
+                        host_us: Optional[dict] = None) -> dict:
     """Median milliseconds of each `fns[name]()`'s GPU work, timed as median_ms does but in
     `rounds` rounds that take the functions in turn: in each round a function runs untimed
     for `warmup_ms`, then timed for `repeat_ms / rounds`. Each round samples the GPU's power
     state at another moment, so one clamp of the clock falls on one round of one function, not
     on its whole number. The warm-up before every timed stretch is what lets the clock settle
     after the previous function: on an H100 at its 700 W cap, the first bf16 d128 backward
-    call (11 ms) after cuDNN's backward ran 23% slow, and the clock took 50-90 ms to recover."""
+    call (11 ms) after cuDNN's backward ran 23% slow, and the clock took 50-90 ms to recover.
+    `before` and `host_us` as in event_times_ms, `host_us` a dict that gets each function's
+    median host microseconds per timed call."""
     estimates = {name: _estimate_ms(fn) for name, fn in fns.items()}
     times = {name: [] for name in fns}
+    host = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             for _ in range(int(warmup_ms / estimates[name])):
+                if before is not None:
+                    before()
                 fn()
             calls = max(-(-min_calls // rounds), int(repeat_ms / rounds / estimates[name]))
-            times[name] += event_times_ms(fn, calls)
+            times[name] += event_times_ms(fn, calls, before, host[name])
+    if host_us is not None:
+        host_us.update({name: statistics.median(us) for name, us in host.items()})
     return {name: statistics.median(ms) for name, ms in times.items()}
 
 
@@ -61,14 +70,21 @@ def _estimate_ms(fn) -> float:
     return max((time.perf_counter() - begin) * 1e3, 1e-3)
 
 
-def event_times_ms(fn, calls: int) -> list:
-    """GPU milliseconds of `calls` back-to-back `fn()` calls, each between two CUDA events."""
+def event_times_ms(fn, calls: int, before=None, host_us: Optional[list] = None) -> list:
+    """GPU milliseconds of `calls` back-to-back `fn()` calls, each between two CUDA events.
+    `before()`, if given, runs ahead of each call outside its events (an L2 flush); the list
+    `host_us`, if given, gets each call's host microseconds."""
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(calls)]
     torch.cuda.synchronize()
     for start, stop in events:
+        if before is not None:
+            before()
         start.record()
+        begin = time.perf_counter()
         fn()
+        if host_us is not None:
+            host_us.append((time.perf_counter() - begin) * 1e6)
         stop.record()
     torch.cuda.synchronize()
     return [start.elapsed_time(stop) for start, stop in events]
@@ -99,6 +115,14 @@ def copies_beyond_l2(nbytes: int, l2_multiple: int = 4) -> int:
     each layer's own KV cache once."""
     l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     return max(1, math.ceil(l2_multiple * l2_bytes / nbytes))
+
+
+def l2_flush(l2_multiple: int = 2):
+    """A call that evicts the GPU's L2 by writing `l2_multiple` times its size, as the layers a
+    training step runs between two attention calls do (Triton's do_bench writes 256 MB)."""
+    l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    buffer = torch.empty(l2_multiple * l2_bytes, dtype=torch.uint8, device="cuda")
+    return buffer.zero_
 
 
 def rotating(calls: list):
