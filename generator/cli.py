@@ -17,7 +17,7 @@ from .errors import GeneratorError
 from .explain import PROBLEM_HELP, explain, parse_problem
 from .model import Instance
 from .output import sync
-from .render import instance_record, json_text, manifest_sources, render
+from .render import instance_record, json_text, manifest_sources, render, render_loadable
 from .schema import ARCH, Arch
 from .selection import (GRAMMAR, Selection, parse_shard, parse_targets, select,
                         select_each_preset)
@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the selected instances as a JSON array in dispatch order "
                              "(`tu` is relative to --out), or with --presets the counts; write "
                              "nothing")
+    parser.add_argument("--loadable", action="store_true",
+                        help="render the selection as a shared object that a built libfmha "
+                             "loads at run time (fmha::load_instances): its TUs, "
+                             "loadable_table.cpp and manifest.json, no dispatch table or "
+                             "instances.cmake (compile on demand does this for one instance)")
     parser.add_argument("-q", "--quiet", action="store_true", help="omit the summary line")
     return parser
 
@@ -86,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--json goes alone or with --presets")
     if args.shard is not None and (args.presets or args.explain is not None):
         parser.error("--shard applies to rendering, --list and --json")
+    if args.loadable and (args.shard is not None or args.presets or args.list or args.json
+                          or args.explain is not None):
+        parser.error("--loadable renders: it goes without --shard, --list, --json, --presets "
+                     "and --explain")
     try:
         _run(args)
     except GeneratorError as err:
@@ -132,7 +141,8 @@ def _run(args: argparse.Namespace) -> None:
         raise GeneratorError(f"{args.out.as_posix()} holds the working directory, and a run "
                              f"replaces its output directory as a whole: give it one of its own",
                              "--out")
-    files = render(selection, source=args.config.name, shard=shard)
+    files = (render_loadable(selection, source=args.config.name) if args.loadable else
+             render(selection, source=args.config.name, shard=shard))
     report = sync(args.out, files, owned=manifest_sources)
     if not args.quiet:
         part = f"; shard {shard}:" if shard else ","

@@ -63,9 +63,7 @@ def render(selection: Selection, source: str, shard: Shard | None = None) -> dic
     With a shard, only its TUs are rendered and listed in instances.cmake, while
     dispatch_table.cpp and the manifest still describe the whole selection: the objects that N
     shard jobs build then link against one and the same table."""
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                             trim_blocks=True, lstrip_blocks=True, autoescape=False)
+    env = _environment()
     built = shard.take(selection.instances) if shard else selection.instances
     files = {}
     for instance in built:
@@ -107,6 +105,30 @@ def render(selection: Selection, source: str, shard: Shard | None = None) -> dic
         "instances": [instance_record(i) for i in selection.instances],
     })
     return files
+
+
+def render_loadable(selection: Selection, source: str) -> dict[str, str]:
+    """The files of a shared object of the selection's instances that a build of libfmha loads
+    at run time (fmha::load_instances; compile on demand): one TU per instance, as render()
+    writes them, and loadable_table.cpp, their rows as the dispatch table would hold them and
+    the function that hands them over. The loading library orders them among its own."""
+    env = _environment()
+    files = {tu_name(instance): env.get_template(operation_of(instance).template).render(
+        source=source, **_instance_fields(operation_of(instance), instance))
+        for instance in selection.instances}
+    files["loadable_table.cpp"] = env.get_template("loadable_table.cpp.j2").render(
+        source=source, operations=[_table(op, selection) for op in OPERATIONS.values()])
+    files[MANIFEST] = json_text({
+        "targets": [arch.token for arch in selection.targets], "shard": None, "loadable": True,
+        "instances": [instance_record(i) for i in selection.instances],
+    })
+    return files
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                              trim_blocks=True, lstrip_blocks=True, autoescape=False)
 
 
 def manifest_sources(out_dir: Path) -> set[str]:

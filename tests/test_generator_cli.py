@@ -128,7 +128,8 @@ def test_quiet(run_cli, tmp_path):
     ["--targets", "sm75"], ["--list", "--json"], ["--shard", "0/2"], ["--shard", "3/2"],
     ["--shard", "two"], ["--presets", "--shard", "1/2"], ["--explain", "dtype=fp16,hdim=64",
                                                           "--json"],
-    ["--explain", "hdim=64"], ["--list", "--presets"],
+    ["--explain", "hdim=64"], ["--list", "--presets"], ["--loadable", "--list"],
+    ["--loadable", "--shard", "1/2"],
     # Numbers that int() rejects ('²' is a digit to str.isdigit()) or that are too long for it.
     ["--shard", "1/" + "9" * 5000], ["--explain", "dtype=fp16,hdim=64,seqlen_q=²"],
     ["--explain", "dtype=fp16,hdim=" + "6" * 5000], ["--filter", "hdim_q=²"],

@@ -24,6 +24,9 @@ from generator.selection import parse_shard, parse_targets, select
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CUDA_INCLUDE = Path("/usr/local/cuda/include")
+# libfmha's host sources that the driver programs below link with a rendered dispatch table.
+RUNTIME_SOURCES = tuple(str(REPO_ROOT / "runtime/src" / name)
+                        for name in ("dispatcher.cpp", "api.cpp", "instance_tables.cpp"))
 
 
 @pytest.fixture
@@ -586,7 +589,7 @@ def test_runtime_explain_says_why_fa3_did_not_run(tmp_path):
         ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-o", str(program),
          "-I", str(REPO_ROOT / "runtime/include"), "-I", str(REPO_ROOT / "runtime/src"),
          "-I", str(CUDA_INCLUDE), str(tmp_path / "driver.cpp"),
-         str(REPO_ROOT / "runtime/src/dispatcher.cpp"), str(REPO_ROOT / "runtime/src/api.cpp"),
+         *RUNTIME_SOURCES,
          str(tmp_path / "dispatch_table.cpp"), f"-L{CUDA_LIB}", f"-Wl,-rpath,{CUDA_LIB}",
          "-lcudart"], capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stderr
@@ -945,7 +948,7 @@ def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
         ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-o", str(program),
          "-I", str(REPO_ROOT / "runtime/include"), "-I", str(REPO_ROOT / "runtime/src"),
          "-I", str(CUDA_INCLUDE), str(tmp_path / "driver.cpp"),
-         str(REPO_ROOT / "runtime/src/dispatcher.cpp"), str(REPO_ROOT / "runtime/src/api.cpp"),
+         *RUNTIME_SOURCES,
          str(tmp_path / "dispatch_table.cpp"), f"-L{CUDA_LIB}", f"-Wl,-rpath,{CUDA_LIB}",
          "-lcudart"], capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stderr

@@ -664,6 +664,13 @@ PYBIND11_MODULE(_C, m) {
     return out;
   }, "Every compiled instance, in the dispatcher's order of preference.");
   m.def("compiled_targets", &fmha::compiled_targets, "GPU targets this library holds code for.");
+  m.def("load_instances", [](const std::string& path) {
+    int added = 0;
+    const fmha::Status st = fmha::load_instances(path, &added);
+    return py::make_tuple(static_cast<int>(st.code), st.message, added);
+  }, py::arg("path"),
+        "Load a shared object of instances compiled on demand into the dispatcher; returns "
+        "(status code, message, instances added).");
 
   bind_bwd_args(m);
   m.def("bwd", &bwd, py::arg("args"), py::arg("stream"), py::arg("instance") = py::none(),

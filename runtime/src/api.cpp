@@ -13,6 +13,7 @@
 
 #include "dispatcher.h"
 #include "fmha/fmha.h"
+#include "instance_tables.h"
 #include "fmha/registry.h"
 
 namespace fmha {
@@ -110,17 +111,11 @@ Status check_causal_grid(const FwdArgs& a, int block_m, const std::string& whose
   return invalid(s.str());
 }
 
-// The largest query tile of the compiled instances: the fewest CTAs any of them launches.
-// Computed once; the table is fixed at build time.
+// The largest query tile of the instances: the fewest CTAs any of them launches.
 int largest_block_m() {
-  static const int largest = [] {
-    int block_m = 0;
-    for (int i = 0; i < detail::kNumInstances; ++i) {
-      block_m = std::max(block_m, detail::kInstances[i].block_m);
-    }
-    return block_m;
-  }();
-  return largest;
+  int block_m = 0;
+  for (const auto& e : detail::fwd_entries()) block_m = std::max(block_m, e.block_m);
+  return block_m;
 }
 
 Status check_non_negative(std::initializer_list<Stride> strides) {
@@ -704,10 +699,10 @@ Status explain_checked(const Status& checked, const Args& args, int requested_cc
 
 // An operation's table as its public rows, in the dispatcher's order.
 template <class Info, class Entry>
-std::vector<Info> infos(const Entry* entries, int count) {
+std::vector<Info> infos(detail::EntryList<Entry> entries) {
   std::vector<Info> out;
-  out.reserve(count);
-  for (int i = 0; i < count; ++i) out.push_back(detail::to_info(entries[i]));
+  out.reserve(entries.size);
+  for (const Entry& e : entries) out.push_back(detail::to_info(e));
   return out;
 }
 
@@ -763,7 +758,7 @@ Status fwd_instance(const std::string& instance, const FwdArgs& args, Stream str
 }
 
 std::vector<InstanceInfo> instances() {
-  return infos<InstanceInfo>(detail::kInstances, detail::kNumInstances);
+  return infos<InstanceInfo>(detail::fwd_entries());
 }
 
 BwdTraits BwdArgs::traits() const {
@@ -838,7 +833,7 @@ Status explain(const BwdArgs& args, int cc, std::string* explanation) {
 }
 
 std::vector<BwdInstanceInfo> bwd_instances() {
-  return infos<BwdInstanceInfo>(detail::kBwdInstances, detail::kNumBwdInstances);
+  return infos<BwdInstanceInfo>(detail::bwd_entries());
 }
 
 KvcacheTraits KvcacheArgs::traits() const {
@@ -912,7 +907,7 @@ Status explain(const KvcacheArgs& args, int cc, std::string* explanation) {
 }
 
 std::vector<KvcacheInstanceInfo> kvcache_instances() {
-  return infos<KvcacheInstanceInfo>(detail::kKvcacheInstances, detail::kNumKvcacheInstances);
+  return infos<KvcacheInstanceInfo>(detail::kvcache_entries());
 }
 
 std::vector<std::string> compiled_targets() {

@@ -1,5 +1,7 @@
 #include "dispatcher.h"
 
+#include "instance_tables.h"
+
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -62,8 +64,7 @@ struct FwdTable {
   static const char* entry_point() { return "fmha::fwd"; }
   static const char* problem() { return "Problem"; }
   static int padded_hdim_step() { return kPaddedHeadDimStep; }
-  static const Entry* entries() { return kInstances; }
-  static int count() { return kNumInstances; }
+  static EntryList<Entry> list() { return fwd_entries(); }
   static const Gap* gaps() { return kPipelineGaps; }
   static int gap_count() { return kNumPipelineGaps; }
 };
@@ -75,8 +76,7 @@ struct BwdTable {
   static const char* entry_point() { return "fmha::bwd"; }
   static const char* problem() { return "Backward problem"; }
   static int padded_hdim_step() { return kBwdPaddedHeadDimStep; }
-  static const Entry* entries() { return kBwdInstances; }
-  static int count() { return kNumBwdInstances; }
+  static EntryList<Entry> list() { return bwd_entries(); }
   static const Gap* gaps() { return kBwdPipelineGaps; }
   static int gap_count() { return kNumBwdPipelineGaps; }
 };
@@ -88,8 +88,7 @@ struct KvcacheTable {
   static const char* entry_point() { return "fmha::fwd_kvcache"; }
   static const char* problem() { return "KV-cache problem"; }
   static int padded_hdim_step() { return kKvcachePaddedHeadDimStep; }
-  static const Entry* entries() { return kKvcacheInstances; }
-  static int count() { return kNumKvcacheInstances; }
+  static EntryList<Entry> list() { return kvcache_entries(); }
   static const Gap* gaps() { return kKvcachePipelineGaps; }
   static int gap_count() { return kNumKvcachePipelineGaps; }
 };
@@ -410,8 +409,7 @@ template <class Table>
 bool needs_padded_lengths(const FwdArgs& f, int hdim_q, int hdim_v) {
   if (f.mode != Mode::kBatch || f.seqused_q != nullptr || f.seqused_k != nullptr) return true;
   bool tile_known = false, tile_fits = false;
-  for (int i = 0; i < Table::count(); ++i) {
-    const auto& e = Table::entries()[i];
+  for (const auto& e : Table::list()) {
     if (e.traits.hdim_q != hdim_q || e.traits.hdim_v != hdim_v) continue;
     tile_known = true;
     tile_fits = tile_fits || (f.seqlen_q % e.block_m == 0 && f.seqlen_k % e.block_n == 0);
@@ -438,8 +436,8 @@ Suggestion suggest(const Args& a, int cc) {
   const auto w = a.traits();
   int hdim_q = w.hdim_q, hdim_v = w.hdim_v;
   bool exact_compiled = false, covered = false;
-  for (int i = 0; i < Table::count(); ++i) {
-    const auto& t = Table::entries()[i].traits;
+  for (const auto& e : Table::list()) {
+    const auto& t = e.traits;
     if (t.hdim_q == w.hdim_q && t.hdim_v == w.hdim_v) exact_compiled = true;
     const bool covers = t.hdim_q >= w.hdim_q && t.hdim_v >= w.hdim_v;
     if (covers && (!covered || t.hdim_q + t.hdim_v < hdim_q + hdim_v)) {
@@ -517,7 +515,7 @@ std::vector<const Entry*> nearest(const Args& a, int cc, size_t count) {
                            -hdim_distance);
   };
   std::vector<const Entry*> entries;
-  for (int i = 0; i < Table::count(); ++i) entries.push_back(&Table::entries()[i]);
+  for (const Entry& e : Table::list()) entries.push_back(&e);
   std::stable_sort(entries.begin(), entries.end(), [&](auto* x, auto* y) {
     return closeness(*x) > closeness(*y);
   });
@@ -552,7 +550,7 @@ std::string miss_message(const Args& a, int cc, Stage furthest) {
     s << sep << e->name << " (" << reason(fit(*e, a, w, cc), *e, a, w, cc) << ")";
     sep = "; ";
   }
-  if (Table::count() == 0) s << " none";
+  if (Table::list().size == 0) s << " none";
   // The `all` preset: the filter alone says what to build, whatever the default preset omits.
   const Suggestion build = suggest(a, cc);
   if (const TargetInfo* target = target_for(cc)) {
@@ -701,10 +699,10 @@ Status select_in_table(const Args& args, int cc, const Entry** chosen) {
   using Table = typename TableOf<Args>::type;
   const auto wanted = args.traits();
   Stage furthest = Stage::kTraits;
-  for (int i = 0; i < Table::count(); ++i) {
-    const Stage stage = fit(Table::entries()[i], args, wanted, cc);
+  for (const Entry& e : Table::list()) {
+    const Stage stage = fit(e, args, wanted, cc);
     if (stage == Stage::kRuns) {
-      *chosen = &Table::entries()[i];
+      *chosen = &e;
       return Status::Ok();
     }
     furthest = std::max(furthest, stage);
@@ -715,8 +713,7 @@ Status select_in_table(const Args& args, int cc, const Entry** chosen) {
 template <class Args, class Entry>
 Status find_in_table(const std::string& name, const Args& args, int cc, const Entry** chosen) {
   using Table = typename TableOf<Args>::type;
-  for (int i = 0; i < Table::count(); ++i) {
-    const Entry& e = Table::entries()[i];
+  for (const Entry& e : Table::list()) {
     if (name != e.name) continue;
     const auto wanted = args.traits();
     const Stage stage = fit(e, args, wanted, cc);
@@ -740,8 +737,7 @@ std::string explain_in_table(const Args& args, int cc) {
   const auto wanted = args.traits();
   std::vector<const Entry*> runs, near_misses;
   Stage furthest = Stage::kTraits;
-  for (int i = 0; i < Table::count(); ++i) {
-    const Entry& e = Table::entries()[i];
+  for (const Entry& e : Table::list()) {
     const Stage stage = fit(e, args, wanted, cc);
     if (stage == Stage::kRuns) runs.push_back(&e);
     if (stage == Stage::kArch || stage == Stage::kLengths) near_misses.push_back(&e);

@@ -395,8 +395,18 @@ FMHA_API Status explain(const BwdArgs& args, int cc, std::string* explanation);
 // Every compiled backward instance, in the dispatcher's order of preference.
 FMHA_API std::vector<BwdInstanceInfo> bwd_instances();
 
-// Every instance compiled into this library, in the dispatcher's order of preference.
+// Every instance compiled into this library or loaded (load_instances), in the dispatcher's
+// order of preference.
 FMHA_API std::vector<InstanceInfo> instances();
+
+// Loads a shared object of instances compiled on demand (the Python package's fmha.jit makes
+// them) and adds its instances to the dispatcher, each at the place the generator's order of
+// preference gives it: where a build with every instance would have put it, so it never
+// shadows a better compiled-in instance. The object stays loaded for the life of the process;
+// loading it again adds nothing. *added, if given, gets how many instances were new.
+// kInvalidArgument when the file cannot be loaded or was compiled against another layout of
+// the instance tables; the message says which.
+FMHA_API Status load_instances(const std::string& path, int* added = nullptr);
 
 // The GPU architectures this library holds machine code for, e.g. {"sm80", "sm90a"}.
 FMHA_API std::vector<std::string> compiled_targets();

@@ -172,4 +172,23 @@ struct KvcachePipelineGap {
 extern const KvcachePipelineGap* const kKvcachePipelineGaps;
 extern const int kNumKvcachePipelineGaps;
 
+// What a shared object of instances compiled on demand holds (fmha::load_instances): its
+// entries per operation, returned by the function it exports as kLoadableSymbol. `abi` is the
+// kRegistryAbi it was compiled against: the entries' layout above, which a library of another
+// layout must not read. Raise kRegistryAbi with any change to the entry structs or to the
+// argument structs of fmha/fmha.h that the launch functions take.
+inline constexpr int kRegistryAbi = 1;
+inline constexpr const char* kLoadableSymbol = "fmha_loadable_instances";
+
+struct LoadableInstances {
+  int abi;
+  const InstanceEntry* fwd;
+  int num_fwd;
+  const BwdInstanceEntry* bwd;
+  int num_bwd;
+  const KvcacheInstanceEntry* kvcache;
+  int num_kvcache;
+};
+using LoadableFn = const LoadableInstances* (*)();
+
 }  // namespace fmha::detail
