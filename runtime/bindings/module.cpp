@@ -719,4 +719,18 @@ PYBIND11_MODULE(_C, m) {
     for (const auto& i : fmha::kvcache_instances()) out.append(kvcache_info_dict(i));
     return out;
   }, "Every compiled KV-cache instance, in the dispatcher's order of preference.");
+
+  // Compile on demand (fmha.jit): what to build for a miss.
+  auto recipe = [](const fmha::InstanceRecipe& r) { return py::make_tuple(r.filter, r.target); };
+  m.def("instance_recipe", [recipe](const fmha::FwdArgs& a, int cc) {
+    return recipe(fmha::instance_recipe(a, cc));
+  }, py::arg("args"), py::arg("cc"));
+  m.def("instance_recipe", [recipe](const fmha::BwdArgs& a, int cc) {
+    return recipe(fmha::instance_recipe(a, cc));
+  }, py::arg("args"), py::arg("cc"));
+  m.def("instance_recipe", [recipe](const fmha::KvcacheArgs& a, int cc) {
+    return recipe(fmha::instance_recipe(a, cc));
+  }, py::arg("args"), py::arg("cc"),
+        "(generator --filter, target token) that build instances able to run the problem on a "
+        "device of compute capability cc (target '' when none runs there).");
 }

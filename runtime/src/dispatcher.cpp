@@ -858,3 +858,18 @@ KvcacheInstanceInfo to_info(const KvcacheInstanceEntry& e) {
 }
 
 }  // namespace fmha::detail
+
+namespace fmha {
+namespace {
+template <class Args>
+InstanceRecipe recipe(const Args& args, int cc) {
+  const detail::TargetInfo* target = detail::target_for(cc);
+  return {detail::suggest(args, cc).filter, target != nullptr ? target->token : ""};
+}
+}  // namespace
+
+InstanceRecipe instance_recipe(const FwdArgs& args, int cc) { return recipe(args, cc); }
+InstanceRecipe instance_recipe(const BwdArgs& args, int cc) { return recipe(args, cc); }
+InstanceRecipe instance_recipe(const KvcacheArgs& args, int cc) { return recipe(args, cc); }
+
+}  // namespace fmha

@@ -399,6 +399,18 @@ FMHA_API std::vector<BwdInstanceInfo> bwd_instances();
 // order of preference.
 FMHA_API std::vector<InstanceInfo> instances();
 
+// What builds instances for a problem: the generator --filter that selects the instances able
+// to run `args` (with the `all` preset), and the target (e.g. "sm90a") whose code runs on a
+// device of compute capability `cc`, empty when no target does. A miss message suggests it;
+// compile on demand (the Python package's fmha.jit) builds it.
+struct InstanceRecipe {
+  std::string filter;
+  std::string target;
+};
+FMHA_API InstanceRecipe instance_recipe(const FwdArgs& args, int cc);
+FMHA_API InstanceRecipe instance_recipe(const BwdArgs& args, int cc);
+FMHA_API InstanceRecipe instance_recipe(const KvcacheArgs& args, int cc);
+
 // Loads a shared object of instances compiled on demand (the Python package's fmha.jit makes
 // them) and adds its instances to the dispatcher, each at the place the generator's order of
 // preference gives it: where a build with every instance would have put it, so it never

@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from fmha import _C, _head_dims, _plans
+from fmha import _C, _head_dims, _plans, jit
 from fmha._checks import (
     DTYPE_CODES,
     INT_LIMIT,
@@ -407,10 +407,14 @@ def _first_call(table, key, plan, ops: _Operands, bias, attn_mask, instance) -> 
     and `attn_mask`: the tensors the caller gave, whose pointers the plan passes."""
     out, lse = plan.outputs(ops.q)
     plan.args = _make_args(ops, out, lse)
-    failed = plan.launch(ops.q, ops.k, ops.v, out, lse, bias, attn_mask, ops.alibi_slopes,
-                         ops.cu_seqlens_q, ops.cu_seqlens_k, ops.seqused_q, ops.seqused_k,
-                         ops.max_seqlen_q, ops.max_seqlen_k, plan.args.dropout_seed,
-                         ops.dropout_offset, instance)
+    def launch():
+        return plan.launch(ops.q, ops.k, ops.v, out, lse, bias, attn_mask, ops.alibi_slopes,
+                           ops.cu_seqlens_q, ops.cu_seqlens_k, ops.seqused_q, ops.seqused_k,
+                           ops.max_seqlen_q, ops.max_seqlen_k, plan.args.dropout_seed,
+                           ops.dropout_offset, instance)
+    failed = launch()
+    if failed is not None and jit.after_miss(failed[0], plan.args, plan.device, instance):
+        failed = launch()  # compiled on demand
     if failed is not None:
         _raise_for_plan(failed, ops.q, ops.k, ops.v)
     table.put(key, plan)

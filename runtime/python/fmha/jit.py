@@ -1,0 +1,334 @@
+"""Compile on demand: the instances a call needs and the build lacks, compiled when it misses.
+
+A call that no compiled instance runs asks the dispatcher what would build one
+(fmha::instance_recipe: a generator filter and the device's target). With compile on demand on
+(FMHA_JIT, default on where the build's CUDA compiler is), fmha renders those instances with the
+generator and templates the build used (`python -m generator --loadable`), keeping the newest
+pipeline's (the ones a full build would run), compiles them with the build's compiler and
+options into one shared object in the cache, loads it (fmha::load_instances: each instance
+joins the dispatcher where a full build would have put it, so it never shadows a better
+built-in one) and runs the call again. FMHA_JIT=0 turns it off: a miss raises
+MissingInstanceError, as without a compiler.
+
+The cache (FMHA_CACHE_DIR, default $XDG_CACHE_HOME/fmha or ~/.cache/fmha) keeps one object per
+set of rendered sources, keyed by everything that changes the binary: the rendered TUs, the
+headers they include (the kernels' and CUTLASS's), the compiler's version and options. A
+compile holds a lock file, so concurrent threads and processes compile a key once; it writes
+beside the final name and renames into place, so a half-written object is never loaded, and an
+object that fails to load is compiled again. `python -m fmha.jit --filter ...` fills the cache
+ahead of time (compile_filter); a CUDA-graph capture never compiles (it raises instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+from fmha import _C
+
+# Not resolved: in a development tree the module is a link into the checkout, the config beside it.
+_PACKAGE_DIR = Path(os.path.abspath(__file__)).parent
+_CONFIG_FILE = _PACKAGE_DIR / "_jit_config.json"
+# One compile at a time per process (the lock file serializes processes).
+_PROCESS_LOCK = threading.Lock()
+
+
+class CompileError(RuntimeError):
+    """Compiling an instance on demand failed; the message holds the compiler's."""
+
+
+@functools.cache
+def build_config() -> Optional[dict]:
+    """The build's compiler, options and sources (CMakeLists.txt writes them), paths resolved;
+    None for a build without them."""
+    try:
+        config = json.loads(_CONFIG_FILE.read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("generator_root", "config", "include", "cutlass_include"):
+        if config[key]:
+            config[key] = str((_PACKAGE_DIR / config[key]).resolve())
+    return config
+
+
+def _compiler() -> Optional[str]:
+    config = build_config()
+    if config is None:
+        return None
+    return shutil.which(config["nvcc"]) or shutil.which("nvcc")
+
+
+def enabled() -> bool:
+    """Whether a miss compiles: FMHA_JIT is not 0, and the build's compiler (or an nvcc on
+    PATH) is there."""
+    return os.environ.get("FMHA_JIT", "1") != "0" and _compiler() is not None
+
+
+def cache_dir() -> Path:
+    if os.environ.get("FMHA_CACHE_DIR"):
+        return Path(os.environ["FMHA_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "fmha"
+
+
+@functools.cache
+def _generator():
+    """The generator package the build used, imported as fmha._generator (not `generator`,
+    which may be another package on the user's path)."""
+    root = Path(build_config()["generator_root"]) / "generator"
+    spec = importlib.util.spec_from_file_location(
+        "fmha._generator", root / "__init__.py", submodule_search_locations=[str(root)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fmha._generator"] = module
+    spec.loader.exec_module(module)
+    for name in ("catalog", "config", "errors", "render", "selection", "schema"):
+        importlib.import_module(f"fmha._generator.{name}")
+    return module
+
+
+@functools.cache
+def _catalog():
+    gen = _generator()
+    config = gen.config.load(Path(build_config()["config"]))
+    return config, gen.catalog.build_catalog(config)
+
+
+def _tree_digest(roots) -> str:
+    digest = hashlib.sha256()
+    for root in roots:
+        root = Path(root)
+        paths = sorted(root.rglob("*")) if root.is_dir() else [root]
+        for path in paths:
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(root) if root.is_dir() else path.name).encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def _headers_digest() -> str:
+    """A digest of every header an instance TU may include: the kernels' and CUTLASS's."""
+    config = build_config()
+    return _tree_digest(filter(None, (config["include"], config["cutlass_include"])))
+
+
+@functools.cache
+def _build_digest() -> str:
+    """A digest of everything but the recipe that decides what a recipe compiles to: the
+    generator, its templates and instances.yaml, the headers, the compiler and its options."""
+    config = build_config()
+    root = Path(config["generator_root"])
+    return hashlib.sha256(json.dumps([
+        _tree_digest([root / "generator", root / "templates", config["config"]]),
+        _headers_digest(), config["cuda_version"], config["options"], config["link_options"],
+    ]).encode()).hexdigest()
+
+
+def _selection(filter_text: str, target: str):
+    """The instances compile on demand builds for a recipe: those the filter selects for the
+    target from the whole matrix, of the newest pipeline among them (the ones a full build
+    would run first; the older pipelines' would never run)."""
+    gen = _generator()
+    config, catalog = _catalog()
+    selection = gen.selection.select(config, catalog, "all", filter_text,
+                                     gen.selection.parse_targets(target))
+    best = selection.instances[0].point.pipeline
+    kept = tuple(i for i in selection.instances if i.point.pipeline == best)
+    return gen.selection.Selection(kept, selection.targets, selection.gaps)
+
+
+def _key(files: dict, target: str) -> str:
+    config = build_config()
+    digest = hashlib.sha256()
+    digest.update(json.dumps([config["cuda_version"], config["options"],
+                              config["link_options"], target]).encode())
+    digest.update(_headers_digest().encode())
+    for name in sorted(files):
+        digest.update(name.encode())
+        digest.update(files[name].encode())
+    return digest.hexdigest()
+
+
+def compile_filter(filter_text: str, target: str, quiet: bool = False) -> Path:
+    """The shared object of the instances `filter_text` selects for `target` (e.g. "sm90a"),
+    compiled into the cache unless it is there already; its path."""
+    if _compiler() is None:
+        raise CompileError("fmha: compile on demand needs the CUDA compiler this build was made "
+                           "with, or nvcc on PATH; neither is there")
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    # A recipe seen before names its object without the generator (whose whole-matrix
+    # selection takes seconds): one small file per recipe and build.
+    recipe = cache / (hashlib.sha256(json.dumps([filter_text, target, _build_digest()])
+                                     .encode()).hexdigest()[:24] + ".recipe")
+    try:
+        library = cache / recipe.read_text().strip()
+        if _intact(library):
+            return library
+    except OSError:
+        pass
+    selection = _selection(filter_text, target)
+    files = _generator().render.render_loadable(selection, source="instances.yaml")
+    key = _key(files, target)
+    library = cache / f"{selection.instances[0].name}-{key[:16]}.so"
+    if not _intact(library):
+        with _PROCESS_LOCK, open(cache / f"{key[:16]}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process compiling this key: wait for it
+            if not _intact(library):
+                library.unlink(missing_ok=True)
+                _compile(files, selection, target, library, quiet)
+    _write_atomically(recipe, library.name)
+    return library
+
+
+def _digest_file(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _intact(library: Path) -> bool:
+    """Whether `library` is there whole: its bytes have the digest written when it was
+    compiled. dlopen of a truncated object can kill the process (SIGBUS), so nothing is loaded
+    unchecked."""
+    try:
+        expected = _digest_file(library).read_text().strip()
+        return hashlib.sha256(library.read_bytes()).hexdigest() == expected
+    except OSError:
+        return False
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False,
+                                     prefix=".part-") as f:
+        f.write(text)
+    os.replace(f.name, path)
+
+
+def _compile(files: dict, selection, target: str, library: Path, quiet: bool) -> None:
+    config = build_config()
+    arch = next(a for a in selection.targets if a.token == target)
+    uses_cutlass = any(_generator().render._kernel(i).uses_cutlass for i in selection.instances)
+    if uses_cutlass and not config["cutlass_include"]:
+        raise CompileError(f"fmha: {selection.instances[0].name} needs the CUTLASS/CuTe headers, "
+                           "and this build found none (build with an fa3 instance, or set "
+                           "FMHA_CUTLASS_INCLUDE_DIR when building)")
+    nvcc = _compiler()
+    includes = [f"-I{config['include']}"]
+    if config["cutlass_include"]:
+        includes.append(f"-isystem{config['cutlass_include']}")
+    host = [f"-ccbin={config['host_compiler']}"] if config["host_compiler"] else []
+    names = [i.name for i in selection.instances]
+    begin = time.monotonic()
+    if not quiet:
+        print(f"fmha: compiling {', '.join(names)} for {target} on first use (fa3 instances "
+              f"take 1-2 minutes, fa2 ones seconds) into {library.parent}", file=sys.stderr,
+              flush=True)
+    with tempfile.TemporaryDirectory(dir=library.parent, prefix=".compile-") as work:
+        work = Path(work)
+        for name, text in files.items():
+            (work / name).write_text(text)
+        sources = sorted(work.glob("*.cu")) + [work / "loadable_table.cpp"]
+
+        def compile_one(source: Path) -> Path:
+            obj = source.with_suffix(".o")
+            gencode = [arch.gencode] if source.suffix == ".cu" else []
+            _run([nvcc, *host, *config["options"], *gencode, *includes, "-c", str(source),
+                  "-o", str(obj)])
+            return obj
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+            objects = list(pool.map(compile_one, sources))
+        partial = work / "instances.so"
+        _run([nvcc, *host, *config["link_options"], *map(str, objects), "-o", str(partial)])
+        # The digest first, then the object, each renamed into place whole: a reader sees no
+        # object, or one it can check.
+        _write_atomically(_digest_file(library), hashlib.sha256(partial.read_bytes()).hexdigest())
+        os.replace(partial, library)
+    if not quiet:
+        print(f"fmha: compiled {library.name} in {time.monotonic() - begin:.0f} s",
+              file=sys.stderr, flush=True)
+
+
+def _run(command: list) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise CompileError(f"fmha: compiling on demand failed ({' '.join(command[:1])} exited "
+                           f"{result.returncode}):\n{result.stderr.strip()}")
+
+
+def load(library: Path) -> int:
+    """Loads a compiled object into the dispatcher; the instances it added. An object that is
+    damaged or fails to load (made by another build) is removed, so the next compile replaces
+    it."""
+    if not _intact(library):
+        library.unlink(missing_ok=True)
+        raise CompileError(f"fmha: {library} is damaged (its bytes do not have the digest "
+                           "written when it was compiled); removed, it compiles again")
+    code, message, added = _C.load_instances(str(library))
+    if code != _C.STATUS_OK:
+        library.unlink(missing_ok=True)
+        raise CompileError(message)
+    return added
+
+
+def after_miss(code: int, args, device: int, instance: Optional[str]) -> bool:
+    """Called with the status of a call's first launch (or workspace query): when it missed
+    (no compiled instance runs the call's args, an FwdArgs, BwdArgs or KvcacheArgs, on CUDA
+    device `device`), no instance was named, and compile on demand is on, compiles and loads
+    what runs it; whether it did, so that the call runs again. Inside a CUDA-graph capture it
+    raises instead: neither compiling nor loading kernels belongs there."""
+    if code != _C.STATUS_NO_INSTANCE or instance is not None or not enabled():
+        return False
+    import torch  # noqa: PLC0415 (fmha imports torch first; jit itself needs it only here)
+    major, minor = torch.cuda.get_device_capability(device)
+    filter_text, target = _C.instance_recipe(args, major * 10 + minor)
+    if not target:
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        raise _missing()(
+            "fmha: the call needs an instance this build lacks, and compile on demand does not "
+            "run inside a CUDA-graph capture: run the call once before capturing, or fill the "
+            f"cache first (python -m fmha.jit --filter '{filter_text}' --target {target})")
+    try:
+        library = compile_filter(filter_text, target)
+    except _generator().errors.GeneratorError:  # the matrix has no such instance: the miss says why
+        return False
+    try:
+        load(library)
+    except CompileError:  # a broken object in the cache: compile it again, once
+        load(compile_filter(filter_text, target))
+    return True
+
+
+def _missing():
+    from fmha._api import MissingInstanceError  # noqa: PLC0415 (fmha._api imports this module)
+    return MissingInstanceError
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fmha.jit",
+        description="Compile instances into fmha's cache ahead of their first call, as a miss "
+                    "would: the generator's --filter (with the `all` preset), for a target.")
+    parser.add_argument("--filter", required=True, help="e.g. 'fwd,bf16,hdim256,causal'")
+    parser.add_argument("--target", required=True, help="sm80 or sm90a")
+    args = parser.parse_args(argv)
+    print(compile_filter(args.filter, args.target))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

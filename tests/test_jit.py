@@ -1,0 +1,137 @@
+"""Compile on demand (fmha.jit) on the host: an instance the build lacks compiled into the cache,
+loaded at the dispatcher's place for it, found again without compiling, compiled once by
+processes that race for it, compiled again when the cached object is broken, and not at all
+with FMHA_JIT=0. No GPU: select() takes a named capability. The GPU's side (a call that misses
+compiles, runs and matches the reference) is tests/test_misses_gpu.py's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+fmha = pytest.importorskip("fmha")
+jit = pytest.importorskip("fmha.jit")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(not jit.enabled(), reason="compile on demand is off here "
+                                "(FMHA_JIT=0, or no CUDA compiler)")
+
+# A forward instance in no preset a CI or default build makes (soft-capping), fa2 for sm80: a
+# few seconds to compile.
+FILTER = ("fwd,dtype=fp16,hdim_q=64,hdim_v=64,mask=causal,bias=none,vlayout=row,mode=batch,"
+          "softcap,!dropout,lse=false")
+NAME = "fwd_fp16_d64_causal_softcap_fa2_sm80_m128n64"
+
+
+def run_python(code: str, cache: Path, **env) -> subprocess.CompletedProcess:
+    import os
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "FMHA_CACHE_DIR": str(cache), **env})
+
+
+SELECT = """
+    import torch, fmha
+    q = torch.empty(2, 512, 4, 64, dtype=torch.float16, device="meta")
+    def chosen():
+        try:
+            return fmha.select(q, q, q, causal=True, softcap=30.0, capability=(8, 0))["name"]
+        except fmha.MissingInstanceError:
+            return "missing"
+"""
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """A cache holding FILTER's object, compiled by the CLI in a process of its own."""
+    cache = tmp_path_factory.mktemp("fmha-cache")
+    result = run_python(f"""
+        import sys
+        from fmha.jit import main
+        sys.exit(main(["--filter", {FILTER!r}, "--target", "sm80"]))
+    """, cache)
+    assert result.returncode == 0, result.stderr
+    assert f"fmha: compiling {NAME}" in result.stderr
+    assert Path(result.stdout.strip()).parent == cache
+    return cache
+
+
+def test_a_compiled_instance_joins_the_dispatcher(cache):
+    result = run_python(SELECT + f"""
+    from fmha import jit
+    print(chosen())
+    library = jit.compile_filter({FILTER!r}, "sm80")
+    print(jit.load(library), chosen())
+    """, cache)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["missing", "2", NAME]  # with its padded sibling
+    assert "compiling" not in result.stderr  # the cache's object, found by its recipe
+
+
+def test_racing_processes_compile_once(tmp_path):
+    code = f"""
+        from fmha import jit
+        print(jit.compile_filter({FILTER!r}, "sm80"))
+    """
+    processes = [subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**__import__("os").environ, "FMHA_CACHE_DIR": str(tmp_path)}) for _ in range(3)]
+    outputs = [p.communicate(timeout=600) for p in processes]
+    assert all(p.returncode == 0 for p in processes), outputs
+    assert len({out.strip() for out, _ in outputs}) == 1
+    assert sum(err.count("fmha: compiling ") for _, err in outputs) == 1
+    assert not list(tmp_path.glob(".compile-*")) and not list(tmp_path.glob(".part-*"))
+
+
+def test_a_broken_object_is_compiled_again(cache, tmp_path):
+    broken = tmp_path / "cache"
+    broken.mkdir()
+    for path in cache.iterdir():
+        (broken / path.name).write_bytes(path.read_bytes())
+    [library] = broken.glob("*.so")
+    library.write_bytes(library.read_bytes()[:4096])  # a truncated object
+    result = run_python(f"""
+        from pathlib import Path
+        from fmha import jit
+        try:
+            jit.load(Path({str(library)!r}))
+        except jit.CompileError as err:
+            print("refused:", err)
+        print(Path({str(library)!r}).exists())
+        print(jit.load(jit.compile_filter({FILTER!r}, "sm80")))
+    """, broken)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"refused: fmha: {library} is damaged")
+    assert lines[1:] == ["False", "2"]
+    assert "fmha: compiling" in result.stderr
+    # compile_filter checks what the cache holds as load does: a damaged object compiles again.
+    library.write_bytes(library.read_bytes()[:4096])
+    result = run_python(f"""
+        from fmha import jit
+        print(jit.load(jit.compile_filter({FILTER!r}, "sm80")))
+    """, broken)
+    assert result.stdout.split() == ["2"] and "fmha: compiling" in result.stderr
+
+
+def test_fmha_jit_0_turns_it_off(cache):
+    result = run_python("from fmha import jit; print(jit.enabled())", cache, FMHA_JIT="0")
+    assert result.stdout.strip() == "False"
+
+
+def test_an_unknown_recipe_is_a_generator_error(tmp_path):
+    result = run_python("""
+        from fmha import jit
+        try:
+            jit.compile_filter("fwd,hdim4096", "sm80")
+        except Exception as err:
+            print(type(err).__name__, err)
+    """, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Error" in result.stdout and "hdim4096" in result.stdout
+    assert not list(tmp_path.glob("*.so"))
