@@ -819,7 +819,7 @@ def test_cpp_select_bwd_and_explain_bwd_read_no_pointers():
 def test_cpp_reports_the_compiled_bwd_matrix():
     keys = {"name", "dtype", "hdim_q", "hdim_v", "mask", "bias", "mode", "dbias", "dropout",
             "softcap", "pipeline", "arch", "arch_cc", "arch_exact", "block_m", "block_n",
-            "pad_seqlen", "pad_hdim"}
+            "pad_seqlen", "pad_hdim", "origin"}
     instances = fmha.bwd_instances()
     assert len({i["name"] for i in instances}) == len(instances)
     for inst in instances:

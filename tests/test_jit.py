@@ -66,9 +66,12 @@ def test_a_compiled_instance_joins_the_dispatcher(cache):
     print(chosen())
     library = jit.compile_filter({FILTER!r}, "sm80")
     print(jit.load(library), chosen())
+    origins = {{i["name"]: i["origin"] for i in fmha.instances()}}
+    print(origins[{NAME!r}] == str(library), set(origins.values()) <= {{None, str(library)}})
     """, cache)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["missing", "2", NAME]  # with its padded sibling
+    # With its padded sibling; fmha.instances() names the object each came from.
+    assert result.stdout.split() == ["missing", "2", NAME, "True", "True"]
     assert "compiling" not in result.stderr  # the cache's object, found by its recipe
 
 

@@ -8,6 +8,7 @@ and without tensors that need grad, the backward included), and fwd_kvcache. On 
 has the instance the call runs and returns; on the default build (`pip install .`) it misses.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,8 +58,9 @@ except fmha.MissingInstanceError as miss:
 @pytest.mark.parametrize("probe", PROBES)
 def test_a_call_outside_the_build_raises_or_runs(probe):
     script = SETUP + EPILOGUE.format(call=PROBES[probe])
+    # The miss itself, not compile on demand (test_a_miss_compiles_on_demand below).
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, "FMHA_JIT": "0"})
     assert done.returncode == 0, (
         f"{probe}: the process ended with {done.returncode} "
         f"({'signal ' + str(-done.returncode) if done.returncode < 0 else 'an exception'}):\n"
@@ -68,3 +70,50 @@ def test_a_call_outside_the_build_raises_or_runs(probe):
         assert "FMHA_FILTER='" in outcome and "Nearest compiled:" in outcome, outcome
     else:
         assert outcome.startswith("OUTCOME result"), outcome
+
+
+JIT_SCRIPT = """
+import sys, torch, fmha
+sys.path.insert(0, {tests!r})
+from reference import attention_reference
+torch.manual_seed(0)
+q, k, v = (torch.randn(2, 500, 4, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+           for _ in range(3))
+dout = torch.randn(2, 500, 4, 128, dtype=torch.bfloat16, device="cuda")
+out = fmha.fwd(q, k, v, causal=True, softcap=30.0)
+out.backward(dout)
+leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+ref, _ = attention_reference(*leaves, causal=True, softcap=30.0)
+ref.backward(dout.double())
+errors = [((a.double() - b).abs().max() / b.abs().max()).item()
+          for a, b in ((out, ref), *((t.grad, l.grad) for t, l in zip((q, k, v), leaves)))]
+print("ERRORS", *errors)
+print("INSTANCES", fmha.select(q, k, v, causal=True, softcap=30.0)["name"],
+      fmha.select_bwd(q, k, v, causal=True, softcap=30.0)["name"])
+"""
+
+
+@pytest.mark.gpu
+def test_a_miss_compiles_on_demand(tmp_path):
+    """A causal soft-capped d128 call (in no default build): its first call compiles the
+    forward and the backward instances into an empty cache, runs them, and matches the float64
+    reference; a second process finds them in the cache and compiles nothing."""
+    from fmha import jit
+    if not jit.enabled():
+        pytest.skip("compile on demand is off here (FMHA_JIT=0, or no CUDA compiler)")
+    script = JIT_SCRIPT.format(tests=str(Path(__file__).resolve().parent))
+    env = {**os.environ, "FMHA_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           timeout=900, env=env) for _ in range(2)]
+    for done in runs:
+        assert done.returncode == 0, done.stderr[-3000:]
+    first, again = runs
+    assert "fmha: compiling fwd_bf16_d128_causal_softcap" in first.stderr
+    assert "fmha: compiling bwd_bf16_d128_causal_softcap" in first.stderr
+    assert "fmha: compiling" not in again.stderr
+    for done in runs:
+        errors = [float(x) for x in done.stdout.split("ERRORS")[1].split()[:4]]
+        assert max(errors) < 2e-2, errors
+        names = done.stdout.split("INSTANCES")[1].split()
+        assert all("softcap" in name for name in names), names
+

@@ -49,6 +49,8 @@ void add_build_fields(py::dict& d, const Info& i) {
   d["block_n"] = i.block_n;
   d["pad_seqlen"] = i.pad_seqlen;
   d["pad_hdim"] = i.pad_hdim;
+  // None: compiled into this build; else the shared object compile on demand loaded it from.
+  d["origin"] = i.origin.empty() ? py::object(py::none()) : py::object(py::str(i.origin));
 }
 
 py::dict info_dict(const fmha::InstanceInfo& i) {

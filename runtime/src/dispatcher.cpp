@@ -791,6 +791,7 @@ Info info_of(const Entry& e) {
   info.block_n = e.block_n;
   info.pad_seqlen = e.pad_seqlen;
   info.pad_hdim = e.pad_hdim;
+  info.origin = origin_of(e.name);
   return info;
 }
 

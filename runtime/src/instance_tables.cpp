@@ -5,7 +5,9 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 namespace fmha::detail {
@@ -36,6 +38,17 @@ bool preferred_entry(const Entry& a, const Entry& b) {
   return std::strcmp(a.name, b.name) < 0;
 }
 
+// Where each added entry came from, by name (names are unique across operations).
+std::mutex origins_mutex;
+std::unordered_map<std::string, std::string>& origins() {
+  static std::unordered_map<std::string, std::string> map;
+  return map;
+}
+void record_origin(const char* name, const std::string& origin) {
+  std::lock_guard<std::mutex> lock(origins_mutex);
+  origins()[name] = origin;
+}
+
 // One operation's list. Readers take the current generation without a lock; a load copies it,
 // adds its entries and publishes the copy. Every generation is kept: a reader may still walk an
 // older one, and loads are few (one per instance compiled on demand).
@@ -49,7 +62,7 @@ class Table {
     return {rows->data(), static_cast<int>(rows->size())};
   }
 
-  int add(const Entry* entries, int count) {
+  int add(const Entry* entries, int count, const std::string& origin) {
     std::lock_guard<std::mutex> lock(mutex_);
     std::vector<Entry> rows = *current_.load(std::memory_order_relaxed);
     int added = 0;
@@ -64,6 +77,7 @@ class Table {
         return preferred_entry(x, y);
       });
       rows.insert(place, e);
+      record_origin(e.name, origin);
       ++added;
     }
     if (added > 0) publish(std::move(rows));
@@ -108,14 +122,20 @@ bool preferred(const KvcacheInstanceEntry& a, const KvcacheInstanceEntry& b) {
   return preferred_entry(a, b);
 }
 
-int add_entries(const InstanceEntry* entries, int count) {
-  return fwd_table().add(entries, count);
+int add_entries(const InstanceEntry* entries, int count, const std::string& origin) {
+  return fwd_table().add(entries, count, origin);
 }
-int add_entries(const BwdInstanceEntry* entries, int count) {
-  return bwd_table().add(entries, count);
+int add_entries(const BwdInstanceEntry* entries, int count, const std::string& origin) {
+  return bwd_table().add(entries, count, origin);
 }
-int add_entries(const KvcacheInstanceEntry* entries, int count) {
-  return kvcache_table().add(entries, count);
+int add_entries(const KvcacheInstanceEntry* entries, int count, const std::string& origin) {
+  return kvcache_table().add(entries, count, origin);
+}
+
+std::string origin_of(const char* name) {
+  std::lock_guard<std::mutex> lock(origins_mutex);
+  const auto found = origins().find(name);
+  return found == origins().end() ? std::string() : found->second;
 }
 
 }  // namespace fmha::detail

@@ -6,6 +6,8 @@
 // shadows a better built-in instance.
 #pragma once
 
+#include <string>
+
 #include "fmha/registry.h"
 
 namespace fmha::detail {
@@ -33,8 +35,12 @@ bool preferred(const KvcacheInstanceEntry& a, const KvcacheInstanceEntry& b);
 // preference; an entry whose name the list already has is left out (a second load of one
 // shared object, or an instance this build has). Returns how many were added. The entries'
 // memory (their names and functions) must outlive the process: shared objects stay loaded.
-int add_entries(const InstanceEntry* entries, int count);
-int add_entries(const BwdInstanceEntry* entries, int count);
-int add_entries(const KvcacheInstanceEntry* entries, int count);
+// `origin`: the shared object the entries come from (origin_of).
+int add_entries(const InstanceEntry* entries, int count, const std::string& origin);
+int add_entries(const BwdInstanceEntry* entries, int count, const std::string& origin);
+int add_entries(const KvcacheInstanceEntry* entries, int count, const std::string& origin);
+
+// The shared object an added entry came from; "" for the build's own.
+std::string origin_of(const char* name);
 
 }  // namespace fmha::detail

@@ -32,9 +32,9 @@ Status load_instances(const std::string& path, int* added) {
                    std::to_string(table == nullptr ? -1 : table->abi) + ", this library reads " +
                    std::to_string(detail::kRegistryAbi) + "; compile it again");
   }
-  const int count = detail::add_entries(table->fwd, table->num_fwd) +
-                    detail::add_entries(table->bwd, table->num_bwd) +
-                    detail::add_entries(table->kvcache, table->num_kvcache);
+  const int count = detail::add_entries(table->fwd, table->num_fwd, path) +
+                    detail::add_entries(table->bwd, table->num_bwd, path) +
+                    detail::add_entries(table->kvcache, table->num_kvcache, path);
   if (added != nullptr) *added = count;
   return Status::Ok();
 }

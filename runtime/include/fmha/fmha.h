@@ -319,6 +319,8 @@ struct InstanceInfo {
   int block_n = 0;
   bool pad_seqlen = false;  // handles sequence lengths that are not multiples of the tile
   bool pad_hdim = false;    // also runs head dims below its own that are multiples of 8
+  std::string origin;       // "" when compiled into this library, else the shared object
+                            // load_instances loaded it from
 };
 
 // A compiled backward instance (one row of the generator's bwd matrix).
@@ -333,6 +335,7 @@ struct BwdInstanceInfo {
   int block_n = 0;  // keys per CTA (K, V, dK and dV stay on chip)
   bool pad_seqlen = false;
   bool pad_hdim = false;
+  std::string origin;  // as InstanceInfo's
 };
 
 // Runs the forward pass on `stream`. Checks the arguments and picks an instance first; on any
@@ -439,6 +442,7 @@ struct KvcacheInstanceInfo {
   bool prefill = false;  // a tile for many query tokens (fa3 on sm90a): chunked prefill
   int full_grid_block_n = 0;  // the keys per step of the calls whose sequences x K/V heads
                               // fill every SM, where they run another tile; 0: block_n
+  std::string origin;         // as InstanceInfo's
 };
 
 // KV-cache attention on `stream`: appends k_new/v_new (rotated, when asked) to the cache, then

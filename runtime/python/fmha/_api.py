@@ -605,9 +605,11 @@ def _dropout_mask_device(device) -> torch.device:
 
 
 def instances() -> list[dict]:
-    """Every compiled instance, in the dispatcher's order of preference: a dict of its traits
-    (name, dtype, hdim_q, hdim_v, mask, bias, vlayout, mode, lse, dropout, softcap), pipeline,
-    arch, tile (block_m, block_n) and padding (pad_seqlen, pad_hdim)."""
+    """Every instance, compiled into the build or on demand (fmha.jit), in the dispatcher's
+    order of preference: a dict of its traits (name, dtype, hdim_q, hdim_v, mask, bias,
+    vlayout, mode, lse, dropout, softcap), pipeline, arch, tile (block_m, block_n), padding
+    (pad_seqlen, pad_hdim) and origin (None: built in; else the cached shared object it was
+    loaded from)."""
     return _C.instances()
 
 

@@ -497,8 +497,9 @@ def explain_bwd(q, k, v, causal=False, softmax_scale=None, *, capability=None,
 
 
 def bwd_instances() -> list[dict]:
-    """Every compiled backward instance, in the dispatcher's order of preference: a dict of its
-    traits (name, dtype, hdim_q, hdim_v, mask, bias, mode, dbias, dropout, softcap), pipeline,
-    arch (arch, arch_cc, arch_exact), tile (block_m: query rows per step, block_n: keys per
-    CTA) and padding (pad_seqlen, pad_hdim)."""
+    """Every backward instance, compiled into the build or on demand, in the dispatcher's order
+    of preference: a dict of its traits (name, dtype, hdim_q, hdim_v, mask, bias, mode, dbias,
+    dropout, softcap), pipeline, arch (arch, arch_cc, arch_exact), tile (block_m: query rows
+    per step, block_n: keys per CTA), padding (pad_seqlen, pad_hdim) and origin (as
+    fmha.instances())."""
     return _C.bwd_instances()

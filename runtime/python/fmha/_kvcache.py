@@ -481,5 +481,6 @@ def explain_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, capab
 
 
 def kvcache_instances() -> list[dict]:
-    """Every compiled KV-cache instance, in the dispatcher's order of preference."""
+    """Every KV-cache instance, compiled into the build or on demand, in the dispatcher's order
+    of preference (origin as fmha.instances())."""
     return _C.kvcache_instances()
