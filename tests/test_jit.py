@@ -17,6 +17,8 @@ fmha = pytest.importorskip("fmha")
 jit = pytest.importorskip("fmha.jit")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from exported_symbols import nm_available, runtime_exports  # noqa: E402
 pytestmark = pytest.mark.skipif(not jit.enabled(), reason="compile on demand is off here "
                                 "(FMHA_JIT=0, or no CUDA compiler)")
 
@@ -73,6 +75,14 @@ def test_a_compiled_instance_joins_the_dispatcher(cache):
     # With its padded sibling; fmha.instances() names the object each came from.
     assert result.stdout.split() == ["missing", "2", NAME, "True", "True"]
     assert "compiling" not in result.stderr  # the cache's object, found by its recipe
+
+
+@pytest.mark.skipif(not nm_available(), reason="needs nm")
+def test_a_compiled_object_keeps_its_runtimes_to_itself(cache):
+    """As libfmha and fmha._C do (tests/exported_symbols.py says why): the object exports its
+    table's function and no C++ or CUDA runtime symbol."""
+    [library] = cache.glob("*.so")
+    assert runtime_exports(library) == []
 
 
 def test_racing_processes_compile_once(tmp_path):
