@@ -118,3 +118,34 @@ def test_a_miss_compiles_on_demand(tmp_path):
         names = done.stdout.split("INSTANCES")[1].split()
         assert all("softcap" in name for name in names), names
 
+
+
+@pytest.mark.gpu
+def test_a_miss_inside_a_graph_capture_raises_before_compiling(tmp_path):
+    """Compiling and loading kernels have no place in a CUDA-graph capture: the miss says how
+    to have the instance before capturing, and nothing was compiled."""
+    from fmha import jit
+    if not jit.enabled():
+        pytest.skip("compile on demand is off here (FMHA_JIT=0, or no CUDA compiler)")
+    q = torch.empty(2, 500, 4, 128, dtype=torch.bfloat16, device="cuda")
+    try:
+        fmha.select(q, q, q, softcap=30.0)
+        pytest.skip("this build holds a soft-capped d128 instance: nothing misses")
+    except fmha.MissingInstanceError:
+        pass
+    script = SETUP + """
+graph = torch.cuda.CUDAGraph()
+try:
+    with torch.cuda.graph(graph):
+        fmha.fwd(q128, q128, q128, softcap=30.0)
+    print("OUTCOME captured")
+except fmha.MissingInstanceError as miss:
+    print("OUTCOME miss", miss)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "FMHA_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    outcome = done.stdout[done.stdout.index("OUTCOME"):]
+    assert outcome.startswith("OUTCOME miss") and "CUDA-graph capture" in outcome, outcome
+    assert "python -m fmha.jit --filter" in outcome
+    assert not list(tmp_path.glob("*.so"))
