@@ -1,10 +1,17 @@
-"""Shared fixtures of the generator tests (tests/test_generator*.py)."""
+"""Shared fixtures of the generator tests (tests/test_generator*.py), and the suite's
+environment."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+# A call outside the build misses here, as the miss tests expect, rather than compiling on demand
+# (fmha.jit: a fuzzed call could compile dozens of instances); the tests of compile on demand
+# (test_jit.py, test_misses_gpu.py) turn it on in the processes they start.
+os.environ.setdefault("FMHA_JIT", "0")
 
 import pytest
 

@@ -19,8 +19,8 @@ jit = pytest.importorskip("fmha.jit")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from exported_symbols import nm_available, runtime_exports  # noqa: E402
-pytestmark = pytest.mark.skipif(not jit.enabled(), reason="compile on demand is off here "
-                                "(FMHA_JIT=0, or no CUDA compiler)")
+pytestmark = pytest.mark.skipif(not jit.compiler_available(),
+                                reason="compile on demand needs a CUDA compiler")
 
 # A forward instance in no preset a CI or default build makes (soft-capping), fa2 for sm80: a
 # few seconds to compile.
@@ -33,7 +33,8 @@ def run_python(code: str, cache: Path, **env) -> subprocess.CompletedProcess:
     import os
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "FMHA_CACHE_DIR": str(cache), **env})
+                          env={**os.environ, "FMHA_CACHE_DIR": str(cache), "FMHA_JIT": "1",
+                               **env})
 
 
 SELECT = """
@@ -93,7 +94,8 @@ def test_racing_processes_compile_once(tmp_path):
     processes = [subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**__import__("os").environ, "FMHA_CACHE_DIR": str(tmp_path)}) for _ in range(3)]
+        env={**__import__("os").environ, "FMHA_CACHE_DIR": str(tmp_path), "FMHA_JIT": "1"})
+        for _ in range(3)]
     outputs = [p.communicate(timeout=600) for p in processes]
     assert all(p.returncode == 0 for p in processes), outputs
     assert len({out.strip() for out, _ in outputs}) == 1

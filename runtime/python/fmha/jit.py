@@ -72,10 +72,14 @@ def _compiler() -> Optional[str]:
     return shutil.which(config["nvcc"]) or shutil.which("nvcc")
 
 
+def compiler_available() -> bool:
+    """Whether the build's CUDA compiler (or an nvcc on PATH) is there to compile with."""
+    return _compiler() is not None
+
+
 def enabled() -> bool:
-    """Whether a miss compiles: FMHA_JIT is not 0, and the build's compiler (or an nvcc on
-    PATH) is there."""
-    return os.environ.get("FMHA_JIT", "1") != "0" and _compiler() is not None
+    """Whether a miss compiles: FMHA_JIT is not 0, and a compiler is available."""
+    return os.environ.get("FMHA_JIT", "1") != "0" and compiler_available()
 
 
 def cache_dir() -> Path:
@@ -228,7 +232,7 @@ def _compile(files: dict, selection, target: str, library: Path, quiet: bool) ->
     nvcc = _compiler()
     includes = [f"-I{config['include']}"]
     if config["cutlass_include"]:
-        includes.append(f"-isystem{config['cutlass_include']}")
+        includes += ["-isystem", config["cutlass_include"]]
     host = [f"-ccbin={config['host_compiler']}"] if config["host_compiler"] else []
     names = [i.name for i in selection.instances]
     begin = time.monotonic()
