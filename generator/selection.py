@@ -175,11 +175,14 @@ def parse_shard(text: str) -> Shard:
 
 
 def select(config: Config, catalog: Catalog, preset: str, filter_text: str = "",
-           targets: tuple[Arch, ...] | None = None) -> Selection:
+           targets: tuple[Arch, ...] | None = None,
+           preset_tokens: dict[str, tuple[Token, ...]] | None = None) -> Selection:
     """The instances that pass the preset, the filter and the targets (all must hold). Every
     preset of the config is checked on the way, so a broken one fails every run, not just the
-    run that happens to use it."""
-    preset_tokens = check_presets(config, catalog)
+    run that happens to use it; a caller that selects many times from one config passes
+    check_presets' result once checked (compile on demand: seconds a selection)."""
+    if preset_tokens is None:
+        preset_tokens = check_presets(config, catalog)
     if preset not in preset_tokens:
         raise GeneratorError(f"unknown preset {preset!r}; valid: {', '.join(config.presets)}",
                              "--preset")

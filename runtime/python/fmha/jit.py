@@ -106,9 +106,12 @@ def _generator():
 
 @functools.cache
 def _catalog():
+    """The build's matrix: its config, catalog and presets' checked filters (seconds to
+    build; kept for the process)."""
     gen = _generator()
     config = gen.config.load(Path(build_config()["config"]))
-    return config, gen.catalog.build_catalog(config)
+    catalog = gen.catalog.build_catalog(config)
+    return config, catalog, gen.selection.check_presets(config, catalog)
 
 
 def _tree_digest(roots) -> str:
@@ -147,9 +150,9 @@ def _selection(filter_text: str, target: str):
     target from the whole matrix, of the newest pipeline among them (the ones a full build
     would run first; the older pipelines' would never run)."""
     gen = _generator()
-    config, catalog = _catalog()
+    config, catalog, presets = _catalog()
     selection = gen.selection.select(config, catalog, "all", filter_text,
-                                     gen.selection.parse_targets(target))
+                                     gen.selection.parse_targets(target), presets)
     best = selection.instances[0].point.pipeline
     kept = tuple(i for i in selection.instances if i.point.pipeline == best)
     return gen.selection.Selection(kept, selection.targets, selection.gaps)
