@@ -6,6 +6,7 @@ compiles, runs and matches the reference) is tests/test_misses_gpu.py's."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -30,7 +31,6 @@ NAME = "fwd_fp16_d64_causal_softcap_fa2_sm80_m128n64"
 
 
 def run_python(code: str, cache: Path, **env) -> subprocess.CompletedProcess:
-    import os
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "FMHA_CACHE_DIR": str(cache), "FMHA_JIT": "1",
@@ -94,7 +94,7 @@ def test_racing_processes_compile_once(tmp_path):
     processes = [subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**__import__("os").environ, "FMHA_CACHE_DIR": str(tmp_path), "FMHA_JIT": "1"})
+        env={**os.environ, "FMHA_CACHE_DIR": str(tmp_path), "FMHA_JIT": "1"})
         for _ in range(3)]
     outputs = [p.communicate(timeout=600) for p in processes]
     assert all(p.returncode == 0 for p in processes), outputs

@@ -159,11 +159,8 @@ def _selection(filter_text: str, target: str):
 
 
 def _key(files: dict, target: str) -> str:
-    config = build_config()
-    digest = hashlib.sha256()
-    digest.update(json.dumps([config["cuda_version"], config["options"],
-                              config["link_options"], target]).encode())
-    digest.update(_headers_digest().encode())
+    """What decides the binary: the rendered sources, the target and the build (_build_digest)."""
+    digest = hashlib.sha256(json.dumps([_build_digest(), target]).encode())
     for name in sorted(files):
         digest.update(name.encode())
         digest.update(files[name].encode())
@@ -256,7 +253,8 @@ def _compile(files: dict, selection, target: str, library: Path, quiet: bool) ->
                   "-o", str(obj)])
             return obj
 
-        with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+        workers = max(1, min(len(sources), os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
             objects = list(pool.map(compile_one, sources))
         partial = work / "instances.so"
         _run([nvcc, *host, *config["link_options"], *map(str, objects), "-o", str(partial)])
@@ -272,7 +270,7 @@ def _compile(files: dict, selection, target: str, library: Path, quiet: bool) ->
 def _run(command: list) -> None:
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        raise CompileError(f"fmha: compiling on demand failed ({' '.join(command[:1])} exited "
+        raise CompileError(f"fmha: compiling on demand failed ({command[0]} exited "
                            f"{result.returncode}):\n{result.stderr.strip()}")
 
 
