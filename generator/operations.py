@@ -90,6 +90,21 @@ class Kernel:
     # Its launcher and workspace function take a second config, the tile's `full_grid` (a
     # tile entry may give one), which runs the calls whose units alone fill every SM.
     full_grid_tile: bool = False
+    # The N extents its wgmma GEMMs may take for a tile and (hdim_q, hdim_v), or None for a
+    # kernel without wgmma: a TU whose N falls outside WGMMA_BASE_N defines CuTe's extended
+    # shapes (Kernel.extended_wgmma_shapes).
+    wgmma_n: Callable[[Any, tuple[int, int]], tuple[int, ...]] | None = None
+
+    def extended_wgmma_shapes(self, tile, hdims: tuple[int, int]) -> bool:
+        """Whether an instance TU of this tile and head dims must define
+        CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (fmha/kernels/sm90_primitives.cuh says why it is
+        not always on: a minute of compile time per TU)."""
+        return self.wgmma_n is not None and not set(self.wgmma_n(tile, hdims)) <= WGMMA_BASE_N
+
+
+# The wgmma N extents CuTe's op selectors take without CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+# (cute/arch/mma_sm90_gmma.hpp); wgmma itself takes every multiple of 8 up to 256.
+WGMMA_BASE_N = frozenset({8, 16, 32, 64, 96, 128, 192, 256})
 
 
 # Keys a prefill kernel's pages hold a multiple of: its TMA boxes are one page's rows and start
@@ -258,6 +273,13 @@ _FWD_FA3_SHARED_MEMORY = SharedMemory(
     f"{_Q_AND_KV_RING} + {_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
     lambda tile, hdim: _q_and_kv_ring_bytes(tile, hdim) + _FA3_BARRIERS_AND_ALIGNMENT)
 
+
+
+def _fwd_fa3_wgmma_n(tile, hdim: tuple[int, int]) -> tuple[int, ...]:
+    """S = QK^T is (64, block_n) per consumer warpgroup, O += PV (64, hdim_v)."""
+    return (tile.block_n, hdim[1])
+
+
 FWD = Operation(
     kind=OPERATION.get("fwd"),
     traits=FwdTraits,
@@ -265,7 +287,7 @@ FWD = Operation(
         Kernel(PIPELINE.get("fa3"), header="fmha/kernels/fwd_fa3_sm90.cuh",
                config_template="fmha::fa3::FwdConfig", launcher="fmha::fa3::launch_fwd",
                tile_constraints=_FWD_FA3_CONSTRAINTS, shared_memory=_FWD_FA3_SHARED_MEMORY,
-               uses_cutlass=True, padded_hdim_step=None),
+               uses_cutlass=True, padded_hdim_step=None, wgmma_n=_fwd_fa3_wgmma_n),
         # FwdConfig::kSmemBytes of fwd_fa2_sm80.cuh.
         Kernel(PIPELINE.get("fa2"), header="fmha/kernels/fwd_fa2_sm80.cuh",
                config_template="fmha::fa2::FwdConfig", launcher="fmha::fa2::launch_fwd",
@@ -362,6 +384,15 @@ def _bwd_fa3_splits_head_dim(tile) -> bool:
     return tile.block_n == 64
 
 
+def _bwd_fa3_wgmma_n(tile, hdim: tuple[int, int]) -> tuple[int, ...]:
+    """A superset of BwdConfig's wgmma N extents (a spurious extended set costs only compile
+    time; the config's static_assert catches a missing one): S^T's and dP^T's queries
+    (block_m) and dK's, dV's and dQ's columns (the head dims), each whole or halved between
+    the two consumer warpgroups, and with the products split 128 and hdim_q - 128."""
+    whole = (tile.block_m, *hdim)
+    return (*whole, *(n // 2 for n in whole), *((128, hdim[0] - 128) if hdim[0] > 128 else ()))
+
+
 _BWD_FA3_CONSTRAINTS = (
     TileConstraint("block_n 128 (two consumer warpgroups of 64 keys: wgmma's M) or 64 (both on "
                    "the same 64 keys, each with half the head dim)",
@@ -422,7 +453,7 @@ BWD = Operation(
                    f"{_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
                    _bwd_fa3_smem_bytes),
                uses_cutlass=True, workspace="fmha::fa3::bwd_workspace_bytes",
-               padded_hdim_step=None),
+               padded_hdim_step=None, wgmma_n=_bwd_fa3_wgmma_n),
         # mma.sync, for sm80 and newer.
         Kernel(PIPELINE.get("fa2"), header="fmha/kernels/bwd_fa2_sm80.cuh",
                config_template="fmha::fa2::BwdConfig", launcher="fmha::fa2::launch_bwd",
@@ -480,7 +511,7 @@ KVCACHE = Operation(
                config_template="fmha::fa3::KvcacheConfig", launcher="fmha::fa3::launch_kvcache",
                tile_constraints=_FWD_FA3_CONSTRAINTS, shared_memory=_FWD_FA3_SHARED_MEMORY,
                uses_cutlass=True, workspace="fmha::fa3::kvcache_workspace_bytes", prefill=True,
-               padded_hdim_step=None),
+               padded_hdim_step=None, wgmma_n=_fwd_fa3_wgmma_n),
         # mma.sync, for sm80 and built natively for sm90a. An instance appends k_new/v_new to
         # the cache (rotated, when asked), attends with a CTA per key split, and combines the
         # splits by their log-sum-exp; its workspace holds the splits' partial results.

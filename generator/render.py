@@ -213,6 +213,9 @@ def _instance_fields(op: Operation, instance: Instance) -> dict:
         "pad_seqlen": _cpp_bool(point.pad_seqlen),
         "pad_hdim": _cpp_bool(point.pad_hdim),
         "smem_limit": point.arch.smem_limit,
+        "extended_wgmma_shapes": any(
+            kernel.extended_wgmma_shapes(t, (traits.hdim_q, traits.hdim_v))
+            for t in (tile, tile.full_grid) if t is not None),
     }
 
 

@@ -982,3 +982,25 @@ def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
     assert unaligned == "fmha::fwd_kvcache: q must be 16-byte aligned\n"
     assert both == ("fmha::fwd_kvcache: cache_batch_idx selects rows of a contiguous cache; a "
                     "paged cache (block_table set) must not get it\n")
+
+
+def test_only_tiles_outside_cutes_base_wgmma_shapes_define_its_extended_set():
+    # The extended set costs a TU about a minute of compile time, so it is defined where a
+    # wgmma N needs it (the forward's 80- and 112-key tiles of d256 and d192, which chunked
+    # prefill shares), before the kernel header, and nowhere else.
+    config = load(DEFAULT_CONFIG)
+    files = render(select(config, build_catalog(config), "extended", "bf16,fa3,causal,sm90a"),
+                   source="instances.yaml")
+    define = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED\n"
+    extended = sorted(name for name, text in files.items() if define in text)
+    assert extended == [
+        "fwd_bf16_d192x128_causal_group_lse_fa3_sm90a_m128n112_pad.cu",
+        "fwd_bf16_d192x128_causal_lse_fa3_sm90a_m128n112_pad.cu",
+        "fwd_bf16_d256_causal_group_lse_fa3_sm90a_m128n80_pad.cu",
+        "fwd_bf16_d256_causal_lse_fa3_sm90a_m128n80_pad.cu",
+        "kvcache_bf16_d256_causal_fa3_sm90a_m128n80_pad.cu",
+        "kvcache_bf16_d256_causal_paged_fa3_sm90a_m128n80_pad.cu",
+    ]
+    for name in extended:
+        assert files[name].index(define) < files[name].index("#include")
+    assert sum(name.endswith(".cu") for name in files) > 3 * len(extended)

@@ -192,6 +192,12 @@ struct BwdConfig {
   using TiledMmaDQ = DQMma<kDQSliceCols>;
   // The products split's second dQ slice (an unused 64-column stand-in elsewhere).
   using TiledMmaDQTail = DQMma<kSplitProducts ? kHeadDimQK - kDQSliceCols : 64>;
+  static_assert(wgmma_n<TiledMmaSdP> == kSdPQueries && wgmma_n<TiledMmaDV> == kDVCols &&
+                    wgmma_n<TiledMmaDK> == kDKCols && wgmma_n<TiledMmaDQ> == kDQSliceCols &&
+                    (!kSplitProducts || (wgmma_n<TiledMmaDKTail> == kDKTailCols &&
+                                         wgmma_n<TiledMmaDQTail> == kHeadDimQK - kDQSliceCols)),
+                "a wgmma N outside CuTe's base shapes: the TU must define "
+                "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED first (sm90_primitives.cuh)");
 
   // Rows of 64 elements (128 bytes) in 8-row swizzle atoms: what TMA writes and wgmma reads.
   using SwizzleAtom = cute::GMMA::Layout_K_SW128_Atom<MmaElement>;

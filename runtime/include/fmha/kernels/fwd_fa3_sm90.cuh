@@ -118,6 +118,9 @@ struct FwdConfig {
   using TiledMmaO = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, DimV, BlockN>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+  static_assert(wgmma_n<TiledMmaS> == kBlockN && wgmma_n<TiledMmaO> == kHeadDimV,
+                "a wgmma N outside CuTe's base shapes: the TU must define "
+                "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED first (sm90_primitives.cuh)");
 
   // Rows of 64 elements (128 bytes) in 8-row swizzle atoms: what TMA writes and wgmma reads.
   using SwizzleAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;

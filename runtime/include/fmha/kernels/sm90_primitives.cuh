@@ -10,12 +10,14 @@
 #include <cstdint>
 #include <type_traits>
 
-// wgmma has every N that is a multiple of 8 (or 16) up to 256; CuTe's op selectors consider
-// the non-power-of-two ones (the forward's 80- and 112-key tiles of d256 and d192) only with
-// this set, and fall back to 64x16 otherwise (5-7x the instructions).
-#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-#endif
+// wgmma has every N that is a multiple of 8 up to 256, CuTe's op selectors only N = 8, 16, 32,
+// 64, 96, 128, 192 and 256 unless CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED is defined before the
+// first CuTe header; for any other N (the forward's 80- and 112-key tiles of d256 and d192)
+// they fall back to a narrow atom (5-7x the instructions). The extended set is 150k lines of
+// atom definitions, which cost a TU 60 s of nvcc's front ends (a fa3 forward TU: 113 s with
+// it, 52 s without, one core), so only the TUs whose tiles need it define it: the generator
+// decides per instance (generator/operations.py, Kernel.wgmma_n), and the configs'
+// static_asserts on wgmma_n below catch a TU that lacks it.
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
@@ -31,6 +33,11 @@ template <>
 struct CuteElement<__nv_bfloat16> {
   using type = cutlass::bfloat16_t;
 };
+
+// The N of the wgmma atom CuTe selected for a tiled MMA: a config static_asserts that it is
+// the whole of the GEMM's N it asked for.
+template <class TiledMma>
+inline constexpr int wgmma_n = decltype(cute::size<1>(typename TiledMma::AtomShape_MNK{}))::value;
 
 // Named barriers: `threads` threads (a multiple of 32) of the CTA meet at barrier `id` (1-15;
 // 0 is __syncthreads). arrive signals without waiting.
