@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# With the default preset (lse, no bias, no dropout, no softcap, row-major V, KV-cache
-# attention): one batch-mode instance per operation, pipeline, arch and padding variant: the
-# forward's fa2 unpadded and fully padded for sm80, fa3 (padded) and fa2's fully padded fallback
-# for sm90a; the backward's likewise; and KV-cache attention (which has no mode): decode on a
-# contiguous and a paged cache for sm80 and sm90a, and fa3's chunked prefill on a paged one.
+# With the default preset (bf16, head dim 128, lse, no bias, no dropout, no softcap, row-major V,
+# KV-cache attention), no mask and batch mode: the forward's fa2 unpadded and fully padded for
+# sm80 and fa3 for sm90a; the backward's likewise; and KV-cache attention (which has no mode):
+# decode on a contiguous and a paged cache for sm80 and sm90a.
 PRESET = "default"
-FILTER = "fp16,hdim64,mask=none,mode=batch|kvcache"
-TUS = 13
+FILTER = "mask=none,mode=batch|kvcache"
+TUS = 10
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nvcc") is None or shutil.which("cmake") is None or shutil.which("ninja") is None,
@@ -55,7 +54,7 @@ def configure_and_build(build, *options):
 def build_dir(tmp_path_factory):
     build = tmp_path_factory.mktemp("cmake")
     output = configure_and_build(build, "-DFMHA_BUILD_PYTHON=OFF")
-    assert f"generator: {TUS} of 15348 instances selected (fwd 4, bwd 4, kvcache 5;" in output
+    assert f"generator: {TUS} of 15348 instances selected (fwd 3, bwd 3, kvcache 4;" in output
     assert "CUTLASS 4.2" in output and "headers for the fa3 TUs" in output
     return build
 
@@ -135,7 +134,7 @@ def test_auto_targets_are_the_gpus_or_both(tmp_path):
         assert f"FMHA_ARCHS=auto: {';'.join(expected)}, for this machine's GPUs" in result.stdout
     else:
         assert "FMHA_ARCHS=auto: no GPU of compute capability 8.0 or newer here" in result.stdout
-        assert "(sm80 6, sm90a 4)" in result.stdout  # fa2 for both targets
+        assert "(sm80 6, sm90a 2)" in result.stdout  # fa2 for both targets
     assert "Compiler cache" not in result.stdout
 
 
@@ -174,7 +173,7 @@ def shard_dirs(tmp_path_factory):
         build = tmp_path_factory.mktemp(f"shard{index}")
         output = configure_and_build(build, f"-DFMHA_SHARD={index}/2")
         assert f"FMHA_SHARD={index}/2: building only" in output
-        assert f"shard {index}/2: {(TUS + 2 - index) // 2} TUs" in output  # 7 and 6
+        assert f"shard {index}/2: {TUS // 2} TUs" in output
         return build
     with ThreadPoolExecutor(2) as pool:
         return list(pool.map(shard, (1, 2)))
@@ -248,7 +247,7 @@ def test_final_library_links_every_instance_from_the_archives(final_dir):
 
 def test_final_library_without_a_shard_fails_to_link(final_dir):
     _, missing = final_dir
-    assert "undefined reference" in missing and "launch_fwd_fp16_d64" in missing
+    assert "undefined reference" in missing and "launch_fwd_bf16_d128" in missing
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -15,7 +15,7 @@ BWD_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias",
 KVCACHE_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "paged",
                           "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim", "block_m",
                           "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = ("168 of 15348 instances selected (fwd 56, bwd 56, kvcache 56; 89484 "
+DEFAULT_SELECTED = ("25 of 15348 instances selected (fwd 8, bwd 8, kvcache 9; 89484 "
                     "pruned)")
 
 
@@ -23,10 +23,10 @@ def test_default_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 168 TUs (sm80 72, sm90a 96), "
-                             f"171 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
-    assert len(list(out.glob("fwd_*.cu"))) == 56 and len(list(out.glob("bwd_*.cu"))) == 56
-    assert len(list(out.glob("kvcache_*.cu"))) == 56
+    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 25 TUs (sm80 14, sm90a 11), "
+                             f"28 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
+    assert len(list(out.glob("fwd_*.cu"))) == 8 and len(list(out.glob("bwd_*.cu"))) == 8
+    assert len(list(out.glob("kvcache_*.cu"))) == 9
     assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {
         p.name for p in out.iterdir()}
 
@@ -36,19 +36,19 @@ def test_second_run_writes_nothing(run_cli, tmp_path):
     run_cli("--out", out)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     result = run_cli("--out", out)
-    assert "0 files written, 171 unchanged, 0 removed" in result.stdout
+    assert "0 files written, 28 unchanged, 0 removed" in result.stdout
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
 
 
 def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     out = tmp_path / "gen"
-    run_cli("--out", out)
+    run_cli("--out", out, "--preset", "extended", "--filter", "fp16,hdim64")
     result = run_cli("--out", out, "--preset", "minimal", "--targets", "90a")
     assert result.returncode == 0, result.stderr
-    # minimal's fwd instances leave out the log-sum-exp, default's write it: none are shared;
-    # its two sm90a bwd and three sm90a kvcache ones are default's.
+    # minimal's fwd instances leave out the log-sum-exp, extended's write it: none are shared;
+    # its two sm90a bwd and three sm90a kvcache ones are extended's.
     assert "7 of 15348 instances selected (fwd 2, bwd 2, kvcache 3;" in result.stdout
-    assert "5 unchanged, 163 removed" in result.stdout
+    assert "5 unchanged, 67 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
         "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu",
         "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu",
@@ -58,17 +58,19 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
 
 
 def test_list(run_cli):
-    result = run_cli("--list", "--filter", "bf16,hdim128,causal,mode=batch", "--targets", "sm90a")
+    result = run_cli("--list", "--preset", "extended", "--filter", "bf16,hdim128,causal,mode=batch",
+                     "--targets", "sm90a")
     assert result.returncode == 0, result.stderr
     # Each operation's instances in its dispatch order, fwd's first.
     assert result.stdout.split() == ["fwd_bf16_d128_causal_lse_fa3_sm90a_m128n128_pad",
                                      "fwd_bf16_d128_causal_lse_fa2_sm90a_m128n64_pad_hpad",
                                      "bwd_bf16_d128_causal_fa3_sm90a_m64n128_pad",
                                      "bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad"]
-    bwd = run_cli("--list", "--filter", "bwd,bf16,hdim128,causal,mode=batch", "--targets", "sm90a")
+    bwd = run_cli("--list", "--preset", "extended", "--filter", "bwd,bf16,hdim128,causal,mode=batch",
+                  "--targets", "sm90a")
     assert bwd.stdout.split() == result.stdout.split()[2:]
-    assert run_cli("--list", "--filter", "op=bwd,bf16,hdim128,causal,mode=batch",
-                   "--targets", "sm90a").stdout == bwd.stdout
+    assert run_cli("--list", "--preset", "extended", "--filter",
+                   "op=bwd,bf16,hdim128,causal,mode=batch", "--targets", "sm90a").stdout == bwd.stdout
 
 
 def test_json(run_cli):
@@ -178,7 +180,7 @@ def test_presets_table(run_cli):
     assert lines[0].split() == ["preset", "fwd", "bwd", "kvcache", "TUs", "sm80", "sm90a", "why"]
     rows = {line.split()[0]: [int(n) for n in line.split()[1:7]]
             for line in lines[1:] if not line.startswith(" ")}
-    assert rows == {"default": [56, 56, 56, 168, 72, 96],
+    assert rows == {"default": [8, 8, 9, 25, 14, 11],
                     "extended": [276, 276, 324, 876, 396, 480],
                     "minimal": [4, 4, 6, 14, 7, 7],
                     "flash_attn": [2040, 2040, 1188, 5268, 2592, 2676],
@@ -190,7 +192,7 @@ def test_presets_table(run_cli):
 
 
 def test_presets_json_with_targets_and_filter(run_cli):
-    result = run_cli("--presets", "--json", "--targets", "90a", "--filter", "fp16")
+    result = run_cli("--presets", "--json", "--targets", "90a", "--filter", "!window")
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [row["preset"] for row in rows] == ["default", "extended", "minimal", "flash_attn",
@@ -198,15 +200,18 @@ def test_presets_json_with_targets_and_filter(run_cli):
     default = rows[0]
     assert default == {
         "preset": "default",
-        "filters": ["fwd,hdim64|hdim128,mask=none|causal,bias=none,vlayout=row,lse,!dropout,"
-                    "!softcap", "bwd,hdim64|hdim128,mask=none|causal,bias=none,!dropout,!softcap",
-                    "kvcache,fa2,hdim64|hdim128,mask=none|causal,bias=none,!softcap,nohpad",
-                    "kvcache,fa2,hdim128,hpad,mask=none|causal,bias=none,!softcap",
-                    "kvcache,fa3,paged,hdim64|hdim128,mask=none|causal"],
-        "instances": 48, "instances_per_op": {"fwd": 16, "bwd": 16, "kvcache": 16}, "tus": 48,
-        "tus_per_target": {"sm80": 0, "sm90a": 48}, "why": default["why"]}
+        "filters": [
+            "fwd,bf16,hdim128,causal,bias=none,vlayout=row,lse,!dropout,!softcap,!*_fa2_sm90a_*",
+            "fwd,bf16,hdim128,mask=none,mode=batch,bias=none,vlayout=row,lse,!dropout,!softcap,"
+            "!*_fa2_sm90a_*",
+            "bwd,bf16,hdim128,causal,bias=none,!dropout,!softcap,!*_fa2_sm90a_*",
+            "bwd,bf16,hdim128,mask=none,mode=batch,bias=none,!dropout,!softcap,!*_fa2_sm90a_*",
+            "kvcache,fa2,bf16,hdim128,mask=none|causal,bias=none,!softcap,nohpad",
+            "kvcache,fa3,paged,bf16,hdim128,causal"],
+        "instances": 11, "instances_per_op": {"fwd": 3, "bwd": 3, "kvcache": 5}, "tus": 11,
+        "tus_per_target": {"sm80": 0, "sm90a": 11}, "why": default["why"]}
     assert default["why"].startswith("What `pip install .` builds")
-    assert rows[1]["instances_per_op"] == {"fwd": 75, "bwd": 75, "kvcache": 90}
+    assert rows[1]["instances_per_op"] == {"fwd": 100, "bwd": 100, "kvcache": 120}
     assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2, "kvcache": 3}
 
 
@@ -278,7 +283,7 @@ def test_explain_hit_names_the_rule_and_the_runner_up(run_cli):
 
 
 def test_explain_prefers_the_newer_pipeline(run_cli):
-    result = run_cli("--explain", "dtype=fp16,hdim=64,lse=true,arch=sm90a")
+    result = run_cli("--explain", "dtype=fp16,hdim=64,lse=true,arch=sm90a", "--preset", "extended")
     lines = result.stdout.splitlines()
     assert lines[1] == "chosen:  fwd_fp16_d64_lse_fa3_sm90a_m192n128_pad"
     assert lines[2].endswith(
@@ -340,15 +345,16 @@ def test_explain_miss_lists_the_nearest_and_a_filter_that_fits(run_cli):
 
 
 def test_explain_miss_keeps_this_runs_preset_and_adds_the_target(run_cli):
-    result = run_cli("--explain", "dtype=fp16,hdim=64,arch=80", "--targets", "90a")
+    result = run_cli("--explain", "dtype=fp16,hdim=64,arch=80", "--preset", "extended",
+                     "--targets", "90a")
     assert result.stdout.splitlines()[-1] == (
-        "build it with: python -m generator --preset default --filter 'fp16,hdim64,mask=none,"
+        "build it with: python -m generator --preset extended --filter 'fp16,hdim64,mask=none,"
         "bias=none,vlayout=row,mode=batch,dropout=false,softcap=false,nopad' --targets "
         "sm90a,sm80")
 
 
 def test_explain_miss_outside_the_matrix(run_cli):
-    result = run_cli("--explain", "dtype=fp16,hdim=512,arch=90")
+    result = run_cli("--explain", "dtype=fp16,hdim=512,arch=90", "--preset", "extended")
     lines = result.stdout.splitlines()
     assert "no fwd instance of the whole matrix serves it either; the nearest there:" in lines
     assert lines[-1] == "extend the matrix (instances.yaml) to build one"
@@ -379,23 +385,23 @@ def test_explain_problem_errors(run_cli, problem, message):
 # -- the bwd operation -------------------------------------------------------------------------
 
 def test_filter_names_an_operation(run_cli):
-    bwd = run_cli("--list", "--filter", "bwd").stdout.split()
-    assert len(bwd) == 56 and all(name.startswith("bwd_") for name in bwd)
-    assert run_cli("--list", "--filter", "op=bwd").stdout.split() == bwd
-    fwd = run_cli("--list", "--filter", "fwd").stdout.split()
-    assert len(fwd) == 56 and all(name.startswith("fwd_") for name in fwd)
-    default_kvcache = run_cli("--list", "--filter", "kvcache").stdout.split()
-    assert len(default_kvcache) == 56
-    assert run_cli("--list").stdout.split() == fwd + bwd + default_kvcache
-    kvcache = run_cli("--list", "--preset", "extended", "--filter", "kvcache").stdout.split()
+    def listed(*filter_tokens):
+        return run_cli("--list", "--preset", "extended", *filter_tokens).stdout.split()
+    bwd = listed("--filter", "bwd")
+    assert len(bwd) == 276 and all(name.startswith("bwd_") for name in bwd)
+    assert listed("--filter", "op=bwd") == bwd
+    fwd = listed("--filter", "fwd")
+    assert len(fwd) == 276 and all(name.startswith("fwd_") for name in fwd)
+    kvcache = listed("--filter", "kvcache")
     assert len(kvcache) == 324 and all(name.startswith("kvcache_") for name in kvcache)
+    assert listed() == fwd + bwd + kvcache
     # An axis of the other operation selects nothing of it: lse and vlayout are fwd's.
-    result = run_cli("--list", "--filter", "bwd,lse")
+    result = run_cli("--list", "--preset", "extended", "--filter", "bwd,lse")
     assert result.returncode == 2
-    assert result.stderr.startswith("--filter: 'lse' matches none of the 56 instances left by")
-    # Its negation holds for them: default's fwd instances all have lse.
-    assert run_cli("--list", "--filter", "!lse,hdim64,causal,mode=batch,nopad,sm80").stdout.split(
-        ) == ["bwd_bf16_d64_causal_fa2_sm80_m128n128", "bwd_fp16_d64_causal_fa2_sm80_m128n128"]
+    assert result.stderr.startswith("--filter: 'lse' matches none of the 276 instances left by")
+    # Its negation holds for them: extended's fwd instances all have lse.
+    assert listed("--filter", "!lse,hdim64,causal,mode=batch,nopad,sm80") == [
+        "bwd_bf16_d64_causal_fa2_sm80_m128n128", "bwd_fp16_d64_causal_fa2_sm80_m128n128"]
 
 
 def test_unknown_token_lists_the_operations(run_cli):
@@ -429,13 +435,14 @@ def test_shards_split_both_operations(run_cli):
 
 
 def test_explain_bwd_hit(run_cli):
-    result = run_cli("--explain", "op=bwd,dtype=bf16,hdim=128,mask=causal,arch=90")
+    result = run_cli("--explain", "op=bwd,dtype=bf16,hdim=128,mask=causal,arch=90",
+                     "--preset", "extended", "--filter", "hdim128")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         "problem: op=bwd,dtype=bf16,hdim=128x128,mask=causal,bias=none,mode=batch,dbias=false,"
         "dropout=false,softcap=false,seqlen_q=1024,seqlen_k=1024,seqused=false,arch=90",
         "chosen:  bwd_bf16_d128_causal_fa3_sm90a_m64n128_pad",
-        "why:     4 of the 56 selected bwd instances serve it; it goes ahead of the runner-up "
+        "why:     4 of the 42 selected bwd instances serve it; it goes ahead of the runner-up "
         "bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad by rule 3 of the dispatch order, "
         "newer pipeline first: pipeline fa3 against pipeline fa2",
         "serving, in dispatch order:",
@@ -443,21 +450,21 @@ def test_explain_bwd_hit(run_cli):
         "  bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad",
         "  bwd_bf16_d128_causal_fa2_sm80_m64n128",
         "  bwd_bf16_d128_causal_fa2_sm80_m64n128_pad_hpad"]
-    # The same problem with --filter bwd,hdim128 and a ragged seqlen_q: fa3, which pads, against
-    # fa2's padded instance for sm90a.
+    # The same problem with a ragged seqlen_q: fa3, which pads, against fa2's padded instance
+    # for sm90a.
     ragged = run_cli("--explain", "op=bwd,dtype=bf16,hdim=128,mask=causal,seqlen_q=1000,arch=90",
-                     "--filter", "bwd,hdim128")
+                     "--preset", "extended", "--filter", "bwd,hdim128")
     assert ragged.stdout.splitlines()[1:3] == [
         "chosen:  bwd_bf16_d128_causal_fa3_sm90a_m64n128_pad",
-        "why:     3 of the 28 selected bwd instances serve it; it goes ahead of the runner-up "
+        "why:     3 of the 42 selected bwd instances serve it; it goes ahead of the runner-up "
         "bwd_bf16_d128_causal_fa2_sm90a_m64n128_pad_hpad by rule 3 of the dispatch order, newer "
         "pipeline first: pipeline fa3 against pipeline fa2"]
 
 
 def test_explain_bwd_miss_suggests_a_filter_that_fits(run_cli):
     problem = "op=bwd,dtype=fp16,hdim=64,bias=elementwise,dbias=true,seqlen_q=1000,arch=80"
-    lines = run_cli("--explain", problem).stdout.splitlines()
-    assert lines[1] == "none of the 56 selected bwd instances serves it; the nearest:"
+    lines = run_cli("--explain", problem, "--preset", "extended").stdout.splitlines()
+    assert lines[1] == "none of the 276 selected bwd instances serves it; the nearest:"
     assert lines[2] == ("  bwd_fp16_d64_fa2_sm80_m128n128_pad_hpad: bias=none (the call: "
                         "elementwise); dbias=false (the call: true)")
     assert lines[5] == ("the matrix has one that fits: "
