@@ -18,11 +18,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # With the default preset (bf16, head dim 128, lse, no bias, no dropout, no softcap, row-major V,
-# KV-cache attention), no mask and batch mode: the forward's fa2 unpadded and fully padded for
-# sm80 and fa3 for sm90a; the backward's likewise; and KV-cache attention (which has no mode):
-# decode on a contiguous and a paged cache for sm80 and sm90a.
+# KV-cache attention), batch mode: the forward without a mask (fa2 unpadded and fully padded for
+# sm80, fa3 for sm90a), the backward, causal (the same three), and KV-cache attention (which
+# has no mode) without a mask: decode on a contiguous and a paged cache for sm80 and sm90a.
 PRESET = "default"
-FILTER = "mask=none,mode=batch|kvcache"
+FILTER = "mode=batch|kvcache,mask=none|bwd_*"
 TUS = 10
 
 pytestmark = pytest.mark.skipif(

@@ -15,7 +15,7 @@ BWD_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias",
 KVCACHE_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "paged",
                           "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim", "block_m",
                           "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = ("25 of 15348 instances selected (fwd 8, bwd 8, kvcache 9; 89484 "
+DEFAULT_SELECTED = ("22 of 15348 instances selected (fwd 8, bwd 5, kvcache 9; 89484 "
                     "pruned)")
 
 
@@ -23,9 +23,9 @@ def test_default_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 25 TUs (sm80 14, sm90a 11), "
-                             f"28 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
-    assert len(list(out.glob("fwd_*.cu"))) == 8 and len(list(out.glob("bwd_*.cu"))) == 8
+    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 22 TUs (sm80 12, sm90a 10), "
+                             f"25 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
+    assert len(list(out.glob("fwd_*.cu"))) == 8 and len(list(out.glob("bwd_*.cu"))) == 5
     assert len(list(out.glob("kvcache_*.cu"))) == 9
     assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {
         p.name for p in out.iterdir()}
@@ -36,7 +36,7 @@ def test_second_run_writes_nothing(run_cli, tmp_path):
     run_cli("--out", out)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     result = run_cli("--out", out)
-    assert "0 files written, 28 unchanged, 0 removed" in result.stdout
+    assert "0 files written, 25 unchanged, 0 removed" in result.stdout
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
 
 
@@ -180,7 +180,7 @@ def test_presets_table(run_cli):
     assert lines[0].split() == ["preset", "fwd", "bwd", "kvcache", "TUs", "sm80", "sm90a", "why"]
     rows = {line.split()[0]: [int(n) for n in line.split()[1:7]]
             for line in lines[1:] if not line.startswith(" ")}
-    assert rows == {"default": [8, 8, 9, 25, 14, 11],
+    assert rows == {"default": [8, 5, 9, 22, 12, 10],
                     "extended": [276, 276, 324, 876, 396, 480],
                     "minimal": [4, 4, 6, 14, 7, 7],
                     "flash_attn": [2040, 2040, 1188, 5268, 2592, 2676],
@@ -205,11 +205,10 @@ def test_presets_json_with_targets_and_filter(run_cli):
             "fwd,bf16,hdim128,mask=none,mode=batch,bias=none,vlayout=row,lse,!dropout,!softcap,"
             "!*_fa2_sm90a_*",
             "bwd,bf16,hdim128,causal,bias=none,!dropout,!softcap,!*_fa2_sm90a_*",
-            "bwd,bf16,hdim128,mask=none,mode=batch,bias=none,!dropout,!softcap,!*_fa2_sm90a_*",
             "kvcache,fa2,bf16,hdim128,mask=none|causal,bias=none,!softcap,nohpad",
             "kvcache,fa3,paged,bf16,hdim128,causal"],
-        "instances": 11, "instances_per_op": {"fwd": 3, "bwd": 3, "kvcache": 5}, "tus": 11,
-        "tus_per_target": {"sm80": 0, "sm90a": 11}, "why": default["why"]}
+        "instances": 10, "instances_per_op": {"fwd": 3, "bwd": 2, "kvcache": 5}, "tus": 10,
+        "tus_per_target": {"sm80": 0, "sm90a": 10}, "why": default["why"]}
     assert default["why"].startswith("What `pip install .` builds")
     assert rows[1]["instances_per_op"] == {"fwd": 100, "bwd": 100, "kvcache": 120}
     assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2, "kvcache": 3}

@@ -216,7 +216,7 @@ def test_repository_presets_parse_and_select():
                                                                 name).instances)
                           for op in ("fwd", "bwd", "kvcache"))
               for name in config.presets}
-    assert counts == {"default": (8, 8, 9), "extended": (276, 276, 324),
+    assert counts == {"default": (8, 5, 9), "extended": (276, 276, 324),
                       "minimal": (4, 4, 6), "flash_attn": (2040, 2040, 1188),
                       "pytorch": (448, 672, 0), "coverage": (592, 392, 440),
                       "all": (10104, 4056, 1188)}

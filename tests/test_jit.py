@@ -95,7 +95,7 @@ def test_racing_processes_compile_once(tmp_path):
         [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, "FMHA_CACHE_DIR": str(tmp_path), "FMHA_JIT": "1"})
-        for _ in range(3)]
+        for _ in range(8)]
     outputs = [p.communicate(timeout=600) for p in processes]
     assert all(p.returncode == 0 for p in processes), outputs
     assert len({out.strip() for out, _ in outputs}) == 1

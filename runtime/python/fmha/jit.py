@@ -13,7 +13,8 @@ MissingInstanceError, as without a compiler.
 The cache (FMHA_CACHE_DIR, default $XDG_CACHE_HOME/fmha or ~/.cache/fmha) keeps one object per
 set of rendered sources, keyed by everything that changes the binary: the rendered TUs, the
 headers they include (the kernels' and CUTLASS's), the compiler's version and options. A
-compile holds a lock file, so concurrent threads and processes compile a key once; it writes
+compile holds lock files, so concurrent threads and processes compile a key once (those that
+miss the same recipe wait for the first and take its object, without the generator); it writes
 beside the final name and renames into place, so a half-written object is never loaded, and an
 object that fails to load is compiled again. `python -m fmha.jit --filter ...` fills the cache
 ahead of time (compile_filter); a CUDA-graph capture never compiles (it raises instead).
@@ -179,24 +180,37 @@ def compile_filter(filter_text: str, target: str, quiet: bool = False) -> Path:
     # selection takes seconds): one small file per recipe and build.
     recipe = cache / (hashlib.sha256(json.dumps([filter_text, target, _build_digest()])
                                      .encode()).hexdigest()[:24] + ".recipe")
-    try:
-        library = cache / recipe.read_text().strip()
-        if _intact(library):
+    library = _recorded(recipe)
+    if library is not None:
+        return library
+    # Processes missing the same instance at once (the ranks of one job) wait here for the
+    # first, then find its object through the recipe: one of them runs the generator.
+    with _PROCESS_LOCK, open(recipe.with_suffix(".lock"), "w") as recipe_lock:
+        fcntl.flock(recipe_lock, fcntl.LOCK_EX)
+        library = _recorded(recipe)
+        if library is not None:
             return library
-    except OSError:
-        pass
-    selection = _selection(filter_text, target)
-    files = _generator().render.render_loadable(selection, source="instances.yaml")
-    key = _key(files, target)
-    library = cache / f"{selection.instances[0].name}-{key[:16]}.so"
-    if not _intact(library):
-        with _PROCESS_LOCK, open(cache / f"{key[:16]}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process compiling this key: wait for it
+        selection = _selection(filter_text, target)
+        files = _generator().render.render_loadable(selection, source="instances.yaml")
+        key = _key(files, target)
+        library = cache / f"{selection.instances[0].name}-{key[:16]}.so"
+        # Another recipe may select the same instances: their object has a lock of its own.
+        with open(cache / f"{key[:16]}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             if not _intact(library):
                 library.unlink(missing_ok=True)
                 _compile(files, selection, target, library, quiet)
-    _write_atomically(recipe, library.name)
+        _write_atomically(recipe, library.name)
     return library
+
+
+def _recorded(recipe: Path) -> Optional[Path]:
+    """The intact object a recipe file names, or None."""
+    try:
+        library = recipe.parent / recipe.read_text().strip()
+    except OSError:
+        return None
+    return library if _intact(library) else None
 
 
 def _digest_file(library: Path) -> Path:
