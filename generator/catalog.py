@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import cached_property
 
 from .config import Config, OperationConfig, TileEntry
 from .dispatch import check_dispatchable, dispatch_order
@@ -24,6 +25,17 @@ class Catalog:
 
     def of(self, op: OperationKind) -> tuple[Instance, ...]:
         return tuple(i for i in self.instances if i.op == op)
+
+    @cached_property
+    def head_dims(self) -> dict[OperationKind, tuple[tuple[int, int], ...]]:
+        """Each operation's (hdim_q, hdim_v) pairs, smallest first: the dispatch table carries
+        them, so that a miss suggests (and compile on demand builds) the matrix's own head dims
+        rather than a compiled instance's padded ones."""
+        pairs: dict[OperationKind, set] = {}
+        for i in self.instances:
+            pairs.setdefault(i.op, set()).add((i.point.traits.hdim_q, i.point.traits.hdim_v))
+        return {op: tuple(sorted(hdims, key=lambda hdim: (sum(hdim), hdim)))
+                for op, hdims in pairs.items()}
 
 
 def build_catalog(config: Config) -> Catalog:

@@ -217,6 +217,14 @@ class Operation:
     def gap_count(self) -> str:
         return f"kNum{self.registry}PipelineGaps"
 
+    @property
+    def matrix_head_dims(self) -> str:
+        return f"k{self.registry}MatrixHeadDims"
+
+    @property
+    def matrix_head_dim_count(self) -> str:
+        return f"kNum{self.registry}MatrixHeadDims"
+
 
 # ---- fwd -------------------------------------------------------------------------------------
 

@@ -251,6 +251,10 @@ def _table(op: Operation, selection: Selection) -> dict:
         "declarations": [export.declaration(i.name) for i in instances for export in op.exports],
         "rows": [_dispatch_row(op, i) for i in instances],
         "gap_rows": [_gap_row(gap) for gap in selection.gaps if gap.op == op.kind],
+        "matrix_head_dims": op.matrix_head_dims,
+        "matrix_head_dim_count": op.matrix_head_dim_count,
+        "head_dim_rows": selection.head_dims.get(op.kind, ()),
+        "head_dim_rows_array": f"k{op.registry}MatrixHeadDimRows",
     }
 
 

@@ -19,7 +19,7 @@ from .gaps import PipelineGap
 from .model import Condition, Instance
 from .operations import OPERATIONS
 from .schema import (ARCH, BOOL_AXES, ENUM_AXES, FILTER_AXES, INT_AXES, INTEGER, MATRIX_AXES,
-                     TRAIT_BOOL_AXES, Arch, AxisValue)
+                     TRAIT_BOOL_AXES, Arch, AxisValue, OperationKind)
 
 
 GRAMMAR = """\
@@ -88,8 +88,9 @@ class Selection:
     instances: tuple[Instance, ...]  # in the dispatcher's order of preference
     targets: tuple[Arch, ...]  # the archs that have at least one selected instance
     # The catalog's: the dispatch table carries them, so that the runtime can say why a newer
-    # pipeline did not run a problem.
+    # pipeline did not run a problem, and which head dims the matrix has (Catalog.head_dims).
     gaps: tuple[PipelineGap, ...]
+    head_dims: dict[OperationKind, tuple[tuple[int, int], ...]]
 
 
 def parse_filter(text: str, source: str, catalog: Catalog) -> tuple[Token, ...]:
@@ -218,7 +219,8 @@ def _option_tokens(catalog: Catalog, filter_text: str,
 
 def _selection(catalog: Catalog, instances: tuple[Instance, ...]) -> Selection:
     archs = {instance.point.arch for instance in instances}
-    return Selection(instances, tuple(a for a in ARCH if a in archs), catalog.gaps)
+    return Selection(instances, tuple(a for a in ARCH if a in archs), catalog.gaps,
+                     catalog.head_dims)
 
 
 def narrow(catalog: Catalog, tokens: Sequence[Token]) -> tuple[Instance, ...]:

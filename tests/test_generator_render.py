@@ -981,12 +981,13 @@ def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
         "device); this GPU is sm90.\n"
         "Runs kvcache_fp16_d128_fa2_sm90a_m16n64_pad_hpad (fa2, sm90a, tile 16x64, head dims "
         "128x128, pad_seqlen=true, pad_hdim=true).\n")
-    # A miss names the filter that builds the padded instance of the head dims above its own.
+    # A miss names the filter that builds the padded instance of the matrix's nearest head dims
+    # above its own (96, which this build has not compiled), not of a compiled instance's.
     assert miss.startswith("KV-cache problem: dtype=fp16 hdim_q=80 hdim_v=80 mask=none")
     assert ("no compiled fmha kvcache instance runs dtype=fp16 hdim_q=80 hdim_v=80 mask=none "
             "bias=none paged=false softcap=false on this GPU (sm80): instances with these traits "
             "exist only for other GPUs") in miss
-    assert ("FMHA_FILTER='kvcache,fp16,hdim128,mask=none,bias=none,paged=false,softcap=false,hpad,"
+    assert ("FMHA_FILTER='kvcache,fp16,hdim96,mask=none,bias=none,paged=false,softcap=false,hpad,"
             "pad,sm80'") in miss
     assert unaligned == "fmha::fwd_kvcache: q must be 16-byte aligned\n"
     assert both == ("fmha::fwd_kvcache: cache_batch_idx selects rows of a contiguous cache; a "

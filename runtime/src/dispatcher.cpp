@@ -55,7 +55,8 @@ std::string sm(int cc) { return "sm" + std::to_string(cc); }
 // is the API function that lists its instances, `problem` starts explain()'s first line,
 // `entry_point` is the call whose messages these are (the prefix its argument checks have).
 // padded_hdim_step: the step of the head dims its head-dim-padded entries run (registry.h), so
-// that a miss may suggest one; 0 where its kernels take exact head dims only.
+// that a miss may suggest one; 0 where its kernels take exact head dims only. matrix_head_dims:
+// the head dims its whole matrix has, which a miss suggests building.
 struct FwdTable {
   using Entry = InstanceEntry;
   using Gap = PipelineGap;
@@ -64,6 +65,8 @@ struct FwdTable {
   static const char* entry_point() { return "fmha::fwd"; }
   static const char* problem() { return "Problem"; }
   static int padded_hdim_step() { return kPaddedHeadDimStep; }
+  static const MatrixHeadDims* matrix_head_dims() { return kMatrixHeadDims; }
+  static int matrix_head_dim_count() { return kNumMatrixHeadDims; }
   static EntryList<Entry> list() { return fwd_entries(); }
   static const Gap* gaps() { return kPipelineGaps; }
   static int gap_count() { return kNumPipelineGaps; }
@@ -76,6 +79,8 @@ struct BwdTable {
   static const char* entry_point() { return "fmha::bwd"; }
   static const char* problem() { return "Backward problem"; }
   static int padded_hdim_step() { return kBwdPaddedHeadDimStep; }
+  static const MatrixHeadDims* matrix_head_dims() { return kBwdMatrixHeadDims; }
+  static int matrix_head_dim_count() { return kNumBwdMatrixHeadDims; }
   static EntryList<Entry> list() { return bwd_entries(); }
   static const Gap* gaps() { return kBwdPipelineGaps; }
   static int gap_count() { return kNumBwdPipelineGaps; }
@@ -88,6 +93,8 @@ struct KvcacheTable {
   static const char* entry_point() { return "fmha::fwd_kvcache"; }
   static const char* problem() { return "KV-cache problem"; }
   static int padded_hdim_step() { return kKvcachePaddedHeadDimStep; }
+  static const MatrixHeadDims* matrix_head_dims() { return kKvcacheMatrixHeadDims; }
+  static int matrix_head_dim_count() { return kNumKvcacheMatrixHeadDims; }
   static EntryList<Entry> list() { return kvcache_entries(); }
   static const Gap* gaps() { return kKvcachePipelineGaps; }
   static int gap_count() { return kNumKvcachePipelineGaps; }
@@ -425,33 +432,34 @@ bool needs_padded_lengths(const KvcacheArgs&, int, int) {
   return true;
 }
 
-// The head dims to build for `w`: its own when some compiled instance has them (so the matrix
-// lists them); else, for head dims in the step of the operation's padded kernels, the
-// smallest compiled head dims above them, run padded, or failing that the next multiples of
-// 32, which fa2's tiles come in (fa2 is the pipeline that pads head dims; fa3 runs exact
-// multiples of 64 only).
+// The head dims to build for `w`: its own when the operation's matrix has them (whether or not
+// this build compiled any); else, for head dims in the step of the operation's padded kernels,
+// the matrix's smallest head dims above them, run padded, or failing that the next multiples
+// of 32, which fa2's tiles come in (fa2 is the pipeline that pads head dims; fa3 runs exact
+// multiples of 64 only). So compile on demand builds what a full build would run the call with
+// (a d64 call on a build of d128 alone gets d64's fa3 instance, not d128's padded fa2 one).
 template <class Args>
 Suggestion suggest(const Args& a, int cc) {
   using Table = typename TableOf<Args>::type;
   const auto w = a.traits();
   int hdim_q = w.hdim_q, hdim_v = w.hdim_v;
-  bool exact_compiled = false, covered = false;
-  for (const auto& e : Table::list()) {
-    const auto& t = e.traits;
-    if (t.hdim_q == w.hdim_q && t.hdim_v == w.hdim_v) exact_compiled = true;
-    const bool covers = t.hdim_q >= w.hdim_q && t.hdim_v >= w.hdim_v;
-    if (covers && (!covered || t.hdim_q + t.hdim_v < hdim_q + hdim_v)) {
-      hdim_q = t.hdim_q;
-      hdim_v = t.hdim_v;
+  bool in_matrix = false, covered = false;
+  for (int i = 0; i < Table::matrix_head_dim_count(); ++i) {
+    const MatrixHeadDims& m = Table::matrix_head_dims()[i];
+    if (m.hdim_q == w.hdim_q && m.hdim_v == w.hdim_v) in_matrix = true;
+    const bool covers = m.hdim_q >= w.hdim_q && m.hdim_v >= w.hdim_v;
+    if (covers && (!covered || m.hdim_q + m.hdim_v < hdim_q + hdim_v)) {
+      hdim_q = m.hdim_q;
+      hdim_v = m.hdim_v;
       covered = true;
     }
   }
   Suggestion s;
   const bool paddable = in_padded_step<Table>(w.hdim_q) && in_padded_step<Table>(w.hdim_v);
-  if (exact_compiled || !paddable) {
+  if (in_matrix || !paddable) {
     hdim_q = w.hdim_q;
     hdim_v = w.hdim_v;
-    if (!exact_compiled) {
+    if (!in_matrix) {
       const int step = Table::padded_hdim_step();
       const std::string why =
           step > 0 ? "head dims that are not multiples of " + std::to_string(step) +
@@ -463,7 +471,7 @@ Suggestion suggest(const Args& a, int cc) {
   } else if (!covered) {
     hdim_q = round_up(w.hdim_q, 32);
     hdim_v = round_up(w.hdim_v, 32);
-    s.note = "no compiled instance has head dims of at least " + extent(w.hdim_q, w.hdim_v) +
+    s.note = "the matrix has no head dims of at least " + extent(w.hdim_q, w.hdim_v) +
              ", so instances.yaml's matrix.hdim may need [" + std::to_string(hdim_q) + ", " +
              std::to_string(hdim_v) + "]";
   }

@@ -44,6 +44,20 @@ extern const int kPaddedHeadDimStep;
 extern const int kBwdPaddedHeadDimStep;
 extern const int kKvcachePaddedHeadDimStep;
 
+// The head dims (hdim_q, hdim_v) each operation's whole matrix has (instances.yaml, every
+// preset's, compiled here or not), smallest first: a miss suggests building these, and compile
+// on demand builds them, rather than the padded head dims of an instance compiled here.
+struct MatrixHeadDims {
+  int hdim_q;
+  int hdim_v;
+};
+extern const MatrixHeadDims* const kMatrixHeadDims;
+extern const int kNumMatrixHeadDims;
+extern const MatrixHeadDims* const kBwdMatrixHeadDims;
+extern const int kNumBwdMatrixHeadDims;
+extern const MatrixHeadDims* const kKvcacheMatrixHeadDims;
+extern const int kNumKvcacheMatrixHeadDims;
+
 // Targets this build compiled machine code for (generator tokens, e.g. "sm80").
 extern const char* const kCompiledTargets[];
 extern const int kNumCompiledTargets;

@@ -156,7 +156,7 @@ def _selection(filter_text: str, target: str):
                                      gen.selection.parse_targets(target), presets)
     best = selection.instances[0].point.pipeline
     kept = tuple(i for i in selection.instances if i.point.pipeline == best)
-    return gen.selection.Selection(kept, selection.targets, selection.gaps)
+    return gen.selection.Selection(kept, selection.targets, selection.gaps, selection.head_dims)
 
 
 def _key(files: dict, target: str) -> str:
