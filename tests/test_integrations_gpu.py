@@ -28,6 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import reference as R  # noqa: E402
+from fmha import jit  # noqa: E402
 from fmha.integrations import sdpa  # noqa: E402
 from fmha.integrations import transformers as fmha_transformers  # noqa: E402
 
@@ -282,9 +283,11 @@ def test_training_gradients_match_the_yardstick(transformers, family, layout):
         for call in calls:
             needs_instance(**call)
     except pytest.skip.Exception:
-        with pytest.raises(fmha.MissingInstanceError, match="FMHA_FILTER="):
-            gradients(model, inputs, labels)
-        return
+        if not jit.enabled():
+            with pytest.raises(fmha.MissingInstanceError, match="FMHA_FILTER="):
+                gradients(model, inputs, labels)
+            return
+        # Compile on demand builds what the build lacks: the step runs, checked as any other.
     want = gradients(reference, inputs, labels)
     distance = (gradients(model, inputs, labels) - want).norm() / want.norm()
     yardstick_distance = (gradients(yardstick_model, inputs, labels) - want).norm() / want.norm()
