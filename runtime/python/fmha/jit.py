@@ -252,7 +252,7 @@ def _compile(files: dict, selection, target: str, library: Path, quiet: bool) ->
     begin = time.monotonic()
     if not quiet:
         print(f"fmha: compiling {', '.join(names)} for {target} on first use (fa3 instances "
-              f"take 1-2 minutes, fa2 ones seconds) into {library.parent}", file=sys.stderr,
+              f"take 30-60 s, fa2 ones 5-20 s) into {library.parent}", file=sys.stderr,
               flush=True)
     with tempfile.TemporaryDirectory(dir=library.parent, prefix=".compile-") as work:
         work = Path(work)
