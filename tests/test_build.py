@@ -140,7 +140,7 @@ def test_auto_targets_are_the_gpus_or_both(tmp_path):
 
 def test_bad_filter_fails_configure_with_the_generator_message(tmp_path):
     result = subprocess.run(
-        ["cmake", "-S", REPO, "-B", tmp_path, "-G", "Ninja", "-DFMHA_FILTER=fp16,hdim80",
+        ["cmake", "-S", REPO, "-B", tmp_path, "-G", "Ninja", "-DFMHA_FILTER=bf16,hdim80",
          "-DFMHA_BUILD_PYTHON=OFF", f"-DPython3_EXECUTABLE={sys.executable}"],
         capture_output=True, text=True)
     assert result.returncode != 0
