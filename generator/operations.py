@@ -282,7 +282,6 @@ _FWD_FA3_SHARED_MEMORY = SharedMemory(
     lambda tile, hdim: _q_and_kv_ring_bytes(tile, hdim) + _FA3_BARRIERS_AND_ALIGNMENT)
 
 
-
 def _fwd_fa3_wgmma_n(tile, hdim: tuple[int, int]) -> tuple[int, ...]:
     """S = QK^T is (64, block_n) per consumer warpgroup, O += PV (64, hdim_v)."""
     return (tile.block_n, hdim[1])
