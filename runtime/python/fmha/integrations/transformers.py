@@ -209,6 +209,10 @@ def _as_eager_on_blind_rows(out: torch.Tensor, v: torch.Tensor, padding_mask: to
     token, and labels that are -100 on padding only keep it. With 0 there, a random Llama's
     gradients (bf16, 3 x 777 tokens, rows left-padded by 100 and 500) were 1.47x as far from
     the float32 model's as eager's and SDPA's; with eager's rows, 1.00x (H200, 2026-11-27).
+    Their gradient is this value's: it reaches V only. Eager's autograd also sends them one
+    through the softmax into q and k, as though the mask had not swamped their scores (the
+    derivative of no function eager computes); fmha does not copy that, so a left-padded step's
+    gradients differ from eager's by it (tests/test_integrations_gpu.py's training test).
 
     v (batch, seqlen_k, heads_k, head_dim_v) are the keys' values; out (batch, seqlen_q,
     heads, head_dim_v) the queries', aligned with the last seqlen_q keys."""
