@@ -1,0 +1,177 @@
+"""FlashAttention-3's Hopper API (the `flash_attn_interface` module of its hopper/ package) on
+fmha: flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache and
+flash_attn_combine, with FlashAttention-3's names, signatures and defaults.
+
+They map onto fmha.fwd (fmha.bwd as the backward), fmha.fwd_kvcache and, for the combine, torch
+as fmha.compat.flash_attn's functions do (fmha.compat._attention): causal and windows aligned
+bottom-right, softcap <= 0 off. FlashAttention-3 has no dropout and no ALiBi, and neither have
+these.
+
+What FlashAttention-3 has and fmha does not raises NotImplementedError: qv, FP8 descaling
+(q_descale, k_descale, v_descale), attention_chunk other than 0, and in flash_attn_with_kvcache
+varlen queries (cu_seqlens_q), varlen appended keys (cu_seqlens_k_new) and rotary_seqlens.
+Knobs that only tune FlashAttention-3's kernels (num_splits of flash_attn_func and
+flash_attn_varlen_func, pack_gqa, sm_margin, scheduler_metadata) are accepted and have no
+effect; flash_attn_with_kvcache's num_splits is fmha.fwd_kvcache's. Bad arguments raise
+ValueError or TypeError before anything runs; a row that sees no key has log-sum-exp -inf.
+"""
+
+from typing import Optional, Union
+
+import torch
+
+import fmha
+from fmha.compat._attention import (
+    attend,
+    check_bool,
+    check_tensor,
+    fwd_options,
+    maybe_contiguous,
+    softcap_value,
+    window,
+)
+from fmha.compat.flash_attn.flash_attn_interface import cache_lengths
+
+
+def _refuse(api: str, **given) -> None:
+    """NotImplementedError naming the first FlashAttention-3 feature of `given` (name: whether
+    the call uses it) that fmha lacks."""
+    for name, used in given.items():
+        if used:
+            raise NotImplementedError(f"{api}: {name} is a FlashAttention-3 feature fmha does "
+                                      f"not have")
+
+
+def _attention(api, q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
+               return_attn_probs, **varlen):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(api, name, t)
+    check_bool(api, "causal", causal)
+    check_bool(api, "deterministic", deterministic)
+    check_bool(api, "return_attn_probs", return_attn_probs)
+    options = fwd_options(causal, softmax_scale, window(api, window_size, causal),
+                          softcap=softcap_value(api, softcap), **varlen)
+    return attend(q, k, v, options, deterministic, return_lse=return_attn_probs)
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None,
+                    k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0,
+                    softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
+                    return_attn_probs=False):
+    """Attention of q (batch, seqlen_q, nheads, headdim) against k, v (batch, seqlen_k,
+    nheads_k, headdim[_v]), FlashAttention-3's flash_attn_func: causal, window_size, softcap,
+    softmax_scale and deterministic as in FlashAttention-2's (fmha.compat.flash_attn).
+
+    Returns out (batch, seqlen_q, nheads, headdim_v), differentiable in q, k and v; with
+    return_attn_probs (out, softmax_lse), softmax_lse (batch, nheads, seqlen_q) fp32."""
+    api = "flash_attn_func"
+    _refuse(api, qv=qv is not None, q_descale=q_descale is not None,
+            k_descale=k_descale is not None, v_descale=v_descale is not None,
+            attention_chunk=attention_chunk != 0)
+    return _attention(api, q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
+                      return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
+                           qv=None, q_descale=None, k_descale=None, v_descale=None,
+                           window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                           pack_gqa=None, deterministic=False, sm_margin=0,
+                           return_attn_probs=False):
+    """flash_attn_func of sequences packed along the tokens: q (total_q, nheads, headdim), k, v
+    (total_k, nheads_k, headdim[_v]), cu_seqlens_q, cu_seqlens_k int32 (batch + 1,),
+    max_seqlen_q, max_seqlen_k ints; seqused_q, seqused_k (optional, int32 (batch,)): sequence
+    b uses only its first seqused_q[b] queries and seqused_k[b] keys.
+
+    Returns out (total_q, nheads, headdim_v); with return_attn_probs (out, softmax_lse),
+    softmax_lse (nheads, total_q) fp32."""
+    api = "flash_attn_varlen_func"
+    _refuse(api, qv=qv is not None, q_descale=q_descale is not None,
+            k_descale=k_descale is not None, v_descale=v_descale is not None,
+            attention_chunk=attention_chunk != 0)
+    return _attention(api, q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
+                      return_attn_probs, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
+                      seqused_k=seqused_k)
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """Partial attention results over disjoint sets of keys merged by their log-sum-exp (the
+    combine step of split-KV attention), in torch.
+
+    out_partial: fp32 (num_splits, batch, seqlen, nheads, headdim) or (num_splits, total,
+    nheads, headdim); lse_partial: fp32 of out_partial's shape less headdim. out (optional):
+    where to write the result; out_dtype: its dtype otherwise (default out_partial's).
+
+    Returns (out, softmax_lse): out of out_partial's shape less num_splits, softmax_lse fp32 of
+    lse_partial's shape less num_splits. A split whose lse is -inf contributes nothing."""
+    api = "flash_attn_combine"
+    check_tensor(api, "out_partial", out_partial)
+    check_tensor(api, "lse_partial", lse_partial)
+    for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{api}: {name} must be torch.float32, got {t.dtype}")
+    if out_partial.dim() not in (4, 5) or lse_partial.shape != out_partial.shape[:-1]:
+        raise ValueError(f"{api}: out_partial must be (num_splits, batch, seqlen, nheads, "
+                         f"headdim) or (num_splits, total, nheads, headdim) and lse_partial its "
+                         f"shape less headdim, got {tuple(out_partial.shape)} and "
+                         f"{tuple(lse_partial.shape)}")
+    lse = torch.logsumexp(lse_partial, dim=0)
+    weights = torch.exp(lse_partial - lse)
+    # A row whose splits all have lse -inf gives exp(-inf + inf) = nan: it takes nothing.
+    weights = weights.masked_fill(~torch.isfinite(weights), 0.0)
+    combined = (weights.unsqueeze(-1) * out_partial).sum(dim=0)
+    if out is None:
+        return combined.to(out_partial.dtype if out_dtype is None else out_dtype), lse
+    check_tensor(api, "out", out)
+    if out.shape != combined.shape:
+        raise ValueError(f"{api}: out must have shape {tuple(combined.shape)}, got "
+                         f"{tuple(out.shape)}")
+    out.copy_(combined)
+    return out, lse
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None,
+                            rotary_sin=None,
+                            cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+                            cache_batch_idx: Optional[torch.Tensor] = None,
+                            cache_leftpad: Optional[torch.Tensor] = None,
+                            page_table: Optional[torch.Tensor] = None,
+                            cu_seqlens_q: Optional[torch.Tensor] = None,
+                            cu_seqlens_k_new: Optional[torch.Tensor] = None,
+                            max_seqlen_q: Optional[int] = None,
+                            rotary_seqlens: Optional[torch.Tensor] = None,
+                            q_descale: Optional[torch.Tensor] = None,
+                            k_descale: Optional[torch.Tensor] = None,
+                            v_descale: Optional[torch.Tensor] = None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+                            rotary_interleaved=True, scheduler_metadata=None, num_splits=0,
+                            pack_gqa=None, sm_margin=0, return_softmax_lse=False):
+    """Attention of q against a KV cache, FlashAttention-3's flash_attn_with_kvcache, on
+    fmha.fwd_kvcache: the arguments of FlashAttention-2's (fmha.compat.flash_attn), with the
+    paged cache's table named page_table (any page size). No backward.
+
+    Returns out (batch, seqlen_q, nheads, headdim_v), with return_softmax_lse (out,
+    softmax_lse), softmax_lse (batch, nheads, seqlen_q) fp32."""
+    api = "flash_attn_with_kvcache"
+    _refuse(api, qv=qv is not None, cu_seqlens_q=cu_seqlens_q is not None,
+            cu_seqlens_k_new=cu_seqlens_k_new is not None,
+            rotary_seqlens=rotary_seqlens is not None, q_descale=q_descale is not None,
+            k_descale=k_descale is not None, v_descale=v_descale is not None,
+            attention_chunk=attention_chunk != 0)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(api, name, t)
+    if k_cache.dim() != 4:
+        raise ValueError(f"{api}: k_cache must have 4 dimensions, got shape "
+                         f"{tuple(k_cache.shape)}")
+    check_bool(api, "causal", causal)
+    check_bool(api, "return_softmax_lse", return_softmax_lse)
+    q, k, v = maybe_contiguous(q), maybe_contiguous(k), maybe_contiguous(v)
+    return fmha.fwd_kvcache(
+        q, k_cache, v_cache, k, v,
+        cache_seqlens=cache_lengths(api, cache_seqlens, q, k_cache, k, page_table),
+        block_table=page_table, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        causal=causal, window_size=window(api, window_size, causal),
+        softcap=softcap_value(api, softcap), softmax_scale=softmax_scale, num_splits=num_splits,
+        return_lse=return_softmax_lse)
