@@ -531,7 +531,7 @@ def test_varlen_uses_each_sequences_own_lengths(kernels):
 def test_varlen_on_a_paged_cache_reads_each_sequences_pages(kernels):
     lengths_q, lengths_k = [2, 3], [5, 7]
     q, k, v, cu_q, cu_k = varlen(lengths_q, lengths_k)
-    page_size, pages_per_sequence = 4, 2
+    page_size = 4
     table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32)
     k_pages = randn(5, page_size, 2, 8, seed=11)
     v_pages = randn(5, page_size, 2, 8, seed=12)
@@ -573,14 +573,13 @@ def test_s_dmask_encodes_the_applied_dropout_pattern_and_the_probabilities(kerne
     keep = R.dropout_keep_mask(seed, 0, 0.3, 2, 4, 5, 9).bool()
     assert s_dmask.shape == (2, 4, 5, 9) and s_dmask.dtype == q.dtype
     visible = probs > 0
-    assert torch.equal((s_dmask >= 0) | ~visible, keep | ~visible)
+    assert torch.equal(~torch.signbit(s_dmask) | ~visible, keep | ~visible)
     logits_max = torch.where(visible, torch.log(probs) + expected_lse.unsqueeze(-1),
                              float("-inf")).amax(-1)
     torch.testing.assert_close(decoded(s_dmask, expected_lse, logits_max), probs)
     # The output is the one of that pattern (kept probabilities scaled by 1 / (1 - p)).
     dropped = probs * keep / 0.7
-    repeat = 2
-    expected = torch.einsum("bhij,bjhd->bihd", dropped, v.repeat_interleave(repeat, dim=2))
+    expected = torch.einsum("bhij,bjhd->bihd", dropped, v.repeat_interleave(2, dim=2))
     torch.testing.assert_close(out, expected)
     # The same torch seed, the same call.
     torch.manual_seed(3)
@@ -601,7 +600,7 @@ def test_s_dmask_of_varlen_holds_each_sequence_from_row_and_key_zero(kernels):
         keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
         _, lse, probs = flash_attention(q[None, rows], k[None, keys], v[None, keys])
         block = s_dmask[b, :, :lengths_q[b], :lengths_k[b]]
-        assert torch.equal(block >= 0, keep[b, :, :lengths_q[b], :lengths_k[b]])
+        assert torch.equal(~torch.signbit(block), keep[b, :, :lengths_q[b], :lengths_k[b]])
         logits_max = (torch.log(probs) + lse.unsqueeze(-1)).amax(-1)
         torch.testing.assert_close(decoded(block.unsqueeze(0), lse, logits_max), probs)
         assert not s_dmask[b, :, lengths_q[b]:].any() and not s_dmask[b, :, :, lengths_k[b]:].any()
