@@ -684,3 +684,18 @@ def test_flash_attn_combine_merges_splits_by_their_lse():
     out, lse = fa3.flash_attn_combine(out_partial, lse_partial, out=into)
     assert out is into and not out[0, 0].any() and torch.isinf(lse[0, 0]).all()
     assert torch.isfinite(out.float()).all()
+
+
+def test_register_points_flash_attn_imports_here(monkeypatch):
+    import fmha.compat
+    for name in fmha.compat.ALIASES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    fmha.compat.register()
+    import flash_attn
+    import flash_attn_interface as hopper
+    from flash_attn.bert_padding import unpad_input
+    from flash_attn.flash_attn_interface import _get_block_size_n
+    from flash_attn.layers.rotary import apply_rotary_emb as rotary
+    assert flash_attn is fa2 and hopper is fa3
+    assert _get_block_size_n is flash_attn_interface._get_block_size_n
+    assert unpad_input is bert_padding.unpad_input and rotary is apply_rotary_emb
