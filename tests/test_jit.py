@@ -1,7 +1,7 @@
-"""Compile on demand (fmha.jit) on the host: an instance the build lacks compiled into the cache,
-loaded at the dispatcher's place for it, found again without compiling, compiled once by
-processes that race for it, compiled again when the cached object is broken, and not at all
-with FMHA_JIT=0. No GPU: select() takes a named capability. The GPU's side (a call that misses
+"""Compile on demand (fmha.jit) on the host: an instance the build lacks compiled into the cache
+by the program libfmha runs on a miss (without torch), loaded at the dispatcher's place for
+it, found again without compiling, compiled once by processes that race for it, compiled again
+when the cached object is broken, and not at all with FMHA_JIT=0. No GPU: select() takes a named capability. The GPU's side (a call that misses
 compiles, runs and matches the reference) is tests/test_misses_gpu.py's."""
 
 from __future__ import annotations
@@ -48,15 +48,25 @@ SELECT = """
 """
 
 
+def run_program(args: list, cache: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """fmha/jit.py run by its path, as libfmha runs it on a miss, where importing torch fails:
+    the program needs none of it (nor fmha's extension)."""
+    refusing = tmp_path / "no-torch"
+    (refusing / "torch").mkdir(parents=True, exist_ok=True)
+    (refusing / "torch" / "__init__.py").write_text(
+        "raise ImportError('the compile program must not import torch')\n")
+    path = os.pathsep.join(filter(None, [str(refusing), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, jit.__file__, *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "FMHA_CACHE_DIR": str(cache), "PYTHONPATH": path})
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
-    """A cache holding FILTER's object, compiled by the CLI in a process of its own."""
+    """A cache holding FILTER's object, compiled by the program as a miss runs it."""
     cache = tmp_path_factory.mktemp("fmha-cache")
-    result = run_python(f"""
-        import sys
-        from fmha.jit import main
-        sys.exit(main(["--filter", {FILTER!r}, "--target", "sm80"]))
-    """, cache)
+    result = run_program(["--filter", FILTER, "--target", "sm80"], cache,
+                         tmp_path_factory.mktemp("path"))
     assert result.returncode == 0, result.stderr
     assert f"fmha: compiling {NAME}" in result.stderr
     assert Path(result.stdout.strip()).parent == cache
@@ -150,3 +160,13 @@ def test_an_unknown_recipe_is_a_generator_error(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "Error" in result.stdout and "hdim4096" in result.stdout
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_the_program_says_when_there_is_nothing_to_compile(tmp_path):
+    """A recipe no instance of the matrix fits: the exit status that keeps the library's plain
+    miss, and why on stdout."""
+    result = run_program(["--filter", "fwd,hdim4096", "--target", "sm80"], tmp_path / "cache",
+                         tmp_path)
+    assert result.returncode == jit.NOTHING_TO_COMPILE, result.stderr
+    assert "nothing in the matrix" in result.stdout and "hdim4096" in result.stdout
+    assert not list((tmp_path / "cache").glob("*.so"))

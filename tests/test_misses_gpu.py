@@ -9,6 +9,7 @@ has the instance the call runs and returns; on the default build (`pip install .
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +151,40 @@ except fmha.MissingInstanceError as miss:
     assert outcome.startswith("OUTCOME miss") and "CUDA-graph capture" in outcome, outcome
     assert "python -m fmha.jit --filter" in outcome
     assert not list(tmp_path.glob("*.so"))
+
+
+@pytest.mark.gpu
+def test_a_cpp_programs_miss_compiles_on_demand(tmp_path):
+    """The C++ API compiles on demand as Python calls do (the same code, libfmha's): a program
+    linked against the package's libfmha calls fmha::fwd with soft-capping (in no default
+    build); the call compiles its instance with the Python the build was configured with (no
+    FMHA_PYTHON), runs it and matches float64; run again, it finds the instance in the cache."""
+    from fmha import jit
+    if not jit.compiler_available():
+        pytest.skip("compile on demand needs a CUDA compiler")
+    q = torch.empty(1, 200, 2, 128, dtype=torch.bfloat16, device="cuda")
+    try:
+        fmha.select(q, q, q, causal=True, softcap=30.0)
+        pytest.skip("this build holds a soft-capped d128 instance: nothing misses")
+    except fmha.MissingInstanceError:
+        pass
+    package = Path(fmha.__file__).parent
+    config = jit.build_config()
+    program = tmp_path / "compile_on_demand"
+    built = subprocess.run(
+        [shutil.which(config["nvcc"]) or "nvcc", "-std=c++17", "-O2",
+         str(Path(__file__).resolve().parent / "cpp" / "compile_on_demand.cpp"),
+         f"-I{config['include']}", f"-L{package}", "-lfmha", f"-Xlinker=-rpath,{package}",
+         "-o", str(program)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    env = {name: value for name, value in os.environ.items() if name != "FMHA_PYTHON"}
+    env.update(FMHA_CACHE_DIR=str(tmp_path / "cache"), FMHA_JIT="1")
+    runs = [subprocess.run([str(program), "30"], capture_output=True, text=True, timeout=900,
+                           env=env) for _ in range(2)]
+    for done in runs:
+        assert done.returncode == 0, done.stderr[-3000:]
+        instance = done.stdout.split("INSTANCE")[1].split()[0]
+        error = float(done.stdout.split("ERROR")[1].split()[0])
+        assert "softcap" in instance and error < 2e-2, done.stdout
+    assert "fmha: compiling fwd_bf16_d128_causal_softcap" in runs[0].stderr
+    assert "fmha: compiling" not in runs[1].stderr

@@ -272,11 +272,18 @@ std::tuple<int, std::string, std::string> bwd(const fmha::BwdArgs& args, uintptr
 
 // (status code, message, bytes): the workspace bwd() needs for args on the current device, with
 // the dispatcher's backward instance or the one named.
+// A miss compiles on demand (minutes at worst) with the GIL released; `stream` is the one the
+// call will run on, which must not be capturing for that.
 std::tuple<int, std::string, size_t> bwd_workspace_size(const fmha::BwdArgs& args,
-                                                        std::optional<std::string> instance) {
+                                                        std::optional<std::string> instance,
+                                                        uintptr_t stream) {
   size_t bytes = 0;
-  const fmha::Status st = instance ? fmha::bwd_workspace_size(*instance, args, &bytes)
-                                   : fmha::bwd_workspace_size(args, &bytes);
+  fmha::Status st;
+  {
+    py::gil_scoped_release release;
+    st = instance ? fmha::bwd_workspace_size(*instance, args, &bytes)
+                  : fmha::bwd_workspace_size(args, &bytes, reinterpret_cast<fmha::Stream>(stream));
+  }
   return {code(st), st.message, bytes};
 }
 
@@ -334,10 +341,11 @@ py::object run_bwd_planned(const fmha::BwdArgs& plan, uintptr_t dout, uintptr_t 
 std::tuple<int, std::string, size_t> planned_workspace_size(const fmha::BwdArgs& plan,
                                                             int seqlen_q, int seqlen_k,
                                                             int64_t total_q, int64_t total_k,
-                                                            std::optional<std::string> instance) {
+                                                            std::optional<std::string> instance,
+                                                            uintptr_t stream) {
   fmha::BwdArgs args = plan;
   set_sizes(args.fwd, seqlen_q, seqlen_k, total_q, total_k);
-  return bwd_workspace_size(args, std::move(instance));
+  return bwd_workspace_size(args, std::move(instance), stream);
 }
 
 // KV-cache attention's fwd(): (status code, message, instance name).
@@ -361,12 +369,18 @@ std::tuple<int, std::string, std::string> fwd_kvcache(const fmha::KvcacheArgs& a
 
 // (status code, message, bytes): the workspace fwd_kvcache() needs for args on the current
 // device (pointers are not read, but a non-null one says the call has that operand), with the
-// dispatcher's KV-cache instance or the one named.
+// dispatcher's KV-cache instance or the one named; a miss compiles as bwd_workspace_size's.
 std::tuple<int, std::string, size_t> kvcache_workspace_size(const fmha::KvcacheArgs& args,
-                                                            std::optional<std::string> instance) {
+                                                            std::optional<std::string> instance,
+                                                            uintptr_t stream) {
   size_t bytes = 0;
-  const fmha::Status st = instance ? fmha::kvcache_workspace_size(*instance, args, &bytes)
-                                   : fmha::kvcache_workspace_size(args, &bytes);
+  fmha::Status st;
+  {
+    py::gil_scoped_release release;
+    st = instance ? fmha::kvcache_workspace_size(*instance, args, &bytes)
+                  : fmha::kvcache_workspace_size(args, &bytes,
+                                                 reinterpret_cast<fmha::Stream>(stream));
+  }
   return {code(st), st.message, bytes};
 }
 
@@ -538,9 +552,10 @@ void bind_bwd_args(py::module_& m) {
           "was launched.");
   cls.def("workspace_size", &planned_workspace_size, py::arg("seqlen_q"), py::arg("seqlen_k"),
           py::arg("total_q"), py::arg("total_k"), py::arg("instance") = py::none(),
+          py::arg("stream") = 0,
           "bwd_workspace_size of these args with the sizes given (negative: these args') on "
-          "the current device, for the dispatcher's backward instance or the one named; "
-          "returns (code, message, bytes).");
+          "the current device, for the dispatcher's backward instance or the one named (a miss "
+          "compiles on demand unless the stream captures); returns (code, message, bytes).");
 }
 
 void bind_args(py::module_& m) {
@@ -679,9 +694,10 @@ PYBIND11_MODULE(_C, m) {
         "Run the backward pass on the stream (a cudaStream_t as an int), with the dispatcher's "
         "backward instance or the one named; returns (status code, message, instance name).");
   m.def("bwd_workspace_size", &bwd_workspace_size, py::arg("args"),
-        py::arg("instance") = py::none(),
+        py::arg("instance") = py::none(), py::arg("stream") = 0,
         "The workspace bwd needs for args on the current device (pointers are not read), with "
-        "the dispatcher's backward instance or the one named; returns (code, message, bytes).");
+        "the dispatcher's backward instance or the one named (a miss compiles on demand unless "
+        "the stream captures); returns (code, message, bytes).");
   m.def("select_bwd", [](const fmha::BwdArgs& args, int cc) {
     return select_args<fmha::BwdInstanceInfo>(args, cc, &bwd_info_dict);
   }, py::arg("args"), py::arg("cc") = 0,
@@ -703,10 +719,11 @@ PYBIND11_MODULE(_C, m) {
         "dispatcher's KV-cache instance or the one named; returns (status code, message, "
         "instance name).");
   m.def("kvcache_workspace_size", &kvcache_workspace_size, py::arg("args"),
-        py::arg("instance") = py::none(),
+        py::arg("instance") = py::none(), py::arg("stream") = 0,
         "The workspace fwd_kvcache needs for args on the current device, with the dispatcher's "
         "KV-cache instance or the one named (pointers are not read; a non-zero one says the "
-        "call has that operand); returns (code, message, bytes).");
+        "call has that operand; a miss compiles on demand unless the stream captures); "
+        "returns (code, message, bytes).");
   m.def("select_kvcache", [](const fmha::KvcacheArgs& args, int cc) {
     return select_args<fmha::KvcacheInstanceInfo>(args, cc, &kvcache_info_dict);
   }, py::arg("args"), py::arg("cc") = 0,

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "compile_on_demand.h"
 #include "dispatcher.h"
 #include "fmha/fmha.h"
 #include "instance_tables.h"
@@ -57,6 +58,22 @@ Status launch_failed(const char* entry_point, const char* instance, cudaError_t 
   return {Status::Code::kCudaError, std::string(entry_point) + ": launching " + instance +
                                         " failed: " + cudaGetErrorName(err) + ": " +
                                         cudaGetErrorString(err)};
+}
+
+// The entry a call runs: the named instance, or the dispatcher's choice, which on a miss
+// compiles the instances that run the call on demand (compile_on_demand.h) and chooses again.
+// `stream`: the call's, which must not be capturing a CUDA graph for a compile.
+template <class Args, class Entry>
+Status entry_for_call(const Args& args, int cc, const std::string* instance, Stream stream,
+                      const Entry** entry) {
+  if (instance != nullptr) return detail::find_instance(*instance, args, cc, entry);
+  const Status found = detail::select_instance(args, cc, entry);
+  if (found.code != Status::Code::kNoInstance) return found;
+  if (Status compiled = detail::compile_on_demand(instance_recipe(args, cc), stream, found);
+      !compiled.ok()) {
+    return compiled;
+  }
+  return detail::select_instance(args, cc, entry);
 }
 
 bool is_empty(const FwdArgs& a) { return a.batch == 0 || a.seqlen_q == 0 || a.nhead_q == 0; }
@@ -362,9 +379,7 @@ Status run(const FwdArgs& args, Stream stream, const std::string* instance, std:
   int cc = 0;
   if (Status st = detail::launch_device_cc(&cc); !st.ok()) return st;
   const detail::InstanceEntry* entry = nullptr;
-  const Status found = instance != nullptr ? detail::find_instance(*instance, args, cc, &entry)
-                                           : detail::select_instance(args, cc, &entry);
-  if (!found.ok()) return found;
+  if (Status st = entry_for_call(args, cc, instance, stream, &entry); !st.ok()) return st;
   if (Status st = check_causal_grid(args, entry->block_m, entry->name + std::string("'s"));
       !st.ok()) {
     return st;
@@ -441,9 +456,7 @@ Status run_bwd(const BwdArgs& args, Stream stream, const std::string* instance,
   int cc = 0;
   if (Status st = detail::launch_device_cc(&cc); !st.ok()) return st;
   const detail::BwdInstanceEntry* entry = nullptr;
-  const Status found = instance != nullptr ? detail::find_instance(*instance, args, cc, &entry)
-                                           : detail::select_instance(args, cc, &entry);
-  if (!found.ok()) return found;
+  if (Status st = entry_for_call(args, cc, instance, stream, &entry); !st.ok()) return st;
   if (chosen != nullptr) *chosen = entry->name;
   if (args.fwd.batch == 0 || args.fwd.nhead_q == 0) return Status::Ok();  // nothing to write
   if (Status st = as_bwd(check_workspace(args.workspace, args.workspace_bytes,
@@ -641,9 +654,7 @@ Status run_kvcache(const KvcacheArgs& args, Stream stream, const std::string* in
   int cc = 0;
   if (Status st = detail::launch_device_cc(&cc); !st.ok()) return st;
   const detail::KvcacheInstanceEntry* entry = nullptr;
-  const Status found = instance != nullptr ? detail::find_instance(*instance, args, cc, &entry)
-                                           : detail::select_instance(args, cc, &entry);
-  if (!found.ok()) return found;
+  if (Status st = entry_for_call(args, cc, instance, stream, &entry); !st.ok()) return st;
   if (Status st = as_kvcache(check_workspace(args.workspace, args.workspace_bytes,
                                              entry->workspace(args), "kvcache_workspace_size"));
       !st.ok()) {
@@ -786,14 +797,13 @@ Status bwd_instance(const std::string& instance, const BwdArgs& args, Stream str
 namespace {
 
 // bwd_workspace_size() of the dispatcher's choice, or of `instance` where one is named.
-Status workspace_size(const BwdArgs& args, const std::string* instance, size_t* bytes) {
+Status workspace_size(const BwdArgs& args, const std::string* instance, Stream stream,
+                      size_t* bytes) {
   if (Status st = check_bwd_args(args, /*check_memory=*/false); !st.ok()) return st;
   int cc = 0;
   if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
   const detail::BwdInstanceEntry* entry = nullptr;
-  const Status found = instance != nullptr ? detail::find_instance(*instance, args, cc, &entry)
-                                           : detail::select_instance(args, cc, &entry);
-  if (!found.ok()) return found;
+  if (Status st = entry_for_call(args, cc, instance, stream, &entry); !st.ok()) return st;
   if (bytes != nullptr) {
     *bytes = args.fwd.batch == 0 || args.fwd.nhead_q == 0 ? 0 : entry->workspace(args);
   }
@@ -802,12 +812,12 @@ Status workspace_size(const BwdArgs& args, const std::string* instance, size_t* 
 
 }  // namespace
 
-Status bwd_workspace_size(const BwdArgs& args, size_t* bytes) {
-  return workspace_size(args, nullptr, bytes);
+Status bwd_workspace_size(const BwdArgs& args, size_t* bytes, Stream stream) {
+  return workspace_size(args, nullptr, stream, bytes);
 }
 
 Status bwd_workspace_size(const std::string& instance, const BwdArgs& args, size_t* bytes) {
-  return workspace_size(args, &instance, bytes);
+  return workspace_size(args, &instance, nullptr, bytes);
 }
 
 Status select(const BwdArgs& args, BwdInstanceInfo* chosen) {
@@ -860,27 +870,26 @@ Status fwd_kvcache_instance(const std::string& instance, const KvcacheArgs& args
 namespace {
 
 // kvcache_workspace_size() of the dispatcher's choice, or of `instance` where one is named.
-Status workspace_size(const KvcacheArgs& args, const std::string* instance, size_t* bytes) {
+Status workspace_size(const KvcacheArgs& args, const std::string* instance, Stream stream,
+                      size_t* bytes) {
   if (Status st = check_kvcache_args(args, /*check_memory=*/false); !st.ok()) return st;
   int cc = 0;
   if (Status st = detail::current_device_cc(&cc); !st.ok()) return st;
   const detail::KvcacheInstanceEntry* entry = nullptr;
-  const Status found = instance != nullptr ? detail::find_instance(*instance, args, cc, &entry)
-                                           : detail::select_instance(args, cc, &entry);
-  if (!found.ok()) return found;
+  if (Status st = entry_for_call(args, cc, instance, stream, &entry); !st.ok()) return st;
   if (bytes != nullptr) *bytes = entry->workspace(args);
   return Status::Ok();
 }
 
 }  // namespace
 
-Status kvcache_workspace_size(const KvcacheArgs& args, size_t* bytes) {
-  return workspace_size(args, nullptr, bytes);
+Status kvcache_workspace_size(const KvcacheArgs& args, size_t* bytes, Stream stream) {
+  return workspace_size(args, nullptr, stream, bytes);
 }
 
 Status kvcache_workspace_size(const std::string& instance, const KvcacheArgs& args,
                               size_t* bytes) {
-  return workspace_size(args, &instance, bytes);
+  return workspace_size(args, &instance, nullptr, bytes);
 }
 
 Status select(const KvcacheArgs& args, KvcacheInstanceInfo* chosen) {

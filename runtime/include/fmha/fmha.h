@@ -338,6 +338,19 @@ struct BwdInstanceInfo {
   std::string origin;  // as InstanceInfo's
 };
 
+// Compile on demand. When no instance of the library (or loaded into it) runs a call of fwd(),
+// bwd() or fwd_kvcache(), or the workspace query of bwd() or fwd_kvcache(), the call compiles
+// the instances that run it and loads them (load_instances), then dispatches again: the first
+// call of a missing instance takes the compile (about 5 s for an fa2 instance, 25-60 s for an
+// fa3 one; stderr says what it compiles), later ones and other processes find it in the cache
+// (FMHA_CACHE_DIR, default ~/.cache/fmha). The compiling is the Python package's: fmha/jit.py
+// beside libfmha, run with FMHA_PYTHON (or the Python the build was configured with), with the
+// generator, templates and compiler the build used; a library built without the package
+// (FMHA_BUILD_PYTHON off) does not compile. FMHA_JIT=0 turns it off. A call whose stream is
+// capturing a CUDA graph does not compile: its miss says so. A miss that cannot compile (no
+// CUDA compiler, nothing in the matrix runs the call) is the plain kNoInstance; one whose
+// compile failed carries the compiler's message. The calls that name an instance never compile.
+
 // Runs the forward pass on `stream`. Checks the arguments and picks an instance first; on any
 // error nothing is launched. On success `chosen`, when given, receives the instance's name.
 FMHA_API Status fwd(const FwdArgs& args, Stream stream, std::string* chosen = nullptr);
@@ -382,7 +395,8 @@ FMHA_API Status bwd(const BwdArgs& args, Stream stream, std::string* chosen = nu
 FMHA_API Status bwd_instance(const std::string& instance, const BwdArgs& args, Stream stream);
 
 // The workspace bwd() needs for `args` on the current device (pointers are not read).
-FMHA_API Status bwd_workspace_size(const BwdArgs& args, size_t* bytes);
+// `stream`: the one bwd() will run on, which a miss's compile on demand checks is not capturing.
+FMHA_API Status bwd_workspace_size(const BwdArgs& args, size_t* bytes, Stream stream = nullptr);
 
 // The workspace bwd_instance() needs: an instance of larger head dims than the dispatcher's
 // choice sizes its dQ accumulator by its own.
@@ -405,7 +419,7 @@ FMHA_API std::vector<InstanceInfo> instances();
 // What builds instances for a problem: the generator --filter that selects the instances able
 // to run `args` (with the `all` preset), and the target (e.g. "sm90a") whose code runs on a
 // device of compute capability `cc`, empty when no target does. A miss message suggests it;
-// compile on demand (the Python package's fmha.jit) builds it.
+// compile on demand (above) builds it.
 struct InstanceRecipe {
   std::string filter;
   std::string target;
@@ -414,10 +428,10 @@ FMHA_API InstanceRecipe instance_recipe(const FwdArgs& args, int cc);
 FMHA_API InstanceRecipe instance_recipe(const BwdArgs& args, int cc);
 FMHA_API InstanceRecipe instance_recipe(const KvcacheArgs& args, int cc);
 
-// Loads a shared object of instances compiled on demand (the Python package's fmha.jit makes
-// them) and adds its instances to the dispatcher, each at the place the generator's order of
-// preference gives it: where a build with every instance would have put it, so it never
-// shadows a better compiled-in instance. The object stays loaded for the life of the process;
+// Loads a shared object of instances compiled on demand (fmha/jit.py makes them) and adds its
+// instances to the dispatcher, each at the place the generator's order of preference gives
+// it: where a build with every instance would have put it, so it never shadows a better
+// compiled-in instance. The object stays loaded for the life of the process;
 // loading it again adds nothing. *added, if given, gets how many instances were new.
 // kInvalidArgument when the file cannot be loaded or was compiled against another layout of
 // the instance tables; the message says which.
@@ -451,8 +465,10 @@ struct KvcacheInstanceInfo {
 FMHA_API Status fwd_kvcache(const KvcacheArgs& args, Stream stream, std::string* chosen = nullptr);
 FMHA_API Status fwd_kvcache_instance(const std::string& instance, const KvcacheArgs& args,
                                      Stream stream);
-// The workspace fwd_kvcache() needs for `args` on the current device (pointers are not read).
-FMHA_API Status kvcache_workspace_size(const KvcacheArgs& args, size_t* bytes);
+// The workspace fwd_kvcache() needs for `args` on the current device (pointers are not read);
+// `stream` as bwd_workspace_size()'s.
+FMHA_API Status kvcache_workspace_size(const KvcacheArgs& args, size_t* bytes,
+                                       Stream stream = nullptr);
 // The workspace fwd_kvcache_instance() needs: instances of other pipelines need other scratch
 // (the decode kernel's split partials, the prefill kernel's none but the rotated q).
 FMHA_API Status kvcache_workspace_size(const std::string& instance, const KvcacheArgs& args,

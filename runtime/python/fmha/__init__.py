@@ -30,8 +30,17 @@ graph:
                            block_table=pages, rotary_cos=cos, rotary_sin=sin, causal=True)
 
 The kernels come from instances.yaml through ``python -m generator``; a problem that no compiled
-instance fits raises :class:`MissingInstanceError`, whose message names the filter that builds one.
+instance fits compiles one on demand where the build's CUDA compiler is (fmha.jit; FMHA_JIT=0
+turns it off), or raises :class:`MissingInstanceError`, whose message names the filter that
+builds one.
 """
+
+import os as _os
+import sys as _sys
+
+# Compile on demand (libfmha, on a miss) runs fmha/jit.py with FMHA_PYTHON: this interpreter,
+# whose environment holds the generator's packages (a venv's python, not the one it links to).
+_os.environ.setdefault("FMHA_PYTHON", _sys.executable)
 
 from fmha._api import (
     MissingInstanceError,

@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from fmha import _C, _head_dims, _plans, jit
+from fmha import _C, _head_dims, _plans
 from fmha._checks import (
     DTYPE_CODES,
     INT_LIMIT,
@@ -412,9 +412,7 @@ def _first_call(table, key, plan, ops: _Operands, bias, attn_mask, instance) -> 
                            ops.cu_seqlens_q, ops.cu_seqlens_k, ops.seqused_q, ops.seqused_k,
                            ops.max_seqlen_q, ops.max_seqlen_k, plan.args.dropout_seed,
                            ops.dropout_offset, instance)
-    failed = launch()
-    if failed is not None and jit.after_miss(failed[0], plan.args, plan.device, instance):
-        failed = launch()  # compiled on demand
+    failed = launch()  # a miss compiles on demand (fmha.jit), in C++
     if failed is not None:
         _raise_for_plan(failed, ops.q, ops.k, ops.v)
     table.put(key, plan)

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from fmha import _C, _api, _head_dims, _plans, jit
+from fmha import _C, _api, _head_dims, _plans
 from fmha._api import (
     _LIBRARY,
     _OPTION_DEFAULTS,
@@ -174,9 +174,7 @@ def _bwd_first_call(table, key, ops: _Operands, dout, out, lse, deterministic: b
                            ops.cu_seqlens_k, ops.seqused_q, ops.seqused_k, ops.max_seqlen_q,
                            ops.max_seqlen_k, plan.args.fwd.dropout_seed, ops.dropout_offset, dq,
                            dk, dv, dbias, instance)
-    failed = launch()
-    if failed is not None and jit.after_miss(failed[0], plan.args, plan.device, instance):
-        failed = launch()  # compiled on demand
+    failed = launch()  # a miss compiles on demand (fmha.jit), in C++
     if failed is not None:
         _raise_for_bwd_plan(failed, dout, q, k, v, out)
     table.put(key, plan)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from fmha import _C, _head_dims, _plans, jit
+from fmha import _C, _head_dims, _plans
 from fmha._api import _ask, _mark_present, _raise_for, _target_cc
 from fmha._checks import (
     DTYPE_CODES,
@@ -388,9 +388,9 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
             _mark_present(args, k_new=k, v_new=v, block_table=block_table,
                           cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
                           alibi_slopes=alibi_slopes)
-            code, message, workspace_bytes = _C.kvcache_workspace_size(args, instance)
-            if jit.after_miss(code, args, device, instance):  # compiled on demand
-                code, message, workspace_bytes = _C.kvcache_workspace_size(args, instance)
+            # A miss compiles on demand (fmha.jit), in C++, unless the stream captures a graph.
+            code, message, workspace_bytes = _C.kvcache_workspace_size(
+                args, instance, torch._C._cuda_getCurrentRawStream(device))
             _raise_for(code, message)
         args.workspace_bytes = workspace_bytes
         plan = _KvcachePlan(args, out_shape, lse_shape, workspace_bytes, device)

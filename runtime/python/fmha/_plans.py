@@ -363,7 +363,9 @@ class BwdPlan:
         workspace_bytes = self.workspace_bytes
         if workspace_bytes is None:
             # A named instance may be larger than the dispatcher's choice: it sizes its own.
-            code, message, workspace_bytes = self.args.workspace_size(*sizes[:4], instance)
+            # A miss compiles on demand (fmha.jit) unless the stream captures a graph.
+            code, message, workspace_bytes = self.args.workspace_size(
+                *sizes[:4], instance, torch._C._cuda_getCurrentRawStream(self.device))
             if code != _C.STATUS_OK:
                 return code, message
             if not self.varlen:

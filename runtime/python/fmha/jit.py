@@ -1,14 +1,17 @@
 """Compile on demand: the instances a call needs and the build lacks, compiled when it misses.
 
-A call that no compiled instance runs asks the dispatcher what would build one
-(fmha::instance_recipe: a generator filter and the device's target). With compile on demand on
-(FMHA_JIT, default on where the build's CUDA compiler is), fmha renders those instances with the
-generator and templates the build used (`python -m generator --loadable`), keeping the newest
-pipeline's (the ones a full build would run), compiles them with the build's compiler and
-options into one shared object in the cache, loads it (fmha::load_instances: each instance
-joins the dispatcher where a full build would have put it, so it never shadows a better
-built-in one) and runs the call again. FMHA_JIT=0 turns it off: a miss raises
-MissingInstanceError, as without a compiler.
+A call of fmha::fwd, bwd or fwd_kvcache (or a workspace query of the latter two) that no
+compiled instance runs asks the dispatcher what would build one (fmha::instance_recipe: a
+generator filter and the device's target) and, with compile on demand on (FMHA_JIT, default
+on), runs this module as a program with that recipe (runtime/src/compile_on_demand.cpp): it
+renders those instances with the generator and templates the build used (`python -m generator
+--loadable`), keeping the newest pipeline's (the ones a full build would run), compiles them
+with the build's compiler and options into one shared object in the cache and prints its path;
+the library loads it (fmha::load_instances: each instance joins the dispatcher where a full
+build would have put it, so it never shadows a better built-in one) and dispatches the call
+again. So Python calls and C++ programs compile alike. FMHA_JIT=0 turns it off: a miss raises
+MissingInstanceError, as without a compiler. A call whose stream captures a CUDA graph never
+compiles; its miss says how to fill the cache first.
 
 The cache (FMHA_CACHE_DIR, default $XDG_CACHE_HOME/fmha or ~/.cache/fmha) keeps one object per
 set of rendered sources, keyed by everything that changes the binary: the rendered TUs, the
@@ -16,8 +19,11 @@ headers they include (the kernels' and CUTLASS's), the compiler's version and op
 compile holds lock files, so concurrent threads and processes compile a key once (those that
 miss the same recipe wait for the first and take its object, without the generator); it writes
 beside the final name and renames into place, so a half-written object is never loaded, and an
-object that fails to load is compiled again. `python -m fmha.jit --filter ...` fills the cache
-ahead of time (compile_filter); a CUDA-graph capture never compiles (it raises instead).
+object whose bytes lost their digest is compiled again. `python -m fmha.jit --filter ...` fills
+the cache ahead of time (compile_filter).
+
+Run as a program it needs only the standard library, jinja2 and pyyaml (no torch, no fmha
+import): the library runs it by its path.
 """
 
 from __future__ import annotations
@@ -39,13 +45,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
-from fmha import _C
-
 # Not resolved: in a development tree the module is a link into the checkout, the config beside it.
 _PACKAGE_DIR = Path(os.path.abspath(__file__)).parent
 _CONFIG_FILE = _PACKAGE_DIR / "_jit_config.json"
 # One compile at a time per process (the lock file serializes processes).
 _PROCESS_LOCK = threading.Lock()
+# The program's exit status when there is nothing it can compile here (no CUDA compiler, a
+# build without the sources, no instance in the matrix): the library keeps the plain miss.
+# runtime/src/compile_on_demand.cpp reads it.
+NOTHING_TO_COMPILE = 3
 
 
 class CompileError(RuntimeError):
@@ -79,7 +87,8 @@ def compiler_available() -> bool:
 
 
 def enabled() -> bool:
-    """Whether a miss compiles: FMHA_JIT is not 0, and a compiler is available."""
+    """Whether a miss compiles: FMHA_JIT is not 0, and a compiler is available (the library
+    asks this program, which answers NOTHING_TO_COMPILE without one)."""
     return os.environ.get("FMHA_JIT", "1") != "0" and compiler_available()
 
 
@@ -92,16 +101,17 @@ def cache_dir() -> Path:
 
 @functools.cache
 def _generator():
-    """The generator package the build used, imported as fmha._generator (not `generator`,
-    which may be another package on the user's path)."""
+    """The generator package the build used, imported as _fmha_generator (not `generator`,
+    which may be another package on the user's path; a top-level name, as the program imports
+    no fmha package to hang it from)."""
     root = Path(build_config()["generator_root"]) / "generator"
     spec = importlib.util.spec_from_file_location(
-        "fmha._generator", root / "__init__.py", submodule_search_locations=[str(root)])
+        "_fmha_generator", root / "__init__.py", submodule_search_locations=[str(root)])
     module = importlib.util.module_from_spec(spec)
-    sys.modules["fmha._generator"] = module
+    sys.modules["_fmha_generator"] = module
     spec.loader.exec_module(module)
     for name in ("catalog", "config", "errors", "render", "selection", "schema"):
-        importlib.import_module(f"fmha._generator.{name}")
+        importlib.import_module(f"_fmha_generator.{name}")
     return module
 
 
@@ -296,6 +306,7 @@ def load(library: Path) -> int:
         library.unlink(missing_ok=True)
         raise CompileError(f"fmha: {library} is damaged (its bytes do not have the digest "
                            "written when it was compiled); removed, it compiles again")
+    from fmha import _C  # noqa: PLC0415 (the program, which only compiles, imports no fmha)
     code, message, added = _C.load_instances(str(library))
     if code != _C.STATUS_OK:
         library.unlink(missing_ok=True)
@@ -303,49 +314,28 @@ def load(library: Path) -> int:
     return added
 
 
-def after_miss(code: int, args, device: int, instance: Optional[str]) -> bool:
-    """Called with the status of a call's first launch (or workspace query): when it missed
-    (no compiled instance runs the call's args, an FwdArgs, BwdArgs or KvcacheArgs, on CUDA
-    device `device`), no instance was named, and compile on demand is on, compiles and loads
-    what runs it; whether it did, so that the call runs again. Inside a CUDA-graph capture it
-    raises instead: neither compiling nor loading kernels belongs there."""
-    if code != _C.STATUS_NO_INSTANCE or instance is not None or not enabled():
-        return False
-    import torch  # noqa: PLC0415 (fmha imports torch first; jit itself needs it only here)
-    major, minor = torch.cuda.get_device_capability(device)
-    filter_text, target = _C.instance_recipe(args, major * 10 + minor)
-    if not target:
-        return False
-    if torch.cuda.is_current_stream_capturing():
-        raise _missing()(
-            "fmha: the call needs an instance this build lacks, and compile on demand does not "
-            "run inside a CUDA-graph capture: run the call once before capturing, or fill the "
-            f"cache first (python -m fmha.jit --filter '{filter_text}' --target {target})")
-    try:
-        library = compile_filter(filter_text, target)
-    except _generator().errors.GeneratorError:  # the matrix has no such instance: the miss says why
-        return False
-    try:
-        load(library)
-    except CompileError:  # a broken object in the cache: compile it again, once
-        load(compile_filter(filter_text, target))
-    return True
-
-
-def _missing():
-    from fmha._api import MissingInstanceError  # noqa: PLC0415 (fmha._api imports this module)
-    return MissingInstanceError
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fmha.jit",
         description="Compile instances into fmha's cache ahead of their first call, as a miss "
-                    "would: the generator's --filter (with the `all` preset), for a target.")
+                    "would: the generator's --filter (with the `all` preset), for a target. "
+                    "Prints the shared object's path. Exit status 3: nothing to compile here "
+                    "(no CUDA compiler, or no instance of the matrix fits); stdout says why.")
     parser.add_argument("--filter", required=True, help="e.g. 'fwd,bf16,hdim256,causal'")
     parser.add_argument("--target", required=True, help="sm80 or sm90a")
     args = parser.parse_args(argv)
-    print(compile_filter(args.filter, args.target))
+    if build_config() is None or _compiler() is None:
+        print("fmha: compile on demand needs the CUDA compiler this build was made with, or "
+              "nvcc on PATH, and the build's sources (_jit_config.json); they are not there")
+        return NOTHING_TO_COMPILE
+    try:
+        print(compile_filter(args.filter, args.target))
+    except _generator().errors.GeneratorError as error:
+        print(f"fmha: nothing in the matrix to compile for this call: {error}")
+        return NOTHING_TO_COMPILE
+    except CompileError as error:
+        print(error, file=sys.stderr)
+        return 1
     return 0
 
 
