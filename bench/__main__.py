@@ -9,7 +9,7 @@ time, with the host's own cost per call kept out, and the same clock and heat fo
 (fmha.timing). That host cost is measured apart, on a small and a mid-size problem, for fmha
 and for SDPA's default choice and each of its two fast backends, and printed under the table;
 --graph adds fmha's time replayed from a CUDA graph, which shows where host time still bounds
-a row. Prints a table and, with --json, writes every row.
+a row. Prints a table and, with --json, writes every row; --plot draws them (bench/plot.py).
 
 --features adds one row per trait at one sequence length (--feature-seqlen), each against the
 SDPA backends that can compute the same thing (attn_mask: cuDNN and memory-efficient; dropout:
@@ -32,7 +32,9 @@ grad, a training call and a compiled one, for fmha (both leaf layouts) and SDPA'
 
 import argparse
 import contextlib
+import datetime
 import json
+import shlex
 import statistics
 import sys
 
@@ -41,7 +43,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
-from bench import decode, generate, host, prefill, training
+from bench import decode, generate, host, plot, prefill, training
 from fmha.timing import graph_median_ms, host_us, interleaved_medians
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -137,7 +139,13 @@ def parse_args(argv):
     p.add_argument("--no-compile", action="store_true",
                    help="with --host: leave out the compiled training call")
     p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--plot", metavar="PATH",
+                   help="draw TFLOP/s (GB/s for --decode) against sequence length into this "
+                        "image, a panel per configuration, fmha beside each peer (needs "
+                        "matplotlib; --bwd draws the backward, python -m bench.plot redraws "
+                        "any table from the --json file)")
     args = p.parse_args(argv)
+    args.argv = list(argv)
     unknown = set(args.dtypes) - set(DTYPES)
     if unknown:
         p.error(f"unknown dtype {sorted(unknown)}; valid: {', '.join(DTYPES)}")
@@ -146,7 +154,23 @@ def parse_args(argv):
     if args.generate and (args.new_tokens < 2 or args.hidden % args.model_head_dim):
         p.error("--generate needs --new-tokens >= 2 (a step is the time past the first token) "
                 "and --hidden a multiple of --model-head-dim")
+    if args.plot:
+        if args.host or args.generate:
+            p.error("--plot draws the grid, --bwd, --decode and --prefill runs")
+        plot.require_matplotlib()  # before the run, not after it
     return args
+
+
+def save(args, results):
+    """Writes a run's results (its info and row tables) to --json and draws them into --plot.
+    The info records the date and the command, which a plot redrawn from the JSON names."""
+    results["info"].update(date=datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+                           command=shlex.join(["python", "-m", "bench", *args.argv]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.plot:
+        plot.draw(results, args.plot)
 
 
 def sdpa_calls(row, backends, qt, kt, vt, **kwargs):
@@ -484,9 +508,7 @@ def main(argv=None):
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version(), "targets": fmha.compiled_targets(),
             "host_us_per_call": host}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "rows": rows, "feature_rows": feature_rows}, f, indent=1)
+    save(args, {"info": info, "rows": rows, "feature_rows": feature_rows})
     print(f"{info['gpu']}, torch {info['torch']}, cuDNN {info['cudnn']}; TFLOP/s, medians")
     print(format_table(rows, "case"))
     print("host time per call, us (not in the TFLOP/s above; bf16, sdpa: its default backend):")
@@ -514,10 +536,8 @@ def main_backward(args, causal_values):
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version(), "targets": fmha.compiled_targets(),
             "peak_memory_mib": memory}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "bwd_rows": bwd_rows, "fwd_bwd_rows": both_rows,
-                       "loop_rows": loop_rows}, f, indent=1)
+    save(args, {"info": info, "bwd_rows": bwd_rows, "fwd_bwd_rows": both_rows,
+                "loop_rows": loop_rows})
     print(f"{info['gpu']}, torch {info['torch']}, cuDNN {info['cudnn']}; TFLOP/s, medians")
     print("backward (2.5x the forward's FLOPs), kernel-only:")
     print(format_table(bwd_rows, "case"))
@@ -542,9 +562,7 @@ def main_host(args):
     """python -m bench --host: host microseconds per call (bench/host.py)."""
     costs = host.measure(rounds=args.rounds, compiled=not args.no_compile)
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": host.SHAPE}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "host_us_per_call": costs}, f, indent=1)
+    save(args, {"info": info, "host_us_per_call": costs})
     print(f"{info['gpu']}, torch {info['torch']}")
     print(host.format_rows(costs))
 
@@ -567,9 +585,7 @@ def main_decode(args):
     host = decode.host_costs(DTYPES[args.dtypes[0]], host_hdim, args)
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "copy_gbs": copy_gbs, "host_us_per_call": host}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "decode_rows": rows}, f, indent=1)
+    save(args, {"info": info, "decode_rows": rows})
     print(f"{info['gpu']}, torch {info['torch']}; decode GB/s (K/V read once, plus q and out), "
           f"medians; device-to-device copy {copy_gbs:.0f} GB/s")
     print(decode.format_rows(rows, copy_gbs))
@@ -597,9 +613,7 @@ def main_prefill(args):
                             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "targets": fmha.compiled_targets()}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "prefill_rows": rows}, f, indent=1)
+    save(args, {"info": info, "prefill_rows": rows})
     print(f"{info['gpu']}, torch {info['torch']}; chunked prefill TFLOP/s (causal, "
           f"bottom-right), medians")
     print(prefill.format_rows(rows))
@@ -621,9 +635,7 @@ def main_generate(args):
                 "hidden": args.hidden, "layers": args.model_layers,
                 "heads": f"{args.hidden // args.model_head_dim}/{args.model_kv_heads}",
                 "head_dim": args.model_head_dim, "vocab": args.vocab}}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "generate_rows": rows}, f, indent=1)
+    save(args, {"info": info, "generate_rows": rows})
     m = info["model"]
     print(f"{info['gpu']}, torch {info['torch']}, transformers {info['transformers']}; "
           f"generate() of a random Llama (hidden {m['hidden']}, {m['layers']} layers, heads "
