@@ -12,7 +12,7 @@ Columns, all timed eagerly (a chunk is hundreds of microseconds of GPU time), in
   append{P}    paged, with the chunk's k/v appended by the call (the serving loop's real call)
   decode{P}    the decode instance forced on the paged cache, where one is built: what the
                dispatcher's prefill threshold (a tile of query tokens) saves
-The bar of issue 16: paged within 10% of fwd (paged / fwd >= 0.90).
+The bar chunked prefill was built to: paged within 10% of fwd (paged / fwd >= 0.90).
 """
 
 import torch

@@ -1,5 +1,5 @@
 """torch.compile(fullgraph=True) of fmha.fwd on a GPU: the compiled call traces fmha::fwd and
-returns what the eager call returns, bitwise (issue 13: the eager path bypasses the op, the
+returns what the eager call returns, bitwise (perf notes v7: the eager path bypasses the op, the
 compiled one runs it).
 
     PYTHONPATH=build/dev/python python scripts/compile_check.py

@@ -1,4 +1,4 @@
-"""Where one planned fmha.fwd call spends its host time (issue 13): each step of fmha.fwd's
+"""Where one planned fmha.fwd call spends its host time (perf notes v7): each step of fmha.fwd's
 plan path timed alone, on the small shape of python -m bench (b=1, s=128, h=16, d=128, bf16),
 next to the whole call and torch SDPA's.
 

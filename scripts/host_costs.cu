@@ -1,5 +1,5 @@
 // Host cost of the CUDA calls one fmha::fwd launch makes, each timed alone on the device
-// machine (issue 13): what a per-call path can afford, and which calls to cache.
+// machine (perf notes v7): what a per-call path can afford, and which calls to cache.
 //
 //   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a scripts/host_costs.cu \
 //     -o build/host_costs && build/host_costs

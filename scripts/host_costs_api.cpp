@@ -1,4 +1,4 @@
-// Host cost of fmha::fwd itself, a C++ caller's whole path (issue 13): the checks and the
+// Host cost of fmha::fwd itself, a C++ caller's whole path (perf notes v7): the checks and the
 // dispatcher's choice alone (fmha::select), and the call with its launch, on the small shape
 // of python -m bench (b=1, s=128, h=16, d=128, bf16), timed over calls the GPU keeps up with.
 //

@@ -1,4 +1,4 @@
-// Host cost of the fa3 launcher's parts (issue 13), one instance (bf16 d128, no mask, batch,
+// Host cost of the fa3 launcher's parts (perf notes v7), one instance (bf16 d128, no mask, batch,
 // LSE) on the small shape of python -m bench (b=1, s=128, h=16, d=128): the kernel parameters
 // with their four TMA descriptors, the bare launch of the kernel with those parameters, and
 // the whole launch_fwd, each over calls the GPU keeps up with.

@@ -95,7 +95,7 @@ DEVICE_FAULT = re.compile(r"CUDA error|illegal memory access|misaligned address|
                           re.IGNORECASE)
 DEVICE_FAULT_EXIT = 3
 # A message the C++ runtime stopped formatting halfway: a key without its value, or one that
-# ends in "got" or "of". Issue 37 where it does not crash: the first integer formatted into a
+# ends in "got" or "of". A libstdc++ mismatch, where it does not crash: the first integer formatted into a
 # std::ostringstream bound to another libstdc++ than the one that made it fails the stream;
 # so does a null C string.
 GARBLED = re.compile(r"\w=(?=\s|$)|\b(?:got|of)\s*$")

@@ -1,4 +1,4 @@
-"""Reliability of fmha.fwd on the GPU (issue 5), against tests/reference.py's float64 reference.
+"""Reliability of fmha.fwd on the GPU, against tests/reference.py's float64 reference.
 
 - Big tensors (marker `bigmem`, skipped when the GPU lacks 1.5x the memory a case needs): Q and
   O of more than 2^31 elements, K and V of more than 2^31 elements, a (1, h, s_q, s_k) bias of
