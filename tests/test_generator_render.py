@@ -26,7 +26,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CUDA_INCLUDE = Path("/usr/local/cuda/include")
 # libfmha's host sources that the driver programs below link with a rendered dispatch table.
 RUNTIME_SOURCES = tuple(str(REPO_ROOT / "runtime/src" / name)
-                        for name in ("dispatcher.cpp", "api.cpp", "instance_tables.cpp"))
+                        for name in ("dispatcher.cpp", "api.cpp", "instance_tables.cpp",
+                                     "compile_on_demand.cpp", "load_instances.cpp"))
 
 
 @pytest.fixture
