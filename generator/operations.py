@@ -17,6 +17,26 @@ An Operation says everything that differs between operations, in one place:
   row_lines   its dispatch rows' traits, line by line (the rendered table's layout)
 Its matrix, tiles and rules are in instances.yaml under `operations: <token>:`.
 
+What a pipeline token means for each operation (the tokens name kernel designs, schema.PIPELINE,
+and stay as instances.yaml, instance names and filters spell them; the kernels are named by
+what they do):
+  fwd      fa3  the FlashAttention-3 forward: TMA, wgmma and warp specialization (sm90a only),
+                fmha/kernels/fwd_fa3_sm90.cuh
+           fa2  the FlashAttention-2 forward: mma.sync (sm80 and built natively for sm90a),
+                fmha/kernels/fwd_fa2_sm80.cuh
+  bwd      fa3  the FlashAttention-3 backward: TMA, wgmma and warp specialization (sm90a only),
+                fmha/kernels/bwd_fa3_sm90.cuh
+           fa2  the FlashAttention-2 backward: mma.sync (sm80 and built natively for sm90a),
+                fmha/kernels/bwd_fa2_sm80.cuh
+  kvcache  fa3  chunked prefill: the fa3 forward's kernel reading K and V from the cache by TMA,
+                for calls of many query tokens (sm90a only),
+                fmha/kernels/kvcache_chunked_prefill_sm90.cuh
+           fa2  split-KV decode (Flash-Decoding): a CTA per key split on mma.sync, its splits
+                combined by their log-sum-exp, for calls of few query tokens (sm80 and built
+                natively for sm90a), fmha/kernels/kvcache_decode_split_kv.cuh
+Both kvcache pipelines first append k_new/v_new to the cache with one kernel,
+fmha/kernels/kvcache_append.cuh.
+
 Adding an operation (as kvcache was added):
   1. its traits struct in fmha.h and its table in registry.h (k<R>Instances, <R>InstanceEntry,
      <R>PipelineGap, ..., with the entry's function pointers);
@@ -483,10 +503,10 @@ BWD = Operation(
 
 # ---- kvcache ---------------------------------------------------------------------------------
 
-# What fmha/kernels/kvcache_fa2_sm80.cuh needs of a tile. A CTA serves one K/V head of one
+# What fmha/kernels/kvcache_decode_split_kv.cuh needs of a tile. A CTA serves one K/V head of one
 # sequence (and one split of its keys): its query rows are the new query tokens times the query
 # heads sharing that K/V head, packed into one m16 fragment.
-_KVCACHE_FA2_CONSTRAINTS = (
+_DECODE_CONSTRAINTS = (
     TileConstraint("block_m == 16 (the packed query rows of one K/V head: one m16 fragment "
                    "that every warp shares)",
                    lambda tile, hdim: tile.block_m == 16),
@@ -500,8 +520,8 @@ _KVCACHE_FA2_CONSTRAINTS = (
 )
 
 
-def _kvcache_fa2_smem_bytes(tile, hdim: tuple[int, int]) -> int:
-    """KvcacheConfig::kSmemBytes of a paged instance: the Q tile and one K and one V tile per
+def _decode_smem_bytes(tile, hdim: tuple[int, int]) -> int:
+    """decode::Config::kSmemBytes of a paged instance: the Q tile and one K and one V tile per
     stage, of 2-byte elements, and the block-table entries of stages + 1 key tiles (int32; a
     contiguous instance has none)."""
     return (2 * (tile.block_m * hdim[0] + tile.stages * tile.block_n * (hdim[0] + hdim[1]))
@@ -512,23 +532,25 @@ KVCACHE = Operation(
     kind=OPERATION.get("kvcache"),
     traits=KvcacheTraits,
     kernels=(
-        # Chunked prefill on sm90a: the fa3 forward's kernel with K and V read from the cache
-        # by TMA, after the decode pipeline's append kernel; the forward's tiles and limits.
-        Kernel(PIPELINE.get("fa3"), header="fmha/kernels/kvcache_fa3_sm90.cuh",
-               config_template="fmha::fa3::KvcacheConfig", launcher="fmha::fa3::launch_kvcache",
+        # The fa3 forward's kernel with K and V read from the cache by TMA, after the append
+        # kernel the decode pipeline runs too; the forward's tiles and limits.
+        Kernel(PIPELINE.get("fa3"), header="fmha/kernels/kvcache_chunked_prefill_sm90.cuh",
+               config_template="fmha::kvcache::chunked_prefill::Config",
+               launcher="fmha::kvcache::chunked_prefill::launch",
                tile_constraints=_FWD_FA3_CONSTRAINTS, shared_memory=_FWD_FA3_SHARED_MEMORY,
-               uses_cutlass=True, workspace="fmha::fa3::kvcache_workspace_bytes", prefill=True,
-               padded_hdim_step=None, wgmma_n=_fwd_fa3_wgmma_n),
-        # mma.sync, for sm80 and built natively for sm90a. An instance appends k_new/v_new to
-        # the cache (rotated, when asked), attends with a CTA per key split, and combines the
-        # splits by their log-sum-exp; its workspace holds the splits' partial results.
-        Kernel(PIPELINE.get("fa2"), header="fmha/kernels/kvcache_fa2_sm80.cuh",
-               config_template="fmha::fa2::KvcacheConfig", launcher="fmha::fa2::launch_kvcache",
-               tile_constraints=_KVCACHE_FA2_CONSTRAINTS,
+               uses_cutlass=True, workspace="fmha::kvcache::chunked_prefill::workspace_bytes",
+               prefill=True, padded_hdim_step=None, wgmma_n=_fwd_fa3_wgmma_n),
+        # An instance appends k_new/v_new to the cache (rotated, when asked), attends with a
+        # CTA per key split, and combines the splits by their log-sum-exp; its workspace holds
+        # the splits' partial results.
+        Kernel(PIPELINE.get("fa2"), header="fmha/kernels/kvcache_decode_split_kv.cuh",
+               config_template="fmha::kvcache::decode::Config",
+               launcher="fmha::kvcache::decode::launch",
+               tile_constraints=_DECODE_CONSTRAINTS,
                shared_memory=SharedMemory(
                    "2 * (block_m * hdim_q + stages * block_n * (hdim_q + hdim_v)) + "
-                   "4 * (stages + 1) * block_n", _kvcache_fa2_smem_bytes),
-               uses_cutlass=False, workspace="fmha::fa2::kvcache_workspace_bytes",
+                   "4 * (stages + 1) * block_n", _decode_smem_bytes),
+               uses_cutlass=False, workspace="fmha::kvcache::decode::workspace_bytes",
                padded_hdim_step=1, full_grid_tile=True),
     ),
     template="kvcache_instance.cu.j2",

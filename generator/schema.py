@@ -41,8 +41,10 @@ class Arch:
 @dataclass(frozen=True)
 class Pipeline:
     """A kernel design (fa2: mma.sync; fa3: TMA, wgmma and warp specialization). The token is
-    shared by the operations it implements; how it implements each one (its header, config
-    template, launcher, tile constraints) is that operation's (operations.Kernel)."""
+    shared by the operations it implements; what it means for each (for kvcache, fa2 is the
+    split-KV decode kernel and fa3 chunked prefill) is stated once, in operations.py's module
+    docstring, and how it implements each one (its header, config template, launcher, tile
+    constraints) is that operation's (operations.Kernel)."""
 
     token: str
 

@@ -257,9 +257,9 @@ def test_repository_tiles_fit_the_archs_they_are_used_on():
         ("fmha/kernels/fwd_fa2_sm80.cuh", "sm80"), ("fmha/kernels/fwd_fa2_sm80.cuh", "sm90a"),
         ("fmha/kernels/fwd_fa3_sm90.cuh", "sm90a"), ("fmha/kernels/bwd_fa2_sm80.cuh", "sm80"),
         ("fmha/kernels/bwd_fa2_sm80.cuh", "sm90a"), ("fmha/kernels/bwd_fa3_sm90.cuh", "sm90a"),
-        ("fmha/kernels/kvcache_fa2_sm80.cuh", "sm80"),
-        ("fmha/kernels/kvcache_fa2_sm80.cuh", "sm90a"),
-        ("fmha/kernels/kvcache_fa3_sm90.cuh", "sm90a")}
+        ("fmha/kernels/kvcache_decode_split_kv.cuh", "sm80"),
+        ("fmha/kernels/kvcache_decode_split_kv.cuh", "sm90a"),
+        ("fmha/kernels/kvcache_chunked_prefill_sm90.cuh", "sm90a")}
     for kernel, arch, hdim_q, hdim_v, tile in used:
         needed = kernel.shared_memory.bytes(tile, (hdim_q, hdim_v))
         assert needed <= arch.smem_limit, (kernel.header, arch.token, hdim_q, hdim_v, needed)
@@ -724,7 +724,7 @@ def test_kvcache_tile_violating_a_constraint_is_an_error(config_error, line_of, 
 
 
 def test_kvcache_shared_memory_matches_the_kernels_formula(config_error, line_of):
-    # KvcacheConfig::kSmemBytes of a paged instance: Q, K and V per stage, and the table
+    # decode::Config::kSmemBytes of a paged instance: Q, K and V per stage, and the table
     # entries of stages + 1 key tiles. The repository's d256 sm80 tile: 139264 + 768 bytes,
     # within A100's 163 KB.
     kernel = operation_of(build_catalog(load(DEFAULT_CONFIG)).of(OPERATION.get("kvcache"))[0]

@@ -1,16 +1,16 @@
-// K and V read from a KV cache by TMA, for the fa3 forward's chunked-prefill instances
-// (kvcache_fa3_sm90.cuh): a paged cache (vLLM's layout, pages reached through a block table) or
-// a contiguous one, which is the same thing with one page per sequence.
+// K and V read from a KV cache by TMA, for the fa3 forward's kernel as chunked prefill runs it
+// (kvcache_chunked_prefill_sm90.cuh): a paged cache (vLLM's layout, pages reached through a block
+// table) or a contiguous one, which is the same thing with one page per sequence.
 //
-// A key tile of kBlockN keys may span several pages, so it is loaded in boxes of box_rows keys
-// by every column, box_rows = gcd(page_size, kBlockN): each box lies in one page. A stage keeps
-// each 8-row group's 64-column blocks side by side ([8-row group][column block][8 rows][64
-// columns], 128-byte swizzle: KvcacheConfig's layouts), which is the order a box writes when
-// its map's first dimensions are 64 columns, 8 rows, column blocks and row groups. So one box
-// carries every column of its rows: at pages of 16 keys a d128 tile of 128 keys is 8 boxes,
-// where boxes of 64 columns took 16 and left chunked prefill at 0.69-0.89x of the contiguous
-// cache (H100, perf notes v15). A box starts on an 8-row group, a 1024-byte swizzle period, so
-// the wgmma descriptors read it unchanged.
+// A key tile of kBlockN keys may span several pages, so it is loaded in boxes of box_rows keys by
+// every column, box_rows = gcd(page_size, kBlockN): each box lies in one page. A stage keeps each
+// 8-row group's 64-column blocks side by side ([8-row group][column block][8 rows][64 columns],
+// 128-byte swizzle: chunked_prefill::Config's layouts), which is the order a box writes when its
+// map's first dimensions are 64 columns, 8 rows, column blocks and row groups. So one box carries
+// every column of its rows: at pages of 16 keys a d128 tile of 128 keys is 8 boxes, where boxes of
+// 64 columns took 16 and left chunked prefill at 0.69-0.89x of the contiguous cache (H100, perf
+// notes v15). A box starts on an 8-row group, a 1024-byte swizzle period, so the wgmma descriptors
+// read it unchanged.
 //
 // Keys past a sequence's pages come from a page index past the cache, which TMA zero-fills,
 // and the full box still counts towards the stage's transaction bytes, so the pipeline's byte

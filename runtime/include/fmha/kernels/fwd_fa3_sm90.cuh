@@ -73,8 +73,8 @@ struct FwdConfig {
   static constexpr MaskType kMask = kMask_;
   static constexpr Mode kMode = kMode_;
   static constexpr bool kLse = kLse_;
-  // K and V are the call's own tensors, loaded a whole key tile a box; KvcacheConfig
-  // (kvcache_fa3_sm90.cuh) reads them from a KV cache instead (cached_kv_sm90.cuh).
+  // K and V are the call's own tensors, loaded a whole key tile a box; chunked prefill's Config
+  // (kvcache_chunked_prefill_sm90.cuh) reads them from a KV cache instead (cached_kv_sm90.cuh).
   static constexpr bool kCachedKv = false;
   static constexpr bool kPaged = false;
 
@@ -909,7 +909,7 @@ cudaError_t make_kernel_params(const FwdArgs& args, typename Cfg::KernelParams& 
                            gmem(args.q, kp.q_shape,
                                 stride(args.q_seq_stride, args.q_head_stride, args.q_batch_stride)),
                            typename Cfg::SmemLayoutQ{}, Shape<_64, typename Cfg::DimQK>{}, _1{});
-  // A KV cache's maps are its launcher's (kvcache_fa3_sm90.cuh).
+  // A KV cache's maps are its launcher's (kvcache_chunked_prefill_sm90.cuh).
   if constexpr (!Cfg::kCachedKv) {
     kp.k_shape = shape(rows_k, args.hdim_q, args.nhead_k);
     kp.v_shape = shape(rows_k, args.hdim_v, args.nhead_k);

@@ -1,11 +1,13 @@
-// KV-cache attention for many query tokens (chunked prefill) on the fa3 forward pipeline
-// (sm90a): fwd_kvcache's calls of at least a tile of query tokens, whose arithmetic the decode
-// kernel (kvcache_fa2_sm80.cuh, 16 packed rows on mma.sync) would run far below the tensor
+// KV-cache attention for many query tokens (chunked prefill) on sm90a: the kvcache operation's
+// "fa3" pipeline (generator/operations.py), which runs the fa3 forward's kernel. It serves
+// fwd_kvcache's calls of at least a tile of query tokens, whose arithmetic the decode kernel
+// (kvcache_decode_split_kv.cuh, 16 packed rows on mma.sync) would run far below the tensor
 // cores' rate.
 //
 // Two kernels on one stream:
-//   append (when k_new or rotary tables are given): the decode pipeline's, unchanged: k_new and
-//     v_new into the cache, rotated, and the rotated q into the workspace;
+//   append (when k_new or rotary tables are given): kvcache_append.cuh's, the one the decode
+//     pipeline runs: k_new and v_new into the cache, rotated, and the rotated q into the
+//     workspace;
 //   attention: fwd_fa3_sm90.cuh's persistent kernel in batch mode, with K and V read from the
 //     cache by TMA, page by page (cached_kv_sm90.cuh), each sequence's keys counted from
 //     cache_seqlens plus the appended tokens, and the causal mask (or window) aligned
@@ -16,18 +18,18 @@
 
 #include "fmha/kernels/fast_divisor.cuh"
 #include "fmha/kernels/fwd_fa3_sm90.cuh"
-#include "fmha/kernels/kvcache_fa2_sm80.cuh"
+#include "fmha/kernels/kvcache_append.cuh"
 
-namespace fmha::fa3 {
+namespace fmha::kvcache::chunked_prefill {
 
 template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
           int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, bool kPaged_,
           bool kSoftcap_, bool kPadSeqlen_, bool kPadHdim_, int kSmemLimit_>
-struct KvcacheConfig
-    : FwdConfig<Element_, kHeadDimQK_, kHeadDimV_, kBlockM_, kBlockN_, kNumWarps_, kStages_,
-                kMask_, kBias_, VLayout::kRowMajor, Mode::kBatch, /*kLse=*/true,
-                /*kDropout=*/false, kSoftcap_, kPadSeqlen_, kPadHdim_, kSmemLimit_> {
-  using Base = typename KvcacheConfig::FwdConfig;  // the base above, by its injected name
+struct Config
+    : fa3::FwdConfig<Element_, kHeadDimQK_, kHeadDimV_, kBlockM_, kBlockN_, kNumWarps_,
+                     kStages_, kMask_, kBias_, VLayout::kRowMajor, Mode::kBatch, /*kLse=*/true,
+                     /*kDropout=*/false, kSoftcap_, kPadSeqlen_, kPadHdim_, kSmemLimit_> {
+  using Base = typename Config::FwdConfig;  // the base above, by its injected name
   static constexpr bool kCachedKv = true;
   static constexpr bool kPaged = kPaged_;
   // The cache's boxes are a few rows by every column (cached_kv_sm90.cuh); the stages keep the
@@ -38,7 +40,7 @@ struct KvcacheConfig
   static_assert(cute::cosize_v<SmemLayoutK> == cute::cosize_v<typename Base::SmemLayoutK> &&
                 cute::cosize_v<SmemLayoutV> == cute::cosize_v<typename Base::SmemLayoutV>);
 
-  // What the decode pipeline's append kernel reads of a config.
+  // What the append kernel (kvcache_append.cuh) reads of a config.
   struct Append {
     using Element = Element_;
     static constexpr int kHeadDimQK = kHeadDimQK_;
@@ -55,36 +57,36 @@ struct KvcacheConfig
     typename Base::GmemShape q_shape, o_shape;
     int total_tiles;
     bool spread_heads;
-    CachedKv cache;
+    fa3::CachedKv cache;
   };
 };
 
 // The rotated q's bytes when the call rotates it; the attention needs no scratch of its own.
 template <class Cfg>
-size_t kvcache_workspace_bytes(const KvcacheArgs& a) {
-  return fa2::rotated_q_bytes(a, Cfg::kHeadDimQK);
+size_t workspace_bytes(const KvcacheArgs& a) {
+  return rotated_q_bytes(a, Cfg::kHeadDimQK);
 }
 
 template <class Cfg>
-cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
+cudaError_t launch(const KvcacheArgs& a, cudaStream_t stream) {
   using Element = typename Cfg::Element;
   const bool paged = a.block_table != nullptr;
   const int page_size = paged ? a.page_size : a.seqlen_cache;
-  const CacheTensor k_cache{a.k_cache, a.hdim_q, a.k_cache_seq_stride, a.k_cache_head_stride,
-                            a.k_cache_batch_stride};
-  const CacheTensor v_cache{a.v_cache, a.hdim_v, a.v_cache_seq_stride, a.v_cache_head_stride,
-                            a.v_cache_batch_stride};
-  CachedKv cache;
-  cache.k.fold = cache_fold(k_cache, page_size, a.nhead_k, a.batch_cache);
-  cache.v.fold = cache_fold(v_cache, page_size, a.nhead_k, a.batch_cache);
-  cache.box_rows = cache_box_rows<Cfg::kBlockN>(a.page_size, cache.k.fold, cache.v.fold);
+  const fa3::CacheTensor k_cache{a.k_cache, a.hdim_q, a.k_cache_seq_stride,
+                                 a.k_cache_head_stride, a.k_cache_batch_stride};
+  const fa3::CacheTensor v_cache{a.v_cache, a.hdim_v, a.v_cache_seq_stride,
+                                 a.v_cache_head_stride, a.v_cache_batch_stride};
+  fa3::CachedKv cache;
+  cache.k.fold = fa3::cache_fold(k_cache, page_size, a.nhead_k, a.batch_cache);
+  cache.v.fold = fa3::cache_fold(v_cache, page_size, a.nhead_k, a.batch_cache);
+  cache.box_rows = fa3::cache_box_rows<Cfg::kBlockN>(a.page_size, cache.k.fold, cache.v.fold);
   // The dispatcher runs this pipeline on pages of multiples of 8 keys only.
   if (cache.box_rows == 0) return cudaErrorInvalidValue;
   cache.boxes_per_tile = Cfg::kBlockN / cache.box_rows;
 
-  fa2::KvcacheParams append = fa2::kvcache_params(a);
+  KvcacheParams append = kvcache_params(a);
   if (a.rotary_dim > 0) append.q_rotated = a.workspace;
-  if (const cudaError_t err = fa2::launch_append<typename Cfg::Append>(append, stream);
+  if (const cudaError_t err = launch_append<typename Cfg::Append>(append, stream);
       err != cudaSuccess) {
     return err;
   }
@@ -120,7 +122,9 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   f.softmax_scale = a.softmax_scale;
 
   typename Cfg::KernelParams kp;
-  if (const cudaError_t err = make_kernel_params<Cfg>(f, kp); err != cudaSuccess) return err;
+  if (const cudaError_t err = fa3::make_kernel_params<Cfg>(f, kp); err != cudaSuccess) {
+    return err;
+  }
   kp.p.keys_appended = append.seqlen_new;
 
   cache.block_table = a.block_table;
@@ -136,13 +140,13 @@ cudaError_t launch_kvcache(const KvcacheArgs& a, cudaStream_t stream) {
   cache.heads = a.nhead_k;
   cache.absent_page = a.batch_cache;
   const bool maps_made =
-      encode_cache_map<Element>(&cache.k, k_cache, page_size, a.nhead_k, a.batch_cache,
-                                cache.box_rows) &&
-      encode_cache_map<Element>(&cache.v, v_cache, page_size, a.nhead_k, a.batch_cache,
-                                cache.box_rows);
+      fa3::encode_cache_map<Element>(&cache.k, k_cache, page_size, a.nhead_k, a.batch_cache,
+                                     cache.box_rows) &&
+      fa3::encode_cache_map<Element>(&cache.v, v_cache, page_size, a.nhead_k, a.batch_cache,
+                                     cache.box_rows);
   if (!maps_made) return cudaErrorInvalidValue;
   kp.cache = cache;
-  return launch_fwd_kernel<Cfg>(kp, static_cast<int64_t>(a.batch) * a.nhead_q, stream);
+  return fa3::launch_fwd_kernel<Cfg>(kp, static_cast<int64_t>(a.batch) * a.nhead_q, stream);
 }
 
-}  // namespace fmha::fa3
+}  // namespace fmha::kvcache::chunked_prefill
