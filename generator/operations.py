@@ -324,7 +324,7 @@ FWD = Operation(
     ),
     template="fwd_instance.cu.j2",
     args="FwdArgs",
-    registry="",
+    registry="Fwd",
     exports=(Export("launch", "cudaError_t", "const FwdArgs&, cudaStream_t"),),
     row_lines=(("dtype", "hdim_q", "hdim_v"), ("mask", "bias"), ("vlayout", "mode"),
                ("lse", "dropout", "softcap")),

@@ -246,7 +246,7 @@ def _table(op: Operation, selection: Selection) -> dict:
         "gaps": op.gaps, "gap_count": op.gap_count, "gap_type": op.gap_type,
         "padded_hdim_step": op.padded_hdim_step, "padded_hdim_step_name": op.padded_hdim_step_name,
         "traits": op.traits_cpp,
-        # The arrays behind registry.h's pointers: kRows and kGapRows for fwd, kBwdRows, ...
+        # The arrays behind registry.h's pointers: kFwdRows, kFwdGapRows, kBwdRows, ...
         "rows_array": f"k{op.registry}Rows", "gap_rows_array": f"k{op.registry}GapRows",
         "declarations": [export.declaration(i.name) for i in instances for export in op.exports],
         "rows": [_dispatch_row(op, i) for i in instances],

@@ -159,8 +159,8 @@ def test_dispatch_table(rendered):
     assert 'const char* const kPipelineTokens[] = {"fa3", "fa2"};' in text
     # No rule leaves a pipeline without some traits here.
     assert """\
-const PipelineGap* const kPipelineGaps = nullptr;
-const int kNumPipelineGaps = 0;
+const FwdPipelineGap* const kFwdPipelineGaps = nullptr;
+const int kNumFwdPipelineGaps = 0;
 """ in text
 
 
@@ -189,7 +189,7 @@ def test_pipeline_gaps_in_the_table():
     assert ("[](const FwdTraits& t) { return !((t.hdim_q == 64 && t.hdim_v == 64) || "
             "(t.hdim_q == 128 && t.hdim_v == 128) || (t.hdim_q == 192 && t.hdim_v == 128) || "
             "(t.hdim_q == 256 && t.hdim_v == 256)); }}") in text
-    assert "const PipelineGap* const kPipelineGaps = kGapRows;" in text
+    assert "const FwdPipelineGap* const kFwdPipelineGaps = kFwdGapRows;" in text
 
 
 def test_gap_reasons_are_cpp_string_literals(build):
@@ -543,7 +543,7 @@ def test_dispatch_table_compiles_against_registry_h(tmp_path, build, with_gaps):
     config, catalog = (load(DEFAULT_CONFIG), None) if with_gaps else build()
     files = render(select(config, catalog or build_catalog(config), "default"),
                    source="instances.yaml")
-    assert ("kGapRows" in files["dispatch_table.cpp"]) == with_gaps
+    assert ("kFwdGapRows" in files["dispatch_table.cpp"]) == with_gaps
     source = tmp_path / "dispatch_table.cpp"
     source.write_text(files["dispatch_table.cpp"])
     result = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
@@ -715,8 +715,8 @@ const BwdInstanceEntry kBwdRows[] = {
 """ in text
     assert """\
 }  // namespace
-const InstanceEntry* const kInstances = kRows;
-const int kNumInstances = sizeof(kRows) / sizeof(kRows[0]);
+const FwdInstanceEntry* const kFwdInstances = kFwdRows;
+const int kNumFwdInstances = sizeof(kFwdRows) / sizeof(kFwdRows[0]);
 """ in text
     assert """\
 }  // namespace
@@ -735,9 +735,9 @@ const int kNumBwdPipelineGaps = 0;
 def test_an_operation_without_instances_has_an_empty_table(rendered_both, rendered):
     bwd_only = rendered_both("bwd")["dispatch_table.cpp"]
     assert """\
-const InstanceEntry* const kInstances = nullptr;
-const int kNumInstances = 0;
-""" in bwd_only and "kRows" not in bwd_only
+const FwdInstanceEntry* const kFwdInstances = nullptr;
+const int kNumFwdInstances = 0;
+""" in bwd_only and "kFwdRows" not in bwd_only
     fwd_only = rendered()["dispatch_table.cpp"]
     assert """\
 const BwdInstanceEntry* const kBwdInstances = nullptr;
@@ -761,7 +761,7 @@ const BwdPipelineGap kBwdGapRows[] = {
      [](const BwdTraits& t) { return (t.mask == fmha::MaskType::kCausal) && (t.dropout == false); }},
 """ in text
     assert "const BwdPipelineGap* const kBwdPipelineGaps = kBwdGapRows;" in text
-    assert "const PipelineGap* const kPipelineGaps = nullptr;" in text
+    assert "const FwdPipelineGap* const kFwdPipelineGaps = nullptr;" in text
 
 
 def test_instances_cmake_lists_both_operations_per_arch(rendered_both):
@@ -883,7 +883,7 @@ const KvcacheInstanceEntry kKvcacheRows[] = {{
 const KvcacheInstanceEntry* const kKvcacheInstances = kKvcacheRows;
 """ in text
     # The other operations' tables are empty, and so are everyone's gaps.
-    assert "const InstanceEntry* const kInstances = nullptr;" in text
+    assert "const FwdInstanceEntry* const kFwdInstances = nullptr;" in text
     assert "const KvcachePipelineGap* const kKvcachePipelineGaps = nullptr;" in text
     (record,) = json.loads(files[MANIFEST])["instances"]
     assert record == {

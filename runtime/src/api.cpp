@@ -128,8 +128,8 @@ Status check_causal_grid(const FwdArgs& a, int block_m, const std::string& whose
   return invalid(s.str());
 }
 
-// The largest query tile of the instances: the fewest CTAs any of them launches.
-int largest_block_m() {
+// The largest query tile of the forward instances: the fewest CTAs any of them launches.
+int largest_fwd_block_m() {
   int block_m = 0;
   for (const auto& e : detail::fwd_entries()) block_m = std::max(block_m, e.block_m);
   return block_m;
@@ -245,7 +245,7 @@ Status check_int_array(const char* name, const int32_t* ptr, bool needed, const 
 // Shapes, traits and options always; pointers, alignment and strides only when `check_memory`
 // (select() and explain() describe a problem without tensors). The window sizes are read only
 // for MaskType::kWindow: the other masks ignore them, as fmha.h says.
-Status check_args(const FwdArgs& a, bool check_memory) {
+Status check_fwd_args(const FwdArgs& a, bool check_memory) {
   for (const Status& st :
        {check_enum("dtype", a.dtype, DataType::kBF16, "kFP16, kBF16"),
         check_enum("mode", a.mode, Mode::kGroup, "kBatch, kGroup"),
@@ -265,8 +265,8 @@ Status check_args(const FwdArgs& a, bool check_memory) {
     if (!st.ok()) return st;
   }
   // Before an instance is chosen, with the tile that launches the fewest CTAs: too many for it
-  // is too many for every instance. run() and select() check the chosen one's.
-  if (Status st = check_causal_grid(a, largest_block_m(), "the largest compiled"); !st.ok()) {
+  // is too many for every instance. run_fwd() and select() check the chosen one's.
+  if (Status st = check_causal_grid(a, largest_fwd_block_m(), "the largest compiled"); !st.ok()) {
     return st;
   }
   for (const Status& st :
@@ -374,11 +374,12 @@ Status check_args(const FwdArgs& a, bool check_memory) {
 }
 
 // Checks, picks an entry (the named one, or the dispatcher's choice) and launches it.
-Status run(const FwdArgs& args, Stream stream, const std::string* instance, std::string* chosen) {
-  if (Status st = check_args(args, /*check_memory=*/true); !st.ok()) return st;
+Status run_fwd(const FwdArgs& args, Stream stream, const std::string* instance,
+               std::string* chosen) {
+  if (Status st = check_fwd_args(args, /*check_memory=*/true); !st.ok()) return st;
   int cc = 0;
   if (Status st = detail::launch_device_cc(&cc); !st.ok()) return st;
-  const detail::InstanceEntry* entry = nullptr;
+  const detail::FwdInstanceEntry* entry = nullptr;
   if (Status st = entry_for_call(args, cc, instance, stream, &entry); !st.ok()) return st;
   if (Status st = check_causal_grid(args, entry->block_m, entry->name + std::string("'s"));
       !st.ok()) {
@@ -403,7 +404,7 @@ Status invalid_bwd(const std::string& message) { return as_bwd(invalid(message))
 // empty problem (no sequence or no head) writes nothing, so it needs no pointers.
 Status check_bwd_args(const BwdArgs& a, bool check_memory) {
   const FwdArgs& f = a.fwd;
-  if (Status st = as_bwd(check_args(f, check_memory)); !st.ok()) return st;
+  if (Status st = as_bwd(check_fwd_args(f, check_memory)); !st.ok()) return st;
   if (f.vlayout != VLayout::kRowMajor) {
     return invalid_bwd("the backward takes row-major V (VLayout::kRowMajor) only; pass V with "
                        "its head dim contiguous");
@@ -739,8 +740,8 @@ Status select(const FwdArgs& args, InstanceInfo* chosen) {
 }
 
 Status select(const FwdArgs& args, int cc, InstanceInfo* chosen) {
-  const detail::InstanceEntry* entry = nullptr;
-  if (Status st = select_checked(check_args(args, /*check_memory=*/false), args, cc, &entry);
+  const detail::FwdInstanceEntry* entry = nullptr;
+  if (Status st = select_checked(check_fwd_args(args, /*check_memory=*/false), args, cc, &entry);
       !st.ok()) {
     return st;
   }
@@ -757,15 +758,15 @@ Status explain(const FwdArgs& args, std::string* explanation) {
 }
 
 Status explain(const FwdArgs& args, int cc, std::string* explanation) {
-  return explain_checked(check_args(args, /*check_memory=*/false), args, cc, explanation);
+  return explain_checked(check_fwd_args(args, /*check_memory=*/false), args, cc, explanation);
 }
 
 Status fwd(const FwdArgs& args, Stream stream, std::string* chosen) {
-  return run(args, stream, nullptr, chosen);
+  return run_fwd(args, stream, nullptr, chosen);
 }
 
 Status fwd_instance(const std::string& instance, const FwdArgs& args, Stream stream) {
-  return run(args, stream, &instance, nullptr);
+  return run_fwd(args, stream, &instance, nullptr);
 }
 
 std::vector<InstanceInfo> instances() {

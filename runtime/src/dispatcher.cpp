@@ -58,18 +58,18 @@ std::string sm(int cc) { return "sm" + std::to_string(cc); }
 // that a miss may suggest one; 0 where its kernels take exact head dims only. matrix_head_dims:
 // the head dims its whole matrix has, which a miss suggests building.
 struct FwdTable {
-  using Entry = InstanceEntry;
-  using Gap = PipelineGap;
+  using Entry = FwdInstanceEntry;
+  using Gap = FwdPipelineGap;
   static const char* kind() { return ""; }
   static const char* listing() { return "instances"; }
   static const char* entry_point() { return "fmha::fwd"; }
   static const char* problem() { return "Problem"; }
-  static int padded_hdim_step() { return kPaddedHeadDimStep; }
-  static const MatrixHeadDims* matrix_head_dims() { return kMatrixHeadDims; }
-  static int matrix_head_dim_count() { return kNumMatrixHeadDims; }
+  static int padded_hdim_step() { return kFwdPaddedHeadDimStep; }
+  static const MatrixHeadDims* matrix_head_dims() { return kFwdMatrixHeadDims; }
+  static int matrix_head_dim_count() { return kNumFwdMatrixHeadDims; }
   static EntryList<Entry> list() { return fwd_entries(); }
-  static const Gap* gaps() { return kPipelineGaps; }
-  static int gap_count() { return kNumPipelineGaps; }
+  static const Gap* gaps() { return kFwdPipelineGaps; }
+  static int gap_count() { return kNumFwdPipelineGaps; }
 };
 struct BwdTable {
   using Entry = BwdInstanceEntry;
@@ -104,7 +104,7 @@ template <> struct TableOf<FwdArgs> { using type = FwdTable; };
 template <> struct TableOf<BwdArgs> { using type = BwdTable; };
 template <> struct TableOf<KvcacheArgs> { using type = KvcacheTable; };
 template <class Entry> struct TableOfEntry;
-template <> struct TableOfEntry<InstanceEntry> { using type = FwdTable; };
+template <> struct TableOfEntry<FwdInstanceEntry> { using type = FwdTable; };
 template <> struct TableOfEntry<BwdInstanceEntry> { using type = BwdTable; };
 template <> struct TableOfEntry<KvcacheInstanceEntry> { using type = KvcacheTable; };
 
@@ -640,7 +640,7 @@ std::string rank_reason(const Entry& chosen, const Entry& other) {
   return "";
 }
 
-// A problem's value on one trait a PipelineGap names, as the generator spells it:
+// A problem's value on one trait a FwdPipelineGap names, as the generator spells it:
 // "bias=elementwise", "hdim=120x120". The traits every operation has, then those of the
 // forward and the backward, then each one's own.
 template <class Traits>
@@ -828,7 +828,7 @@ Status current_device_cc(int* cc) { return device_cc(cc, /*bind_context=*/false)
 
 Status launch_device_cc(int* cc) { return device_cc(cc, /*bind_context=*/true); }
 
-Status select_instance(const FwdArgs& args, int cc, const InstanceEntry** chosen) {
+Status select_instance(const FwdArgs& args, int cc, const FwdInstanceEntry** chosen) {
   return select_in_table(args, cc, chosen);
 }
 Status select_instance(const BwdArgs& args, int cc, const BwdInstanceEntry** chosen) {
@@ -839,7 +839,7 @@ Status select_instance(const KvcacheArgs& args, int cc, const KvcacheInstanceEnt
 }
 
 Status find_instance(const std::string& name, const FwdArgs& args, int cc,
-                     const InstanceEntry** chosen) {
+                     const FwdInstanceEntry** chosen) {
   return find_in_table(name, args, cc, chosen);
 }
 Status find_instance(const std::string& name, const BwdArgs& args, int cc,
@@ -857,7 +857,7 @@ std::string explain_selection(const KvcacheArgs& args, int cc) {
   return explain_in_table(args, cc);
 }
 
-InstanceInfo to_info(const InstanceEntry& e) { return info_of<InstanceInfo>(e); }
+InstanceInfo to_info(const FwdInstanceEntry& e) { return info_of<InstanceInfo>(e); }
 BwdInstanceInfo to_info(const BwdInstanceEntry& e) { return info_of<BwdInstanceInfo>(e); }
 KvcacheInstanceInfo to_info(const KvcacheInstanceEntry& e) {
   KvcacheInstanceInfo info = info_of<KvcacheInstanceInfo>(e);

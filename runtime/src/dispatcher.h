@@ -23,14 +23,14 @@ Status launch_device_cc(int* cc);
 
 // The entry that runs `args` on a device of compute capability `cc`, or a kNoInstance status
 // naming the traits asked for, the nearest compiled instances and the filter that builds one.
-Status select_instance(const FwdArgs& args, int cc, const InstanceEntry** chosen);
+Status select_instance(const FwdArgs& args, int cc, const FwdInstanceEntry** chosen);
 Status select_instance(const BwdArgs& args, int cc, const BwdInstanceEntry** chosen);
 Status select_instance(const KvcacheArgs& args, int cc, const KvcacheInstanceEntry** chosen);
 
 // The entry called `name`, if it can run `args` on a device of compute capability `cc`; if it
 // cannot, the status names the condition that fails.
 Status find_instance(const std::string& name, const FwdArgs& args, int cc,
-                     const InstanceEntry** chosen);
+                     const FwdInstanceEntry** chosen);
 Status find_instance(const std::string& name, const BwdArgs& args, int cc,
                      const BwdInstanceEntry** chosen);
 Status find_instance(const std::string& name, const KvcacheArgs& args, int cc,
@@ -44,7 +44,7 @@ std::string explain_selection(const FwdArgs& args, int cc);
 std::string explain_selection(const BwdArgs& args, int cc);
 std::string explain_selection(const KvcacheArgs& args, int cc);
 
-InstanceInfo to_info(const InstanceEntry& entry);
+InstanceInfo to_info(const FwdInstanceEntry& entry);
 BwdInstanceInfo to_info(const BwdInstanceEntry& entry);
 KvcacheInstanceInfo to_info(const KvcacheInstanceEntry& entry);
 

@@ -20,7 +20,7 @@ int pipeline_rank(const char* token) {
   return kNumPipelines;  // a pipeline this build does not know: after every known one
 }
 
-bool stores_lse(const InstanceEntry& e) { return e.traits.lse; }
+bool stores_lse(const FwdInstanceEntry& e) { return e.traits.lse; }
 bool stores_lse(const BwdInstanceEntry&) { return false; }
 bool stores_lse(const KvcacheInstanceEntry&) { return false; }
 
@@ -95,8 +95,8 @@ class Table {
   std::atomic<const std::vector<Entry>*> current_{nullptr};
 };
 
-Table<InstanceEntry>& fwd_table() {
-  static Table<InstanceEntry> table(kInstances, kNumInstances);
+Table<FwdInstanceEntry>& fwd_table() {
+  static Table<FwdInstanceEntry> table(kFwdInstances, kNumFwdInstances);
   return table;
 }
 Table<BwdInstanceEntry>& bwd_table() {
@@ -110,11 +110,13 @@ Table<KvcacheInstanceEntry>& kvcache_table() {
 
 }  // namespace
 
-EntryList<InstanceEntry> fwd_entries() { return fwd_table().list(); }
+EntryList<FwdInstanceEntry> fwd_entries() { return fwd_table().list(); }
 EntryList<BwdInstanceEntry> bwd_entries() { return bwd_table().list(); }
 EntryList<KvcacheInstanceEntry> kvcache_entries() { return kvcache_table().list(); }
 
-bool preferred(const InstanceEntry& a, const InstanceEntry& b) { return preferred_entry(a, b); }
+bool preferred(const FwdInstanceEntry& a, const FwdInstanceEntry& b) {
+  return preferred_entry(a, b);
+}
 bool preferred(const BwdInstanceEntry& a, const BwdInstanceEntry& b) {
   return preferred_entry(a, b);
 }
@@ -122,7 +124,7 @@ bool preferred(const KvcacheInstanceEntry& a, const KvcacheInstanceEntry& b) {
   return preferred_entry(a, b);
 }
 
-int add_entries(const InstanceEntry* entries, int count, const std::string& origin) {
+int add_entries(const FwdInstanceEntry* entries, int count, const std::string& origin) {
   return fwd_table().add(entries, count, origin);
 }
 int add_entries(const BwdInstanceEntry* entries, int count, const std::string& origin) {

@@ -22,12 +22,12 @@ struct EntryList {
   const Entry* end() const { return rows + size; }
 };
 
-EntryList<InstanceEntry> fwd_entries();
+EntryList<FwdInstanceEntry> fwd_entries();
 EntryList<BwdInstanceEntry> bwd_entries();
 EntryList<KvcacheInstanceEntry> kvcache_entries();
 
 // Whether `a` goes before `b` in the order of preference.
-bool preferred(const InstanceEntry& a, const InstanceEntry& b);
+bool preferred(const FwdInstanceEntry& a, const FwdInstanceEntry& b);
 bool preferred(const BwdInstanceEntry& a, const BwdInstanceEntry& b);
 bool preferred(const KvcacheInstanceEntry& a, const KvcacheInstanceEntry& b);
 
@@ -36,7 +36,7 @@ bool preferred(const KvcacheInstanceEntry& a, const KvcacheInstanceEntry& b);
 // shared object, or an instance this build has). Returns how many were added. The entries'
 // memory (their names and functions) must outlive the process: shared objects stay loaded.
 // `origin`: the shared object the entries come from (origin_of).
-int add_entries(const InstanceEntry* entries, int count, const std::string& origin);
+int add_entries(const FwdInstanceEntry* entries, int count, const std::string& origin);
 int add_entries(const BwdInstanceEntry* entries, int count, const std::string& origin);
 int add_entries(const KvcacheInstanceEntry* entries, int count, const std::string& origin);
 

@@ -12,10 +12,10 @@
 
 namespace fmha::detail {
 
-// Launches one instance's kernel; arguments were checked and the instance selected before.
-using LaunchFn = cudaError_t (*)(const FwdArgs& args, cudaStream_t stream);
+// Launches one forward instance's kernel; arguments were checked and the instance selected before.
+using FwdLaunchFn = cudaError_t (*)(const FwdArgs& args, cudaStream_t stream);
 
-struct InstanceEntry {
+struct FwdInstanceEntry {
   const char* name;
   FwdTraits traits;
   const char* pipeline;
@@ -26,21 +26,21 @@ struct InstanceEntry {
   int block_n;       // key rows per main-loop step
   bool pad_seqlen;   // false: needs seqlen_q % block_m == 0 and seqlen_k % block_n == 0
   bool pad_hdim;     // true: also runs hdim_q <= traits.hdim_q and hdim_v <= traits.hdim_v
-                     // in steps of kPaddedHeadDimStep; false: exactly the traits' head dims
-  LaunchFn launch;
+                     // in steps of kFwdPaddedHeadDimStep; false: exactly the traits' head dims
+  FwdLaunchFn launch;
 };
 
-// Sorted by the generator in the order of preference: the dispatcher runs the first entry
-// whose traits match and whose constraints hold. kNumInstances rows (a pointer, as a selection
-// may have none, e.g. --filter bwd).
-extern const InstanceEntry* const kInstances;
-extern const int kNumInstances;
+// The forward instances, sorted by the generator in the order of preference: the dispatcher
+// runs the first entry whose traits match and whose constraints hold. kNumFwdInstances rows (a
+// pointer, as a selection may have none, e.g. --filter bwd).
+extern const FwdInstanceEntry* const kFwdInstances;
+extern const int kNumFwdInstances;
 
 // The head dims an operation's pad_hdim entries run come in steps of this (generator/
 // operations.py's Operation.padded_hdim_step): 8 for the forward and the backward, whose
 // kernels move rows in whole 16-byte pieces, 1 for KV-cache attention, whose decode kernel
 // takes a partial last piece; 0 for an operation whose kernels take exact head dims only.
-extern const int kPaddedHeadDimStep;
+extern const int kFwdPaddedHeadDimStep;
 extern const int kBwdPaddedHeadDimStep;
 extern const int kKvcachePaddedHeadDimStep;
 
@@ -51,8 +51,8 @@ struct MatrixHeadDims {
   int hdim_q;
   int hdim_v;
 };
-extern const MatrixHeadDims* const kMatrixHeadDims;
-extern const int kNumMatrixHeadDims;
+extern const MatrixHeadDims* const kFwdMatrixHeadDims;
+extern const int kNumFwdMatrixHeadDims;
 extern const MatrixHeadDims* const kBwdMatrixHeadDims;
 extern const int kNumBwdMatrixHeadDims;
 extern const MatrixHeadDims* const kKvcacheMatrixHeadDims;
@@ -101,7 +101,7 @@ struct BwdInstanceEntry {
   bool arch_exact;
   int block_m;      // query rows per step of the inner loop
   int block_n;      // keys per CTA
-  bool pad_seqlen;  // as InstanceEntry's
+  bool pad_seqlen;  // as FwdInstanceEntry's
   bool pad_hdim;
   BwdLaunchFn launch;
   BwdWorkspaceFn workspace;
@@ -114,19 +114,19 @@ extern const int kNumBwdInstances;
 // A rule of instances.yaml that leaves `pipeline` without instances on `arch` for the traits
 // it matches (generator/gaps.py). When an older pipeline runs such a problem on that arch,
 // explain says so and quotes the reason.
-struct PipelineGap {
+struct FwdPipelineGap {
   const char* pipeline;
   const char* arch;
   const char* traits;  // the traits the rule names, comma-separated, e.g. "bias" or "mask,mode"
   const char* reason;
   bool (*matches)(const FwdTraits& traits);
 };
-// kNumPipelineGaps rows (a pointer, as there may be none).
-extern const PipelineGap* const kPipelineGaps;
-extern const int kNumPipelineGaps;
+// kNumFwdPipelineGaps rows (a pointer, as there may be none).
+extern const FwdPipelineGap* const kFwdPipelineGaps;
+extern const int kNumFwdPipelineGaps;
 
-// PipelineGap for the backward's traits: the rules of the bwd operation that leave a pipeline
-// without instances.
+// As FwdPipelineGap, for the backward's traits: the rules of the bwd operation that leave a
+// pipeline without instances.
 struct BwdPipelineGap {
   const char* pipeline;
   const char* arch;
@@ -153,7 +153,7 @@ struct KvcacheInstanceEntry {
   bool arch_exact;
   int block_m;      // query rows per CTA: the query tokens times the query heads of a K/V head
   int block_n;      // keys per step of the loop over the cache
-  bool pad_seqlen;  // as InstanceEntry's; true for every kvcache instance (the cache lengths
+  bool pad_seqlen;  // as FwdInstanceEntry's; true for every kvcache instance (the cache lengths
                     // live on the device)
   bool pad_hdim;
   bool prefill;  // a tile for many query tokens (fa3): it runs the calls kPrefill* below allow;
@@ -175,7 +175,7 @@ extern const int kNumKvcacheInstances;
 extern const int kPrefillMinPackedRows;
 extern const int kPrefillPageMultiple;
 
-// PipelineGap for KV-cache attention's traits.
+// As FwdPipelineGap, for KV-cache attention's traits.
 struct KvcachePipelineGap {
   const char* pipeline;
   const char* arch;
@@ -189,14 +189,17 @@ extern const int kNumKvcachePipelineGaps;
 // What a shared object of instances compiled on demand holds (fmha::load_instances): its
 // entries per operation, returned by the function it exports as kLoadableSymbol. `abi` is the
 // kRegistryAbi it was compiled against: the entries' layout above, which a library of another
-// layout must not read. Raise kRegistryAbi with any change to the entry structs or to the
-// argument structs of fmha/fmha.h that the launch functions take.
+// layout must not read. Raise kRegistryAbi with any change to the layout of the entry structs
+// or of the argument structs of fmha/fmha.h that the launch functions take. Their names are
+// not part of it: a loaded object shares with libfmha only kLoadableSymbol (extern "C") and
+// these layouts, its kernels and launchers being its own, so renaming a struct or a kernel's
+// namespace leaves objects compiled before it loadable.
 inline constexpr int kRegistryAbi = 1;
 inline constexpr const char* kLoadableSymbol = "fmha_loadable_instances";
 
 struct LoadableInstances {
   int abi;
-  const InstanceEntry* fwd;
+  const FwdInstanceEntry* fwd;
   int num_fwd;
   const BwdInstanceEntry* bwd;
   int num_bwd;
