@@ -445,17 +445,19 @@ _OPTION_DEFAULTS = dict(
     seqused_k=None,
 )
 
-# select() and explain() read no pointer, but the C++ arguments say that an optional operand is
-# given (the log-sum-exp wanted, seqused, a bias, a paged cache's table) by its pointer being
-# set: any non-null, aligned value says so, also for tensors without memory (meta tensors).
-_PRESENT = 16
+# The one stand-in pointer of select(), explain() and their bwd and kvcache counterparts
+# (the log-sum-exp or the bias gradient wanted, seqused, a bias, a paged cache's table, ...):
+# they read no pointer, but the C++ arguments say that an optional operand is given by its
+# pointer being set, so any non-null, aligned value says so, also for tensors without memory
+# (meta tensors). Never dereferenced.
+_PLACEHOLDER_POINTER = 16
 
 
-def _mark_present(args, **operands) -> None:
-    """Sets the pointer field of each operand given (not None) to _PRESENT."""
+def _mark_given(args, **operands) -> None:
+    """Sets the pointer field of each operand given (not None) to _PLACEHOLDER_POINTER."""
     for name, operand in operands.items():
         if operand is not None:
-            setattr(args, name, _PRESENT)
+            setattr(args, name, _PLACEHOLDER_POINTER)
 
 
 def _target_cc(capability, api: str) -> int:
@@ -495,10 +497,10 @@ def _described(api: str, q, k, v, causal, softmax_scale, options: dict,
                    materialize=False, check_device=not cc)
     args = _make_args(_padded_as_described(ops), out=None, lse=None)
     if ops.return_lse:
-        args.lse = _PRESENT
-    _mark_present(args, bias_ptr=ops.bias, alibi_slopes=ops.alibi_slopes,
-                  cu_seqlens_q=ops.cu_seqlens_q, cu_seqlens_k=ops.cu_seqlens_k,
-                  seqused_q=ops.seqused_q, seqused_k=ops.seqused_k)
+        args.lse = _PLACEHOLDER_POINTER
+    _mark_given(args, bias_ptr=ops.bias, alibi_slopes=ops.alibi_slopes,
+                cu_seqlens_q=ops.cu_seqlens_q, cu_seqlens_k=ops.cu_seqlens_k,
+                seqused_q=ops.seqused_q, seqused_k=ops.seqused_k)
     return args
 
 

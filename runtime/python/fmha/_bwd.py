@@ -25,11 +25,11 @@ from fmha import _C, _api, _head_dims, _plans
 from fmha._api import (
     _LIBRARY,
     _OPTION_DEFAULTS,
-    _PRESENT,
+    _PLACEHOLDER_POINTER,
     _ask,
     _first_call,
     _make_args,
-    _mark_present,
+    _mark_given,
     _Operands,
     _padded_as_described,
     _prepare,
@@ -83,7 +83,7 @@ def _make_bwd_args(ops: _Operands, dout, out, lse, dq, dk, dv, dbias, determinis
         f.o_batch_stride, f.o_seq_stride, f.o_head_stride = _bsh(
             _contiguous_strides(out_shape), group)
         lse_strides = _contiguous_strides(_plans.lse_shape(q, group))
-        f.lse = _PRESENT
+        f.lse = _PLACEHOLDER_POINTER
         f.lse_head_stride = lse_strides[-2]
         f.lse_batch_stride = 0 if group else lse_strides[0]
     dout_strides = _contiguous_strides(out_shape) if dout is None else kernel_strides(dout)
@@ -101,7 +101,7 @@ def _make_bwd_args(ops: _Operands, dout, out, lse, dq, dk, dv, dbias, determinis
         b.dq, b.dk, b.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
     if dbias is not None or dbias_wanted:
         # The full (batch, nheads, seqlen_q, seqlen_k) gradient, contiguous.
-        b.dbias = _PRESENT if dbias is None else dbias.data_ptr()
+        b.dbias = _PLACEHOLDER_POINTER if dbias is None else dbias.data_ptr()
         b.dbias_batch_stride, b.dbias_head_stride, b.dbias_seq_stride = _contiguous_strides(
             ops.bias.shape)[:3]
     b.deterministic = deterministic
@@ -458,9 +458,9 @@ def _described_bwd(api: str, q, k, v, causal, softmax_scale, options: dict,
                    more_checks=more_checks, check_device=not cc, **kwargs)
     args = _make_bwd_args(_padded_as_described(ops), None, None, None, None, None, None, None,
                           deterministic, return_dbias)
-    _mark_present(args.fwd, bias_ptr=ops.bias, alibi_slopes=ops.alibi_slopes,
-                  cu_seqlens_q=ops.cu_seqlens_q, cu_seqlens_k=ops.cu_seqlens_k,
-                  seqused_q=ops.seqused_q, seqused_k=ops.seqused_k)
+    _mark_given(args.fwd, bias_ptr=ops.bias, alibi_slopes=ops.alibi_slopes,
+                cu_seqlens_q=ops.cu_seqlens_q, cu_seqlens_k=ops.cu_seqlens_k,
+                seqused_q=ops.seqused_q, seqused_k=ops.seqused_k)
     return args
 
 

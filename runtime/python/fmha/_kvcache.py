@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from fmha import _C, _head_dims, _plans
-from fmha._api import _ask, _mark_present, _raise_for, _target_cc
+from fmha._api import _ask, _mark_given, _raise_for, _target_cc
 from fmha._checks import (
     DTYPE_CODES,
     INT_LIMIT,
@@ -385,9 +385,9 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
         with torch.cuda.device(device):
             # The workspace's size depends on the instance (its tile) and on which optional
             # operands the call has; run() sets every pointer from the call's tensors.
-            _mark_present(args, k_new=k, v_new=v, block_table=block_table,
-                          cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
-                          alibi_slopes=alibi_slopes)
+            _mark_given(args, k_new=k, v_new=v, block_table=block_table,
+                        cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
+                        alibi_slopes=alibi_slopes)
             # A miss compiles on demand (fmha.jit), in C++, unless the stream captures a graph.
             code, message, workspace_bytes = _C.kvcache_workspace_size(
                 args, instance, torch._C._cuda_getCurrentRawStream(device))
@@ -451,10 +451,10 @@ def _described(q, k_cache, v_cache, k, v, cache_seqlens, options: dict, cc: int)
     if on_copies:  # described on meta tensors of the copies' shapes and strides, as they run
         args = build(*(_head_dims.padded_rows(t, meta=True) for t in (q, k_cache, v_cache, k, v)),
                      check_device=False)
-    _mark_present(args, k_new=k, v_new=v, block_table=o["block_table"],
-                  cache_batch_idx=o["cache_batch_idx"], cache_leftpad=o["cache_leftpad"],
-                  rotary_cos=o["rotary_cos"], rotary_sin=o["rotary_sin"],
-                  alibi_slopes=o["alibi_slopes"])
+    _mark_given(args, k_new=k, v_new=v, block_table=o["block_table"],
+                cache_batch_idx=o["cache_batch_idx"], cache_leftpad=o["cache_leftpad"],
+                rotary_cos=o["rotary_cos"], rotary_sin=o["rotary_sin"],
+                alibi_slopes=o["alibi_slopes"])
     return args
 
 
