@@ -41,11 +41,13 @@ def test_repository_matrix():
     # unpadded batch-mode ones on sm90a that fa3 serves (2 dtypes x 4 head dims x 3 masks x
     # lse false/true). fa3: those 24 trait combinations on sm90a, each with 3 instances, all
     # padding sequence lengths only: batch mode with lse false/true, and group mode with lse.
-    # This thread's CPU time (~0.8 s): neither other jobs nor the CPU that torch's worker
-    # threads spend after earlier tests count (process_time counted them: 5.3 s in one CI run).
+    # This thread's CPU time: neither other jobs nor the CPU that torch's worker threads spend
+    # after earlier tests count (process_time did). Every operation's matrix (15348 instances)
+    # took 2.9-4.4 s on the 2-core CI-like machine (2026-11-28), 5.4 s beside a compile; the
+    # bound catches a blow-up (a rule checked per pair of points), not a few percent.
     start = time.thread_time()
     catalog = build_catalog(load(DEFAULT_CONFIG))
-    assert time.thread_time() - start < 5
+    assert time.thread_time() - start < 15
     fwd = catalog.of(OPERATION.get("fwd"))
     assert len(fwd) == 10080 - 48 + 72 and catalog.instances[:len(fwd)] == fwd
     # Every operation's points less what its rules keep (BWD_POINTS, KVCACHE_POINTS: below).
