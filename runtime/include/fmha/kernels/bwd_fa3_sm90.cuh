@@ -1,7 +1,7 @@
 // FlashAttention-3 style backward pipeline for Hopper (sm90a): TMA, wgmma and warp
 // specialization. dQ, dK, dV of the forward, recomputing P from Q, K and the forward's
 // log-sum-exp (FlashAttention-2's algorithm, FlashAttention-3's kernel design:
-// docs/fa3-bwd-plan.md).
+// docs/design/fa3-backward.md).
 //
 // One instance is three kernels, launched in order on one stream by launch_bwd:
 //   1. bwd_preprocess_kernel: D = rowsum(dO * O) and the log-sum-exp in log2 units, per
