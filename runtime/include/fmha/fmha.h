@@ -182,7 +182,7 @@ struct FMHA_API BwdArgs {
   int64_t dbias_batch_stride = 0, dbias_head_stride = 0, dbias_seq_stride = 0;
 
   // true: gradients bitwise identical from run to run (dQ is summed in a fixed order), at a
-  // cost bwd_workspace_size() and the README quantify.
+  // cost bwd_workspace_size() and docs/performance.md quantify.
   bool deterministic = false;
 
   // Scratch of bwd_workspace_size() bytes, 256-byte aligned, for the instance bwd() runs (fp32
