@@ -610,11 +610,12 @@ class FakeBwdArgs:
 
     def __init__(self, workspace_bytes=1000):
         self.sizes_asked, self.runs, self.workspace_bytes = [], [], workspace_bytes
-        self.instances_asked = []
+        self.instances_asked, self.streams_asked = [], []
 
-    def workspace_size(self, *sizes_and_instance):
-        self.sizes_asked.append(sizes_and_instance[:-1])
-        self.instances_asked.append(sizes_and_instance[-1])
+    def workspace_size(self, seqlen_q, seqlen_k, total_q, total_k, instance, stream):
+        self.sizes_asked.append((seqlen_q, seqlen_k, total_q, total_k))
+        self.instances_asked.append(instance)
+        self.streams_asked.append(stream)  # the launch's: a miss compiles unless it captures
         return _C.STATUS_OK, "", self.workspace_bytes
 
     def run(self, *args):
@@ -646,6 +647,7 @@ def test_a_batch_plan_asks_for_its_workspace_once(no_device_check, cpu_plans):
         assert (dq.shape, dk.shape, dv.shape) == (t["q"].shape, t["k"].shape, t["v"].shape)
     assert fake.sizes_asked == [(-1, -1, -1, -1)] and plan.workspace_bytes == 1000
     assert fake.instances_asked == [None]  # the dispatcher's choice sizes it
+    assert fake.streams_asked == [0]  # the stream the launch runs on
     run = fake.runs[-1]
     assert run[:6] == tuple(t[n].data_ptr() for n in ("dout", "q", "k", "v", "out", "lse"))
     assert run[12:14] == (5, 2)  # the call's dropout seed and offset
