@@ -1,6 +1,7 @@
 """What the FlashAttention layers of fmha.compat share: FlashAttention's arguments in fmha's
 spelling, one attention call through fmha.fwd and fmha.bwd with FlashAttention's per-call
-`deterministic` flag, and the `S_dmask` that return_attn_probs hands back.
+`deterministic` flag, one KV-cache call through fmha.fwd_kvcache, and the `S_dmask` that
+return_attn_probs hands back.
 
 FlashAttention's conventions as fmha takes them:
 - causal and windows are aligned bottom-right (fmha's mask_align="bottom_right"), and so is
@@ -104,6 +105,49 @@ def fwd_options(causal, softmax_scale, window_size, alibi_slopes=None, softcap=0
                 dropout_p=dropout_p, dropout_seed=seed, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k)
+
+
+def attend_kvcache(api, q, k_cache, v_cache, k, v, *, cache_seqlens, block_table,
+                   cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+                   return_lse):
+    """The body of FlashAttention-2's and -3's flash_attn_with_kvcache (FlashAttention-3 calls
+    block_table page_table and has no ALiBi): their checks, then one fmha.fwd_kvcache call."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(api, name, t)
+    if k_cache.dim() != 4:
+        raise ValueError(f"{api}: k_cache must have 4 dimensions, got shape "
+                         f"{tuple(k_cache.shape)}")
+    check_bool(api, "causal", causal)
+    check_bool(api, "return_softmax_lse", return_lse)
+    q, k, v = maybe_contiguous(q), maybe_contiguous(k), maybe_contiguous(v)
+    return fmha.fwd_kvcache(
+        q, k_cache, v_cache, k, v,
+        cache_seqlens=_cache_lengths(api, cache_seqlens, q, k_cache, k, block_table),
+        block_table=block_table, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        causal=causal, window_size=window(api, window_size, causal),
+        softcap=softcap_value(api, softcap), alibi_slopes=alibi_slopes,
+        softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse)
+
+
+def _cache_lengths(api, cache_seqlens, q, k_cache, k, block_table):
+    """FlashAttention's cache_seqlens as fmha.fwd_kvcache takes it: an int becomes an int32
+    tensor of the batch's size, None the whole cache (refused with k and v, which would have
+    no position to go to); a tensor goes to fmha's checks as it is."""
+    if isinstance(cache_seqlens, bool):
+        raise TypeError(f"{api}: cache_seqlens must be an int or an int32 tensor, got bool")
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError(f"{api}: k and v are appended at cache_seqlens; pass it")
+        if block_table is not None:
+            check_tensor(api, "block_table", block_table)
+        cache_seqlens = (k_cache.shape[1] if block_table is None
+                         else k_cache.shape[1] * block_table.shape[-1])
+    if isinstance(cache_seqlens, int):
+        batch = q.shape[0] if q.dim() else 0
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
+    return cache_seqlens
 
 
 def _kernel_readable(t: torch.Tensor) -> torch.Tensor:

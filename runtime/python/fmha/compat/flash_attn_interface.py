@@ -20,17 +20,15 @@ from typing import Optional, Union
 
 import torch
 
-import fmha
 from fmha.compat._attention import (
     attend,
+    attend_kvcache,
     check_bool,
     check_tensor,
     fwd_options,
-    maybe_contiguous,
     softcap_value,
     window,
 )
-from fmha.compat.flash_attn.flash_attn_interface import cache_lengths
 
 
 def _refuse(api: str, **given) -> None:
@@ -159,19 +157,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             rotary_seqlens=rotary_seqlens is not None, q_descale=q_descale is not None,
             k_descale=k_descale is not None, v_descale=v_descale is not None,
             attention_chunk=attention_chunk != 0)
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(api, name, t)
-    if k_cache.dim() != 4:
-        raise ValueError(f"{api}: k_cache must have 4 dimensions, got shape "
-                         f"{tuple(k_cache.shape)}")
-    check_bool(api, "causal", causal)
-    check_bool(api, "return_softmax_lse", return_softmax_lse)
-    q, k, v = maybe_contiguous(q), maybe_contiguous(k), maybe_contiguous(v)
-    return fmha.fwd_kvcache(
-        q, k_cache, v_cache, k, v,
-        cache_seqlens=cache_lengths(api, cache_seqlens, q, k_cache, k, page_table),
-        block_table=page_table, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-        causal=causal, window_size=window(api, window_size, causal),
-        softcap=softcap_value(api, softcap), softmax_scale=softmax_scale, num_splits=num_splits,
-        return_lse=return_softmax_lse)
+    return attend_kvcache(
+        api, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=page_table,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=None, num_splits=num_splits, return_lse=return_softmax_lse)

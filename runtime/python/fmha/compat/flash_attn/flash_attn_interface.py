@@ -26,17 +26,16 @@ from typing import Optional, Union
 
 import torch
 
-import fmha
 from fmha.compat._attention import (
     S_DMASK_BLOCK_N,
     attend,
+    attend_kvcache,
     check_bool,
     check_packed,
     check_tensor,
     dropout_probabilities,
     dropout_seed,
     fwd_options,
-    maybe_contiguous,
     softcap_value,
     window,
 )
@@ -246,39 +245,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Returns out (batch, seqlen_q, nheads, headdim), with return_softmax_lse also softmax_lse
     (batch, nheads, seqlen_q) fp32."""
-    api = "flash_attn_with_kvcache"
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(api, name, t)
-    if k_cache.dim() != 4:
-        raise ValueError(f"{api}: k_cache must have 4 dimensions, got shape "
-                         f"{tuple(k_cache.shape)}")
-    check_bool(api, "causal", causal)
-    check_bool(api, "return_softmax_lse", return_softmax_lse)
-    q, k, v = maybe_contiguous(q), maybe_contiguous(k), maybe_contiguous(v)
-    return fmha.fwd_kvcache(
-        q, k_cache, v_cache, k, v,
-        cache_seqlens=cache_lengths(api, cache_seqlens, q, k_cache, k, block_table),
+    return attend_kvcache(
+        "flash_attn_with_kvcache", q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
         block_table=block_table, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-        causal=causal, window_size=window(api, window_size, causal),
-        softcap=softcap_value(api, softcap), alibi_slopes=alibi_slopes,
-        softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_softmax_lse)
-
-
-def cache_lengths(api, cache_seqlens, q, k_cache, k, block_table):
-    """FlashAttention's cache_seqlens as fmha.fwd_kvcache takes it: an int becomes an int32
-    tensor of the batch's size, None the whole cache (refused with k and v, which would have
-    no position to go to); a tensor goes to fmha's checks as it is."""
-    if isinstance(cache_seqlens, bool):
-        raise TypeError(f"{api}: cache_seqlens must be an int or an int32 tensor, got bool")
-    if cache_seqlens is None:
-        if k is not None:
-            raise ValueError(f"{api}: k and v are appended at cache_seqlens; pass it")
-        if block_table is not None:
-            check_tensor(api, "block_table", block_table)
-        cache_seqlens = (k_cache.shape[1] if block_table is None
-                         else k_cache.shape[1] * block_table.shape[-1])
-    if isinstance(cache_seqlens, int):
-        batch = q.shape[0] if q.dim() else 0
-        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
-    return cache_seqlens
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, num_splits=num_splits, return_lse=return_softmax_lse)
