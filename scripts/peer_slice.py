@@ -6,9 +6,21 @@ and `-k` matches substrings of case ids, which cannot say "head dim 128" exactly
         ../shared/peer-tests/flash_attn -k test_flash_attn_qkvpacked
 
 A parameter a case does not have does not deselect it; values compare as their str().
+
+Under pytest-xdist (`-n N`), each worker takes one GPU of the machine, worker i the GPU
+i mod the number of GPUs (PEER_GPUS, default 1), so `-n 4` on 4 GPUs runs four cases at once.
 """
 
 import os
+
+
+def pytest_configure(config):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...: set in xdist's workers
+    if worker:
+        # Before anything initialises CUDA: the suite's module imports torch but touches no GPU
+        # until its first test.
+        gpus = int(os.environ.get("PEER_GPUS", "1"))
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(int(worker[2:]) % gpus)
 
 
 def _wanted() -> dict:
