@@ -10,6 +10,8 @@ list and a manifest.
               launcher, tile constraints, shared memory), TU template, C++ table; the place to
               add one
   catalog     per operation: expand the matrix, prune by rules, assign tiles
+  catalog_cache
+              the catalog and its checked presets, kept on disk between runs
   dispatch    the runtime's matching rule (serves), the order of preference, the proof that
               every instance is chosen for some problem of its operation
   selection   the --filter grammar, presets, --targets, --shard

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import config as config_file
-from .catalog import Catalog, build_catalog
+from .catalog import Catalog
+from .catalog_cache import checked_catalog
 from .config import Config
 from .errors import GeneratorError
 from .explain import PROBLEM_HELP, explain, parse_problem
@@ -116,16 +117,17 @@ def _run(args: argparse.Namespace) -> None:
     shard = parse_shard(args.shard) if args.shard is not None else None
     problem = parse_problem(args.explain) if args.explain is not None else None
     config = config_file.load(args.config)
-    catalog = build_catalog(config)
+    catalog, preset_tokens = checked_catalog(config)
 
     if args.presets:
-        _print_presets(select_each_preset(config, catalog, args.filter, targets), config,
-                       catalog, as_json=args.json)
+        _print_presets(select_each_preset(config, catalog, args.filter, targets, preset_tokens),
+                       config, catalog, as_json=args.json)
         return
 
-    selection = select(config, catalog, args.preset, args.filter, targets)
+    selection = select(config, catalog, args.preset, args.filter, targets, preset_tokens)
     if problem is not None:
-        sys.stdout.write(explain(problem, selection, config, catalog, args.preset, targets))
+        sys.stdout.write(explain(problem, selection, config, catalog, args.preset, targets,
+                                 preset_tokens))
         return
 
     built = shard.take(selection.instances) if shard else selection.instances

@@ -22,6 +22,7 @@ The file's sections:
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, replace
 from functools import partial
@@ -88,7 +89,12 @@ class Rule:
     label: str  # its place in the file: rules[i] (a shared rule) or operations.fwd.rules[i]
 
     def matches(self, point: MatrixPoint) -> bool:
-        return all(condition.holds(point) for condition in self.when)
+        # A loop rather than all() over a generator, which costs one a call: pruning
+        # instances.yaml's 104835 points took 0.9-1.0 s of CPU with it, 0.65 s without.
+        for condition in self.when:
+            if not condition.holds(point):
+                return False
+        return True
 
     def applies_to(self, op: Operation) -> bool:
         """Whether the rule can hold for `op`'s points: `op` has every axis it names and is one
@@ -128,6 +134,7 @@ class OperationConfig:
 @dataclass(frozen=True)
 class Config:
     file: str  # the path as shown in messages
+    digest: str  # sha256 of the bytes it was read from: catalog_cache's key
     # In operations.OPERATIONS's order, whatever the file's.
     operations: dict[str, OperationConfig]
     shared_rules: tuple[Rule, ...]  # also in the rules of each operation they apply to
@@ -150,7 +157,7 @@ def load(path: Path = DEFAULT_CONFIG) -> Config:
         column = err.start - data.rfind(b"\n", 0, err.start)
         raise ConfigError(file, data.count(b"\n", 0, err.start) + 1,
                           f"not UTF-8: byte {data[err.start]:#04x} at column {column}") from None
-    return _Reader(file).config(yamllines.load(text, file))
+    return _Reader(file, hashlib.sha256(data).hexdigest()).config(yamllines.load(text, file))
 
 
 def _shared_axes(axes: tuple[str, ...], ops: list[Operation], axes_of) -> tuple[str, ...]:
@@ -198,8 +205,9 @@ class _Reader:
     Every reader takes (raw value, label, line): the label names the value's place in the file
     (`tiles[1].block_m`) and the line is where it is, for the error message."""
 
-    def __init__(self, file: str) -> None:
+    def __init__(self, file: str, digest: str) -> None:
         self.file = file
+        self.digest = digest
 
     def error(self, line: int, message: str) -> ConfigError:
         return ConfigError(self.file, line, message)
@@ -225,6 +233,7 @@ class _Reader:
                                                shared, shared_rules) for op in ops}
         return Config(
             file=self.file,
+            digest=self.digest,
             operations=operations,
             shared_rules=shared_rules,
             presets=self.presets(top["presets"], "presets", top.line_of("presets")),

@@ -23,7 +23,7 @@ from .gaps import fallback_notes, spell
 from .model import ABSENT, Instance
 from .operations import OPERATIONS, Operation
 from .schema import ARCH, BUILD_AXES, ENUM_AXES, INTEGER, MATRIX_AXES, OPERATION, Arch
-from .selection import Selection, parse_filter, select_each_preset
+from .selection import Selection, Token, parse_filter, select_each_preset
 
 _SHAPE_DEFAULTS = {"seqlen_q": "1024", "seqlen_k": "1024", "seqused": "false"}
 _SHAPE_KEYS = (*_SHAPE_DEFAULTS, "arch")
@@ -217,17 +217,20 @@ def mismatches(instance: Instance, problem: Problem) -> list[str]:
 
 
 def explain(problem: Problem, selection: Selection, config: Config, catalog: Catalog,
-            preset: str, targets: tuple[Arch, ...] | None) -> str:
+            preset: str, targets: tuple[Arch, ...] | None,
+            preset_tokens: dict[str, tuple[Token, ...]] | None = None) -> str:
     """The explanation as printed, for the selection this run's preset, --filter and --targets
     made; the problem's operation's instances are its table. On a miss the config's presets
-    are searched for one that builds a fitting instance."""
+    are searched for one that builds a fitting instance. `preset_tokens`: check_presets'
+    result, as select takes it."""
     lines = [f"problem: {describe_problem(problem)}"]
     table = [i for i in selection.instances if i.op == problem.op]
     serving = [i for i in table if serves(i, problem)]
     if serving:
         lines += _hit(serving, problem, selection, len(table))
     else:
-        lines += _miss(problem, table, catalog, select_each_preset(config, catalog), preset,
+        lines += _miss(problem, table, catalog,
+                       select_each_preset(config, catalog, preset_tokens=preset_tokens), preset,
                        targets)
     return "\n".join(lines) + "\n"
 

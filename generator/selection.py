@@ -76,7 +76,13 @@ class Token:
     negated: bool = False
 
     def holds(self, instance: Instance) -> bool:
-        return any(term.holds(instance) for term in self.alternatives) != self.negated
+        # Loops, here and in AllOf.holds, rather than any() and all() over a generator, which
+        # costs one a call: what every preset of instances.yaml selects took 2.0-2.5 s of CPU
+        # with them, 1.0-1.1 s without (2026-11-28).
+        for term in self.alternatives:
+            if term.holds(instance):
+                return not self.negated
+        return self.negated
 
 
 class FilterError(GeneratorError):
@@ -192,14 +198,19 @@ def select(config: Config, catalog: Catalog, preset: str, filter_text: str = "",
 
 
 def select_each_preset(config: Config, catalog: Catalog, filter_text: str = "",
-                       targets: tuple[Arch, ...] | None = None) -> dict[str, Selection]:
+                       targets: tuple[Arch, ...] | None = None,
+                       preset_tokens: dict[str, tuple[Token, ...]] | None = None
+                       ) -> dict[str, Selection]:
     """What each preset selects with the filter and the targets, for --presets: a preset they
-    empty has an empty selection here rather than an error."""
+    empty has an empty selection here rather than an error. `preset_tokens`: check_presets'
+    result, as select takes it."""
+    if preset_tokens is None:
+        preset_tokens = check_presets(config, catalog)
     options = _option_tokens(catalog, filter_text, targets)
     return {name: _selection(catalog, tuple(
                 i for i in catalog.instances
                 if all(token.holds(i) for token in (*tokens, *options))))
-            for name, tokens in check_presets(config, catalog).items()}
+            for name, tokens in preset_tokens.items()}
 
 
 def check_presets(config: Config, catalog: Catalog) -> dict[str, tuple[Token, ...]]:
@@ -252,7 +263,10 @@ class AllOf:
     tokens: tuple[Token, ...]
 
     def holds(self, instance: Instance) -> bool:
-        return all(token.holds(instance) for token in self.tokens)
+        for token in self.tokens:  # a loop: see Token.holds
+            if not token.holds(instance):
+                return False
+        return True
 
 
 def _preset_tokens(config: Config, catalog: Catalog, name: str) -> tuple[Token, ...]:

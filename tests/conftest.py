@@ -3,9 +3,11 @@ environment."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 # A call outside the build misses here, as the miss tests expect, rather than compiling on demand
@@ -21,13 +23,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from generator.catalog import build_catalog  # noqa: E402
-from generator.config import load  # noqa: E402
+from generator.catalog import Catalog, build_catalog  # noqa: E402
+from generator.config import DEFAULT_CONFIG, Config, load  # noqa: E402
 from generator.errors import ConfigError  # noqa: E402
 from generator.model import (  # noqa: E402
     BwdTraits, FwdTraits, Instance, KvcacheTraits, MatrixPoint, Tile)
 from generator.schema import ARCH, BIAS, DTYPE, MASK, MODE, PIPELINE, VLAYOUT  # noqa: E402
-from generator.selection import select  # noqa: E402
+from generator.selection import Selection, Token, check_presets, select  # noqa: E402
 
 # A configuration independent of the repository's instances.yaml, so the tests keep their
 # meaning when the real matrix or its tiles are tuned. Its d128 tile differs from the d64 one
@@ -100,6 +102,29 @@ KVCACHE_OPERATION = ("presets:\n", """\
       - {when: {pad_seqlen: false}, reason: the cache lengths live on the device}
 presets:
 """)
+
+
+@dataclass(frozen=True)
+class RepositoryMatrix:
+    """instances.yaml's config, catalog and checked presets (check_presets' result)."""
+
+    config: Config
+    catalog: Catalog
+    preset_tokens: dict[str, tuple[Token, ...]]
+
+    def select(self, preset: str, filter_text: str = "") -> Selection:
+        return select(self.config, self.catalog, preset, filter_text,
+                      preset_tokens=self.preset_tokens)
+
+
+@functools.cache
+def repository() -> RepositoryMatrix:
+    """instances.yaml's matrix, built once for the whole run: a build and its preset check take
+    3.5-5 s of CPU on a 2-core machine like CI's, and a dozen test modules read the same
+    immutable matrix. The tests that time a build make their own."""
+    config = load(DEFAULT_CONFIG)
+    catalog = build_catalog(config)
+    return RepositoryMatrix(config, catalog, check_presets(config, catalog))
 
 
 def _line_of(text: str, fragment: str) -> int:

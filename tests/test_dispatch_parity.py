@@ -23,8 +23,8 @@ import pytest
 torch = pytest.importorskip("torch")
 fmha = pytest.importorskip("fmha", reason="the fmha module is not built")
 
-from generator.catalog import build_catalog  # noqa: E402
-from generator.config import DEFAULT_CONFIG, load  # noqa: E402
+from conftest import repository  # noqa: E402
+from generator.config import DEFAULT_CONFIG  # noqa: E402
 from generator.dispatch import Problem, dispatch_order, first_serving  # noqa: E402
 from generator.model import BwdTraits  # noqa: E402
 
@@ -37,8 +37,8 @@ DEVICE = "meta"
 
 @functools.lru_cache(maxsize=1)
 def catalog() -> dict:
-    """The repository matrix's instances by name (3 s to build: once for the module)."""
-    return {i.name: i for i in build_catalog(load(DEFAULT_CONFIG)).instances}
+    """The repository matrix's instances by name."""
+    return {i.name: i for i in repository().catalog.instances}
 
 
 def compiled_in_dispatch_order(listed: list[dict]) -> list:

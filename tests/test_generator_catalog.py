@@ -13,7 +13,7 @@ from generator.catalog import build_catalog
 from generator.config import DEFAULT_CONFIG, load
 from generator.gaps import fallback_notes
 from generator.model import Tile
-from conftest import BWD_OPERATION, KVCACHE_OPERATION
+from conftest import BWD_OPERATION, KVCACHE_OPERATION, repository
 from generator.operations import operation_of
 from generator.schema import ARCH, OPERATION, PIPELINE
 
@@ -66,7 +66,7 @@ def test_repository_matrix():
 
 
 def test_fa2_keeps_on_sm90a_what_fa3_does_not_serve():
-    catalog = build_catalog(load(DEFAULT_CONFIG))
+    catalog = repository().catalog
     fa2_sm90a = [i.point for i in catalog.of(OPERATION.get("fwd"))
                  if i.point.pipeline.token == "fa2" and i.point.arch.token == "sm90a"]
     unpadded = [p for p in fa2_sm90a if not p.pad_hdim]
@@ -254,7 +254,7 @@ def test_repository_tiles_fit_the_archs_they_are_used_on():
     # backward's: d256 64x64 on sm90a 209 KB, (192, 192) 64x64 161 KB on both.
     used = {(operation_of(i).kernel(i.point.pipeline), i.point.arch, i.point.traits.hdim_q,
              i.point.traits.hdim_v, i.tile)
-            for i in build_catalog(load(DEFAULT_CONFIG)).instances}
+            for i in repository().catalog.instances}
     assert {(kernel.header, arch.token) for kernel, arch, *_ in used} == {
         ("fmha/kernels/fwd_fa2_sm80.cuh", "sm80"), ("fmha/kernels/fwd_fa2_sm80.cuh", "sm90a"),
         ("fmha/kernels/fwd_fa3_sm90.cuh", "sm90a"), ("fmha/kernels/bwd_fa2_sm80.cuh", "sm80"),
@@ -404,7 +404,7 @@ def test_repository_bwd_matrix():
     # less the 24 unpadded ones on sm90a that fa3 serves (2 dtypes x 4 head dims x 3 masks,
     # batch mode, no bias, dropout or soft-cap). fa3: those 24 and their 24 in group mode,
     # padding sequence lengths only.
-    catalog = build_catalog(load(DEFAULT_CONFIG))
+    catalog = repository().catalog
     bwd = catalog.of(OPERATION.get("bwd"))
     start = catalog.instances.index(bwd[0])
     assert len(bwd) == 672 * 3 * 2 - 24 + 48 and catalog.instances[start:start + len(bwd)] == bwd
@@ -561,7 +561,7 @@ def test_bwd_shared_memory_matches_the_kernels_formula():
     # BwdConfig::kSmemBytes of bwd_fa2_sm80.cuh, for the repository's tiles: K and V, two
     # stages of Q, dO and 8 bytes per row, dS^T (and P^T when two warps share a warp's keys:
     # 32 keys per warp at d128 make 8 warps on 128 keys share them, 16 at d192 on 64).
-    kernel = operation_of(build_catalog(load(DEFAULT_CONFIG)).of(OPERATION.get("bwd"))[0]).kernel(
+    kernel = operation_of(repository().catalog.of(OPERATION.get("bwd"))[0]).kernel(
         PIPELINE.get("fa2"))
     assert kernel.shared_memory.bytes(Tile(64, 128, 8, 2), (128, 128)) == 164864
     # One warp on its 16 keys (split_d 1): dS^T alone.
@@ -583,7 +583,7 @@ def test_repository_kvcache_matrix():
     # fa3 (chunked prefill): 2 dtypes x head dims 64, 128 and 256 x 3 masks x 2 (contiguous,
     # paged) on sm90a, without ALiBi or soft-cap, exact head dims: 36. Each pads sequence
     # lengths; kvcache's is the last table of the catalog.
-    catalog = build_catalog(load(DEFAULT_CONFIG))
+    catalog = repository().catalog
     kvcache = catalog.of(OPERATION.get("kvcache"))
     assert catalog.instances[-len(kvcache):] == kvcache
     assert all(i.name.startswith("kvcache_") and i.point.pad_seqlen for i in kvcache)
@@ -729,7 +729,7 @@ def test_kvcache_shared_memory_matches_the_kernels_formula(config_error, line_of
     # decode::Config::kSmemBytes of a paged instance: Q, K and V per stage, and the table
     # entries of stages + 1 key tiles. The repository's d256 sm80 tile: 139264 + 768 bytes,
     # within A100's 163 KB.
-    kernel = operation_of(build_catalog(load(DEFAULT_CONFIG)).of(OPERATION.get("kvcache"))[0]
+    kernel = operation_of(repository().catalog.of(OPERATION.get("kvcache"))[0]
                           ).kernel(PIPELINE.get("fa2"))
     assert kernel.shared_memory.bytes(Tile(16, 64, 4, 2), (256, 256)) == 139264 + 768
     # d128 with 256-key steps in three stages: 2 * (16 * 128 + 3 * 256 * 256) + 4 * 4 * 256 =

@@ -7,12 +7,10 @@ import time
 from dataclasses import replace
 
 import pytest
-from conftest import BWD_OPERATION
+from conftest import BWD_OPERATION, repository
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from generator.catalog import build_catalog
-from generator.config import DEFAULT_CONFIG, load
 from generator.dispatch import (PREFERENCE, REQUIREMENTS, Problem, check_dispatchable,
                                 deciding_criterion, dispatch_order, first_serving, requirements,
                                 serves, unmet)
@@ -165,7 +163,7 @@ def test_every_criterion_says_what_it_prefers(make_instance):
     assert (criterion.shows(first), criterion.shows(second)) == ("sm90a (cc 90)", "sm80 (cc 80)")
 
 
-DEFAULT_CATALOG = build_catalog(load(DEFAULT_CONFIG))
+DEFAULT_CATALOG = repository().catalog
 
 
 @settings(max_examples=100, deadline=None)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BWD_OPERATION, KVCACHE_OPERATION
+from conftest import BWD_OPERATION, KVCACHE_OPERATION, repository
 
 from generator.catalog import build_catalog
 from generator.config import DEFAULT_CONFIG, load
@@ -165,9 +165,7 @@ const int kNumFwdPipelineGaps = 0;
 
 
 def test_pipeline_gaps_in_the_table():
-    config = load(DEFAULT_CONFIG)
-    text = render(select(config, build_catalog(config), "minimal"),
-                  source="instances.yaml")["dispatch_table.cpp"]
+    text = render(repository().select("minimal"), source="instances.yaml")["dispatch_table.cpp"]
     # One row per rule on fa3's traits (not on its arch or padding), for sm90a where it exists:
     # the forward's five, the backward's four and kvcache's three in tables of their own.
     assert text.count('    {"fa3", "sm90a", ') == 5 + 4 + 3
@@ -221,8 +219,7 @@ set(FMHA_GENERATED_SOURCES_sm90a
 
 
 def test_instances_cmake_lists_the_tus_that_need_cutlass():
-    config = load(DEFAULT_CONFIG)
-    selection = select(config, build_catalog(config), "minimal")
+    selection = repository().select("minimal")
     text = render(selection, source="instances.yaml")["instances.cmake"]
     # Those TUs, a minute each, go first (and their target), so that ninja starts them first.
     assert 'set(FMHA_GENERATED_TARGETS "sm90a;sm80")' in text
@@ -540,9 +537,8 @@ needs_cpp = pytest.mark.skipif(
 @needs_cpp
 @pytest.mark.parametrize("with_gaps", [True, False])
 def test_dispatch_table_compiles_against_registry_h(tmp_path, build, with_gaps):
-    config, catalog = (load(DEFAULT_CONFIG), None) if with_gaps else build()
-    files = render(select(config, catalog or build_catalog(config), "default"),
-                   source="instances.yaml")
+    selection = repository().select("default") if with_gaps else select(*build(), "default")
+    files = render(selection, source="instances.yaml")
     assert ("kFwdGapRows" in files["dispatch_table.cpp"]) == with_gaps
     source = tmp_path / "dispatch_table.cpp"
     source.write_text(files["dispatch_table.cpp"])
@@ -586,9 +582,7 @@ CUDA_LIB = CUDA_INCLUDE.parent / "lib64"
 @needs_cpp
 @pytest.mark.skipif(not (CUDA_LIB / "libcudart.so").exists(), reason="needs libcudart")
 def test_runtime_explain_says_why_fa3_did_not_run(tmp_path):
-    config = load(DEFAULT_CONFIG)
-    selection = select(config, build_catalog(config), "all", "fp16,hdim64|hdim96,mask=none,"
-                                                             "mode=batch,lse=false")
+    selection = repository().select("all", "fp16,hdim64|hdim96,mask=none,mode=batch,lse=false")
     files = render(selection, source="instances.yaml")
     stubs = "\n".join(f"cudaError_t launch_{i.name}(const FwdArgs&, cudaStream_t) "
                       f"{{ return cudaSuccess; }}" for i in selection.instances)
@@ -779,9 +773,7 @@ set(FMHA_GENERATED_SOURCES_sm90a
 @needs_cpp
 @pytest.mark.parametrize("filter_text", ["", "bwd", "fwd", "kvcache"])
 def test_dispatch_table_with_any_operations_compiles(tmp_path, filter_text):
-    config = load(DEFAULT_CONFIG)
-    files = render(select(config, build_catalog(config), "minimal", filter_text),
-                   source="instances.yaml")
+    files = render(repository().select("minimal", filter_text), source="instances.yaml")
     source = tmp_path / "dispatch_table.cpp"
     source.write_text(files["dispatch_table.cpp"])
     result = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
@@ -941,11 +933,9 @@ int main() {
 @needs_cpp
 @pytest.mark.skipif(not (CUDA_LIB / "libcudart.so").exists(), reason="needs libcudart")
 def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
-    config = load(DEFAULT_CONFIG)
     # Head-dim-padded instances for sm90a only, so that sm80 misses a head dim of 80.
-    selection = select(config, build_catalog(config), "all", "kvcache,fp16,hdim64|hdim128,"
-                                                             "mask=none,bias=none,!softcap,"
-                                                             "sm90a|nohpad")
+    selection = repository().select("all", "kvcache,fp16,hdim64|hdim128,mask=none,bias=none,"
+                                           "!softcap,sm90a|nohpad")
     files = render(selection, source="instances.yaml")
     stubs = "\n".join(f"cudaError_t launch_{i.name}(const KvcacheArgs&, cudaStream_t) "
                       f"{{ return cudaSuccess; }}\n"
@@ -999,8 +989,7 @@ def test_only_tiles_outside_cutes_base_wgmma_shapes_define_its_extended_set():
     # The extended set costs a TU about a minute of compile time, so it is defined where a
     # wgmma N needs it (the forward's 80- and 112-key tiles of d256 and d192, which chunked
     # prefill shares), before the kernel header, and nowhere else.
-    config = load(DEFAULT_CONFIG)
-    files = render(select(config, build_catalog(config), "extended", "bf16,fa3,causal,sm90a"),
+    files = render(repository().select("extended", "bf16,fa3,causal,sm90a"),
                    source="instances.yaml")
     define = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED\n"
     extended = sorted(name for name, text in files.items() if define in text)

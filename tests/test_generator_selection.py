@@ -5,12 +5,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import BWD_OPERATION, KVCACHE_OPERATION
+from conftest import BWD_OPERATION, KVCACHE_OPERATION, repository
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from generator.catalog import build_catalog
-from generator.config import DEFAULT_CONFIG, load
 from generator.errors import ConfigError, GeneratorError
 from generator.selection import (Shard, compile_cost_class, parse_filter, parse_shard,
                                 parse_targets, select)
@@ -211,11 +209,10 @@ def test_bool_words_are_not_values_of_an_enum_axis():
 
 
 def test_repository_presets_parse_and_select():
-    config = load(DEFAULT_CONFIG)
-    counts = {name: tuple(sum(i.op.token == op for i in select(config, DEFAULT_CATALOG,
-                                                                name).instances)
+    matrix = repository()
+    counts = {name: tuple(sum(i.op.token == op for i in matrix.select(name).instances)
                           for op in ("fwd", "bwd", "kvcache"))
-              for name in config.presets}
+              for name in matrix.config.presets}
     assert counts == {"default": (8, 5, 9), "extended": (276, 276, 324),
                       "minimal": (4, 4, 6), "flash_attn": (2040, 2040, 1188),
                       "pytorch": (448, 672, 0), "coverage": (592, 392, 440),
@@ -228,7 +225,7 @@ def test_minimal_preset_builds_each_pipeline_and_padding_path():
     # head-dim-padded fallback; for kvcache (padded sequence lengths), fa3's chunked prefill
     # on a paged cache for sm90a, fa2's decode with a contiguous and a paged cache for each
     # arch, and its head-dim-padded variant on a paged cache for sm80.
-    instances = select(load(DEFAULT_CONFIG), DEFAULT_CATALOG, "minimal").instances
+    instances = repository().select("minimal").instances
     assert [(i.op.token, i.point.pipeline.token, i.point.arch.token, i.point.pad_seqlen,
              i.point.pad_hdim, i.point.traits.flag("paged")) for i in instances] == [
         ("fwd", "fa3", "sm90a", True, False, False), ("fwd", "fa2", "sm90a", True, True, False),
@@ -244,9 +241,9 @@ def test_minimal_preset_builds_each_pipeline_and_padding_path():
 
 
 def test_coverage_preset_has_every_value_of_every_axis_of_each_operation():
-    config = load(DEFAULT_CONFIG)
-    instances = select(config, DEFAULT_CATALOG, "coverage").instances
-    for token, op_config in config.operations.items():
+    matrix = repository()
+    instances = matrix.select("coverage").instances
+    for token, op_config in matrix.config.operations.items():
         mine = [i for i in instances if i.op.token == token]
         built = DEFAULT_CATALOG.of(op_config.op.kind)  # the values the rules keep
         for axis in op_config.op.matrix_axes:
@@ -342,7 +339,7 @@ def test_target_outside_the_matrix_selects_nothing(build):
         select(config, catalog, "default", "", parse_targets("sm90a"))
 
 
-DEFAULT_CATALOG = build_catalog(load(DEFAULT_CONFIG))
+DEFAULT_CATALOG = repository().catalog
 VALID_TERMS = ["fp16", "bf16", "causal", "window", "mask=none", "bias=none", "alibi", "col",
                "group", "lse", "dropout", "softcap", "lse=false", "sm80", "sm90a", "pad", "nopad",
                "hpad", "nohpad", "pad_hdim=true", "hdim64", "hdim128", "hdim_q=64", "hdim_v=128",
@@ -379,7 +376,7 @@ def test_bad_shards(text):
 
 @pytest.mark.parametrize("count", [1, 2, 3, 4, 7, 8])
 def test_shards_are_a_balanced_partition_in_dispatch_order(count):
-    instances = select(load(DEFAULT_CONFIG), DEFAULT_CATALOG, "extended").instances
+    instances = repository().select("extended").instances
     shards = [Shard(index, count).take(instances) for index in range(1, count + 1)]
     names = [[i.name for i in shard] for shard in shards]
     assert sorted(sum(names, [])) == sorted(i.name for i in instances)  # disjoint, whole
@@ -400,7 +397,7 @@ def test_shards_are_a_balanced_partition_in_dispatch_order(count):
 
 
 def test_more_shards_than_instances_leaves_some_empty():
-    instances = select(load(DEFAULT_CONFIG), DEFAULT_CATALOG, "minimal").instances
+    instances = repository().select("minimal").instances
     assert [len(Shard(index, 15).take(instances)) for index in range(1, 16)] == [1] * 14 + [0]
 
 

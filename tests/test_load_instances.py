@@ -23,8 +23,7 @@ NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc to compile a shared object")
 fmha = pytest.importorskip("fmha")
 
-from generator.catalog import build_catalog  # noqa: E402
-from generator.config import DEFAULT_CONFIG, load  # noqa: E402
+from conftest import repository  # noqa: E402
 from generator.dispatch import dispatch_order  # noqa: E402
 
 
@@ -93,8 +92,7 @@ def test_loaded_instances_take_the_generators_order(tmp_path):
     built = {name for rows in names["built"].values() for name in rows}
     assert names["added"] == len({i["name"] for i in loaded} - built)
     assert names["again"] == 0  # a second load adds nothing
-    catalog = build_catalog(load(DEFAULT_CONFIG))
-    by_name = {instance.name: instance for instance in catalog.instances}
+    by_name = {instance.name: instance for instance in repository().catalog.instances}
     for op, merged in names["merged"].items():
         expected = [i.name for i in dispatch_order(by_name[name] for name in set(merged))]
         assert merged == expected, op

@@ -15,7 +15,8 @@ compiles; its miss says how to fill the cache first.
 
 The cache (FMHA_CACHE_DIR, default $XDG_CACHE_HOME/fmha or ~/.cache/fmha) keeps one object per
 set of rendered sources, keyed by everything that changes the binary: the rendered TUs, the
-headers they include (the kernels' and CUTLASS's), the compiler's version and options. A
+headers they include (the kernels' and CUTLASS's), the compiler's version and options. It also
+keeps the generator's catalog of the build's matrix (generator/catalog_cache.py). A
 compile holds lock files, so concurrent threads and processes compile a key once (those that
 miss the same recipe wait for the first and take its object, without the generator); it writes
 beside the final name and renames into place, so a half-written object is never loaded, and an
@@ -110,7 +111,7 @@ def _generator():
     module = importlib.util.module_from_spec(spec)
     sys.modules["_fmha_generator"] = module
     spec.loader.exec_module(module)
-    for name in ("catalog", "config", "errors", "render", "selection", "schema"):
+    for name in ("catalog_cache", "config", "errors", "render", "selection", "schema"):
         importlib.import_module(f"_fmha_generator.{name}")
     return module
 
@@ -118,11 +119,10 @@ def _generator():
 @functools.cache
 def _catalog():
     """The build's matrix: its config, catalog and presets' checked filters (seconds to
-    build; kept for the process)."""
+    build: kept for the process, and in the cache for the processes after it)."""
     gen = _generator()
     config = gen.config.load(Path(build_config()["config"]))
-    catalog = gen.catalog.build_catalog(config)
-    return config, catalog, gen.selection.check_presets(config, catalog)
+    return (config, *gen.catalog_cache.checked_catalog(config, cache_dir()))
 
 
 def _tree_digest(roots) -> str:
