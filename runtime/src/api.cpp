@@ -850,6 +850,7 @@ std::vector<BwdInstanceInfo> bwd_instances() {
 KvcacheTraits KvcacheArgs::traits() const {
   KvcacheTraits t;
   t.dtype = dtype;
+  t.kv_dtype = kv_dtype;
   t.hdim_q = hdim_q;
   t.hdim_v = hdim_v;
   t.mask = mask;

@@ -193,10 +193,16 @@ struct FMHA_API BwdArgs {
   BwdTraits traits() const;
 };
 
+// What a KV cache holds. kSame: elements of the queries' dtype. kE4M3: float8 e4m3 (torch's
+// float8_e4m3fn: no infinities, largest finite 448), a key element being k_cache[..] * k_scale
+// and a value element v_cache[..] * v_scale (KvcacheArgs): half the bytes a decode step reads.
+enum class KvCacheDtype : int { kSame = 0, kE4M3 = 1 };
+
 // The functional traits of a KV-cache attention problem (fwd_kvcache): decode and chunked
 // prefill, a few new query tokens against the keys a cache holds.
 struct KvcacheTraits {
-  DataType dtype = DataType::kFP16;
+  DataType dtype = DataType::kFP16;  // q's, k_new's, v_new's and the output's
+  KvCacheDtype kv_dtype = KvCacheDtype::kSame;
   int hdim_q = 0;
   int hdim_v = 0;
   MaskType mask = MaskType::kNone;  // always aligned bottom-right: the new tokens are the last
@@ -215,7 +221,19 @@ struct KvcacheTraits {
 // (head-dim-padded instances run those below their own, reading and writing nothing past a
 // row's head dim), so a head dim that is no multiple of 8 needs rows of a larger pitch.
 struct FMHA_API KvcacheArgs {
-  DataType dtype = DataType::kFP16;
+  DataType dtype = DataType::kFP16;  // q's, k_new's, v_new's and o's
+  // The caches' elements. kE4M3: strides and page pitches stay in elements (bytes), multiples
+  // of 16 so that rows move in 16-byte pieces; k_new/v_new (in dtype) are divided by the
+  // scales, saturated to +-448 and rounded to nearest even as they are appended.
+  KvCacheDtype kv_dtype = KvCacheDtype::kSame;
+  // kE4M3 only (null otherwise): device fp32 dequantization factors, element (b, h) at
+  // scale[b * batch_stride + h * head_stride] for sequence b and K/V head h; zero strides
+  // broadcast, so (0, 0) is one scale for the tensor, (0, 1) one per head and (nhead_k, 1) one
+  // per sequence and head (FlashAttention-3's k_descale/v_descale).
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int64_t k_scale_batch_stride = 0, k_scale_head_stride = 0;
+  int64_t v_scale_batch_stride = 0, v_scale_head_stride = 0;
 
   const void* q = nullptr;  // (batch, seqlen_q, nhead_q, hdim_q)
   // Contiguous: (batch_cache, seqlen_cache, nhead_k, hdim); sequence b uses cache row
