@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import shlex
+import contextlib
 import statistics
 import sys
 import time
@@ -93,21 +94,30 @@ def one_gpu_seconds(seqlen: int, causal: bool, args) -> float:
     return seconds.item()
 
 
+@contextlib.contextmanager
+def ring_options(causal: bool, rotate: str):
+    """torch's ring as fmha's context-parallel runs take it (this benchmark and
+    tests/test_context_parallel_gpu.py): head-tail load balancing for causal attention, the
+    only kind torch's ring balances, and K/V passed around by `rotate` ("allgather" or
+    "alltoall"); the balancing option is restored after. context_parallel shards, and
+    context_parallel_unshard gathers, by the option in force: both belong inside."""
+    balanced = _cp_options.enable_load_balance
+    _cp_options.enable_load_balance = causal
+    set_rotate_method(rotate)
+    try:
+        yield
+    finally:
+        _cp_options.enable_load_balance = balanced
+
+
 def ring_seconds(mesh, seqlen: int, causal: bool, args) -> float:
     """The step time under context_parallel on all ranks."""
     shards = list(leaves(seqlen))
-    balanced = _cp_options.enable_load_balance
-    _cp_options.enable_load_balance = causal  # torch's ring balances causal attention only
-    set_rotate_method(args.rotate)
-    try:
-        with context_parallel(mesh, buffers=shards, buffer_seq_dims=[SEQ_DIM] * 4,
-                              no_restore_buffers=set(shards)):
-            q, k, v, dout = shards
-            step = step_fn(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout,
-                           causal)
-            return median_seconds(step, args.steps, args.warmup, group_wide=True)
-    finally:
-        _cp_options.enable_load_balance = balanced
+    with ring_options(causal, args.rotate), context_parallel(
+            mesh, buffers=shards, buffer_seq_dims=[SEQ_DIM] * 4, no_restore_buffers=set(shards)):
+        q, k, v, dout = shards
+        step = step_fn(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout, causal)
+        return median_seconds(step, args.steps, args.warmup, group_wide=True)
 
 
 def main(argv=None) -> int:

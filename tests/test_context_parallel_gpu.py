@@ -38,10 +38,11 @@ MESH = process_group(torch)
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.tensor.experimental import context_parallel  # noqa: E402
 from torch.distributed.tensor.experimental._attention import (  # noqa: E402
-    _cp_options, context_parallel_unshard, set_rotate_method)
+    context_parallel_unshard)
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import reference as R  # noqa: E402
+from bench.distributed import ring_options  # noqa: E402
 from fmha.integrations import sdpa  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -102,17 +103,11 @@ def ring_attention_and_grads(q, k, v, dout, causal: bool, rotate: str):
     back to the whole sequence in its order. Causal calls shard with torch's head-tail load
     balancing, which torch's ring accepts for causal attention only."""
     shards = [t.clone() for t in (q, k, v, dout)]
-    balanced = _cp_options.enable_load_balance
-    _cp_options.enable_load_balance = causal
-    set_rotate_method(rotate)
-    try:
+    with ring_options(causal, rotate):
         with context_parallel(MESH, buffers=shards, buffer_seq_dims=[SEQ_DIM] * 4,
                               no_restore_buffers=set(shards)):
             results = attention_and_grads(*shards, causal)
-        # The unshard reads the load balancing from the same option, so it is still set here.
         return context_parallel_unshard(MESH, list(results), [SEQ_DIM] * 4)
-    finally:
-        _cp_options.enable_load_balance = balanced
 
 
 def ring_separation(ring, whole) -> list[float]:
