@@ -67,9 +67,10 @@ def expand(op_config: OperationConfig) -> tuple[MatrixPoint, ...]:
     # The matrix axes are the traits' fields in order (hdim for the two head dims), then
     # BUILD_AXES in MatrixPoint's order: both are built positionally.
     axes, traits = op.matrix_axes, op.traits
-    assert axes[1] == "hdim" and axes[-len(BUILD_AXES):] == BUILD_AXES
+    assert axes[-len(BUILD_AXES):] == BUILD_AXES
     functional = len(axes) - len(BUILD_AXES)
-    return tuple(MatrixPoint(traits(values[0], *values[1], *values[2:functional]),
+    hdim = axes.index("hdim")
+    return tuple(MatrixPoint(traits(*values[:hdim], *values[hdim], *values[hdim + 1:functional]),
                              *values[functional:])
                  for values in itertools.product(*(matrix[axis] for axis in axes)))
 

@@ -87,8 +87,8 @@ def _seqlens_fit(instance: Instance, problem: Problem) -> bool:
 
 # The traits `serves` requires equal, of every operation (each has some of them): instances
 # that differ in one of them never compete.
-EQUAL_TRAITS = ("dtype", "mask", "bias", "vlayout", "mode", "dbias", "paged", "dropout",
-                "softcap")
+EQUAL_TRAITS = ("dtype", "kv_dtype", "mask", "bias", "vlayout", "mode", "dbias", "paged",
+                "dropout", "softcap")
 
 
 def _same(trait: str) -> Callable[[Instance, Problem], bool]:

@@ -22,7 +22,8 @@ from .errors import GeneratorError
 from .gaps import fallback_notes, spell
 from .model import ABSENT, Instance
 from .operations import OPERATIONS, Operation
-from .schema import ARCH, BUILD_AXES, ENUM_AXES, INTEGER, MATRIX_AXES, OPERATION, Arch
+from .schema import (ARCH, BUILD_AXES, ENUM_AXES, INTEGER, MATRIX_AXES, OPERATION, Arch,
+                     head_dims_joined, with_head_dims)
 from .selection import Selection, Token, parse_filter, select_each_preset
 
 _SHAPE_DEFAULTS = {"seqlen_q": "1024", "seqlen_k": "1024", "seqused": "false"}
@@ -32,14 +33,13 @@ _SHAPE_KEYS = (*_SHAPE_DEFAULTS, "arch")
 def problem_keys(op: Operation) -> tuple[str, ...]:
     """The keys of a problem of `op`: its traits (hdim for the two head dims, or each), the
     shape, the device, and op."""
-    traits = [axis for axis in op.traits.axes() if axis not in ("hdim_q", "hdim_v")]
-    return (traits[0], "hdim", "hdim_q", "hdim_v", *traits[1:], *_SHAPE_KEYS, "op")
+    return (*with_head_dims(head_dims_joined(op.traits.axes())), *_SHAPE_KEYS, "op")
 
 
 # Every operation's keys, in the order of the matrix axes.
-PROBLEM_KEYS = ("dtype", "hdim", "hdim_q", "hdim_v",
-                *(axis for axis in MATRIX_AXES[2:] if axis not in BUILD_AXES
-                  and any(axis in op.traits.axes() for op in OPERATIONS.values())),
+PROBLEM_KEYS = (*with_head_dims(tuple(
+                    axis for axis in MATRIX_AXES if axis not in BUILD_AXES
+                    and any(axis in op.matrix_axes for op in OPERATIONS.values()))),
                 *_SHAPE_KEYS, "op")
 
 # The device a problem runs on unless it says: the newest one a target is built for.
@@ -50,6 +50,8 @@ PROBLEM (--explain) is comma-separated key=value:
   op               {', '.join(OPERATION.tokens)}: the forward or the backward pass, or KV-cache
                    attention (default: {DEFAULT_OP.token})
   dtype            {', '.join(ENUM_AXES['dtype'].tokens)} (required)
+  kv_dtype         kvcache only: {', '.join(ENUM_AXES['kv_dtype'].tokens)}, what the cache holds
+                   (default: {ENUM_AXES['kv_dtype'].name_default}: the dtype)
   hdim             N or QxV, or hdim_q=N and hdim_v=N (required; hdim_v defaults to hdim_q)
   mask, bias       as in the matrix (default: none, none)
   mode             fwd and bwd: batch or group (default: batch)
@@ -66,7 +68,8 @@ PROBLEM (--explain) is comma-separated key=value:
                    default: cc {_NEWEST.cc} ({_NEWEST.token}'s)
 e.g. --explain dtype=bf16,hdim=128,mask=causal,lse=true,seqlen_q=1000,arch=sm90a
      --explain op=bwd,dtype=bf16,hdim=128,mask=causal,arch=sm90a
-     --explain op=kvcache,dtype=bf16,hdim=128,mask=causal,paged=true,seqlen_q=1,arch=sm90a"""
+     --explain op=kvcache,dtype=bf16,hdim=128,mask=causal,paged=true,seqlen_q=1,arch=sm90a
+     --explain op=kvcache,dtype=bf16,kv_dtype=e4m3,hdim=128,seqlen_q=1,arch=sm90a"""
 
 # How many of the nearest instances a miss lists.
 NEAREST = 3

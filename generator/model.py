@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields
 from functools import cache, cached_property
 from typing import ClassVar
 
-from .schema import BUILD_AXES, ENUM_AXES, OPERATION, Arch, DataType, EnumValue, OperationKind, \
-    Pipeline
+from .schema import BUILD_AXES, ENUM_AXES, OPERATION, Arch, CacheType, DataType, EnumValue, \
+    OperationKind, Pipeline
 
 
 class _Absent:
@@ -34,9 +34,10 @@ def _axes(cls: type) -> tuple[str, ...]:
 
 class Traits:
     """What a problem must match for an instance to run it. Subclasses are frozen dataclasses
-    whose fields, in order, are the operation's functional axes (dtype, hdim_q, hdim_v, then its
-    enum and boolean traits): they give the operation's matrix axes, instance names, dispatch
-    rows and manifest records their order."""
+    whose fields, in order, are the operation's functional axes (dtype first, hdim_q and hdim_v,
+    its enum and boolean traits), in the order of fmha.h's struct of the same name: they give
+    the operation's matrix axes, instance names, dispatch rows (aggregate initializers of that
+    struct) and manifest records their order."""
 
     kind: ClassVar[OperationKind]
 
@@ -103,7 +104,8 @@ class KvcacheTraits(Traits):
 
     kind: ClassVar[OperationKind] = OPERATION.get("kvcache")
 
-    dtype: DataType
+    dtype: DataType  # q's, k_new's, v_new's and the output's
+    kv_dtype: CacheType  # the cache's: the same, or e4m3 with scales
     hdim_q: int
     hdim_v: int
     mask: EnumValue  # aligned bottom-right: the new query tokens are the sequence's last
@@ -161,29 +163,31 @@ class Instance:
 
     @cached_property
     def name(self) -> str:
-        """The identity of the instance, in a fixed order: the operation, dtype, head dims, the
-        enum traits that differ from their defaults and the boolean traits that are on (in the
-        order of the operation's traits class), pipeline, arch, tile, then `pad` for
-        sequence-length and `hpad` for head-dim padding. E.g.
-        fwd_bf16_d128_causal_alibi_col_group_lse_dropout_softcap_fa2_sm90a_m128n64_pad_hpad,
-        bwd_fp16_d64_elementwise_dbias_fa2_sm80_m64n128."""
+        """The identity of the instance, in a fixed order: the operation, then its traits in the
+        order of its traits class (the dtype, the head dims, the enum traits that differ from
+        their defaults, with their axis's name prefix, and the boolean traits that are on),
+        pipeline, arch, tile, then `pad` for sequence-length and `hpad` for head-dim padding.
+        E.g. fwd_bf16_d128_causal_alibi_col_group_lse_dropout_softcap_fa2_sm90a_m128n64_pad_hpad,
+        bwd_fp16_d64_elementwise_dbias_fa2_sm80_m64n128,
+        kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n64_pad."""
         traits, point, tile = self.point.traits, self.point, self.tile
-        hdim = (f"d{traits.hdim_q}" if traits.hdim_q == traits.hdim_v
-                else f"d{traits.hdim_q}x{traits.hdim_v}")
         spelled = []
         for axis in traits.axes():
-            if axis in ("dtype", "hdim_q", "hdim_v"):
+            if axis == "hdim_q":
+                spelled.append(f"d{traits.hdim_q}" if traits.hdim_q == traits.hdim_v
+                               else f"d{traits.hdim_q}x{traits.hdim_v}")
+                continue
+            if axis == "hdim_v":
                 continue
             value = getattr(traits, axis)
             if isinstance(value, bool):
                 spelled += [axis] if value else []
             elif value.token != ENUM_AXES[axis].name_default:
-                spelled.append(value.token)
+                spelled.append(ENUM_AXES[axis].name_prefix + value.token)
         padding = [token for token, on in (("pad", point.pad_seqlen), ("hpad", point.pad_hdim))
                    if on]
-        return "_".join([traits.kind.token, traits.dtype.token, hdim, *spelled,
-                         point.pipeline.token, point.arch.token, f"m{tile.block_m}n{tile.block_n}",
-                         *padding])
+        return "_".join([traits.kind.token, *spelled, point.pipeline.token, point.arch.token,
+                         f"m{tile.block_m}n{tile.block_n}", *padding])
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,8 @@ from functools import cached_property
 from typing import Any, Callable
 
 from .model import BwdTraits, FwdTraits, KvcacheTraits, Traits
-from .schema import BUILD_AXES, OPERATION, PIPELINE, EnumAxis, OperationKind, Pipeline
+from .schema import (BUILD_AXES, OPERATION, PIPELINE, EnumAxis, OperationKind, Pipeline,
+                     head_dims_joined, with_head_dims)
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,8 @@ class Operation:
     row_lines: tuple[tuple[str, ...], ...]
 
     def __post_init__(self) -> None:
-        assert sorted(sum(self.row_lines, ())) == sorted(self.traits.axes()), self.kind
+        # The rows initialize fmha.h's traits struct by position: its fields in their order.
+        assert sum(self.row_lines, ()) == self.traits.axes(), self.kind
         assert all(k.pipeline in PIPELINE.values for k in self.kernels), self.kind
 
     @property
@@ -177,14 +179,12 @@ class Operation:
     def matrix_axes(self) -> tuple[str, ...]:
         """The axes of its matrix, in instance-name order: its traits' fields (hdim for the
         two head dims), then how and for which GPU an instance is built."""
-        own = [axis for axis in self.traits.axes() if axis not in ("hdim_q", "hdim_v")]
-        return (own[0], "hdim", *own[1:], *BUILD_AXES)
+        return (*head_dims_joined(self.traits.axes()), *BUILD_AXES)
 
     @cached_property
     def condition_axes(self) -> tuple[str, ...]:
         """The axes its rules can name: the matrix axes, and each head dim alone."""
-        axes = self.matrix_axes
-        return (axes[0], "hdim", "hdim_q", "hdim_v", *axes[2:])
+        return with_head_dims(self.matrix_axes)
 
     @cached_property
     def pipelines(self) -> EnumAxis:
@@ -558,7 +558,7 @@ KVCACHE = Operation(
     registry="Kvcache",
     exports=(Export("launch", "cudaError_t", "const KvcacheArgs&, cudaStream_t"),
              Export("workspace", "size_t", "const KvcacheArgs&")),
-    row_lines=(("dtype", "hdim_q", "hdim_v"), ("mask", "bias"), ("paged", "softcap")),
+    row_lines=(("dtype", "kv_dtype", "hdim_q", "hdim_v"), ("mask", "bias"), ("paged", "softcap")),
 )
 
 

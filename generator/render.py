@@ -14,7 +14,7 @@ from pathlib import Path
 import jinja2
 
 from .gaps import PipelineGap
-from .model import Condition, Instance, Traits
+from .model import ABSENT, Condition, Instance, Traits
 from .operations import (OPERATIONS, PREFILL_MIN_PACKED_ROWS, PREFILL_PAGE_MULTIPLE, Operation,
                          operation_of)
 from .schema import ARCH, PIPELINE, REGISTRY_TOKEN_ARRAYS, EnumValue
@@ -213,6 +213,9 @@ def _instance_fields(op: Operation, instance: Instance) -> dict:
         "launcher": kernel.launcher,
         "workspace": kernel.workspace,
         "element": traits.dtype.element,
+        # The cache's element type (kvcache): the dtype's, or what kv_dtype names.
+        "kv_element": None if (kv := traits.value("kv_dtype")) is ABSENT
+        else kv.element_for(traits.dtype),
         "hdim_q": traits.hdim_q,
         "hdim_v": traits.hdim_v,
         "tile": _tile_fields(tile),

@@ -30,6 +30,17 @@ class DataType(EnumValue):
 
 
 @dataclass(frozen=True)
+class CacheType(EnumValue):
+    """What a KV cache holds (kvcache's kv_dtype axis)."""
+
+    element: str | None  # the CUDA element type of the cache; None: the queries' (the dtype's)
+
+    def element_for(self, dtype: DataType) -> str:
+        """The cache's element type for queries of `dtype`."""
+        return self.element or dtype.element
+
+
+@dataclass(frozen=True)
 class Arch:
     token: str
     cc: int  # compute capability as major*10+minor, as registry.h's arch_cc
@@ -69,6 +80,9 @@ class EnumAxis:
     values: tuple[AxisValue, ...]
     # The value instance names leave out; None: the axis is always spelled.
     name_default: str | None = None
+    # What instance names put before a value's token, where the token alone would not say
+    # which axis it is of (kv_dtype's e4m3 is `kve4m3`: the cache's, not the queries').
+    name_prefix: str = ""
 
     def __iter__(self) -> Iterator[AxisValue]:
         return iter(self.values)
@@ -85,6 +99,13 @@ DTYPE = EnumAxis("dtype", (
     DataType("fp16", "fmha::DataType::kFP16", 0, element="__half"),
     DataType("bf16", "fmha::DataType::kBF16", 1, element="__nv_bfloat16"),
 ))
+
+# What a KV cache holds: same, the queries' dtype; e4m3, float8 e4m3 with a dequantization
+# scale per tensor, K/V head or sequence and K/V head (KvcacheArgs::k_scale/v_scale).
+KV_DTYPE = EnumAxis("kv_dtype", (
+    CacheType("same", "fmha::KvCacheDtype::kSame", 0, element=None),
+    CacheType("e4m3", "fmha::KvCacheDtype::kE4M3", 1, element="__nv_fp8_e4m3"),
+), name_default="same", name_prefix="kv")
 
 # causal and window are aligned top-left or bottom-right at run time (FwdArgs::mask_align), so
 # the alignment is not an axis.
@@ -136,12 +157,14 @@ OPERATION = EnumAxis("op", (
 ))
 
 ENUM_AXES: dict[str, EnumAxis] = {
-    axis.name: axis for axis in (OPERATION, DTYPE, MASK, BIAS, VLAYOUT, MODE, PIPELINE, ARCH)}
+    axis.name: axis for axis in (OPERATION, DTYPE, KV_DTYPE, MASK, BIAS, VLAYOUT, MODE, PIPELINE,
+                                 ARCH)}
 
 # The enum axes of the traits of fmha.h (FwdTraits, BwdTraits, KvcacheTraits), whose tokens
 # registry.h holds indexed by enumerator value.
 REGISTRY_TOKEN_ARRAYS: dict[str, EnumAxis] = {
     "kDataTypeTokens": DTYPE,
+    "kKvCacheDtypeTokens": KV_DTYPE,
     "kMaskTokens": MASK,
     "kBiasTokens": BIAS,
     "kVLayoutTokens": VLAYOUT,
@@ -163,12 +186,25 @@ BOOL_AXES = (*TRAIT_BOOL_AXES, "pad_seqlen", "pad_hdim")
 
 # Every axis of some operation's matrix, in instance-name order; `hdim` lists (hdim_q, hdim_v)
 # pairs. An operation has a subsequence of them (operations.Operation.matrix_axes): the fields
-# of its traits class, then BUILD_AXES.
-MATRIX_AXES = ("dtype", "hdim", "mask", "bias", "vlayout", "mode", "lse", "dbias", "paged",
-               "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim")
+# of its traits class (hdim for hdim_q and hdim_v), then BUILD_AXES.
+MATRIX_AXES = ("dtype", "kv_dtype", "hdim", "mask", "bias", "vlayout", "mode", "lse", "dbias",
+               "paged", "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim")
+
+
+def with_head_dims(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Axes as conditions may name them: `hdim`, then each of its head dims alone."""
+    at = axes.index("hdim") + 1
+    return (*axes[:at], "hdim_q", "hdim_v", *axes[at:])
+
+
+def head_dims_joined(fields: tuple[str, ...]) -> tuple[str, ...]:
+    """A traits class's fields with hdim_q and hdim_v as one `hdim`, where hdim_q was."""
+    return tuple("hdim" if field == "hdim_q" else field for field in fields if field != "hdim_v")
+
+
 # The axes a rule's `when:` and a filter's `axis=value` can name: the matrix axes, with `hdim`
 # also as its two head dims.
-CONDITION_AXES = ("dtype", "hdim", "hdim_q", "hdim_v", *MATRIX_AXES[2:])
+CONDITION_AXES = with_head_dims(MATRIX_AXES)
 # The condition axes that say how and for which GPU an instance is built, which every operation
 # has; the others are the functional traits a problem asks for.
 BUILD_AXES = ("pipeline", "arch", "pad_seqlen", "pad_hdim")

@@ -26,7 +26,7 @@ GRAMMAR = """\
 A filter is comma-separated tokens that must all hold. A token is
   an operation     fwd, bwd, kvcache (op=kvcache): the forward or the backward pass, or
                    KV-cache attention (decode)
-  a value          fp16, causal, alibi, col, group, sm90a, fa2 (the axis is implied)
+  a value          fp16, causal, alibi, col, group, e4m3, sm90a, fa2 (the axis is implied)
   a head dim       hdim128 (hdim_q = hdim_v = 128), hdim192x128 (hdim_q 192, hdim_v 128)
   a flag           lse, dbias, paged, dropout, softcap: the trait is on (!lse: off)
   padding          pad, nopad (sequence lengths); hpad, nohpad (head dims)
@@ -35,10 +35,10 @@ A filter is comma-separated tokens that must all hold. A token is
   a negation       !causal; !fp16|bf16 (neither)
   a name glob      any term with * ? or [ matches instance names (fnmatch): *_sm90a_*
 A condition on an axis that an instance's operation does not have (vlayout and lse are fwd's,
-dbias bwd's, paged kvcache's, mode and dropout fwd's and bwd's) does not hold for it, and its
-negation does: lse and lse=false select fwd instances only, !lse also every bwd and kvcache
-one. A bare value of more than one axis (none: mask and bias) is an error asking for
-axis=value, and so is a filter that selects nothing: it names the token that emptied the
+dbias bwd's, kv_dtype and paged kvcache's, mode and dropout fwd's and bwd's) does not hold for
+it, and its negation does: lse and lse=false select fwd instances only, !lse also every bwd
+and kvcache one. A bare value of more than one axis (none: mask and bias) is an error asking
+for axis=value, and so is a filter that selects nothing: it names the token that emptied the
 selection."""
 
 

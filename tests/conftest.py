@@ -28,7 +28,8 @@ from generator.config import DEFAULT_CONFIG, Config, load  # noqa: E402
 from generator.errors import ConfigError  # noqa: E402
 from generator.model import (  # noqa: E402
     BwdTraits, FwdTraits, Instance, KvcacheTraits, MatrixPoint, Tile)
-from generator.schema import ARCH, BIAS, DTYPE, MASK, MODE, PIPELINE, VLAYOUT  # noqa: E402
+from generator.schema import (  # noqa: E402
+    ARCH, BIAS, DTYPE, KV_DTYPE, MASK, MODE, PIPELINE, VLAYOUT)
 from generator.selection import Selection, Token, check_presets, select  # noqa: E402
 
 # A configuration independent of the repository's instances.yaml, so the tests keep their
@@ -88,11 +89,12 @@ presets:
 """)
 
 # The kvcache operation for BASE_CONFIG, as a replacement (after BWD_OPERATION's, when both are
-# used): contiguous and paged, padded only, so 32 more instances (its d128 tile differs from its
-# d64 one too).
+# used): a cache of the queries' dtype, contiguous and paged, padded only, so 32 more instances
+# (its d128 tile differs from its d64 one too).
 KVCACHE_OPERATION = ("presets:\n", """\
   kvcache:
     matrix:
+      kv_dtype: [same]
       paged: [false, true]
       pipeline: [fa2]
     tiles:
@@ -238,15 +240,15 @@ def make_bwd_instance():
 
 @pytest.fixture
 def make_kvcache_instance():
-    """make_kvcache_instance(dtype=..., hdim=(q, v), mask=..., paged=..., arch=..., ...): one
+    """make_kvcache_instance(dtype=..., hdim=(q, v), mask=..., paged=..., kv_dtype=..., ...): one
     kvcache Instance built directly, without a config; unnamed traits take their defaults
     (padded sequence lengths, as every kvcache instance has)."""
 
     def make(dtype="fp16", hdim=(64, 64), mask="none", bias="none", paged=False, softcap=False,
              pipeline=PIPELINE.get("fa2"), arch="sm80", pad_seqlen=True, pad_hdim=False,
-             tile=Tile(16, 64, 4, 2)) -> Instance:
-        traits = KvcacheTraits(DTYPE.get(dtype), *hdim, MASK.get(mask), BIAS.get(bias), paged,
-                               softcap)
+             tile=Tile(16, 64, 4, 2), kv_dtype="same") -> Instance:
+        traits = KvcacheTraits(DTYPE.get(dtype), KV_DTYPE.get(kv_dtype), *hdim, MASK.get(mask),
+                               BIAS.get(bias), paged, softcap)
         return Instance(MatrixPoint(traits, pipeline, ARCH.get(arch), pad_seqlen, pad_hdim), tile)
 
     return make

@@ -20,10 +20,11 @@ REPO = Path(__file__).resolve().parent.parent
 # With the default preset (bf16, head dim 128, lse, no bias, no dropout, no softcap, row-major V,
 # KV-cache attention), batch mode: the forward without a mask (fa2 unpadded and fully padded for
 # sm80, fa3 for sm90a), the backward, causal (the same three), and KV-cache attention (which
-# has no mode) without a mask: decode on a contiguous and a paged cache for sm80 and sm90a.
+# has no mode) without a mask: decode on a contiguous and a paged cache for sm80 and sm90a, and
+# from an e4m3 cache (contiguous and paged) for sm90a.
 PRESET = "default"
 FILTER = "mode=batch|kvcache,mask=none|bwd_*"
-TUS = 10
+TUS = 12
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nvcc") is None or shutil.which("cmake") is None or shutil.which("ninja") is None,
@@ -54,7 +55,7 @@ def configure_and_build(build, *options):
 def build_dir(tmp_path_factory):
     build = tmp_path_factory.mktemp("cmake")
     output = configure_and_build(build, "-DFMHA_BUILD_PYTHON=OFF")
-    assert f"generator: {TUS} of 15348 instances selected (fwd 3, bwd 3, kvcache 4;" in output
+    assert f"generator: {TUS} of 15924 instances selected (fwd 3, bwd 3, kvcache 6;" in output
     assert "CUTLASS 4.2" in output and "headers for the fa3 TUs" in output
     return build
 
@@ -134,7 +135,7 @@ def test_auto_targets_are_the_gpus_or_both(tmp_path):
         assert f"FMHA_ARCHS=auto: {';'.join(expected)}, for this machine's GPUs" in result.stdout
     else:
         assert "FMHA_ARCHS=auto: no GPU of compute capability 8.0 or newer here" in result.stdout
-        assert "(sm80 6, sm90a 2)" in result.stdout  # fa2 for both targets
+        assert "(sm80 6, sm90a 4)" in result.stdout  # fa2 for both targets
     assert "Compiler cache" not in result.stdout
 
 

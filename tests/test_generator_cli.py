@@ -12,10 +12,10 @@ SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "vl
 BWD_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "mode", "dbias",
                       "dropout", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim",
                       "block_m", "block_n", "warps", "stages", "tu")
-KVCACHE_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias", "paged",
-                          "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim", "block_m",
-                          "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = ("22 of 15348 instances selected (fwd 8, bwd 5, kvcache 9; 89484 "
+KVCACHE_SUMMARY_FIELDS = ("name", "op", "dtype", "kv_dtype", "hdim_q", "hdim_v", "mask", "bias",
+                          "paged", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim",
+                          "block_m", "block_n", "warps", "stages", "tu")
+DEFAULT_SELECTED = ("26 of 15924 instances selected (fwd 8, bwd 5, kvcache 13; 96972 "
                     "pruned)")
 
 
@@ -23,10 +23,14 @@ def test_default_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 22 TUs (sm80 12, sm90a 10), "
-                             f"25 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
+    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 26 TUs (sm80 12, sm90a 14), "
+                             f"29 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
     assert len(list(out.glob("fwd_*.cu"))) == 8 and len(list(out.glob("bwd_*.cu"))) == 5
-    assert len(list(out.glob("kvcache_*.cu"))) == 9
+    assert len(list(out.glob("kvcache_*.cu"))) == 13
+    # Decode from an e4m3 cache, for H100/H200 only.
+    assert sorted(p.name for p in out.glob("kvcache_*_kve4m3_*.cu")) == sorted(
+        f"kvcache_bf16_kve4m3_d128_{traits}fa2_sm90a_m16n64_pad.cu"
+        for traits in ("", "causal_", "causal_paged_", "paged_"))
     assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {
         p.name for p in out.iterdir()}
 
@@ -36,7 +40,7 @@ def test_second_run_writes_nothing(run_cli, tmp_path):
     run_cli("--out", out)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     result = run_cli("--out", out)
-    assert "0 files written, 25 unchanged, 0 removed" in result.stdout
+    assert "0 files written, 29 unchanged, 0 removed" in result.stdout
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
 
 
@@ -47,8 +51,8 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     assert result.returncode == 0, result.stderr
     # minimal's fwd instances leave out the log-sum-exp, extended's write it: none are shared;
     # its two sm90a bwd and three sm90a kvcache ones are extended's.
-    assert "7 of 15348 instances selected (fwd 2, bwd 2, kvcache 3;" in result.stdout
-    assert "5 unchanged, 67 removed" in result.stdout
+    assert "7 of 15924 instances selected (fwd 2, bwd 2, kvcache 3;" in result.stdout
+    assert "5 unchanged, 79 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
         "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu",
         "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu",
@@ -180,13 +184,13 @@ def test_presets_table(run_cli):
     assert lines[0].split() == ["preset", "fwd", "bwd", "kvcache", "TUs", "sm80", "sm90a", "why"]
     rows = {line.split()[0]: [int(n) for n in line.split()[1:7]]
             for line in lines[1:] if not line.startswith(" ")}
-    assert rows == {"default": [8, 5, 9, 22, 12, 10],
-                    "extended": [276, 276, 324, 876, 396, 480],
+    assert rows == {"default": [8, 5, 13, 26, 12, 14],
+                    "extended": [276, 276, 468, 1020, 468, 552],
                     "minimal": [4, 4, 6, 14, 7, 7],
                     "flash_attn": [2040, 2040, 1188, 5268, 2592, 2676],
                     "pytorch": [448, 672, 0, 1120, 560, 560],
-                    "coverage": [592, 392, 440, 1424, 678, 746],
-                    "all": [10104, 4056, 1188, 15348, 7632, 7716]}
+                    "coverage": [592, 392, 648, 1632, 782, 850],
+                    "all": [10104, 4056, 1764, 15924, 7920, 8004]}
     assert "CI smoke build (14 TUs)" in result.stdout
     assert max(map(len, lines)) <= 100
 
@@ -205,12 +209,14 @@ def test_presets_json_with_targets_and_filter(run_cli):
             "fwd,bf16,hdim128,mask=none,mode=batch,bias=none,vlayout=row,lse,!dropout,!softcap,"
             "!*_fa2_sm90a_*",
             "bwd,bf16,hdim128,causal,bias=none,!dropout,!softcap,!*_fa2_sm90a_*",
-            "kvcache,fa2,bf16,hdim128,mask=none|causal,bias=none,!softcap,nohpad",
-            "kvcache,fa3,paged,bf16,hdim128,causal"],
-        "instances": 10, "instances_per_op": {"fwd": 3, "bwd": 2, "kvcache": 5}, "tus": 10,
-        "tus_per_target": {"sm80": 0, "sm90a": 10}, "why": default["why"]}
+            "kvcache,fa2,bf16,kv_dtype=same,hdim128,mask=none|causal,bias=none,!softcap,nohpad",
+            "kvcache,fa3,paged,bf16,kv_dtype=same,hdim128,causal",
+            "kvcache,fa2,bf16,kv_dtype=e4m3,hdim128,mask=none|causal,bias=none,!softcap,nohpad,"
+            "sm90a"],
+        "instances": 14, "instances_per_op": {"fwd": 3, "bwd": 2, "kvcache": 9}, "tus": 14,
+        "tus_per_target": {"sm80": 0, "sm90a": 14}, "why": default["why"]}
     assert default["why"].startswith("What `pip install .` builds")
-    assert rows[1]["instances_per_op"] == {"fwd": 100, "bwd": 100, "kvcache": 120}
+    assert rows[1]["instances_per_op"] == {"fwd": 100, "bwd": 100, "kvcache": 168}
     assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2, "kvcache": 3}
 
 
@@ -231,7 +237,7 @@ def test_shards_split_the_selection(run_cli, tmp_path):
              for index in range(1, 5)]
     assert sorted(sum(parts, [])) == sorted(whole)
     assert all(part == [name for name in whole if name in part] for part in parts)
-    assert [len(part) for part in parts] == [219, 219, 219, 219]
+    assert [len(part) for part in parts] == [255, 255, 255, 255]
     assert parts[1] == run_cli("--list", "--preset", "extended",
                                "--shard", "2/4").stdout.split()  # deterministic
 
@@ -240,20 +246,21 @@ def test_shard_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out, "--preset", "extended", "--shard", "2/4")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("generator: 876 of 15348 instances selected (fwd 276, bwd 276, "
-                                    "kvcache 324; 89484 pruned); shard 2/4: 219 TUs (sm80 ")
-    assert "222 files written" in result.stdout
+    assert result.stdout.startswith("generator: 1020 of 15924 instances selected (fwd 276, "
+                                    "bwd 276, kvcache 468; 96972 pruned); shard 2/4: 255 TUs "
+                                    "(sm80 ")
+    assert "258 files written" in result.stdout
     tus = sorted(p.name for p in out.glob("*.cu"))
     listed = run_cli("--list", "--preset", "extended", "--shard", "2/4").stdout.split()
     assert tus == sorted(f"{name}.cu" for name in listed)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["instances"]) == 876
+    assert len(manifest["instances"]) == 1020
     assert (manifest["shard"]["index"], manifest["shard"]["count"]) == (2, 4)
     assert sorted(manifest["shard"]["tus"]) == tus
     table = (out / "dispatch_table.cpp").read_text()
-    assert table.count("&instances::launch_") == 876
+    assert table.count("&instances::launch_") == 1020
     assert table.count("&instances::workspace_bwd_") == 276
-    assert table.count("&instances::workspace_kvcache_") == 324
+    assert table.count("&instances::workspace_kvcache_") == 468
 
 
 def test_bad_shard_message(run_cli):
@@ -371,7 +378,7 @@ def test_explain_miss_outside_the_matrix(run_cli):
     ("dtype=fp16,hdim=64,seqlen_q=0", "seqlen_q takes a positive integer, not '0'"),
     ("dtype=fp16,hdim=64,arch=hopper", "arch 'hopper' is neither a target (sm80, sm90a) nor a "
                                        "compute capability (e.g. 90 or 8.6)"),
-    ("dtype=fp16,hdim=64,head=2", "unknown key 'head'; valid: dtype, hdim, hdim_q"),
+    ("dtype=fp16,hdim=64,head=2", "unknown key 'head'; valid: dtype, kv_dtype, hdim, hdim_q"),
     ("dtype=fp16,fp16", "expected key=value, got 'fp16'"),
     ("dtype=fp16,dtype=bf16,hdim=64", "dtype is given twice"),
 ])
@@ -392,7 +399,7 @@ def test_filter_names_an_operation(run_cli):
     fwd = listed("--filter", "fwd")
     assert len(fwd) == 276 and all(name.startswith("fwd_") for name in fwd)
     kvcache = listed("--filter", "kvcache")
-    assert len(kvcache) == 324 and all(name.startswith("kvcache_") for name in kvcache)
+    assert len(kvcache) == 468 and all(name.startswith("kvcache_") for name in kvcache)
     assert listed() == fwd + bwd + kvcache
     # An axis of the other operation selects nothing of it: lse and vlayout are fwd's.
     result = run_cli("--list", "--preset", "extended", "--filter", "bwd,lse")
@@ -410,9 +417,10 @@ def test_unknown_token_lists_the_operations(run_cli):
     assert any(line.split() == ["op", "fwd,", "bwd,", "kvcache"] for line in lines)
     assert any(line.split() == ["dbias", "dbias,", "dbias=true|false"] for line in lines)
     assert any(line.split() == ["paged", "paged,", "paged=true|false"] for line in lines)
-    assert lines[-1] == ("an operation's own axes (vlayout, lse: fwd's; mode, dropout: fwd's and "
-                         "bwd's; dbias: bwd's; paged: kvcache's) hold for no instance of another "
-                         "operation")
+    assert any(line.split() == ["kv_dtype", "same,", "e4m3"] for line in lines)
+    assert lines[-1] == ("an operation's own axes (kv_dtype, paged: kvcache's; vlayout, lse: "
+                         "fwd's; mode, dropout: fwd's and bwd's; dbias: bwd's) hold for no "
+                         "instance of another operation")
 
 
 def test_json_of_bwd_instances(run_cli):
@@ -503,20 +511,37 @@ def test_explain_bwd_problem_errors(run_cli, problem, message):
 def test_list_and_json_of_kvcache_instances(run_cli):
     result = run_cli("--list", "--preset", "extended", "--filter", "kvcache,bf16,hdim128,causal",
                      "--targets", "sm90a")
+    # An e4m3 cache's instances come with their dtype's, on the decode kernel at exact head
+    # dims only.
     assert result.stdout.split() == ["kvcache_bf16_d128_causal_fa3_sm90a_m128n128_pad",
                                      "kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
                                      "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad",
                                      "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
+                                     "kvcache_bf16_kve4m3_d128_causal_fa2_sm90a_m16n64_pad",
+                                     "kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n64_pad",
                                      "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad_hpad",
                                      "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad_hpad"]
+    e4m3 = run_cli("--list", "--preset", "extended", "--filter",
+                   "kvcache,bf16,hdim128,causal,e4m3", "--targets", "sm90a").stdout.split()
+    assert e4m3 == [name for name in result.stdout.split() if "_kve4m3_" in name]
+    assert run_cli("--list", "--preset", "extended", "--filter",
+                   "kvcache,bf16,hdim128,causal,kv_dtype=e4m3", "--targets", "sm90a"
+                   ).stdout.split() == e4m3
     records = json.loads(run_cli("--json", "--preset", "all", "--filter",
-                                 "kvcache,fp16,hdim256,window,alibi,paged,softcap").stdout)
+                                 "kvcache,fp16,kv_dtype=same,hdim256,window,alibi,paged,softcap"
+                                 ).stdout)
     assert [r["name"] for r in records] == [
         "kvcache_fp16_d256_window_alibi_paged_softcap_fa2_sm90a_m16n64_pad",
         "kvcache_fp16_d256_window_alibi_paged_softcap_fa2_sm90a_m16n64_pad_hpad",
         "kvcache_fp16_d256_window_alibi_paged_softcap_fa2_sm80_m16n64_pad",
         "kvcache_fp16_d256_window_alibi_paged_softcap_fa2_sm80_m16n64_pad_hpad"]
     assert all(tuple(r) == KVCACHE_SUMMARY_FIELDS and r["op"] == "kvcache" for r in records)
+    assert {r["kv_dtype"] for r in records} == {"same"}
+    records = json.loads(run_cli("--json", "--preset", "all", "--filter",
+                                 "kvcache,fp16,hdim256,window,alibi,paged,softcap,e4m3").stdout)
+    assert [(r["name"], r["kv_dtype"]) for r in records] == [
+        ("kvcache_fp16_kve4m3_d256_window_alibi_paged_softcap_fa2_sm90a_m16n64_pad", "e4m3"),
+        ("kvcache_fp16_kve4m3_d256_window_alibi_paged_softcap_fa2_sm80_m16n64_pad", "e4m3")]
 
 
 # The decode instances of the extended preset that serve a bf16 d128 causal paged call on an
@@ -537,10 +562,10 @@ def test_explain_kvcache_hit(run_cli):
                                   "seqlen_q=1,seqlen_k=4000,arch=90", "--preset", "extended")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
-        "problem: op=kvcache,dtype=bf16,hdim=128x128,mask=causal,bias=none,paged=true,"
-        "softcap=false,seqlen_q=1,seqlen_k=4000,seqused=false,arch=90",
+        "problem: op=kvcache,dtype=bf16,kv_dtype=same,hdim=128x128,mask=causal,bias=none,"
+        "paged=true,softcap=false,seqlen_q=1,seqlen_k=4000,seqused=false,arch=90",
         "chosen:  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
-        "why:     8 of the 324 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "why:     8 of the 468 selected kvcache instances serve it; it goes ahead of the runner-up "
         "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad_hpad by rule 5 of the dispatch "
         "order, exact head dims first: pad_hdim=false against pad_hdim=true",
         "serving, in dispatch order:",
@@ -555,7 +580,7 @@ def test_explain_kvcache_chunk_runs_the_prefill_instance(run_cli):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1:] == [
         "chosen:  kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
-        "why:     9 of the 324 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "why:     9 of the 468 selected kvcache instances serve it; it goes ahead of the runner-up "
         "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad by rule 3 of the dispatch order, "
         "newer pipeline first: pipeline fa3 against pipeline fa2",
         "serving, in dispatch order:",
@@ -570,16 +595,44 @@ def test_explain_kvcache_chunk_runs_the_prefill_instance(run_cli):
         "  kvcache_bf16_d256_causal_paged_fa2_sm80_m16n64_pad_hpad"]
 
 
+def test_explain_an_e4m3_chunk_says_why_it_runs_the_decode_kernel(run_cli):
+    # Chunked prefill (fa3) reads no e4m3 cache yet: the rule's reason, as a note.
+    result = run_cli("--explain", "op=kvcache,dtype=bf16,kv_dtype=e4m3,hdim=128,mask=causal,"
+                                  "paged=true,seqlen_q=512,seqlen_k=4000,arch=90",
+                     "--preset", "extended")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1:5] == [
+        "chosen:  kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n64_pad",
+        "why:     2 of the 468 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm80_m16n64_pad by rule 1 of the dispatch "
+        "order, higher compute capability first: sm90a (cc 90) against sm80 (cc 80)",
+        "note:    fa3 (sm90a) has no instance for kv_dtype=e4m3: chunked prefill from an e4m3 "
+        "cache is not built yet; such calls run the decode kernel at every chunk size; falling "
+        "back to fa2",
+        "serving, in dispatch order:"]
+    # Exact head dims only: no padded instance runs 120 from an e4m3 cache.
+    result = run_cli("--explain", "op=kvcache,dtype=bf16,kv_dtype=e4m3,hdim=120,arch=90",
+                     "--preset", "all")
+    assert "no kvcache instance of the whole matrix serves it either" in result.stdout
+    # The filter of a miss names the cache's dtype.
+    result = run_cli("--explain", "op=kvcache,dtype=fp16,kv_dtype=e4m3,hdim=96,bias=alibi,arch=80",
+                     "--preset", "extended")
+    assert result.stdout.splitlines()[-1] == (
+        "build it with: python -m generator --preset all --filter 'fp16,hdim96,kv_dtype=e4m3,"
+        "mask=none,bias=alibi,paged=false,softcap=false,sm80'")
+
+
 def test_explain_kvcache_miss_suggests_a_filter_that_fits(run_cli):
     problem = "op=kvcache,dtype=fp16,hdim=96,bias=alibi,softcap=true,arch=80"
     lines = run_cli("--explain", problem, "--preset", "extended").stdout.splitlines()
-    assert lines[1] == "none of the 324 selected kvcache instances serves it; the nearest:"
+    assert lines[1] == "none of the 468 selected kvcache instances serves it; the nearest:"
     # The preset that builds least and has an instance serving it: coverage's head-dim-padded
     # d128 (every trait at d128), where flash_attn has the exact d96 one.
     assert lines[5] == ("the matrix has one that fits: "
                         "kvcache_fp16_d128_alibi_softcap_fa2_sm80_m16n64_pad_hpad")
     assert lines[6] == ("build it with: python -m generator --preset coverage --filter 'fp16,"
-                        "hdim128,mask=none,bias=alibi,paged=false,softcap=true,sm80,hpad'")
+                        "hdim128,kv_dtype=same,mask=none,bias=alibi,paged=false,softcap=true,sm80,"
+                        "hpad'")
     suggested = lines[6].split("--filter ")[1].strip("'")
     explained = run_cli("--explain", problem, "--preset", "coverage", "--filter", suggested)
     assert explained.stdout.splitlines()[1] == (
@@ -594,8 +647,10 @@ def test_explain_kvcache_miss_suggests_a_filter_that_fits(run_cli):
 
 @pytest.mark.parametrize("problem, message", [
     ("op=kvcache,dtype=fp16,hdim=64,mode=batch",
-     "mode is a key of op=fwd and op=bwd, not of op=kvcache; valid: dtype, hdim, hdim_q, hdim_v, "
-     "mask, bias, paged, softcap, seqlen_q, seqlen_k, seqused, arch, op"),
+     "mode is a key of op=fwd and op=bwd, not of op=kvcache; valid: dtype, kv_dtype, hdim, "
+     "hdim_q, hdim_v, mask, bias, paged, softcap, seqlen_q, seqlen_k, seqused, arch, op"),
+    ("dtype=fp16,hdim=64,kv_dtype=e4m3", "kv_dtype is a key of op=kvcache, not of op=fwd"),
+    ("op=kvcache,dtype=fp16,hdim=64,kv_dtype=fp8", "unknown kv_dtype 'fp8'; valid: same, e4m3"),
     ("op=kvcache,dtype=fp16,hdim=64,dropout=true", "dropout is a key of op=fwd and op=bwd"),
     ("dtype=fp16,hdim=64,paged=true", "paged is a key of op=kvcache, not of op=fwd"),
     ("op=kvcache,dtype=fp16,hdim=64,paged=yes", "paged takes true or false, not 'yes'"),

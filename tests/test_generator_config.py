@@ -194,7 +194,7 @@ def test_repository_config_loads():
     # The shared rules come first in the rules of each operation they apply to: all three
     # are fwd's and bwd's; kvcache has no mode, and the fa2 rule names fwd and bwd.
     fwd, bwd, kvcache = config.operations.values()
-    assert [len(op.rules) for op in (fwd, bwd, kvcache)] == [3 + 10, 3 + 1 + 8, 1 + 8]
+    assert [len(op.rules) for op in (fwd, bwd, kvcache)] == [3 + 10, 3 + 1 + 8, 1 + 10]
     assert fwd.rules[:3] == bwd.rules[:3] == config.shared_rules
     assert kvcache.rules[:1] == config.shared_rules[1:2]
     assert [c.axis for c in kvcache.rules[0].when] == ["pad_seqlen", "pad_hdim"]
@@ -327,8 +327,8 @@ def test_operations_need_at_least_one(make_config, line_of):
 def test_an_operation_takes_the_shared_axes_it_has(build):
     config, catalog = build(BWD_OPERATION, KVCACHE_OPERATION)
     kvcache = config.operations["kvcache"]
-    assert tuple(kvcache.matrix.axes) == ("dtype", "hdim", "mask", "bias", "paged", "softcap",
-                                          "pipeline", "arch", "pad_seqlen", "pad_hdim")
+    assert tuple(kvcache.matrix.axes) == ("dtype", "kv_dtype", "hdim", "mask", "bias", "paged",
+                                          "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim")
     # The top matrix's mode and dropout are fwd's and bwd's, also without bwd in the config.
     config, _ = build(KVCACHE_OPERATION)
     assert list(config.operations) == ["fwd", "kvcache"]
@@ -370,12 +370,19 @@ KVCACHE_MISTAKES = {
         "op: decode", "rules[0].when.op: unknown value 'decode'; valid: fwd, bwd, kvcache"),
     "op in an operation's own rule": (
         (("{when: {pad_seqlen: false}", "{when: {op: kvcache}"),),
-        "op: kvcache", "operations.kvcache.rules[0].when: unknown key 'op'; valid: dtype, hdim"),
+        "op: kvcache", "operations.kvcache.rules[0].when: unknown key 'op'; valid: dtype, "
+                       "kv_dtype, hdim"),
     "a rule on an axis kvcache lacks": (
         (("{when: {pad_seqlen: false}", "{when: {mode: group}"),),
         "mode: group", "operations.kvcache.rules[0].when: unknown key 'mode'; valid: dtype, "
-                       "hdim, hdim_q, hdim_v, mask, bias, paged, softcap, pipeline, arch, "
-                       "pad_seqlen, pad_hdim"),
+                       "kv_dtype, hdim, hdim_q, hdim_v, mask, bias, paged, softcap, pipeline, "
+                       "arch, pad_seqlen, pad_hdim"),
+    "kv_dtype in the top matrix": (
+        (("  mode: [batch]", "  mode: [batch]\n  kv_dtype: [e4m3]"),), "kv_dtype: [e4m3]",
+        "matrix: kv_dtype is an axis of kvcache only; give it under operations.kvcache.matrix"),
+    "an unknown cache dtype": (
+        (("  kv_dtype: [same]", "  kv_dtype: [same, fp8]"),), "kv_dtype: [same, fp8]",
+        "operations.kvcache.matrix.kv_dtype: unknown value 'fp8'; valid: same, e4m3"),
     "a shared rule for an operation the config lacks": (
         (("operations:\n", "rules:\n  - {when: {op: bwd, mask: causal}, reason: r}\n"
                            "operations:\n"),),

@@ -16,7 +16,7 @@ from generator.dispatch import (PREFERENCE, REQUIREMENTS, Problem, check_dispatc
                                 serves, unmet)
 from generator.errors import ConfigError, GeneratorError
 from generator.model import BwdTraits, FwdTraits, KvcacheTraits, Tile
-from generator.schema import BIAS, DTYPE, MASK, MODE, PIPELINE, VLAYOUT
+from generator.schema import BIAS, DTYPE, KV_DTYPE, MASK, MODE, PIPELINE, VLAYOUT
 
 
 def problem(dtype="fp16", hdim=(64, 64), mask="none", bias="none", vlayout="row", mode="batch",
@@ -407,14 +407,15 @@ def test_repository_bwd_matrix_serves_every_call_on_its_newest_arch(dtype, mask,
 # -- the kvcache operation ---------------------------------------------------------------------
 
 def kvcache_problem(dtype="fp16", hdim=(64, 64), mask="none", bias="none", paged=False,
-                    softcap=False, seqlen=(1, 4096), cc=80) -> Problem:
-    traits = KvcacheTraits(DTYPE.get(dtype), *hdim, MASK.get(mask), BIAS.get(bias), paged,
-                           softcap)
+                    softcap=False, seqlen=(1, 4096), cc=80, kv_dtype="same") -> Problem:
+    traits = KvcacheTraits(DTYPE.get(dtype), KV_DTYPE.get(kv_dtype), *hdim, MASK.get(mask),
+                           BIAS.get(bias), paged, softcap)
     return Problem(traits, *seqlen, seqused=False, cc=cc)
 
 
 @pytest.mark.parametrize("trait, value", [
-    ("dtype", "bf16"), ("mask", "causal"), ("bias", "alibi"), ("paged", True), ("softcap", True),
+    ("dtype", "bf16"), ("kv_dtype", "e4m3"), ("mask", "causal"), ("bias", "alibi"),
+    ("paged", True), ("softcap", True),
 ])
 def test_kvcache_traits_must_be_equal(make_kvcache_instance, trait, value):
     instance = make_kvcache_instance()
@@ -487,7 +488,8 @@ def test_kvcache_shadowed_instance_is_an_error(make_kvcache_instance):
     big = make_kvcache_instance(tile=Tile(16, 128, 4, 2))
     small = make_kvcache_instance()
     with pytest.raises(GeneratorError, match=f"{small.name} is shadowed by {big.name}: .*"
-                                             f"e.g. op=kvcache,dtype=fp16,hdim=64x64,"):
+                                             f"e.g. op=kvcache,dtype=fp16,kv_dtype=same,"
+                                             f"hdim=64x64,"):
         check_dispatchable(dispatch_order([big, small]))
 
 
@@ -516,3 +518,26 @@ def test_repository_kvcache_matrix_serves_every_call_on_its_newest_arch(dtype, m
     own = (chosen.point.traits.hdim_q, chosen.point.traits.hdim_v)
     assert chosen.point.pad_hdim == (hdim not in KVCACHE_HDIMS)
     assert own == min((d, d) for d, _ in KVCACHE_HDIMS if d >= max(hdim))
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(DTYPE.tokens), mask=st.sampled_from(MASK.tokens),
+       bias=st.sampled_from(["none", "alibi"]), flags=st.tuples(st.booleans(), st.booleans()),
+       hdim=st.sampled_from(sorted(KVCACHE_HDIMS | {(120, 120), (80, 80), (57, 57)})),
+       seqlen_q=st.sampled_from([1, 16, 128, 512, 4096]), cc=st.sampled_from([80, 89, 90]))
+def test_repository_kvcache_matrix_runs_e4m3_caches_on_the_decode_kernel_at_exact_head_dims(
+        dtype, mask, bias, flags, hdim, seqlen_q, cc):
+    """An e4m3 cache: the decode kernel (fa2) at every chunk size, fa3 having no chunked prefill
+    from it, and exact head dims only (its rows move in 16-byte pieces of 16 elements)."""
+    call = replace(kvcache_problem(dtype, hdim, mask, bias, *flags, seqlen=(seqlen_q, 4096),
+                                   cc=cc, kv_dtype="e4m3"), page_size=16 if flags[0] else 0)
+    chosen = first_serving(DEFAULT_CATALOG.instances, call)
+    if hdim not in KVCACHE_HDIMS:
+        assert chosen is None
+        return
+    assert chosen is not None and chosen.point.traits.kv_dtype.token == "e4m3"
+    assert (chosen.point.pipeline.token, chosen.point.pad_hdim) == ("fa2", False)
+    assert chosen.point.arch.cc == (90 if cc == 90 else 80)
+    same = first_serving(DEFAULT_CATALOG.instances, replace(
+        call, traits=replace(call.traits, kv_dtype=KV_DTYPE.get("same"))))
+    assert same is not None and same.point.traits.kv_dtype.token == "same"

@@ -167,8 +167,13 @@ const int kNumFwdPipelineGaps = 0;
 def test_pipeline_gaps_in_the_table():
     text = render(repository().select("minimal"), source="instances.yaml")["dispatch_table.cpp"]
     # One row per rule on fa3's traits (not on its arch or padding), for sm90a where it exists:
-    # the forward's five, the backward's four and kvcache's three in tables of their own.
-    assert text.count('    {"fa3", "sm90a", ') == 5 + 4 + 3
+    # the forward's five, the backward's four and kvcache's four in tables of their own.
+    assert text.count('    {"fa3", "sm90a", ') == 5 + 4 + 4
+    assert """\
+    {"fa3", "sm90a", "kv_dtype",
+     "chunked prefill from an e4m3 cache is not built yet; such calls run the decode kernel at every chunk size",
+     [](const KvcacheTraits& t) { return (t.kv_dtype == fmha::KvCacheDtype::kE4M3); }},
+""" in text
     assert """\
     {"fa3", "sm90a", "softcap",
      "the fa3 forward has no soft-capping yet; soft-capped chunks run the decode kernel",
@@ -794,7 +799,7 @@ def test_kvcache_instance_tu(build):
 #include "fmha/kernels/kvcache_decode_split_kv.cuh"
 namespace fmha::detail::instances {
 using Config_kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad = fmha::kvcache::decode::Config<
-    /*Element=*/__nv_bfloat16, /*kHeadDimQK=*/128, /*kHeadDimV=*/128, /*kBlockM=*/16, /*kBlockN=*/128,
+    /*Element=*/__nv_bfloat16, /*KvElement=*/__nv_bfloat16, /*kHeadDimQK=*/128, /*kHeadDimV=*/128, /*kBlockM=*/16, /*kBlockN=*/128,
     /*kNumWarps=*/4, /*kStages=*/2, /*kMask=*/fmha::MaskType::kCausal, /*kBias=*/fmha::BiasType::kNone,
     /*kPaged=*/true, /*kSoftcap=*/false,
     /*kPadSeqlen=*/true, /*kPadHdim=*/false, /*kSmemLimit=*/232448>;
@@ -820,13 +825,13 @@ def test_a_full_grid_tile_is_the_instances_second_config(build):
     name = "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n128_pad"
     assert files[f"{name}.cu"].split("namespace fmha::detail::instances {\n")[1] == f"""\
 using Config_{name} = fmha::kvcache::decode::Config<
-    /*Element=*/__nv_bfloat16, /*kHeadDimQK=*/128, /*kHeadDimV=*/128, /*kBlockM=*/16, /*kBlockN=*/128,
+    /*Element=*/__nv_bfloat16, /*KvElement=*/__nv_bfloat16, /*kHeadDimQK=*/128, /*kHeadDimV=*/128, /*kBlockM=*/16, /*kBlockN=*/128,
     /*kNumWarps=*/8, /*kStages=*/2, /*kMask=*/fmha::MaskType::kCausal, /*kBias=*/fmha::BiasType::kNone,
     /*kPaged=*/true, /*kSoftcap=*/false,
     /*kPadSeqlen=*/true, /*kPadHdim=*/false, /*kSmemLimit=*/232448>;
 // The tile of calls whose units alone fill every SM.
 using FullGridConfig_{name} = fmha::kvcache::decode::Config<
-    /*Element=*/__nv_bfloat16, /*kHeadDimQK=*/128, /*kHeadDimV=*/128, /*kBlockM=*/16, /*kBlockN=*/64,
+    /*Element=*/__nv_bfloat16, /*KvElement=*/__nv_bfloat16, /*kHeadDimQK=*/128, /*kHeadDimV=*/128, /*kBlockM=*/16, /*kBlockN=*/64,
     /*kNumWarps=*/4, /*kStages=*/3, /*kMask=*/fmha::MaskType::kCausal, /*kBias=*/fmha::BiasType::kNone,
     /*kPaged=*/true, /*kSoftcap=*/false,
     /*kPadSeqlen=*/true, /*kPadHdim=*/false, /*kSmemLimit=*/232448>;
@@ -864,7 +869,7 @@ def test_every_kvcache_trait_reaches_the_tu_and_the_table(build):
 namespace {{
 const KvcacheInstanceEntry kKvcacheRows[] = {{
     {{"{name}",
-     {{/*dtype=*/fmha::DataType::kFP16, /*hdim_q=*/64, /*hdim_v=*/64,
+     {{/*dtype=*/fmha::DataType::kFP16, /*kv_dtype=*/fmha::KvCacheDtype::kSame, /*hdim_q=*/64, /*hdim_v=*/64,
       /*mask=*/fmha::MaskType::kCausal, /*bias=*/fmha::BiasType::kAlibi,
       /*paged=*/true, /*softcap=*/true}},
      /*pipeline=*/"fa2", /*arch=*/"sm80", /*arch_cc=*/80, /*arch_exact=*/false,
@@ -879,11 +884,34 @@ const KvcacheInstanceEntry* const kKvcacheInstances = kKvcacheRows;
     assert "const KvcachePipelineGap* const kKvcachePipelineGaps = nullptr;" in text
     (record,) = json.loads(files[MANIFEST])["instances"]
     assert record == {
-        "name": name, "op": "kvcache", "dtype": "fp16", "hdim_q": 64, "hdim_v": 64,
-        "mask": "causal", "bias": "alibi", "paged": True, "softcap": True, "pipeline": "fa2",
+        "name": name, "op": "kvcache", "dtype": "fp16", "kv_dtype": "same", "hdim_q": 64,
+        "hdim_v": 64, "mask": "causal", "bias": "alibi", "paged": True, "softcap": True, "pipeline": "fa2",
         "arch": "sm80", "pad_seqlen": True, "pad_hdim": False, "block_m": 16, "block_n": 64,
         "warps": 4, "stages": 2, "tu": f"{name}.cu"}
     assert "kvcache_" not in files["instances.cmake"].split("FMHA_GENERATED_CUTLASS_SOURCES")[1]
+
+
+def test_an_e4m3_cache_reaches_the_tu_and_the_table(build):
+    # The cache's element type is the config's second parameter (the queries' is the first);
+    # the row's traits say kE4M3, the manifest e4m3.
+    config, catalog = build(KVCACHE_OPERATION, ("kv_dtype: [same]", "kv_dtype: [same, e4m3]"))
+    files = render(select(config, catalog, "default", "kvcache,bf16,hdim64,e4m3,mask=none,paged,sm90a"),
+                   source="config.yaml")
+    name = "kvcache_bf16_kve4m3_d64_paged_fa2_sm90a_m16n64_pad"
+    assert sorted(n for n in files if n.endswith(".cu")) == [f"{name}.cu"]
+    assert ("    /*Element=*/__nv_bfloat16, /*KvElement=*/__nv_fp8_e4m3, /*kHeadDimQK=*/64, "
+            "/*kHeadDimV=*/64,") in files[f"{name}.cu"]
+    assert ("     {/*dtype=*/fmha::DataType::kBF16, /*kv_dtype=*/fmha::KvCacheDtype::kE4M3, "
+            "/*hdim_q=*/64, /*hdim_v=*/64,\n") in files["dispatch_table.cpp"]
+    assert 'const char* const kKvCacheDtypeTokens[] = {"same", "e4m3"};' in files[
+        "dispatch_table.cpp"]
+    (record,) = json.loads(files[MANIFEST])["instances"]
+    assert (record["name"], record["dtype"], record["kv_dtype"]) == (name, "bf16", "e4m3")
+    # A cache of the queries' dtype takes their element type.
+    same = render(select(config, catalog, "default", "kvcache,fp16,hdim64,kv_dtype=same,sm80,mask=none,"
+                                                     "!paged"), source="config.yaml")
+    assert ("/*Element=*/__half, /*KvElement=*/__half,"
+            in same["kvcache_fp16_d64_fa2_sm80_m16n64_pad.cu"])
 
 
 # explain_selection() and fwd_kvcache()'s checks for a few KV-cache calls, as EXPLAIN_DRIVER:

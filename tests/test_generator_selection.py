@@ -213,10 +213,52 @@ def test_repository_presets_parse_and_select():
     counts = {name: tuple(sum(i.op.token == op for i in matrix.select(name).instances)
                           for op in ("fwd", "bwd", "kvcache"))
               for name in matrix.config.presets}
-    assert counts == {"default": (8, 5, 9), "extended": (276, 276, 324),
+    assert counts == {"default": (8, 5, 13), "extended": (276, 276, 468),
                       "minimal": (4, 4, 6), "flash_attn": (2040, 2040, 1188),
-                      "pytorch": (448, 672, 0), "coverage": (592, 392, 440),
-                      "all": (10104, 4056, 1188)}
+                      "pytorch": (448, 672, 0), "coverage": (592, 392, 648),
+                      "all": (10104, 4056, 1764)}
+
+
+def test_presets_choose_the_cache_dtypes_their_users_call():
+    """default decodes from an e4m3 cache (bf16 d128, no mask and causal, contiguous and paged)
+    on H100/H200 beside its caches of the queries' dtype; minimal and flash_attn (whose API has
+    no FP8 cache) keep those only; extended and coverage take both."""
+    matrix = repository()
+
+    def kvcache(preset: str, kv_dtype: str) -> list:
+        return [i for i in matrix.select(preset).instances
+                if i.op.token == "kvcache" and i.point.traits.kv_dtype.token == kv_dtype]
+
+    assert sorted(i.name for i in kvcache("default", "e4m3")) == sorted(
+        f"kvcache_bf16_kve4m3_d128_{traits}fa2_sm90a_m16n64_pad"
+        for traits in ("", "causal_", "paged_", "causal_paged_"))
+    assert len(kvcache("default", "same")) == 9
+    for preset in ("minimal", "flash_attn"):
+        assert kvcache(preset, "e4m3") == [] and kvcache(preset, "same")
+    for preset in ("extended", "coverage"):
+        same, e4m3 = kvcache(preset, "same"), kvcache(preset, "e4m3")
+        # Every decode instance of the queries' dtype at exact head dims has its e4m3 twin.
+        twins = {i.name.replace("kvcache_fp16_", "kvcache_fp16_kve4m3_").replace(
+                     "kvcache_bf16_", "kvcache_bf16_kve4m3_")
+                 for i in same if i.point.pipeline.token == "fa2" and not i.point.pad_hdim}
+        assert {i.name for i in e4m3} == twins
+
+
+@pytest.mark.parametrize("filter_text", ["e4m3", "kv_dtype=e4m3", "!same",
+                                         "kv_dtype=same|e4m3,!same", "*_kve4m3_*"])
+def test_filters_name_the_cache_dtype(filter_text):
+    catalog = repository().catalog
+    selection = repository().select("all", f"kvcache,{filter_text}").instances
+    assert selection == tuple(i for i in catalog.instances
+                              if i.op.token == "kvcache"
+                              and i.point.traits.kv_dtype.token == "e4m3")
+
+
+def test_the_cache_dtype_is_kvcaches_own_axis():
+    # No fwd or bwd instance has it, and its negation holds for all of them.
+    with pytest.raises(GeneratorError, match="'e4m3' matches none of the 10104 instances left"):
+        repository().select("all", "fwd,e4m3")
+    assert len(repository().select("all", "fwd,!e4m3").instances) == 10104
 
 
 def test_minimal_preset_builds_each_pipeline_and_padding_path():

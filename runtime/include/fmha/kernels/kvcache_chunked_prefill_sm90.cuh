@@ -13,8 +13,11 @@
 //     cache_seqlens plus the appended tokens, and the causal mask (or window) aligned
 //     bottom-right, so query token i sits at key cache_seqlens[b] + seqlen_new - seqlen_q + i.
 // Traits: what the fa3 forward has (no mask, causal, sliding windows; fp16/bf16; head dims of
-// whole swizzle atoms); ALiBi and soft-capping calls run the decode pipeline (instances.yaml).
+// whole swizzle atoms) on a cache of the queries' dtype; ALiBi, soft-capping and e4m3 caches
+// run the decode pipeline (instances.yaml).
 #pragma once
+
+#include <type_traits>
 
 #include "fmha/kernels/fast_divisor.cuh"
 #include "fmha/kernels/fwd_fa3_sm90.cuh"
@@ -22,14 +25,21 @@
 
 namespace fmha::kvcache::chunked_prefill {
 
-template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
-          int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, bool kPaged_,
-          bool kSoftcap_, bool kPadSeqlen_, bool kPadHdim_, int kSmemLimit_>
+// KvElement_: the cache's element type, the generator's kv_element (the decode Config's
+// parameter too); the same as Element_ here, as instances.yaml builds no chunked prefill from an
+// e4m3 cache yet.
+template <typename Element_, typename KvElement_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_,
+          int kBlockN_, int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_,
+          bool kPaged_, bool kSoftcap_, bool kPadSeqlen_, bool kPadHdim_, int kSmemLimit_>
 struct Config
     : fa3::FwdConfig<Element_, kHeadDimQK_, kHeadDimV_, kBlockM_, kBlockN_, kNumWarps_,
                      kStages_, kMask_, kBias_, VLayout::kRowMajor, Mode::kBatch, /*kLse=*/true,
                      /*kDropout=*/false, kSoftcap_, kPadSeqlen_, kPadHdim_, kSmemLimit_> {
+  static_assert(std::is_same_v<KvElement_, Element_>,
+                "chunked prefill reads a cache of the queries' dtype only: an e4m3 cache runs "
+                "the decode kernel (instances.yaml prunes kv_dtype=e4m3 on pipeline fa3)");
   using Base = typename Config::FwdConfig;  // the base above, by its injected name
+  using KvElement = KvElement_;
   static constexpr bool kCachedKv = true;
   static constexpr bool kPaged = kPaged_;
   // The cache's boxes are a few rows by every column (cached_kv_sm90.cuh); the stages keep the
@@ -43,6 +53,7 @@ struct Config
   // What the append kernel (kvcache_append.cuh) reads of a config.
   struct Append {
     using Element = Element_;
+    using KvElement = KvElement_;
     static constexpr int kHeadDimQK = kHeadDimQK_;
     static constexpr int kHeadDimV = kHeadDimV_;
     static constexpr bool kPaged = kPaged_;
