@@ -10,9 +10,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "fmha/fmha.h"
 #include "fmha/kernels/dependent_launch.cuh"
+#include "fmha/kernels/e4m3_cache.cuh"
 #include "fmha/kernels/fast_divisor.cuh"
 #include "fmha/kernels/sm80_primitives.cuh"
 
@@ -58,6 +60,12 @@ struct KvcacheParams {
   bool rotary_interleaved;
   bool rotate_q_per_token;  // masked calls rotate query token i at cache_seqlens + i
   void* q_rotated;          // (batch, seqlen_q, nhead_q, hdim_q), contiguous
+
+  // An e4m3 cache's dequantization factors (KvcacheArgs::k_scale), null for a 16-bit cache.
+  const float* k_scale;
+  const float* v_scale;
+  int64_t k_scale_batch_stride, k_scale_head_stride;
+  int64_t v_scale_batch_stride, v_scale_head_stride;
 
   float scale, softcap, softcap_scale, softmax_mul;
   int window_left, window_right;
@@ -160,6 +168,7 @@ __device__ void rotate_chunk(Element (&out)[8], const Element* row, int chunk,
 template <class Cfg>
 __global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_constant__ KvcacheParams p) {
   using Element = typename Cfg::Element;
+  using KvElement = typename Cfg::KvElement;
   constexpr int kChunksQK = Cfg::kHeadDimQK / 8;
   constexpr int kChunksV = Cfg::kHeadDimV / 8;
   let_dependents_launch();
@@ -185,19 +194,32 @@ __global__ void __launch_bounds__(128) kvcache_append_kernel(const __grid_consta
         batch * (is_k ? p.kn_batch_stride : p.vn_batch_stride) +
         token * (is_k ? p.kn_seq_stride : p.vn_seq_stride) +
         head * (is_k ? p.kn_head_stride : p.vn_head_stride);
-    Element* dst = is_k ? cache_row<Cfg::kPaged>(static_cast<Element*>(p.k_cache), p,
-                                                 p.kc_batch_stride, p.kc_seq_stride,
-                                                 p.kc_head_stride, batch, head, key)
-                        : cache_row<Cfg::kPaged>(static_cast<Element*>(p.v_cache), p,
-                                                 p.vc_batch_stride, p.vc_seq_stride,
-                                                 p.vc_head_stride, batch, head, key);
+    KvElement* dst = is_k ? cache_row<Cfg::kPaged>(static_cast<KvElement*>(p.k_cache), p,
+                                                   p.kc_batch_stride, p.kc_seq_stride,
+                                                   p.kc_head_stride, batch, head, key)
+                          : cache_row<Cfg::kPaged>(static_cast<KvElement*>(p.v_cache), p,
+                                                   p.vc_batch_stride, p.vc_seq_stride,
+                                                   p.vc_head_stride, batch, head, key);
     alignas(16) Element vals[8];
     if (is_k && p.rotary_dim > 0 && chunk * 8 < p.rotary_dim) {
       rotate_chunk(vals, src, chunk, p, key, count);
     } else {
       load_piece(vals, src, chunk, count);
     }
-    store_piece(dst, chunk, vals, count);
+    if constexpr (std::is_same_v<KvElement, Element>) {
+      store_piece(dst, chunk, vals, count);
+    } else {
+      // An e4m3 cache (exact head dims: whole pieces): the 8 elements divided by the
+      // sequence's and head's scale, rounded, 8 bytes.
+      const float scale = is_k ? p.k_scale[batch * p.k_scale_batch_stride +
+                                           head * p.k_scale_head_stride]
+                               : p.v_scale[batch * p.v_scale_batch_stride +
+                                           head * p.v_scale_head_stride];
+      float x[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x[e] = sm80::to_float(vals[e]);
+      *reinterpret_cast<uint2*>(dst + chunk * 8) = e4m3::quantize8(x, scale);
+    }
   } else if (item < kv_items + q_items) {
     const int local = item - kv_items;
     const int chunk = local % kChunksQK;
@@ -281,6 +303,12 @@ inline KvcacheParams kvcache_params(const KvcacheArgs& a) {
   p.seqlen_rotary = a.seqlen_rotary;
   p.rotary_interleaved = a.rotary_interleaved;
   p.rotate_q_per_token = a.mask != MaskType::kNone;
+  p.k_scale = a.k_scale;
+  p.v_scale = a.v_scale;
+  p.k_scale_batch_stride = a.k_scale_batch_stride;
+  p.k_scale_head_stride = a.k_scale_head_stride;
+  p.v_scale_batch_stride = a.v_scale_batch_stride;
+  p.v_scale_head_stride = a.v_scale_head_stride;
   p.scale = a.softmax_scale;
   p.softcap = a.softcap;
   p.softcap_scale = a.softcap > 0.f ? a.softmax_scale / a.softcap : 0.f;

@@ -31,6 +31,7 @@
 #include "fmha/fmha.h"
 #include "fmha/kernels/dependent_launch.cuh"
 #include "fmha/kernels/device_facts.cuh"
+#include "fmha/kernels/e4m3_cache.cuh"
 #include "fmha/kernels/fast_divisor.cuh"
 #include "fmha/kernels/kvcache_append.cuh"
 #include "fmha/kernels/mask.cuh"
@@ -39,11 +40,15 @@
 
 namespace fmha::kvcache::decode {
 
-template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
-          int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, bool kPaged_,
-          bool kSoftcap_, bool kPadSeqlen_, bool kPadHdim_, int kSmemLimit>
+template <typename Element_, typename KvElement_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_,
+          int kBlockN_, int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_,
+          bool kPaged_, bool kSoftcap_, bool kPadSeqlen_, bool kPadHdim_, int kSmemLimit>
 struct Config {
-  using Element = Element_;
+  using Element = Element_;      // q's, k_new's, v_new's and the output's
+  using KvElement = KvElement_;  // the caches': Element, or __nv_fp8_e4m3
+  // An e4m3 cache: its tiles are widened to Element in registers (e4m3_cache.cuh), so the
+  // mainloop's instructions are the 16-bit kernel's on half the bytes.
+  static constexpr bool kE4m3Cache = std::is_same_v<KvElement, __nv_fp8_e4m3>;
   static constexpr int kHeadDimQK = kHeadDimQK_;
   static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kBlockM = kBlockM_;
@@ -67,6 +72,10 @@ struct Config {
   static constexpr bool kQInRegisters = kHeadDimQK <= 128;
 
   static_assert(sizeof(Element) == 2, "decode takes 16-bit inputs");
+  static_assert(kE4m3Cache || std::is_same_v<KvElement, Element>,
+                "a cache holds the queries' dtype or e4m3");
+  static_assert(!(kE4m3Cache && kPadHdim_),
+                "an e4m3 cache moves rows in whole 16-byte pieces: exact head dims only");
   static_assert(kBlockM == 16, "kvcache: the packed query rows are one m16 fragment");
   static_assert(kWarpKeys % 16 == 0 && kWarpKeys * kNumWarps == kBlockN,
                 "kvcache: each warp takes a multiple of 16 keys of every key tile");
@@ -75,8 +84,11 @@ struct Config {
   static_assert(kPadSeqlen_, "kvcache: the lengths live on the device");
 
   using QTile = SmemTile<kBlockM, kHeadDimQK>;
-  using KTile = SmemTile<kBlockN, kHeadDimQK>;
-  using VTile = SmemTile<kBlockN, kHeadDimV>;
+  // Cache tiles in 16-bit columns: an e4m3 row of d elements is d / 2 of them.
+  static constexpr int kCacheElementsPer16Bit = 2 / sizeof(KvElement);
+  using KTile = SmemTile<kBlockN, kHeadDimQK / kCacheElementsPer16Bit>;
+  using VTile = SmemTile<kBlockN, kHeadDimV / kCacheElementsPer16Bit>;
+  static constexpr int kPieceElements = 16 / sizeof(KvElement);  // a cache row's 16 bytes
   static constexpr int kRingBytes = kStages * (KTile::kBytes + VTile::kBytes);
   // Paged: the block-table entries of kPageSlots key tiles (PageSlots below), after the ring.
   static constexpr int kPageSlots = kStages + 1;
@@ -87,11 +99,19 @@ struct Config {
   // running max and sum of its 16 rows.
   static constexpr int kMergeBytes =
       (kNumWarps * kBlockM * (kHeadDimV + 4) + 2 * kNumWarps * kBlockM) * 4;
-  static_assert(kMergeBytes <= kRingBytes, "the warps' merge must fit the K/V ring");
+  // ...or, of an e4m3 cache, whose ring is half as large, the Q tile and the ring (sm80's two
+  // d256 stages: 64 KB).
+  static constexpr int kMergeOffset = kE4m3Cache ? 0 : QTile::kBytes;
+  static_assert(kMergeBytes <= QTile::kBytes + kRingBytes - kMergeOffset,
+                "the warps' merge must fit the K/V ring");
   // As many CTAs an SM as its shared memory holds (2 at d128 on sm90a, 4 at d64), which caps
-  // the registers: decode streams keys, and bytes in flight scale with CTAs.
+  // the registers: decode streams keys, and bytes in flight scale with CTAs. An e4m3 cache
+  // counts the 16-bit ring it widens into registers: its half-size ring would cap d128 at 128
+  // registers a thread, where O, Q's fragments and the widened pairs need more.
+  static constexpr int kRingBytesAs16Bit = kRingBytes * kCacheElementsPer16Bit;
   static constexpr int kMinCtasPerSm =
-      std::min(kSmemLimit / (kSmemBytes + 1024), 65536 / (kThreads * 64));
+      std::min(kSmemLimit / (QTile::kBytes + kRingBytesAs16Bit + kPageSlotBytes + 1024),
+               65536 / (kThreads * 64));
 };
 
 // The keys sequence `batch` attends to: its cache plus the appended tokens, clamped to what the
@@ -205,7 +225,7 @@ struct PageSlots {
 // walked by one pointer; a contiguous cache is one page. kPartialPieces: piece_bytes'.
 template <class Cfg, class Tile, bool kRunsInPage, bool kPartialPieces>
 __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
-                                                const typename Cfg::Element* cache,
+                                                const typename Cfg::KvElement* cache,
                                                 const int32_t* entries,
                                                 const FastDivisor& page_size,
                                                 int64_t batch_stride, int64_t seq_stride,
@@ -213,7 +233,7 @@ __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
                                                 int key_begin, int head, int n_block, int keys,
                                                 int dim) {
   using Copies = TileCopies<Cfg>;
-  using Element = typename Cfg::Element;
+  using KvElement = typename Cfg::KvElement;
   // Contiguous: key 0 is row key_begin of cache row cache_index (paged caches have neither).
   const int64_t sequence_offset =
       Cfg::kPaged ? 0 : cache_index * batch_stride + static_cast<int64_t>(key_begin) * seq_stride;
@@ -231,7 +251,7 @@ __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
       return head_cache + static_cast<int64_t>(key) * seq_stride;
     }
   };
-  auto copy = [&](int i, const Element* src) {
+  auto copy = [&](int i, const KvElement* src) {
     const int bytes = key0 + Copies::row(i) < keys
                           ? piece_bytes<Cfg, kPartialPieces>(Copies::chunk(i), dim)
                           : 0;
@@ -241,7 +261,7 @@ __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
   // A run in one page is walked by one pointer; a 64-bit product per row, which the compiler
   // hoists out of the key loop, took d128 from 156 to 220 registers.
   if constexpr (Copies::kRuns && (!Cfg::kPaged || kRunsInPage)) {
-    const auto* walk = row_start(key0 + Copies::row(0)) + Copies::chunk(0) * 8;
+    const auto* walk = row_start(key0 + Copies::row(0)) + Copies::chunk(0) * Cfg::kPieceElements;
 #pragma unroll
     for (int i = 0; i < Copies::kCount; ++i) {
       copy(i, walk);
@@ -250,7 +270,7 @@ __device__ __forceinline__ void load_cache_tile(uint32_t smem_tile,
   } else {
 #pragma unroll
     for (int i = 0; i < Copies::kCount; ++i) {
-      copy(i, row_start(key0 + Copies::row(i)) + Copies::chunk(i) * 8);
+      copy(i, row_start(key0 + Copies::row(i)) + Copies::chunk(i) * Cfg::kPieceElements);
     }
   }
 }
@@ -298,8 +318,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   const int last_token = (row0 + rows_here - 1) / p.group;
 
   const auto* q = static_cast<const Element*>(p.q);
-  const auto* k_cache = static_cast<const Element*>(p.k_cache);
-  const auto* v_cache = static_cast<const Element*>(p.v_cache);
+  const auto* k_cache = static_cast<const typename Cfg::KvElement*>(p.k_cache);
+  const auto* v_cache = static_cast<const typename Cfg::KvElement*>(p.v_cache);
   const uint32_t s_q = sm80::smem_addr(smem);
   const uint32_t s_k = s_q + QTile::kBytes;
   const uint32_t s_v = s_k + kStages * KTile::kBytes;
@@ -341,6 +361,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
       p.cache_leftpad != nullptr ? min(max(p.cache_leftpad[batch], 0), keys_end) : 0;
   const int keys = keys_end - key_begin;
   const Mask mask(p.seqlen_q, keys, /*bottom_right=*/true, p.window_left, p.window_right);
+
+  // The logits' scales, and the output's factor. An e4m3 cache's k_scale and the powers of two
+  // of its widening (e4m3_cache.cuh) fold into the multiply that scales the logits; v_scale
+  // and the values' power of two into the output's 1/rowsum, in the merge below. One K/V head
+  // a CTA: a scalar each.
+  float softmax_mul = p.softmax_mul, logit_scale = p.scale, softcap_scale = p.softcap_scale;
+  float out_scale = 1.f;
+  if constexpr (Cfg::kE4m3Cache) {
+    using Widen = e4m3::Widen<Element>;
+    constexpr float kLogitFactor = e4m3::exp2i(-Widen::kLog2Factor - Widen::kQueryLog2Scale);
+    constexpr float kValueFactor = e4m3::exp2i(-Widen::kLog2Factor);
+    const float k_dequant =
+        p.k_scale[batch * p.k_scale_batch_stride + kv_head * p.k_scale_head_stride] *
+        kLogitFactor;
+    (Cfg::kLogitsInScores ? (Cfg::kSoftcap ? softcap_scale : logit_scale) : softmax_mul) *=
+        k_dequant;
+    out_scale = p.v_scale[batch * p.v_scale_batch_stride + kv_head * p.v_scale_head_stride] *
+                kValueFactor;
+  }
+  // exp2's argument gains it, so that P is 2^kPLog2Scale times the probabilities (the e4m3
+  // cache's bf16 products, e4m3_cache.cuh); the row sums carry the same factor.
+  constexpr float kPLog2Scale =
+      Cfg::kE4m3Cache ? static_cast<float>(e4m3::Widen<Element>::kProbabilityLog2Scale) : 0.f;
 
   // This split's share of the key tiles the rows see, every num_splits-th of this sequence's
   // own range (an even share, so short sequences of a batch do not leave splits idle).
@@ -393,8 +436,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   // low chunk, 16-31 at the high one; K, lanes 8i..8i+7 matrix i (rows +0/+8, chunk lo/hi).
   // A warp's keys start at row warp * kWarpKeys of the K and V tiles.
   const uint32_t q_lane = QTile::offset(lane % 16, lane / 16);
-  const uint32_t k_lane = KTile::offset((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
-  const uint32_t v_lane = VTile::offset(lane % 16, lane / 16);
+  // An e4m3 cache's K and V: lanes 8i..8i+7 matrix i, keys 8 (i % 2).., 16-byte chunk i / 2.
+  const uint32_t k_lane = Cfg::kE4m3Cache
+                              ? KTile::offset((lane / 8) % 2 * 8 + lane % 8, lane / 16)
+                              : KTile::offset((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+  const uint32_t v_lane = Cfg::kE4m3Cache
+                              ? VTile::offset((lane / 8) % 2 * 8 + lane % 8, lane / 16)
+                              : VTile::offset(lane % 16, lane / 16);
   constexpr int kWarpKeyGroups = kWarpKeys / 16;
   const int warp_group0 = warp * kWarpKeyGroups;  // first 16-key group of this warp
 
@@ -424,6 +472,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
     }
   }
   uint32_t q_frag[Cfg::kQInRegisters ? kDimQK / 16 : 1][4];
+  // Q's A fragment of head-dim columns 16 kt.. in the order an e4m3 cache's widened K pairs
+  // take them: ldmatrix gives a lane bytes 4t..4t+3 of a key row (t = lane % 4), which widen
+  // to the pairs of k-slots 2t and 2t + 8, so those slots of Q hold its columns 4t, 4t + 1 and
+  // 4t + 2, 4t + 3 (a permutation of the reduction, the same on both sides).
+  auto load_q_e4m3_order = [&](uint32_t(&a)[4], int kt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint2 x = *reinterpret_cast<const uint2*>(
+          smem + QTile::offset(lane / 4 + 8 * h, 2 * kt + (lane % 4) / 2) + 8 * (lane % 2));
+      a[h] = e4m3::scale_query_pair<Element>(x.x);
+      a[2 + h] = e4m3::scale_query_pair<Element>(x.y);
+    }
+  };
 
   for (int it = 0; it < n_steps; ++it) {
     const int n_block = tile_of(it);
@@ -438,7 +499,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
       if (it == 0) {
 #pragma unroll
         for (int kt = 0; kt < kDimQK / 16; ++kt) {
-          sm80::ldmatrix_x4(q_frag[kt], s_q + QTile::step(q_lane, 0, kt));
+          if constexpr (Cfg::kE4m3Cache) {
+            load_q_e4m3_order(q_frag[kt], kt);
+          } else {
+            sm80::ldmatrix_x4(q_frag[kt], s_q + QTile::step(q_lane, 0, kt));
+          }
         }
       }
     }
@@ -451,21 +516,50 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
       for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
     }
     const uint32_t s_k_stage = s_k + stage * KTile::kBytes;
+    if constexpr (Cfg::kE4m3Cache) {
+      // One ldmatrix: keys 0-7 and 8-15 of a group at head-dim columns 32 kc.. (b[0], b[1])
+      // and 32 kc + 16.. (b[2], b[3]); each word widens to the B fragment of one n8 tile.
 #pragma unroll
-    for (int kt = 0; kt < kDimQK / 16; ++kt) {
-      uint32_t a[4];
-      if constexpr (Cfg::kQInRegisters) {
+      for (int kc = 0; kc < kDimQK / 32; ++kc) {
+        uint32_t a[2][4];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) a[r] = q_frag[kt][r];
-      } else {
-        sm80::ldmatrix_x4(a, s_q + QTile::step(q_lane, 0, kt));
+        for (int half = 0; half < 2; ++half) {
+          if constexpr (Cfg::kQInRegisters) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) a[half][r] = q_frag[2 * kc + half][r];
+          } else {
+            load_q_e4m3_order(a[half], 2 * kc + half);
+          }
+        }
+#pragma unroll
+        for (int g = 0; g < kWarpKeyGroups; ++g) {
+          uint32_t b[4];
+          sm80::ldmatrix_x4(b, s_k_stage + KTile::step(k_lane, warp_group0 + g, kc));
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            sm80::mma_16816<Element>(s[2 * g + i % 2], a[i / 2],
+                                     e4m3::widen_pair<Element, e4m3::kBytes01>(b[i]),
+                                     e4m3::widen_pair<Element, e4m3::kBytes23>(b[i]));
+          }
+        }
       }
+    } else {
 #pragma unroll
-      for (int g = 0; g < kWarpKeyGroups; ++g) {
-        uint32_t b[4];
-        sm80::ldmatrix_x4(b, s_k_stage + KTile::step(k_lane, warp_group0 + g, kt));
-        sm80::mma_16816<Element>(s[2 * g], a, b[0], b[1]);
-        sm80::mma_16816<Element>(s[2 * g + 1], a, b[2], b[3]);
+      for (int kt = 0; kt < kDimQK / 16; ++kt) {
+        uint32_t a[4];
+        if constexpr (Cfg::kQInRegisters) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a[r] = q_frag[kt][r];
+        } else {
+          sm80::ldmatrix_x4(a, s_q + QTile::step(q_lane, 0, kt));
+        }
+#pragma unroll
+        for (int g = 0; g < kWarpKeyGroups; ++g) {
+          uint32_t b[4];
+          sm80::ldmatrix_x4(b, s_k_stage + KTile::step(k_lane, warp_group0 + g, kt));
+          sm80::mma_16816<Element>(s[2 * g], a, b[0], b[1]);
+          sm80::mma_16816<Element>(s[2 * g + 1], a, b[2], b[3]);
+        }
       }
     }
 
@@ -477,7 +571,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float x = s[nt][e];
-          x = Cfg::kSoftcap ? p.softcap * sm80::tanh_fast(x * p.softcap_scale) : x * p.scale;
+          x = Cfg::kSoftcap ? p.softcap * sm80::tanh_fast(x * softcap_scale) : x * logit_scale;
           if constexpr (Cfg::kBias == BiasType::kAlibi) {
             const int col = col0 + nt * 8 + e % 2;
             x -= alibi_slope[e / 2] * fabsf(static_cast<float>(token_of[e / 2] + mask.offset - col));
@@ -505,8 +599,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
       m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
       // Nothing visible yet: subtract 0 rather than -inf, so exp2 gives 0 and not NaN.
-      const float m_scaled = m == -INFINITY ? 0.f : m * p.softmax_mul;
-      const float correction = sm80::fast_exp2(row_max[h] * p.softmax_mul - m_scaled);
+      const float m_scaled = m == -INFINITY ? 0.f : m * softmax_mul;
+      const float correction = sm80::fast_exp2(row_max[h] * softmax_mul - m_scaled);
+      const float p_offset = Cfg::kE4m3Cache ? m_scaled - kPLog2Scale : m_scaled;
       row_max[h] = m;
       row_sum[h] *= correction;
 #pragma unroll
@@ -518,7 +613,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
       for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          s[nt][e] = sm80::fast_exp2(s[nt][e] * p.softmax_mul - m_scaled);
+          s[nt][e] = sm80::fast_exp2(s[nt][e] * softmax_mul - p_offset);
           row_sum[h] += s[nt][e];
         }
       }
@@ -533,12 +628,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
       a[1] = sm80::pack2<Element>(s[2 * g][2], s[2 * g][3]);
       a[2] = sm80::pack2<Element>(s[2 * g + 1][0], s[2 * g + 1][1]);
       a[3] = sm80::pack2<Element>(s[2 * g + 1][2], s[2 * g + 1][3]);
+      if constexpr (Cfg::kE4m3Cache) {
+        // Keys 0-7 and 8-15 at head-dim columns 32 dc.. (b[0], b[1]) and 32 dc + 16.. (b[2],
+        // b[3]), transposed: a lane's word holds keys 2t, 2t + 1 at columns 2c, 2c + 1 (c =
+        // lane / 4), so its bytes 0, 2 are the B pair of column 2c and 1, 3 of 2c + 1. O's n8
+        // tile 2j takes the even columns of 16-column block j, 2j + 1 the odd ones.
 #pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        uint32_t b[4];
-        sm80::ldmatrix_x4_trans(b, s_v_stage + VTile::step(v_lane, warp_group0 + g, dp));
-        sm80::mma_16816<Element>(o_acc[2 * dp], a, b[0], b[1]);
-        sm80::mma_16816<Element>(o_acc[2 * dp + 1], a, b[2], b[3]);
+        for (int dc = 0; dc < kDimV / 32; ++dc) {
+          uint32_t b[4];
+          sm80::ldmatrix_x4_trans(b, s_v_stage + VTile::step(v_lane, warp_group0 + g, dc));
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            sm80::mma_16816<Element>(o_acc[4 * dc + 2 * j], a,
+                                     e4m3::widen_pair<Element, e4m3::kBytes02>(b[2 * j]),
+                                     e4m3::widen_pair<Element, e4m3::kBytes02>(b[2 * j + 1]));
+            sm80::mma_16816<Element>(o_acc[4 * dc + 2 * j + 1], a,
+                                     e4m3::widen_pair<Element, e4m3::kBytes13>(b[2 * j]),
+                                     e4m3::widen_pair<Element, e4m3::kBytes13>(b[2 * j + 1]));
+          }
+        }
+      } else {
+#pragma unroll
+        for (int dp = 0; dp < kDTiles / 2; ++dp) {
+          uint32_t b[4];
+          sm80::ldmatrix_x4_trans(b, s_v_stage + VTile::step(v_lane, warp_group0 + g, dp));
+          sm80::mma_16816<Element>(o_acc[2 * dp], a, b[0], b[1]);
+          sm80::mma_16816<Element>(o_acc[2 * dp + 1], a, b[2], b[3]);
+        }
       }
     }
   }
@@ -557,7 +673,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   constexpr int kWarps = Cfg::kNumWarps;
   // fp32 words per staged row: 16-byte rows for the float4 reads, 4 banks apart.
   constexpr int kOStride = kDimV + 4;
-  float* merge_o = reinterpret_cast<float*>(smem + QTile::kBytes);
+  float* merge_o = reinterpret_cast<float*>(smem + Cfg::kMergeOffset);
   float2* merge_state = reinterpret_cast<float2*>(merge_o + kWarps * kBlockM * kOStride);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -565,14 +681,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
     sum += __shfl_xor_sync(0xffffffff, sum, 1);
     sum += __shfl_xor_sync(0xffffffff, sum, 2);
     const int r = lane / 4 + 8 * h;
-    float* o_row = merge_o + (warp * kBlockM + r) * kOStride + (lane % 4) * 2;
+    if constexpr (Cfg::kE4m3Cache) {
+      // Tiles 2j and 2j + 1 hold columns 16 j + 4t + {0, 2} and {1, 3} (the P V loop).
+      float* o_row = merge_o + (warp * kBlockM + r) * kOStride + (lane % 4) * 4;
 #pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt) {
-      *reinterpret_cast<float2*>(o_row + dt * 8) =
-          make_float2(o_acc[dt][2 * h], o_acc[dt][2 * h + 1]);
+      for (int j = 0; j < kDTiles / 2; ++j) {
+        *reinterpret_cast<float4*>(o_row + j * 16) =
+            make_float4(o_acc[2 * j][2 * h], o_acc[2 * j + 1][2 * h], o_acc[2 * j][2 * h + 1],
+                        o_acc[2 * j + 1][2 * h + 1]);
+      }
+    } else {
+      float* o_row = merge_o + (warp * kBlockM + r) * kOStride + (lane % 4) * 2;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        *reinterpret_cast<float2*>(o_row + dt * 8) =
+            make_float2(o_acc[dt][2 * h], o_acc[dt][2 * h + 1]);
+      }
     }
-    // The max in exp2's units (0 where nothing was visible, as the loop subtracted).
-    const float m_scaled = row_max[h] == -INFINITY ? 0.f : row_max[h] * p.softmax_mul;
+    // The max in exp2's units (0 where nothing was visible, as the loop subtracted), less
+    // P's scale, which the sum carries.
+    const float m_scaled =
+        (row_max[h] == -INFINITY ? 0.f : row_max[h] * softmax_mul) - kPLog2Scale;
     if (lane % 4 == 0) merge_state[warp * kBlockM + r] = make_float2(m_scaled, sum);
   }
   __syncthreads();
@@ -603,8 +732,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
       sum += isnan(state[w].y) ? NAN : weight[w] * state[w].y;
     }
     const float inv = sum > 0.f ? 1.f / sum : isnan(sum) ? NAN : 0.f;
+    const float out_inv = Cfg::kE4m3Cache ? inv * out_scale : inv;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) weight[w] *= inv;
+    for (int w = 0; w < kWarps; ++w) weight[w] *= out_inv;
     const float lse = sum > 0.f    ? (m + log2f(sum)) * static_cast<float>(M_LN2)
                       : sum == 0.f ? -INFINITY
                                    : NAN;
