@@ -331,6 +331,23 @@ def gather_cache(cache: torch.Tensor, batch: int, *, block_table=None,
     return cache[rows.to(cache.device)]
 
 
+def rotated_for_append(q, k, lengths, capacity, rotary_cos, rotary_sin, interleaved, causal,
+                       window_size):
+    """(q, k) of a call that appends k, rotated as fmha.fwd_kvcache rotates them (unchanged
+    without rotary tables): new token i of sequence b at cache_seqlens[b] + i, query token i
+    there too under a mask and at cache_seqlens[b] without one."""
+    if rotary_cos is None:
+        return q, k
+    batch, seqlen_q = q.shape[:2]
+    positions = (lengths[:, None] + torch.arange(k.shape[1])).clamp(max=capacity - 1)
+    k = rotary(k, rotary_cos, rotary_sin, positions.to(k.device), interleaved)
+    masked = causal or tuple(window_size) != (-1, -1)
+    q_positions = lengths[:, None] + (torch.arange(seqlen_q) if masked else 0)
+    q = rotary(q, rotary_cos, rotary_sin, q_positions.expand(batch, seqlen_q).to(q.device),
+               interleaved)
+    return q, k
+
+
 def kvcache_reference(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
                       cache_batch_idx=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
                       rotary_interleaved=False, causal=False, window_size=(-1, -1),
@@ -342,7 +359,7 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
     (from key cache_leftpad[b] on when given), aligned bottom-right, with q rotated at
     cache_seqlens + i under a mask and at cache_seqlens without one; compute_dtype as there."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    batch, seqlen_q = q.shape[:2]
+    batch = q.shape[0]
     lengths = cache_seqlens.long().cpu()
     seqlen_new = 0 if k is None else k.shape[1]
     keys = gather_cache(k_cache, batch, block_table=block_table, cache_batch_idx=cache_batch_idx)
@@ -350,13 +367,8 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
                           cache_batch_idx=cache_batch_idx)
     capacity = keys.shape[1]
     if k is not None:
-        if rotary_cos is not None:
-            positions = (lengths[:, None] + torch.arange(seqlen_new)).clamp(max=capacity - 1)
-            k = rotary(k, rotary_cos, rotary_sin, positions.to(k.device), rotary_interleaved)
-            masked = causal or tuple(window_size) != (-1, -1)
-            q_positions = lengths[:, None] + (torch.arange(seqlen_q) if masked else 0)
-            q = rotary(q, rotary_cos, rotary_sin,
-                       q_positions.expand(batch, seqlen_q).to(q.device), rotary_interleaved)
+        q, k = rotated_for_append(q, k, lengths, capacity, rotary_cos, rotary_sin,
+                                  rotary_interleaved, causal, window_size)
         for b in range(batch):
             n = max(0, min(seqlen_new, capacity - int(lengths[b])))
             keys[b, lengths[b]:lengths[b] + n] = k[b, :n]
@@ -386,6 +398,72 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
         q, keys, values, causal=causal, window_size=window_size, mask_align="bottom_right",
         alibi_slopes=alibi_slopes, softcap=softcap, softmax_scale=softmax_scale,
         seqused_k=used.to(q.device), compute_dtype=compute_dtype)
+    return out, lse, k_cache, v_cache
+
+
+# An e4m3 KV cache (KvCacheDtype::kE4M3): elements of torch.float8_e4m3fn, a key being
+# k_cache[..] * k_scale[b, h] for sequence b and K/V head h.
+E4M3_MAX = 448.0
+
+
+def e4m3_scales(scale: torch.Tensor, batch: int, nhead_k: int) -> torch.Tensor:
+    """A k_scale/v_scale as fmha.fwd_kvcache takes it (shape (), (1,), (nhead_k,) or
+    (batch, nhead_k)) as the (batch, nhead_k) float32 table it stands for."""
+    scale = scale.float()
+    return scale if scale.dim() == 2 else scale.reshape(1, -1).expand(batch, nhead_k)
+
+
+def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (batch, seqlen, nhead_k, d) as an e4m3 cache stores it with (batch, nhead_k) scales:
+    divided in float32, saturated to +-448, rounded to nearest even (the append kernel's
+    arithmetic, e4m3_cache.cuh)."""
+    quotient = x.float() / scale[:, None, :, None].float()
+    return quotient.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def kvcache_reference_e4m3(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, k_scale,
+                           v_scale, block_table=None, cache_batch_idx=None, rotary_cos=None,
+                           rotary_sin=None, rotary_interleaved=False, causal=False,
+                           window_size=(-1, -1), compute_dtype=torch.float64, **kwargs):
+    """kvcache_reference() of e4m3 caches (k_scale, v_scale as fmha.fwd_kvcache takes them):
+    returns (out, lse, k_cache, v_cache), the caches as e4m3 tensors as the call leaves them
+    (k rotated in the input dtype, then quantized with its sequence's and head's scale). The
+    attention is kvcache_reference()'s over the dequantized caches in compute_dtype: the
+    float64 truth, or the yardstick of the input precision (dequantized keys rounded to it)."""
+    batch, nhead_k = q.shape[0], k_cache.shape[2]
+    k_scales = e4m3_scales(k_scale, batch, nhead_k).cpu()
+    v_scales = e4m3_scales(v_scale, batch, nhead_k).cpu()
+    lengths = cache_seqlens.long().cpu()
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    appended = 0
+    if k is not None:
+        q, k = rotated_for_append(q, k, lengths, capacity, rotary_cos, rotary_sin,
+                                  rotary_interleaved, causal, window_size)
+        k8 = quantize_e4m3(k, k_scales.to(k.device))
+        v8 = quantize_e4m3(v, v_scales.to(v.device))
+        rows = torch.arange(batch) if cache_batch_idx is None else cache_batch_idx.long().cpu()
+        for b in range(batch):
+            n = max(0, min(k.shape[1], capacity - int(lengths[b])))
+            for t in range(int(lengths[b]), int(lengths[b]) + n):
+                if block_table is not None:
+                    at = (int(block_table[b, t // k_cache.shape[1]]), t % k_cache.shape[1])
+                else:
+                    at = (int(rows[b]), t)
+                k_cache[at] = k8[b, t - int(lengths[b])]
+                v_cache[at] = v8[b, t - int(lengths[b])]
+        appended = k.shape[1]
+
+    def dequantized(cache, scales):
+        codes = gather_cache(cache, batch, block_table=block_table,
+                             cache_batch_idx=cache_batch_idx)
+        return codes.double() * scales.double().to(codes.device)[:, None, :, None]
+
+    used = (lengths + appended).clamp(max=capacity)
+    out, lse, _, _ = kvcache_reference(
+        q, dequantized(k_cache, k_scales), dequantized(v_cache, v_scales),
+        cache_seqlens=used.to(torch.int32).to(q.device), causal=causal, window_size=window_size,
+        compute_dtype=compute_dtype, **kwargs)
     return out, lse, k_cache, v_cache
 
 

@@ -8,7 +8,13 @@ tile), and each instance's own mask, ALiBi and soft-cap, and a NaN in the cache 
 exactly the rows it reaches in the reference. Head-dim-padded instances also run head dims
 below their own: a multiple of 8 and one that is not, in place where the rows start on 16-byte
 boundaries and on the copies fwd_kvcache makes where they do not. The cache the call leaves is
-checked too: appended rows as the reference rotates them, every other row untouched."""
+checked too: appended rows as the reference rotates them, every other row untouched.
+
+e4m3 caches (instances of kv_dtype e4m3) run the same cases: codes drawn over e4m3's whole
+exponent range (subnormals included), scales per tensor, per K/V head or per sequence and K/V
+head, appends quantized (and saturated) by the kernel; the truth is the float64 attention of
+the dequantized caches, and the appended codes must be the reference's exactly (within one e4m3
+step where rotary rounds k first)."""
 
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ from typing import Optional
 import pytest
 
 from gpu_support import device_cc, import_fmha, runs_here
-from reference import DTYPES, compare, kvcache_reference, poison_allocator, ulp
+from reference import (DTYPES, compare, kvcache_reference, kvcache_reference_e4m3,
+                       poison_allocator, ulp)
 
 torch, fmha = import_fmha()
 if not hasattr(fmha, "fwd_kvcache"):
@@ -32,6 +39,9 @@ INSTANCES = [i for i in fmha.kvcache_instances() if runs_here(i, CC)]
 # The decode instances run every call; the prefill ones chunks of at least block_m tokens.
 DECODE_INSTANCES = [i for i in INSTANCES if not i["prefill"]]
 PADDED_INSTANCES = [i for i in DECODE_INSTANCES if i["pad_hdim"]]
+# Caches of the queries' dtype, where a NaN stays a NaN (an e4m3 NaN code reads as 480 x scale:
+# e4m3_cache.cuh).
+SAME_DTYPE_DECODE_INSTANCES = [i for i in DECODE_INSTANCES if i["kv_dtype"] == "same"]
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,24 @@ def _operand(randn, layout: str, *shape):
     return randn(*shape)
 
 
+def _e4m3_codes(gen: torch.Generator):
+    """A maker of e4m3 tensors whose codes span the format's exponents, subnormals to 448."""
+    def codes(*shape):
+        exponents = torch.randint(-9, 7, shape, generator=gen, device="cuda").float()
+        x = torch.randn(*shape, generator=gen, device="cuda") * exponents.exp2()
+        return x.clamp(-448, 448).to(torch.float8_e4m3fn)
+    return codes
+
+
+def _e4m3_scales(case: Case, gen: torch.Generator) -> tuple:
+    """k_scale and v_scale, per tensor, per K/V head or per sequence and K/V head (as the
+    generator draws), small enough that some appended values saturate at 448."""
+    shape = ((), (case.nhead_k,), (case.batch, case.nhead_k))[
+        int(torch.randint(3, (1,), generator=gen, device="cuda"))]
+    return tuple(0.003 + 0.03 * torch.rand(shape, generator=gen, device="cuda")
+                 for _ in range(2))
+
+
 def _inputs(inst: dict, case: Case, gen: torch.Generator):
     dtype = DTYPES[inst["dtype"]]
     d, dv = case.head_dims or (inst["hdim_q"], inst["hdim_v"])
@@ -148,20 +176,22 @@ def _inputs(inst: dict, case: Case, gen: torch.Generator):
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=dev).to(dtype)
 
+    cached = _e4m3_codes(gen) if inst["kv_dtype"] == "e4m3" else randn
+
     b, hk = case.batch, case.nhead_k
     kw = {}
     if inst["paged"]:
         pages_per_seq = math.ceil(case.capacity / case.page_size)
         num_pages = b * pages_per_seq + 3  # spare pages no sequence owns
-        k_cache = _cache_tensor(randn, case.cache_layout, num_pages, case.page_size, hk, d)
-        v_cache = _cache_tensor(randn, case.cache_layout, num_pages, case.page_size, hk, dv)
+        k_cache = _cache_tensor(cached, case.cache_layout, num_pages, case.page_size, hk, d)
+        v_cache = _cache_tensor(cached, case.cache_layout, num_pages, case.page_size, hk, dv)
         order = torch.randperm(num_pages, generator=gen, device=dev)[:b * pages_per_seq]
         kw["block_table"] = order.view(b, pages_per_seq).to(torch.int32)
         capacity = pages_per_seq * case.page_size
     else:
         rows = b + 2 if case.batch_idx else b
-        k_cache = _cache_tensor(randn, case.cache_layout, rows, case.capacity, hk, d)
-        v_cache = _cache_tensor(randn, case.cache_layout, rows, case.capacity, hk, dv)
+        k_cache = _cache_tensor(cached, case.cache_layout, rows, case.capacity, hk, d)
+        v_cache = _cache_tensor(cached, case.cache_layout, rows, case.capacity, hk, dv)
         if case.batch_idx:
             kw["cache_batch_idx"] = torch.randperm(rows, generator=gen, device=dev)[:b].to(
                 torch.int32)
@@ -186,19 +216,38 @@ def _inputs(inst: dict, case: Case, gen: torch.Generator):
         kw["alibi_slopes"] = torch.rand(case.nhead_q, generator=gen, device=dev) * 0.3
     if inst["softcap"]:
         kw["softcap"] = SOFTCAP
+    if inst["kv_dtype"] == "e4m3":
+        kw["k_scale"], kw["v_scale"] = _e4m3_scales(case, gen)
     return q, k_cache, v_cache, kw
+
+
+def _check_cache_e4m3(name: str, got, want, before, rotated: bool, what: str):
+    """An e4m3 cache as the call leaves it: codes outside the append untouched, appended codes
+    the reference's (one e4m3 step apart at most where k was rotated: the kernel's fp32
+    rotation and the reference's float64 one may round to neighbouring 16-bit values)."""
+    g, w, b = (t.view(torch.uint8) for t in (got, want, before))
+    changed = (w != b).any(-1, keepdim=True).expand_as(w)
+    assert torch.equal(g[~changed], w[~changed]), f"{what}: {name} rows outside the append moved"
+    if not rotated:
+        assert torch.equal(g[changed], w[changed]), f"{what}: {name} appended codes differ"
+        return
+    gv, wv = got.float()[changed], want.float()[changed]
+    step = (wv.abs().clamp(min=2.0 ** -6).log2().floor() - 3).exp2()
+    assert ((gv - wv).abs() <= step).all(), f"{what}: {name} appended codes off by more than a step"
 
 
 def _check(inst: dict, case: Case, instance: Optional[str], seed: int):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k_cache, v_cache, kw = _inputs(inst, case, gen)
     dtype = q.dtype
+    e4m3 = inst["kv_dtype"] == "e4m3"
+    reference = kvcache_reference_e4m3 if e4m3 else kvcache_reference
     before_k, before_v = k_cache.clone(), v_cache.clone()
     new = {name: kw.pop(name) for name in ("k", "v") if name in kw}
-    truth, truth_lse, want_k, want_v = kvcache_reference(
+    truth, truth_lse, want_k, want_v = reference(
         q, before_k, before_v, new.get("k"), new.get("v"), **kw)
-    lowp, _, _, _ = kvcache_reference(q, before_k, before_v, new.get("k"), new.get("v"), **kw,
-                                      compute_dtype=dtype)
+    lowp, _, _, _ = reference(q, before_k, before_v, new.get("k"), new.get("v"), **kw,
+                              compute_dtype=dtype)
     dv = v_cache.shape[-1]
     out_shape = (case.batch, case.seqlen_q, case.nhead_q, dv + -dv % 8)  # rows 16 bytes apart
     poison_allocator([(out_shape, dtype), ((case.batch, case.nhead_q, case.seqlen_q),
@@ -212,12 +261,18 @@ def _check(inst: dict, case: Case, instance: Optional[str], seed: int):
     # Copies of the caches are what a serving loop must hear of; caches whose rows start 16
     # bytes apart run in place.
     copied = any("copies them" in str(w.message) for w in warned)
-    in_place = all(t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
+    piece = 16 // k_cache.element_size()  # elements of a 16-byte piece
+    in_place = all(t.stride(-1) == 1 and all(s % piece == 0 for s in t.stride()[:-1])
                    for t in (k_cache, v_cache))
     assert copied != in_place, f"caches in place: {in_place}, warned of copies: {copied}"
     assert out.shape == truth.shape, (out.shape, truth.shape)
     what = f"{instance or 'dispatcher'} [{case.describe()}]"
     compare(out, truth, lowp, dtype=dtype, lse=lse, ref_lse=truth_lse, what=what)
+    if e4m3:
+        rotated = case.rotary is not None and case.seqlen_new > 0
+        _check_cache_e4m3("k_cache", k_cache, want_k, before_k, rotated, what)
+        _check_cache_e4m3("v_cache", v_cache, want_v, before_v, False, what)
+        return
     # The cache: appended rows within one rounding of the reference's (the kernel rotates in
     # fp32, the reference in float64, each rounding once), every other row bitwise untouched.
     for name, got, want in (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)):
@@ -286,7 +341,7 @@ def test_padded_head_dims(inst, case_index, which, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("poisoned", ["k", "v"])
-@pytest.mark.parametrize("inst", DECODE_INSTANCES, ids=lambda i: i["name"])
+@pytest.mark.parametrize("inst", SAME_DTYPE_DECODE_INSTANCES, ids=lambda i: i["name"])
 def test_nan_in_the_cache_stays_in_its_rows(inst, poisoned):
     """A NaN in one cached key (or value) of one sequence and K/V head makes NaN exactly the
     output rows the float64 reference makes NaN (the query heads of that K/V head, and their
@@ -333,8 +388,8 @@ def test_prefill_dispatch():
     """The dispatcher runs a chunk on a prefill instance where one fits, a decode step on a
     decode instance, and a prefill instance named for a decode step says why it cannot."""
     traits = ("dtype", "hdim_q", "mask", "bias", "paged", "softcap", "arch")
-    pairs = [(p, d) for p in INSTANCES if p["prefill"] and p["paged"] for d in DECODE_INSTANCES
-             if all(p[t] == d[t] for t in traits)]
+    pairs = [(p, d) for p in INSTANCES if p["prefill"] and p["paged"]
+             for d in SAME_DTYPE_DECODE_INSTANCES if all(p[t] == d[t] for t in traits)]
     if not pairs:
         pytest.skip("no prefill instance with a decode instance of its traits runs on this GPU")
     inst, decode = pairs[0]
@@ -368,11 +423,15 @@ def test_dispatcher_and_explain():
 
 
 @pytest.mark.gpu
-def test_graph_replay_with_new_lengths():
-    """A decode step captured in a CUDA graph replays with new lengths and tokens in place."""
-    if not DECODE_INSTANCES:
-        pytest.skip("no decode kvcache instance runs on this GPU")
-    inst = next((i for i in DECODE_INSTANCES if i["mask"] == "causal"), DECODE_INSTANCES[0])
+@pytest.mark.parametrize("kv_dtype", ["same", "e4m3"])
+def test_graph_replay_with_new_lengths(kv_dtype):
+    """A decode step captured in a CUDA graph replays with new lengths and tokens in place
+    (and an e4m3 cache with new scales)."""
+    instances = [i for i in DECODE_INSTANCES if i["kv_dtype"] == kv_dtype]
+    if not instances:
+        pytest.skip(f"no decode kvcache instance of kv_dtype {kv_dtype} runs on this GPU")
+    inst = next((i for i in instances if i["mask"] == "causal"), instances[0])
+    reference = kvcache_reference_e4m3 if kv_dtype == "e4m3" else kvcache_reference
     case = Case(2, 1, 8, 2, 512, (100, 7), seqlen_new=1, rotary="neox", page_size=16)
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k_cache, v_cache, kw = _inputs(inst, case, gen)
@@ -388,10 +447,13 @@ def test_graph_replay_with_new_lengths():
         q.copy_(torch.randn(q.shape, generator=gen, device="cuda"))
         k_new.copy_(torch.randn(k_new.shape, generator=gen, device="cuda"))
         kw["cache_seqlens"].copy_(torch.tensor(lengths, dtype=torch.int32))
+        if kv_dtype == "e4m3":
+            for name in ("k_scale", "v_scale"):
+                kw[name].uniform_(0.003, 0.03, generator=gen)
         before_k, before_v = k_cache.clone(), v_cache.clone()
-        truth, _, _, _ = kvcache_reference(q, before_k, before_v, k_new, v_new, **kw)
-        lowp, _, _, _ = kvcache_reference(q, before_k, before_v, k_new, v_new, **kw,
-                                          compute_dtype=q.dtype)
+        truth, _, _, _ = reference(q, before_k, before_v, k_new, v_new, **kw)
+        lowp, _, _, _ = reference(q, before_k, before_v, k_new, v_new, **kw,
+                                  compute_dtype=q.dtype)
         graph.replay()
         torch.cuda.synchronize()
         compare(out, truth, lowp, dtype=q.dtype, what=f"graph replay {step} {lengths}")

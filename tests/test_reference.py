@@ -1170,3 +1170,61 @@ def _appended(v, kw):
     for b, n in enumerate(kw["cache_seqlens"].tolist()):
         out[b, n:n + 2] = kw["v"][b]
     return out
+
+
+# ---- the e4m3 KV-cache reference -------------------------------------------------------------
+
+def test_quantize_e4m3_rounds_to_nearest_even_and_saturates():
+    scale = torch.tensor([[2.0]])
+    x = torch.tensor([1.0, 1.125 * 2 * 1.0, 2.0 * 1.0625, 1000.0, -1000.0, 0.0, 2.0 * 2 ** -9])
+    codes = R.quantize_e4m3(x.view(1, -1, 1, 1), scale).float().flatten()
+    # 0.5, 1.125 (exact), 1.0625 halfway between 1 and 1.125: even mantissa 1.0, saturated
+    # +-448, zero, and the smallest subnormal 2^-9.
+    assert codes.tolist() == [0.5, 1.125, 1.0, 448.0, -448.0, 0.0, 2.0 ** -9]
+
+
+def test_e4m3_scales_of_every_accepted_shape():
+    per_tensor, per_head = torch.tensor(0.5), torch.tensor([1.0, 2.0])
+    table = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    assert torch.equal(R.e4m3_scales(per_tensor, 3, 2), torch.full((3, 2), 0.5))
+    assert torch.equal(R.e4m3_scales(per_tensor.view(1), 3, 2), torch.full((3, 2), 0.5))
+    assert torch.equal(R.e4m3_scales(per_head, 3, 2), per_head.expand(3, 2))
+    assert torch.equal(R.e4m3_scales(table, 3, 2), table)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_e4m3_reference_is_the_16_bit_one_on_dequantized_caches(paged):
+    """Appending to e4m3 caches with per-(sequence, head) scales writes the quantized tokens
+    where the 16-bit reference writes them, and attends as the 16-bit reference does over the
+    caches dequantized (float64) and the appended tokens quantized and dequantized."""
+    gen = torch.Generator().manual_seed(0)
+    batch, hk, d, capacity, page = 2, 2, 16, 32, 8
+    scale_k = 0.01 + torch.rand(batch, hk, generator=gen) * 0.02
+    scale_v = 0.01 + torch.rand(hk, generator=gen) * 0.02
+    rows = batch * capacity // page if paged else batch
+    keys_per_row = page if paged else capacity
+    k8 = (torch.randn(rows, keys_per_row, hk, d, generator=gen) * 30).to(torch.float8_e4m3fn)
+    v8 = (torch.randn(rows, keys_per_row, hk, d, generator=gen) * 30).to(torch.float8_e4m3fn)
+    kw = dict(cache_seqlens=torch.tensor([5, 20], dtype=torch.int32), causal=True)
+    if paged:
+        kw["block_table"] = torch.randperm(rows, generator=gen).view(batch, -1).int()
+    q = torch.randn(batch, 3, 4, d, generator=gen).bfloat16()
+    k_new = torch.randn(batch, 3, hk, d, generator=gen).bfloat16()
+    v_new = torch.randn(batch, 3, hk, d, generator=gen).bfloat16()
+    out, lse, k_after, v_after = R.kvcache_reference_e4m3(
+        q, k8, v8, k_new, v_new, k_scale=scale_k, v_scale=scale_v, **kw)
+
+    k_table, v_table = scale_k, R.e4m3_scales(scale_v, batch, hk)
+    k_dq = R.quantize_e4m3(k_new, k_table).double() * k_table.double()[:, None, :, None]
+    v_dq = R.quantize_e4m3(v_new, v_table).double() * v_table.double()[:, None, :, None]
+    caches = []
+    for cache, table in ((k8, k_table), (v8, v_table)):
+        gathered = R.gather_cache(cache, batch, block_table=kw.get("block_table"))
+        caches.append(gathered.double() * table.double()[:, None, :, None])
+    want, want_lse, k_written, _ = R.kvcache_reference(
+        q, caches[0], caches[1], k_dq, v_dq, cache_seqlens=kw["cache_seqlens"], causal=True)
+    assert torch.allclose(out, want) and torch.allclose(lse, want_lse)
+    k_codes = R.gather_cache(k_after, batch, block_table=kw.get("block_table"))
+    assert torch.equal(k_codes.double() * k_table.double()[:, None, :, None], k_written)
+    assert torch.equal(R.gather_cache(v_after, batch, block_table=kw.get("block_table"))[0, :5],
+                       R.gather_cache(v8, batch, block_table=kw.get("block_table"))[0, :5])
