@@ -110,6 +110,9 @@ def parse_args(argv):
     p.add_argument("--gqa", type=csv(int), default=[8, 4],
                    help="with --decode: query heads per K/V head")
     p.add_argument("--kv-heads", type=int, default=8, help="with --decode: K/V heads")
+    p.add_argument("--kv-dtypes", type=csv(str), default=["same"],
+                   help="with --decode: the caches' dtypes, 'same' (the queries') and 'e4m3' "
+                        "(float8, per-head scales)")
     p.add_argument("--pages", type=csv(int), default=[16, 64, 256],
                    help="with --decode: page sizes of the paged caches (0: none)")
     p.add_argument("--prefill", action="store_true",
@@ -149,6 +152,9 @@ def parse_args(argv):
     unknown = set(args.dtypes) - set(DTYPES)
     if unknown:
         p.error(f"unknown dtype {sorted(unknown)}; valid: {', '.join(DTYPES)}")
+    unknown = set(args.kv_dtypes) - {"same", "e4m3"}
+    if unknown:
+        p.error(f"unknown --kv-dtypes {sorted(unknown)}; valid: same, e4m3")
     if args.deterministic and not args.bwd:
         p.error("--deterministic times the backward: give --bwd too")
     if args.generate and (args.new_tokens < 2 or args.hidden % args.model_head_dim):

@@ -13,9 +13,12 @@ smaller than the GPU's L2 (50 MB on an H100; batch 1 x 8k keys at d128 with 8 K/
 copy bandwidth measured in the same run (torch's copy_ of a 1 GiB buffer, counting the bytes
 read and written). fmha runs a contiguous cache and paged caches (--pages); SDPA has no paged
 cache and runs the contiguous one, (b, h, 1, d) against (b, h_k, L, d) with enable_gqa, with
-each backend that accepts it (the best one's time is the row's sdpa column). Host time per
-call is measured apart, eagerly, on the smallest shape (fmha.timing's host_us), for fmha and
-for SDPA's default choice.
+each backend that accepts it (the best one's time is the row's sdpa column). With
+--kv-dtypes same,e4m3 fmha also runs float8 e4m3 caches (per-head scales) of the same shapes,
+contiguous and paged, in the same interleaved rounds: their GB/s count one byte an element,
+and the `e4m3 x` column is the contiguous e4m3 step's speed over the 16-bit one's (time over
+time). Host time per call is measured apart, eagerly, on the smallest shape (fmha.timing's
+host_us), for fmha and for SDPA's default choice.
 """
 
 import math
@@ -46,15 +49,15 @@ def copy_bandwidth_gbs(args) -> float:
 
 
 def _cache(batch, cache_len, nhead_k, d, dtype, page_size):
-    """(k_cache, v_cache, block_table) of full caches: contiguous without page_size, else pages
-    in shuffled order (a real allocator's pages are anywhere)."""
+    """(k_cache, v_cache, block_table) of full caches of `dtype` (float8_e4m3fn: codes of
+    randn * 32): contiguous without page_size, else pages in shuffled order (a real
+    allocator's pages are anywhere)."""
+    shape = (batch, cache_len) if not page_size else (batch * (cache_len // page_size), page_size)
+    k, v = (torch.randn(*shape, nhead_k, d, device="cuda").mul_(32).to(dtype) for _ in range(2))
     if not page_size:
-        k = torch.randn(batch, cache_len, nhead_k, d, device="cuda", dtype=dtype)
-        return k, torch.randn_like(k), None
-    pages = cache_len // page_size
-    k = torch.randn(batch * pages, page_size, nhead_k, d, device="cuda", dtype=dtype)
-    table = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
-    return k, torch.randn_like(k), table
+        return k, v, None
+    table = torch.randperm(shape[0], device="cuda").view(batch, -1).to(torch.int32)
+    return k, v, table
 
 
 def _sdpa_calls(row, q, caches):
@@ -82,33 +85,47 @@ def run_decode_case(dtype, d, nhead_q, nhead_k, batch, cache_len, args):
     q = torch.randn(batch, 1, nhead_q, d, device="cuda", dtype=dtype)
     lengths = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
     calls = {}
-    # Every layout's caches are alive while the row's calls take turns: past ~80% of the free
-    # memory (b64 x 128k keys is 34 GB a layout at d128) the row keeps the contiguous one.
+    bytes_moved = {}  # per call: its caches and q and out
     element = torch.finfo(dtype).bits // 8
-    cache_bytes = 2 * element * batch * cache_len * nhead_k * d
-    copies = copies_beyond_l2(cache_bytes)
-    row["cache_copies"] = copies
-    layouts = [0, *[p for p in args.pages if p]]
-    if copies * cache_bytes * len(layouts) > 0.8 * torch.cuda.mem_get_info()[0]:
-        row["paged_skipped"] = "memory"
-        layouts = [0]
-    for page_size in layouts:
-        if page_size and cache_len % page_size:
-            continue
-        caches = [_cache(batch, cache_len, nhead_k, d, dtype, page_size) for _ in range(copies)]
-        name = f"fmha_paged{page_size}" if page_size else "fmha"
-        try:
-            steps = [lambda k_cache=k_cache, v_cache=v_cache, table=table: fmha.fwd_kvcache(
-                q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
-                for k_cache, v_cache, table in caches]
-            steps[0]()
-            calls[name] = rotating(steps)
-            if not page_size:
-                row["instance"] = fmha.select_kvcache(q, caches[0][0], caches[0][1],
-                                                      cache_seqlens=lengths)["name"]
-                calls.update(_sdpa_calls(row, q, [(k, v) for k, v, _ in caches]))
-        except ValueError as err:  # not in this build
-            row[f"{name}_error"] = str(err).splitlines()[0]
+    for kv_dtype in getattr(args, "kv_dtypes", ["same"]):
+        e4m3 = kv_dtype == "e4m3"
+        cache_dtype = torch.float8_e4m3fn if e4m3 else dtype
+        cache_bytes = 2 * (1 if e4m3 else element) * batch * cache_len * nhead_k * d
+        copies = copies_beyond_l2(cache_bytes)
+        row["e4m3_cache_copies" if e4m3 else "cache_copies"] = copies
+        # Every layout's caches are alive while the row's calls take turns: past ~80% of the
+        # free memory (b64 x 128k keys is 34 GB a layout at d128, bf16) the row keeps the
+        # contiguous one.
+        layouts = [0, *[p for p in args.pages if p]]
+        if copies * cache_bytes * len(layouts) > 0.8 * torch.cuda.mem_get_info()[0]:
+            row["paged_skipped"] = "memory"
+            layouts = [0]
+        scales = {}
+        if e4m3:  # per K/V head, as a serving stack's calibration gives them
+            scales = {name: torch.full((nhead_k,), 1 / 32, device="cuda")
+                      for name in ("k_scale", "v_scale")}
+        for page_size in layouts:
+            if page_size and cache_len % page_size:
+                continue
+            caches = [_cache(batch, cache_len, nhead_k, d, cache_dtype, page_size)
+                      for _ in range(copies)]
+            name = "fmha" + ("_e4m3" if e4m3 else "") + (f"_paged{page_size}" if page_size else "")
+            try:
+                steps = [lambda k_cache=k_cache, v_cache=v_cache, table=table: fmha.fwd_kvcache(
+                    q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, **scales)
+                    for k_cache, v_cache, table in caches]
+                steps[0]()
+                calls[name] = rotating(steps)
+                bytes_moved[name] = cache_bytes + 2 * element * batch * nhead_q * d
+                if not page_size and not e4m3:
+                    row["instance"] = fmha.select_kvcache(q, caches[0][0], caches[0][1],
+                                                          cache_seqlens=lengths)["name"]
+                    sdpa = _sdpa_calls(row, q, [(k, v) for k, v, _ in caches])
+                    calls.update(sdpa)
+                    bytes_moved.update({n: bytes_moved[name] for n in sdpa})
+            except ValueError as err:  # not in this build
+                row[f"{name}_error"] = str(err).splitlines()[0]
+    copies = max(row["cache_copies"], row.get("e4m3_cache_copies", 1))
     # Each call replays from a CUDA graph of GRAPH_CALLS calls or more (each copy as often), as
     # a serving loop runs decode: back-to-back eager calls would time the host (about 30 us a
     # call) at small shapes.
@@ -121,9 +138,9 @@ def run_decode_case(dtype, d, nhead_q, nhead_k, batch, cache_len, args):
             row[f"{name}_error"] = "graph capture: " + str(err).splitlines()[0]
     medians = {name: ms / graph_calls for name, ms in interleaved_medians(
         replays, args.warmup_ms, args.repeat_ms, args.rounds).items()}
-    bytes_moved = cache_bytes + 2 * element * batch * nhead_q * d
     for name, ms in medians.items():
-        row[name] = bytes_moved / ms * 1e-6  # GB/s
+        row[name] = bytes_moved[name] / ms * 1e-6  # GB/s
+        row[f"{name}_us"] = ms * 1e3
     sdpa = {n: v for n, v in row.items() if n.startswith("sdpa_") and isinstance(v, float)}
     if sdpa:
         best = max(sdpa, key=sdpa.get)
@@ -152,18 +169,29 @@ def host_costs(dtype, d, args, rounds: int = 5) -> dict:
 
 
 def format_rows(rows, copy_gbs) -> str:
-    columns = ["fmha", *sorted({k for r in rows for k in r if k.startswith("fmha_paged")
-                                and not k.endswith("_error")}), "sdpa"]
-    header = f"{'case':>34} " + " ".join(f"{c:>13}" for c in columns) + \
-        f" {'fmha/copy':>9} {'fmha/sdpa':>9} {'copies':>6}  sdpa backend"
+    fmha_columns = sorted({k for r in rows for k in r if k.startswith("fmha_")
+                           and not k.endswith(("_error", "_us", "_copies"))},
+                          key=lambda c: ("e4m3" in c, len(c), c))
+    columns = ["fmha", *fmha_columns, "sdpa"]
+    e4m3 = any("fmha_e4m3_us" in r for r in rows)
+    widths = [max(13, len(c)) for c in columns]
+    header = f"{'case':>34} " + " ".join(f"{c:>{w}}" for c, w in zip(columns, widths)) + \
+        f" {'fmha/copy':>9} {'fmha/sdpa':>9}" + (f" {'e4m3/copy':>9} {'e4m3 x':>7}" if e4m3
+                                                  else "") + f" {'copies':>6}  sdpa backend"
     lines = [header]
     for r in rows:
         case = f"{r['dtype']} d{r['hdim']} h{r['heads']} b{r['batch']} L{r['cache_len']}"
-        cells = " ".join(f"{r[c]:13.0f}" if isinstance(r.get(c), float) else f"{'-':>13}"
-                         for c in columns)
+        cells = " ".join(f"{r[c]:{w}.0f}" if isinstance(r.get(c), float) else f"{'-':>{w}}"
+                         for c, w in zip(columns, widths))
         fmha_gbs = r.get("fmha")
         of_copy = f"{fmha_gbs / copy_gbs:9.2f}" if fmha_gbs else f"{'-':>9}"
         vs = f"{fmha_gbs / r['sdpa']:8.2f}x" if fmha_gbs and r.get("sdpa") else f"{'-':>9}"
+        if e4m3:
+            e4m3_gbs = r.get("fmha_e4m3")
+            vs += f" {e4m3_gbs / copy_gbs:9.2f}" if e4m3_gbs else f" {'-':>9}"
+            speed = (r["fmha_us"] / r["fmha_e4m3_us"]
+                     if "fmha_us" in r and "fmha_e4m3_us" in r else None)
+            vs += f" {speed:6.2f}x" if speed else f" {'-':>7}"
         lines.append(f"{case:>34} {cells} {of_copy} {vs} {r.get('cache_copies', 1):6d}"
                      f"  {r.get('sdpa_best', '-')}")
     return "\n".join(lines)
