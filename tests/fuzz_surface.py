@@ -8,8 +8,8 @@ one-line description:
   that require grad, then .backward());
 - fmha.select/explain, select_bwd/explain_bwd and select_kvcache/explain_kvcache (with a
   `capability=` keyword, where one of them takes it);
-- fmha.fwd_kvcache on contiguous and paged caches, with appended k/v, rotary embeddings,
-  cache_batch_idx and cache_leftpad;
+- fmha.fwd_kvcache on contiguous and paged caches, of q's dtype or FP8 (e4m3, with k_scale and
+  v_scale), with appended k/v, rotary embeddings, cache_batch_idx and cache_leftpad;
 - fmha.dropout_mask;
 - fmha.integrations.transformers: attention_forward (with a stand-in attention module that has
   is_causal) and padding_mask; fmha.integrations.sdpa: register(), then
@@ -588,7 +588,14 @@ def draw_kvcache(d: Draw, api: str) -> Call:
     # A backward instance has no V layout: that trait is drawn for it.
     trait = lambda key, draw: inst[key] if inst and key in inst else draw()  # noqa: E731
     dtype = INSTANCE_DTYPES[inst["dtype"]] if inst else d.pick(HALF)
-    dq, dv = _head_dims(d, inst)
+    # An FP8 cache (torch.float8_e4m3fn, with k_scale and v_scale): head dims of whole 16-byte
+    # pieces of 16 elements, rows a multiple of 16 apart.
+    e4m3 = trait("kv_dtype", lambda: d.pick(("same",) * 4 + ("e4m3",))) == "e4m3"
+    if e4m3 and inst is None:
+        dq = dv = d.pick((16, 32, 64, 96, 128, 192, 256))
+    else:
+        dq, dv = _head_dims(d, inst)
+    cache_dtype, piece = (torch.float8_e4m3fn, 16) if e4m3 else (dtype, 8)
     mask = trait("mask", lambda: d.weighted({"none": 5, "causal": 4, "window": 2}))
     alibi = trait("bias", lambda: d.pick(("none",) * 8 + ("alibi",))) == "alibi"
     paged = trait("paged", lambda: d.chance(0.45))
@@ -614,10 +621,13 @@ def draw_kvcache(d: Draw, api: str) -> Call:
         cache_shape = (dims.b_cache, capacity, hk)
     dims.capacity = capacity
     cache_layout = d.pick(("contiguous",) * 3 + ("rows",))
-    args["k_cache"] = d.spec((*cache_shape, dq), dtype, layout=cache_layout,
-                             arg=-(-dq // 8) * 8 + 8)
-    args["v_cache"] = d.spec((*cache_shape, dv), dtype, layout=cache_layout,
-                             arg=-(-dv // 8) * 8 + 8)
+    args["k_cache"] = d.spec((*cache_shape, dq), cache_dtype, layout=cache_layout,
+                             arg=-(-dq // piece) * piece + piece)
+    args["v_cache"] = d.spec((*cache_shape, dv), cache_dtype, layout=cache_layout,
+                             arg=-(-dv // piece) * piece + piece)
+    if e4m3:
+        for name in ("k_scale", "v_scale"):
+            args[name] = d.spec(d.pick(((), (1,), (hk,), (b, hk))), torch.float32)
     new = 0 if d.chance(0.5) else d.rng.randint(1, min(16, capacity))
     dims.new = new
     if new:

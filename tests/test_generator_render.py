@@ -895,8 +895,8 @@ def test_an_e4m3_cache_reaches_the_tu_and_the_table(build):
     # The cache's element type is the config's second parameter (the queries' is the first);
     # the row's traits say kE4M3, the manifest e4m3.
     config, catalog = build(KVCACHE_OPERATION, ("kv_dtype: [same]", "kv_dtype: [same, e4m3]"))
-    files = render(select(config, catalog, "default", "kvcache,bf16,hdim64,e4m3,mask=none,paged,sm90a"),
-                   source="config.yaml")
+    files = render(select(config, catalog, "default",
+                          "kvcache,bf16,hdim64,e4m3,mask=none,paged,sm90a"), source="config.yaml")
     name = "kvcache_bf16_kve4m3_d64_paged_fa2_sm90a_m16n64_pad"
     assert sorted(n for n in files if n.endswith(".cu")) == [f"{name}.cu"]
     assert ("    /*Element=*/__nv_bfloat16, /*KvElement=*/__nv_fp8_e4m3, /*kHeadDimQK=*/64, "
@@ -908,8 +908,9 @@ def test_an_e4m3_cache_reaches_the_tu_and_the_table(build):
     (record,) = json.loads(files[MANIFEST])["instances"]
     assert (record["name"], record["dtype"], record["kv_dtype"]) == (name, "bf16", "e4m3")
     # A cache of the queries' dtype takes their element type.
-    same = render(select(config, catalog, "default", "kvcache,fp16,hdim64,kv_dtype=same,sm80,mask=none,"
-                                                     "!paged"), source="config.yaml")
+    same = render(select(config, catalog, "default",
+                         "kvcache,fp16,hdim64,kv_dtype=same,sm80,mask=none,!paged"),
+                  source="config.yaml")
     assert ("/*Element=*/__half, /*KvElement=*/__half,"
             in same["kvcache_fp16_d64_fa2_sm80_m16n64_pad.cu"])
 
@@ -926,9 +927,10 @@ namespace fmha::detail::instances {
 %s
 }  // namespace fmha::detail::instances
 
-fmha::KvcacheArgs call(int hdim, bool paged) {
+fmha::KvcacheArgs call(int hdim, bool paged, bool e4m3 = false) {
   static const int32_t lengths[2] = {};
   fmha::KvcacheArgs a;
+  if (e4m3) a.kv_dtype = fmha::KvCacheDtype::kE4M3;
   a.batch = 2;
   a.seqlen_q = 1;
   a.nhead_q = 8;
@@ -953,7 +955,28 @@ int main() {
   std::cout << fmha::fwd_kvcache(unaligned, nullptr).message << "\\n----\\n";
   fmha::KvcacheArgs both = call(128, true);
   both.cache_batch_idx = both.block_table;
-  std::cout << fmha::fwd_kvcache(both, nullptr).message << "\\n";
+  std::cout << fmha::fwd_kvcache(both, nullptr).message << "\\n----\\n";
+  // An e4m3 cache: a chunk of 512 tokens (fa3 has no e4m3 instance), a head dim no compiled
+  // instance has, one the matrix lacks, a call without scales, one with a cache stride of 8
+  // bytes, one of head dims no multiple of 16; and a cache of the queries' dtype with scales.
+  fmha::KvcacheArgs chunk = call(128, true, true);
+  chunk.seqlen_q = 512;
+  std::cout << fmha::detail::explain_selection(chunk, 90) << "----\\n";
+  std::cout << fmha::detail::explain_selection(call(192, false, true), 90) << "----\\n";
+  std::cout << fmha::detail::explain_selection(call(112, false, true), 90) << "----\\n";
+  alignas(16) static char memory[256] = {};
+  static const float scale = 1.f;
+  fmha::KvcacheArgs unscaled = call(128, false, true);
+  unscaled.q = unscaled.k_cache = unscaled.v_cache = unscaled.o = memory;
+  std::cout << fmha::fwd_kvcache(unscaled, nullptr).message << "\\n----\\n";
+  fmha::KvcacheArgs pitch = unscaled;
+  pitch.k_scale = pitch.v_scale = &scale;
+  pitch.k_cache_seq_stride = 8;
+  std::cout << fmha::fwd_kvcache(pitch, nullptr).message << "\\n----\\n";
+  std::cout << fmha::fwd_kvcache(call(120, false, true), nullptr).message << "\\n----\\n";
+  fmha::KvcacheArgs scaled = call(128, false);
+  scaled.k_scale = &scale;
+  std::cout << fmha::fwd_kvcache(scaled, nullptr).message << "\\n";
 }
 """
 
@@ -981,9 +1004,11 @@ def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
          "-lcudart"], capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stderr
     ran = subprocess.run([str(program)], capture_output=True, text=True, check=True)
-    hit, padded, miss, unaligned, both = ran.stdout.split("----\n")
+    (hit, padded, miss, unaligned, both, chunk, e4m3_miss, e4m3_exact, unscaled, pitch, odd,
+     scaled) = ran.stdout.split("----\n")
     assert hit.startswith(
-        "KV-cache problem: dtype=fp16 hdim_q=64 hdim_v=64 mask=none bias=none paged=true "
+        "KV-cache problem: dtype=fp16 kv_dtype=same hdim_q=64 hdim_v=64 mask=none bias=none "
+        "paged=true "
         "softcap=false; seqlen_q=1 seqlen_new=0 seqlen_cache=256 (the cache lengths are on the "
         "device); this GPU is sm90.\n"
         "Runs kvcache_fp16_d64_paged_fa2_sm90a_m16n128_pad (fa2, sm90a, tile 16x128 (16x64 "
@@ -995,22 +1020,52 @@ def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
             "ones: no zero-filled lanes\n") in hit
     # Head dims below an instance's, multiple of 8 or not, run its head-dim-padded variant.
     assert padded.startswith(
-        "KV-cache problem: dtype=fp16 hdim_q=100 hdim_v=100 mask=none bias=none paged=false "
+        "KV-cache problem: dtype=fp16 kv_dtype=same hdim_q=100 hdim_v=100 mask=none bias=none "
+        "paged=false "
         "softcap=false; seqlen_q=1 seqlen_new=0 seqlen_cache=256 (the cache lengths are on the "
         "device); this GPU is sm90.\n"
         "Runs kvcache_fp16_d128_fa2_sm90a_m16n64_pad_hpad (fa2, sm90a, tile 16x64, head dims "
         "128x128, pad_seqlen=true, pad_hdim=true).\n")
     # A miss names the filter that builds the padded instance of the matrix's nearest head dims
     # above its own (96, which this build has not compiled), not of a compiled instance's.
-    assert miss.startswith("KV-cache problem: dtype=fp16 hdim_q=80 hdim_v=80 mask=none")
-    assert ("no compiled fmha kvcache instance runs dtype=fp16 hdim_q=80 hdim_v=80 mask=none "
-            "bias=none paged=false softcap=false on this GPU (sm80): instances with these traits "
-            "exist only for other GPUs") in miss
-    assert ("FMHA_FILTER='kvcache,fp16,hdim96,mask=none,bias=none,paged=false,softcap=false,hpad,"
-            "pad,sm80'") in miss
+    assert miss.startswith("KV-cache problem: dtype=fp16 kv_dtype=same hdim_q=80 hdim_v=80 "
+                           "mask=none")
+    assert ("no compiled fmha kvcache instance runs dtype=fp16 kv_dtype=same hdim_q=80 hdim_v=80 "
+            "mask=none bias=none paged=false softcap=false on this GPU (sm80): instances with "
+            "these traits exist only for other GPUs") in miss
+    assert ("FMHA_FILTER='kvcache,fp16,hdim96,kv_dtype=same,mask=none,bias=none,paged=false,"
+            "softcap=false,hpad,pad,sm80'") in miss
     assert unaligned == "fmha::fwd_kvcache: q must be 16-byte aligned\n"
     assert both == ("fmha::fwd_kvcache: cache_batch_idx selects rows of a contiguous cache; a "
                     "paged cache (block_table set) must not get it\n")
+    # An e4m3 chunk runs the decode kernel, and explain quotes the rule that keeps fa3 from it.
+    assert ("Runs kvcache_fp16_kve4m3_d128_paged_fa2_sm90a_m16n64_pad (fa2, sm90a, tile 16x64, "
+            "head dims 128x128, pad_seqlen=true, pad_hdim=false).\n") in chunk
+    assert ("fa3 (sm90a) has no instance for kv_dtype=e4m3: chunked prefill from an e4m3 cache "
+            "is not built yet; such calls run the decode kernel at every chunk size; falling "
+            "back to fa2.\n") in chunk
+    # No head-dim-padded instance runs an e4m3 cache: the miss builds its own head dims.
+    assert "instances with these traits exist, but none runs head dims 192x192" in e4m3_miss
+    assert ("FMHA_FILTER='kvcache,fp16,hdim192,kv_dtype=e4m3,mask=none,bias=none,paged=false,"
+            "softcap=false,pad,sm90a'") in e4m3_miss
+    # ... and where the matrix has none, it says so rather than suggest a padded one.
+    assert ("FMHA_FILTER='kvcache,fp16,hdim112,kv_dtype=e4m3,mask=none,bias=none,paged=false,"
+            "softcap=false,pad,sm90a'") in e4m3_exact
+    assert ("; an e4m3 cache's instances run exactly their own head dims (its rows move in whole "
+            "16-byte pieces of 16 elements): instances.yaml's matrix.hdim must list [112, 112], "
+            "if its pipeline's tiles allow them.") in e4m3_exact
+    assert unscaled == ("fmha::fwd_kvcache: k_scale is a null pointer; an e4m3 cache "
+                        "(KvCacheDtype::kE4M3) needs k_scale and v_scale: device fp32 "
+                        "dequantization factors, one for the tensor, per K/V head, or per "
+                        "sequence and K/V head\n")
+    assert pitch == ("fmha::fwd_kvcache: k_cache seq stride is 8; it must be a non-negative "
+                     "multiple of 16 elements (rows move in 16-byte pieces)\n")
+    assert odd == ("fmha::fwd_kvcache: an e4m3 cache (KvCacheDtype::kE4M3) needs head dims that "
+                   "are multiples of 16 (its rows move in whole 16-byte pieces of 16 elements), "
+                   "got hdim_q=120, hdim_v=120\n")
+    assert scaled == ("fmha::fwd_kvcache: k_scale/v_scale are set but kv_dtype is "
+                      "KvCacheDtype::kSame: they dequantize a KvCacheDtype::kE4M3 cache; a "
+                      "cache of the queries' dtype takes none\n")
 
 
 def test_only_tiles_outside_cutes_base_wgmma_shapes_define_its_extended_set():

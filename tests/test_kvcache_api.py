@@ -180,3 +180,199 @@ def test_select_and_explain_kvcache_describe_the_copies(api):
         api(kw.pop("q"), kw.pop("k_cache"), kw.pop("v_cache"), capability=(9, 0), **kw)
     except fmha.MissingInstanceError as miss:
         assert "hdim_q=53 hdim_v=53" in str(miss)
+
+
+# ---- an FP8 (e4m3) cache ----------------------------------------------------------------------
+
+E4M3 = torch.float8_e4m3fn
+
+
+def e4m3_call(b=2, hk=2, d=64, k_scale="head", v_scale="head", **overrides):
+    """A valid call on an e4m3 cache (bf16 queries): scales per K/V head unless said, "tensor"
+    for one scale, "sequence" for one per sequence and K/V head, None for none."""
+    def scale(kind):
+        return {"head": torch.ones(hk), "tensor": torch.ones(()), "sequence": torch.ones(b, hk),
+                None: None}[kind] if isinstance(kind, (str, type(None))) else kind
+    kw = call(b=b, hk=hk, d=d, dtype=torch.bfloat16, **overrides)
+    for name in ("k_cache", "v_cache"):
+        if name not in overrides:
+            kw[name] = kw[name].to(E4M3)
+    kw.update(k_scale=scale(k_scale), v_scale=scale(v_scale))
+    return kw
+
+
+E4M3_BAD_CALLS = [
+    ("no scales", dict(k_scale=None, v_scale=None), ValueError,
+     "an e4m3 cache (torch.float8_e4m3fn) needs k_scale and v_scale"),
+    ("no v_scale", dict(v_scale=None), ValueError, "v_scale is missing"),
+    ("scale a float", dict(k_scale=1.0), TypeError, "k_scale must be a torch.Tensor or None"),
+    ("scale fp16", dict(v_scale=torch.ones(2).half()), ValueError,
+     "v_scale must be torch.float32, got torch.float16"),
+    ("scale per query head", dict(k_scale=torch.ones(8)), ValueError,
+     "k_scale must have shape () or (1,) (one for the tensor), (2,) (one per K/V head) or (2, 2) "
+     "(one per sequence and K/V head), got (8,)"),
+    ("scale 3-d", dict(k_scale=torch.ones(2, 2, 1)), ValueError, "got (2, 2, 1)"),
+    ("one cache e4m3", dict(v_cache=torch.randn(2, 128, 2, 64).bfloat16()), ValueError,
+     "k_cache and v_cache must hold one dtype, got torch.float8_e4m3fn and torch.bfloat16"),
+    ("a cache of another dtype", dict(k_cache=torch.randn(2, 128, 2, 64).to(torch.float8_e5m2)),
+     ValueError, "k_cache must be torch.bfloat16 (q's dtype) or torch.float8_e4m3fn (an FP8 "
+                 "cache, with k_scale and v_scale), got torch.float8_e5m2"),
+    ("head dim 40", dict(d=40), ValueError,
+     "an e4m3 cache's head dims must be multiples of 16 (its rows move in whole 16-byte pieces "
+     "of 16 elements, and it is written in place, never copied), got 40 for k_cache and 40"),
+    ("head dim 60", dict(d=60), ValueError, "an e4m3 cache's head dims must be multiples of 16"),
+    ("rows 8 bytes apart", dict(k_cache=torch.empty(2, 128, 2, 72, dtype=E4M3)[..., :64]),
+     ValueError, "k_cache has strides (18432, 144, 72, 1); every one but the head dim's must be "
+                 "a multiple of 16 elements (its rows move in 16-byte pieces)"),
+    ("new keys in e4m3", dict(k=torch.randn(2, 1, 2, 64).to(E4M3),
+                              v=torch.randn(2, 1, 2, 64).to(E4M3)), ValueError,
+     "k must be torch.bfloat16, got torch.float8_e4m3fn"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,message", [c[1:] for c in E4M3_BAD_CALLS],
+                         ids=[c[0] for c in E4M3_BAD_CALLS])
+def test_bad_e4m3_call(overrides, error, message):
+    kw = {**e4m3_call(d=overrides.pop("d", 64)), **overrides}
+    with pytest.raises(error) as info:
+        run(kw)
+    assert message in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("scale", [torch.ones(()), torch.ones(1), torch.ones(2, 2)])
+def test_a_cache_of_the_queries_dtype_takes_no_scale(scale):
+    for name in ("k_scale", "v_scale"):
+        with pytest.raises(ValueError, match=f"{name} dequantizes an e4m3 cache "
+                                             r"\(torch.float8_e4m3fn\); a torch.float16 cache "
+                                             "takes none"):
+            run(call(**{name: scale}))
+
+
+@pytest.mark.parametrize("scales", ["tensor", "head", "sequence"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_good_e4m3_calls_get_through_the_checks(scales, paged):
+    # As far as a CPU goes: the device check, the last one.
+    for new in (0, 3):
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
+            run(e4m3_call(k_scale=scales, v_scale=scales, paged=paged, new=new))
+
+
+def test_e4m3_scales_are_checked_on_the_caches_device():
+    # Fake CUDA tensors (shapes, dtypes and devices without memory) reach the device check.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        def cuda(shape, dtype=torch.float32):
+            return torch.empty(shape, dtype=dtype, device="cuda")
+        kw = dict(q=cuda((2, 1, 8, 64), torch.bfloat16), k_cache=cuda((2, 128, 2, 64), E4M3),
+                  v_cache=cuda((2, 128, 2, 64), E4M3),
+                  cache_seqlens=cuda((2,), torch.int32), k_scale=cuda((2,)),
+                  v_scale=torch.ones(2))
+        with pytest.raises(ValueError, match="v_scale is on cpu but q is on cuda:0"):
+            run(kw)
+
+
+def described(kw, cc=90):
+    q, k_cache, v_cache = kw.pop("q"), kw.pop("k_cache"), kw.pop("v_cache")
+    k, v = kw.pop("k", None), kw.pop("v", None)
+    return _kvcache._described(q, k_cache, v_cache, k, v, kw.pop("cache_seqlens"), kw, cc=cc)
+
+
+@pytest.mark.parametrize("scale, strides", [
+    (torch.ones(()), (0, 0)), (torch.ones(1), (0, 0)), (torch.ones(2), (0, 1)),
+    (torch.ones(2, 2), (2, 1)),
+    (torch.ones(2).expand(2, 2), (0, 1)),  # per head, broadcast over the batch
+    (torch.ones(2, 4)[:, ::2], (4, 2)),  # a strided view
+])
+def test_scales_become_batch_and_head_strides(scale, strides):
+    a = described(e4m3_call(k_scale=scale, v_scale=torch.ones(2, 2)))
+    assert a.kv_dtype == fmha._C.KV_DTYPE_E4M3 == a.traits()["kv_dtype"]
+    assert (a.k_scale_batch_stride, a.k_scale_head_stride) == strides
+    assert (a.v_scale_batch_stride, a.v_scale_head_stride) == (2, 1)
+    # select and explain mark them given, as a call has them.
+    assert a.k_scale != 0 and a.v_scale != 0
+    # The cache's strides are in its elements (bytes).
+    assert (a.k_cache_batch_stride, a.k_cache_seq_stride, a.k_cache_head_stride) == (
+        128 * 2 * 64, 2 * 64, 64)
+
+
+def test_a_cache_of_the_queries_dtype_keeps_its_args():
+    a = described(call())
+    assert a.kv_dtype == fmha._C.KV_DTYPE_SAME == a.traits()["kv_dtype"]
+    assert (a.k_scale, a.v_scale, a.k_scale_batch_stride, a.v_scale_head_stride) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("api", [fmha.select_kvcache, fmha.explain_kvcache])
+def test_select_and_explain_kvcache_name_the_cache_dtype(api):
+    """Their answer (an instance, or the miss of a build without one) names kv_dtype."""
+    kw = e4m3_call(d=128)
+    q, k_cache, v_cache = kw.pop("q"), kw.pop("k_cache"), kw.pop("v_cache")
+    try:
+        answer = api(q, k_cache, v_cache, capability=(9, 0), **kw)
+    except fmha.MissingInstanceError as miss:
+        assert "dtype=bf16 kv_dtype=e4m3 hdim_q=128 hdim_v=128" in str(miss)
+        assert "FMHA_FILTER='kvcache,bf16,hdim128,kv_dtype=e4m3," in str(miss)
+        return
+    if api is fmha.select_kvcache:
+        assert answer["kv_dtype"] == "e4m3" and "_kve4m3_" in answer["name"]
+        assert answer["pipeline"] == "fa2" and not answer["pad_hdim"]
+    else:
+        assert "kv_dtype=e4m3" in answer
+
+
+def test_the_plan_key_holds_the_scales_layouts():
+    def key(**scales):
+        kw = e4m3_call(**scales)
+        return _kvcache._call_key(
+            kw["q"], kw["k_cache"], kw["v_cache"], None, None, kw["cache_seqlens"], None, None,
+            None, None, None, None, kw["k_scale"], kw["v_scale"], False, False, (-1, -1), 0.0,
+            None, 0, False, None)
+    assert key() == key() is not None
+    # Per head, for the tensor, per sequence and head, per head broadcast over the sequences,
+    # and per sequence and head transposed: five layouts, five plans.
+    assert len({key(), key(k_scale="tensor"), key(v_scale="sequence"),
+                key(k_scale=torch.ones(2).expand(2, 2)), key(k_scale=torch.ones(2, 2).t())}) == 5
+    assert key(k_scale=None) != key()
+    # A scale that is no plain tensor gets no key: the call runs every check.
+    assert key(k_scale=1.0) is None
+
+
+class FakeKvcacheArgs:
+    """Stands in for a plan's _C.KvcacheArgs: records what _KvcachePlan.run passes to C++."""
+
+    hdim_v = 64
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+        return None
+
+
+def test_a_plan_passes_the_scales_pointers_per_call(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    plan = _kvcache._KvcachePlan(FakeKvcacheArgs(), (2, 1, 8, 64), None, 0, -1)
+    for scales in ("head", "sequence"):
+        kw = e4m3_call(k_scale=scales, v_scale=scales)
+        plan.run(kw["q"], kw["k_cache"], kw["v_cache"], None, None, kw["cache_seqlens"], None,
+                 None, None, None, None, None, kw["k_scale"], kw["v_scale"], None)
+        run_args = plan.args.runs[-1]
+        # ..., alibi_slopes, k_scale, v_scale, workspace, stream, instance
+        assert run_args[-5:] == (kw["k_scale"].data_ptr(), kw["v_scale"].data_ptr(), 0, 0, None)
+    kw = call()
+    plan.run(kw["q"], kw["k_cache"], kw["v_cache"], None, None, kw["cache_seqlens"], None, None,
+             None, None, None, None, None, None, None)
+    assert plan.args.runs[-1][-5:-3] == (0, 0)  # no scales: null pointers
+
+
+def test_an_e4m3_cache_is_never_copied():
+    """A head dim that is no multiple of 8 runs the other operands on padded copies, but never a
+    cache of e4m3, which the kernel writes in place: the checks refuse it first."""
+    cache = torch.empty(2, 64, 2, 60, dtype=E4M3)
+    assert not _head_dims.rows_copied(cache)
+    assert not _head_dims.kvcache_needs_copies(cache)
+    with pytest.raises(ValueError, match="is never padded or copied"):
+        _head_dims.pad(cache)
+    with pytest.raises(ValueError, match="an e4m3 cache's head dims must be multiples of 16"):
+        run(e4m3_call(d=60))

@@ -120,12 +120,13 @@ py::dict bwd_traits_dict(const fmha::BwdTraits& t) {
   return d;
 }
 
-// A KV-cache instance: InstanceInfo's keys, with KV-cache attention's traits (paged; no
-// vlayout, mode, lse or dropout).
+// A KV-cache instance: InstanceInfo's keys, with KV-cache attention's traits (kv_dtype, paged;
+// no vlayout, mode, lse or dropout).
 py::dict kvcache_info_dict(const fmha::KvcacheInstanceInfo& i) {
   py::dict d;
   d["name"] = i.name;
   d["dtype"] = fmha::to_string(i.traits.dtype);
+  d["kv_dtype"] = fmha::to_string(i.traits.kv_dtype);
   d["hdim_q"] = i.traits.hdim_q;
   d["hdim_v"] = i.traits.hdim_v;
   d["mask"] = fmha::to_string(i.traits.mask);
@@ -142,6 +143,7 @@ py::dict kvcache_info_dict(const fmha::KvcacheInstanceInfo& i) {
 py::dict kvcache_traits_dict(const fmha::KvcacheTraits& t) {
   py::dict d;
   d["dtype"] = static_cast<int>(t.dtype);
+  d["kv_dtype"] = static_cast<int>(t.kv_dtype);
   d["hdim_q"] = t.hdim_q;
   d["hdim_v"] = t.hdim_v;
   d["mask"] = static_cast<int>(t.mask);
@@ -386,7 +388,8 @@ std::tuple<int, std::string, size_t> kvcache_workspace_size(const fmha::KvcacheA
 
 // A planned KV-cache call (fmha/_kvcache.py), as run_planned is for the forward: `plan` holds a
 // checked call's shapes, strides, options and workspace size; this call brings its pointers (0
-// for none) and stream, and the instance when one is named. A decode step's GPU work takes
+// for none: an e4m3 cache's k_scale and v_scale too, device tensors like the others) and
+// stream, and the instance when one is named. A decode step's GPU work takes
 // microseconds, so its host cost is one crossing into C++. Runs on the current device; returns
 // None, or (status code, message) when nothing was launched.
 py::object run_kvcache_planned(const fmha::KvcacheArgs& plan, uintptr_t q, uintptr_t k_cache,
@@ -394,7 +397,8 @@ py::object run_kvcache_planned(const fmha::KvcacheArgs& plan, uintptr_t q, uintp
                                uintptr_t lse, uintptr_t cache_seqlens, uintptr_t cache_batch_idx,
                                uintptr_t cache_leftpad, uintptr_t block_table,
                                uintptr_t rotary_cos, uintptr_t rotary_sin,
-                               uintptr_t alibi_slopes, uintptr_t workspace, uintptr_t stream,
+                               uintptr_t alibi_slopes, uintptr_t k_scale, uintptr_t v_scale,
+                               uintptr_t workspace, uintptr_t stream,
                                std::optional<std::string> instance) {
   fmha::KvcacheArgs args = plan;
   args.q = reinterpret_cast<const void*>(q);
@@ -411,6 +415,8 @@ py::object run_kvcache_planned(const fmha::KvcacheArgs& plan, uintptr_t q, uintp
   args.rotary_cos = reinterpret_cast<const void*>(rotary_cos);
   args.rotary_sin = reinterpret_cast<const void*>(rotary_sin);
   args.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
+  args.k_scale = reinterpret_cast<const float*>(k_scale);
+  args.v_scale = reinterpret_cast<const float*>(v_scale);
   args.workspace = reinterpret_cast<void*>(workspace);
   fmha::Status st;
   {
@@ -426,10 +432,17 @@ void bind_kvcache_args(py::module_& m) {
   KvcacheArgsClass cls(
       m, "KvcacheArgs",
       "fmha::KvcacheArgs: one KV-cache attention call. Pointers are integers (data_ptr(), 0 for "
-      "none), enums are ints (the module's DTYPE_*, MASK_*, BIAS_* constants), strides are in "
-      "elements.");
+      "none), enums are ints (the module's DTYPE_*, KV_DTYPE_*, MASK_*, BIAS_* constants), "
+      "strides are in elements (of an e4m3 cache: bytes).");
   cls.def(py::init<>());
   enum_property(cls, "dtype", &fmha::KvcacheArgs::dtype);
+  enum_property(cls, "kv_dtype", &fmha::KvcacheArgs::kv_dtype);
+  pointer_property(cls, "k_scale", &fmha::KvcacheArgs::k_scale);
+  pointer_property(cls, "v_scale", &fmha::KvcacheArgs::v_scale);
+  cls.def_readwrite("k_scale_batch_stride", &fmha::KvcacheArgs::k_scale_batch_stride)
+      .def_readwrite("k_scale_head_stride", &fmha::KvcacheArgs::k_scale_head_stride)
+      .def_readwrite("v_scale_batch_stride", &fmha::KvcacheArgs::v_scale_batch_stride)
+      .def_readwrite("v_scale_head_stride", &fmha::KvcacheArgs::v_scale_head_stride);
   pointer_property(cls, "q", &fmha::KvcacheArgs::q);
   pointer_property(cls, "k_cache", &fmha::KvcacheArgs::k_cache);
   pointer_property(cls, "v_cache", &fmha::KvcacheArgs::v_cache);
@@ -496,7 +509,8 @@ void bind_kvcache_args(py::module_& m) {
           py::arg("cache_seqlens"), py::arg("cache_batch_idx"), py::arg("cache_leftpad"),
           py::arg("block_table"),
           py::arg("rotary_cos"), py::arg("rotary_sin"), py::arg("alibi_slopes"),
-          py::arg("workspace"), py::arg("stream"), py::arg("instance") = py::none(),
+          py::arg("k_scale"), py::arg("v_scale"), py::arg("workspace"), py::arg("stream"),
+          py::arg("instance") = py::none(),
           "Run these args with the pointers given (0 for none; the workspace of these args' "
           "workspace_bytes) on the stream, through the dispatcher or the named KV-cache "
           "instance; returns None, or (status code, message) when nothing was launched.");
@@ -644,6 +658,8 @@ PYBIND11_MODULE(_C, m) {
   m.attr("STATUS_CUDA_ERROR") = static_cast<int>(fmha::Status::Code::kCudaError);
   m.attr("DTYPE_FP16") = static_cast<int>(fmha::DataType::kFP16);
   m.attr("DTYPE_BF16") = static_cast<int>(fmha::DataType::kBF16);
+  m.attr("KV_DTYPE_SAME") = static_cast<int>(fmha::KvCacheDtype::kSame);
+  m.attr("KV_DTYPE_E4M3") = static_cast<int>(fmha::KvCacheDtype::kE4M3);
   m.attr("MODE_BATCH") = static_cast<int>(fmha::Mode::kBatch);
   m.attr("MODE_GROUP") = static_cast<int>(fmha::Mode::kGroup);
   m.attr("MASK_NONE") = static_cast<int>(fmha::MaskType::kNone);

@@ -20,8 +20,10 @@
 namespace fmha {
 namespace {
 
-// The kernels move every row in 16-byte pieces: 8 elements of a 16-bit type.
+// The kernels move every row in 16-byte pieces: 8 elements of a 16-bit type, 16 of an e4m3
+// KV cache (KvCacheDtype::kE4M3).
 constexpr int64_t kAlignElements = 8;
+constexpr int64_t kE4m3AlignElements = 16;
 constexpr uintptr_t kAlignBytes = 16;
 // CUDA's limit on gridDim.y and gridDim.z, which carry heads and batches.
 constexpr int kMaxGridYZ = 65535;
@@ -97,15 +99,17 @@ struct Stride {
 };
 
 // A Q/K/V/O operand: present, 16-byte aligned, and each of `strides` a non-negative multiple of
-// 8 elements, so that every row starts on a 16-byte boundary.
-Status check_operand(const char* name, const void* ptr, std::initializer_list<Stride> strides) {
+// the elements of 16 bytes (8 of a 16-bit type, `align_elements` where it is another size), so
+// that every row starts on a 16-byte boundary.
+Status check_operand(const char* name, const void* ptr, std::initializer_list<Stride> strides,
+                     int64_t align_elements = kAlignElements) {
   if (ptr == nullptr) return invalid(std::string(name) + " is a null pointer");
   if (!aligned(ptr, kAlignBytes)) return invalid(std::string(name) + " must be 16-byte aligned");
   for (const Stride& stride : strides) {
-    if (stride.value < 0 || stride.value % kAlignElements != 0) {
+    if (stride.value < 0 || stride.value % align_elements != 0) {
       std::ostringstream s;
       s << name << " " << stride.name << " stride is " << stride.value
-        << "; it must be a non-negative multiple of " << kAlignElements
+        << "; it must be a non-negative multiple of " << align_elements
         << " elements (rows move in 16-byte pieces)";
       return invalid(s.str());
     }
@@ -485,6 +489,7 @@ Status invalid_kvcache(const std::string& message) { return as_kvcache(invalid(m
 Status check_kvcache_args(const KvcacheArgs& a, bool check_memory) {
   for (const Status& st :
        {check_enum("dtype", a.dtype, DataType::kBF16, "kFP16, kBF16"),
+        check_enum("KV cache dtype", a.kv_dtype, KvCacheDtype::kE4M3, "kSame, kE4M3"),
         check_enum("mask type", a.mask, MaskType::kWindow, "kNone, kCausal, kWindow"),
         check_enum("bias type", a.bias, BiasType::kAlibi, "kNone, kAlibi")}) {
     if (!st.ok()) return as_kvcache(st);
@@ -575,17 +580,52 @@ Status check_kvcache_args(const KvcacheArgs& a, bool check_memory) {
   if (a.bias != BiasType::kAlibi && a.alibi_slopes != nullptr) {
     return invalid_kvcache("alibi_slopes is set but the bias type is not BiasType::kAlibi");
   }
+  // An e4m3 cache: its scales (where they are, with check_memory), and rows of whole 16-byte
+  // pieces of 16 elements. A cache of the queries' dtype has no scales.
+  const bool e4m3 = a.kv_dtype == KvCacheDtype::kE4M3;
+  if (!e4m3) {
+    if (a.k_scale != nullptr || a.v_scale != nullptr) {
+      return invalid_kvcache(
+          "k_scale/v_scale are set but kv_dtype is KvCacheDtype::kSame: they dequantize a "
+          "KvCacheDtype::kE4M3 cache; a cache of the queries' dtype takes none");
+    }
+    if (a.k_scale_batch_stride != 0 || a.k_scale_head_stride != 0 ||
+        a.v_scale_batch_stride != 0 || a.v_scale_head_stride != 0) {
+      return invalid_kvcache(
+          "k_scale/v_scale strides are set but kv_dtype is KvCacheDtype::kSame, whose cache "
+          "has no scales; they must be 0");
+    }
+  } else {
+    if (Status st = check_non_negative({{"k_scale_batch_stride", a.k_scale_batch_stride},
+                                        {"k_scale_head_stride", a.k_scale_head_stride},
+                                        {"v_scale_batch_stride", a.v_scale_batch_stride},
+                                        {"v_scale_head_stride", a.v_scale_head_stride}});
+        !st.ok()) {
+      return as_kvcache(st);
+    }
+    if (a.hdim_q % kE4m3AlignElements != 0 || a.hdim_v % kE4m3AlignElements != 0) {
+      std::ostringstream s;
+      s << "an e4m3 cache (KvCacheDtype::kE4M3) needs head dims that are multiples of "
+        << kE4m3AlignElements << " (its rows move in whole 16-byte pieces of "
+        << kE4m3AlignElements << " elements), got hdim_q=" << a.hdim_q << ", hdim_v=" << a.hdim_v;
+      return invalid_kvcache(s.str());
+    }
+  }
   if (!check_memory) return Status::Ok();
 
   struct Operand {
     const char* name;
     const void* ptr;
     int64_t batch, seq, head;
+    int64_t align_elements = kAlignElements;
   };
+  const int64_t cache_align = e4m3 ? kE4m3AlignElements : kAlignElements;
   std::vector<Operand> operands = {
       {"q", a.q, a.q_batch_stride, a.q_seq_stride, a.q_head_stride},
-      {"k_cache", a.k_cache, a.k_cache_batch_stride, a.k_cache_seq_stride, a.k_cache_head_stride},
-      {"v_cache", a.v_cache, a.v_cache_batch_stride, a.v_cache_seq_stride, a.v_cache_head_stride},
+      {"k_cache", a.k_cache, a.k_cache_batch_stride, a.k_cache_seq_stride, a.k_cache_head_stride,
+       cache_align},
+      {"v_cache", a.v_cache, a.v_cache_batch_stride, a.v_cache_seq_stride, a.v_cache_head_stride,
+       cache_align},
       {"o", a.o, a.o_batch_stride, a.o_seq_stride, a.o_head_stride}};
   if (a.k_new != nullptr || a.v_new != nullptr) {
     if (a.k_new == nullptr || a.v_new == nullptr) {
@@ -601,9 +641,24 @@ Status check_kvcache_args(const KvcacheArgs& a, bool check_memory) {
   }
   for (const Operand& o : operands) {
     if (Status st = check_operand(o.name, o.ptr,
-                                  {{"batch", o.batch}, {"seq", o.seq}, {"head", o.head}});
+                                  {{"batch", o.batch}, {"seq", o.seq}, {"head", o.head}},
+                                  o.align_elements);
         !st.ok()) {
       return as_kvcache(st);
+    }
+  }
+  if (e4m3) {
+    for (const auto& [name, scale] :
+         {std::pair{"k_scale", a.k_scale}, std::pair{"v_scale", a.v_scale}}) {
+      if (scale == nullptr) {
+        return invalid_kvcache(std::string(name) +
+                               " is a null pointer; an e4m3 cache (KvCacheDtype::kE4M3) needs "
+                               "k_scale and v_scale: device fp32 dequantization factors, one "
+                               "for the tensor, per K/V head, or per sequence and K/V head");
+      }
+      if (!aligned(scale, alignof(float))) {
+        return invalid_kvcache(std::string(name) + " must be 4-byte aligned (fp32)");
+      }
     }
   }
   for (const Status& st :
@@ -926,6 +981,9 @@ std::vector<std::string> compiled_targets() {
 }
 
 const char* to_string(DataType t) { return detail::kDataTypeTokens[static_cast<int>(t)]; }
+const char* to_string(KvCacheDtype t) {
+  return detail::kKvCacheDtypeTokens[static_cast<int>(t)];
+}
 const char* to_string(MaskType t) { return detail::kMaskTokens[static_cast<int>(t)]; }
 const char* to_string(BiasType t) { return detail::kBiasTokens[static_cast<int>(t)]; }
 const char* to_string(VLayout t) { return detail::kVLayoutTokens[static_cast<int>(t)]; }

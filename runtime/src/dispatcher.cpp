@@ -25,6 +25,7 @@ enum class Stage : int { kTraits = 0, kHeadDims, kArch, kLengths, kRuns };
 
 const char* token(bool b) { return b ? "true" : "false"; }
 const char* token(DataType t) { return kDataTypeTokens[static_cast<int>(t)]; }
+const char* token(KvCacheDtype t) { return kKvCacheDtypeTokens[static_cast<int>(t)]; }
 const char* token(MaskType t) { return kMaskTokens[static_cast<int>(t)]; }
 const char* token(BiasType t) { return kBiasTokens[static_cast<int>(t)]; }
 const char* token(VLayout t) { return kVLayoutTokens[static_cast<int>(t)]; }
@@ -135,8 +136,8 @@ bool traits_fit(const BwdTraits& e, const BwdTraits& w) {
 
 // KV-cache attention's traits: all equal.
 bool traits_fit(const KvcacheTraits& e, const KvcacheTraits& w) {
-  return e.dtype == w.dtype && e.mask == w.mask && e.bias == w.bias && e.paged == w.paged &&
-         e.softcap == w.softcap;
+  return e.dtype == w.dtype && e.kv_dtype == w.kv_dtype && e.mask == w.mask &&
+         e.bias == w.bias && e.paged == w.paged && e.softcap == w.softcap;
 }
 
 // An unpadded entry runs exactly its head dims; a head-dim-padded one also runs smaller ones
@@ -243,6 +244,7 @@ std::string traits_reason(const BwdTraits& e, const BwdTraits& w) {
 std::string traits_reason(const KvcacheTraits& e, const KvcacheTraits& w) {
   TraitDifference d;
   d.check("dtype", e.dtype, w.dtype);
+  d.check("kv_dtype", e.kv_dtype, w.kv_dtype);
   d.check("mask", e.mask, w.mask);
   d.check("bias", e.bias, w.bias);
   d.check("paged", e.paged, w.paged);
@@ -360,7 +362,8 @@ std::string describe(const FwdTraits& t) {
 
 std::string describe(const KvcacheTraits& t) {
   std::ostringstream s;
-  s << "dtype=" << token(t.dtype) << " hdim_q=" << t.hdim_q << " hdim_v=" << t.hdim_v
+  s << "dtype=" << token(t.dtype) << " kv_dtype=" << token(t.kv_dtype) << " hdim_q=" << t.hdim_q
+    << " hdim_v=" << t.hdim_v
     << " mask=" << token(t.mask) << " bias=" << token(t.bias) << " paged=" << token(t.paged)
     << " softcap=" << token(t.softcap);
   return s.str();
@@ -399,7 +402,7 @@ void filter_traits(std::ostream& f, const BwdTraits& w) {
     << ",softcap=" << token(w.softcap);
 }
 void filter_traits(std::ostream& f, const KvcacheTraits& w) {
-  f << ",mask=" << token(w.mask) << ",bias=" << token(w.bias) << ",paged=" << token(w.paged)
+  f << ",kv_dtype=" << token(w.kv_dtype) << ",mask=" << token(w.mask) << ",bias=" << token(w.bias) << ",paged=" << token(w.paged)
     << ",softcap=" << token(w.softcap);
 }
 
@@ -432,6 +435,20 @@ bool needs_padded_lengths(const KvcacheArgs&, int, int) {
   return true;
 }
 
+// Why no instance of `w`'s traits pads head dims, or null where the operation's padded ones
+// may: an e4m3 cache's rows move in whole 16-byte pieces of 16 elements (instances.yaml's rule
+// {kv_dtype: e4m3, pad_hdim: true} prunes its padded instances).
+template <class Traits>
+const char* exact_head_dims_only(const Traits&) {
+  return nullptr;
+}
+const char* exact_head_dims_only(const KvcacheTraits& w) {
+  return w.kv_dtype == KvCacheDtype::kE4M3
+             ? "an e4m3 cache's instances run exactly their own head dims (its rows move in "
+               "whole 16-byte pieces of 16 elements)"
+             : nullptr;
+}
+
 // The head dims to build for `w`: its own when the operation's matrix has them (whether or not
 // this build compiled any); else, for head dims in the step of the operation's padded kernels,
 // the matrix's smallest head dims above them, run padded, or failing that the next multiples
@@ -455,16 +472,19 @@ Suggestion suggest(const Args& a, int cc) {
     }
   }
   Suggestion s;
-  const bool paddable = in_padded_step<Table>(w.hdim_q) && in_padded_step<Table>(w.hdim_v);
+  const char* exact_only = exact_head_dims_only(w);
+  const bool paddable = in_padded_step<Table>(w.hdim_q) && in_padded_step<Table>(w.hdim_v) &&
+                        exact_only == nullptr;
   if (in_matrix || !paddable) {
     hdim_q = w.hdim_q;
     hdim_v = w.hdim_v;
     if (!in_matrix) {
       const int step = Table::padded_hdim_step();
       const std::string why =
-          step > 0 ? "head dims that are not multiples of " + std::to_string(step) +
-                         " need an instance of exactly those head dims"
-                   : Table::kind() + std::string("instances run exactly their own head dims");
+          exact_only != nullptr ? std::string(exact_only)
+          : step > 0 ? "head dims that are not multiples of " + std::to_string(step) +
+                           " need an instance of exactly those head dims"
+                     : Table::kind() + std::string("instances run exactly their own head dims");
       s.note = why + ": instances.yaml's matrix.hdim must list [" + std::to_string(hdim_q) +
                ", " + std::to_string(hdim_v) + "], if its pipeline's tiles allow them";
     }
@@ -507,9 +527,9 @@ int shared_traits(const BwdTraits& t, const BwdTraits& w) {
          (t.dropout == w.dropout) + (t.softcap == w.softcap);
 }
 int shared_traits(const KvcacheTraits& t, const KvcacheTraits& w) {
-  return (t.dtype == w.dtype) + (t.hdim_q == w.hdim_q) + (t.hdim_v == w.hdim_v) +
-         (t.mask == w.mask) + (t.bias == w.bias) + (t.paged == w.paged) +
-         (t.softcap == w.softcap);
+  return (t.dtype == w.dtype) + (t.kv_dtype == w.kv_dtype) + (t.hdim_q == w.hdim_q) +
+         (t.hdim_v == w.hdim_v) + (t.mask == w.mask) + (t.bias == w.bias) +
+         (t.paged == w.paged) + (t.softcap == w.softcap);
 }
 
 template <class Args, class Entry = typename TableOf<Args>::type::Entry>
@@ -673,7 +693,8 @@ std::string trait_text(const std::string& trait, const BwdTraits& t) {
 }
 std::string trait_text(const std::string& trait, const KvcacheTraits& t) {
   std::string value = common_trait_value(trait, t);
-  if (trait == "paged") value = token(t.paged);
+  if (trait == "kv_dtype") value = token(t.kv_dtype);
+  else if (trait == "paged") value = token(t.paged);
   return trait + "=" + value;
 }
 

@@ -498,6 +498,7 @@ FMHA_API Status explain(const KvcacheArgs& args, int cc, std::string* explanatio
 FMHA_API std::vector<KvcacheInstanceInfo> kvcache_instances();
 
 FMHA_API const char* to_string(DataType);
+FMHA_API const char* to_string(KvCacheDtype);
 FMHA_API const char* to_string(MaskType);
 FMHA_API const char* to_string(BiasType);
 FMHA_API const char* to_string(VLayout);

@@ -75,6 +75,7 @@ extern const int kNumKnownTargets;
 // The generator's filter token for each enum value, indexed by the enum's integer value, so a
 // miss can name the --filter that would build the missing instance.
 extern const char* const kDataTypeTokens[];
+extern const char* const kKvCacheDtypeTokens[];
 extern const char* const kMaskTokens[];
 extern const char* const kBiasTokens[];
 extern const char* const kVLayoutTokens[];
@@ -194,7 +195,8 @@ extern const int kNumKvcachePipelineGaps;
 // not part of it: a loaded object shares with libfmha only kLoadableSymbol (extern "C") and
 // these layouts, its kernels and launchers being its own, so renaming a struct or a kernel's
 // namespace leaves objects compiled before it loadable.
-inline constexpr int kRegistryAbi = 1;
+// 2: KvcacheTraits::kv_dtype and KvcacheArgs' kv_dtype, k_scale/v_scale and their strides.
+inline constexpr int kRegistryAbi = 2;
 inline constexpr const char* kLoadableSymbol = "fmha_loadable_instances";
 
 struct LoadableInstances {

@@ -29,6 +29,12 @@ graph:
     out = fmha.fwd_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
                            block_table=pages, rotary_cos=cos, rotary_sin=sin, causal=True)
 
+An FP8 cache (torch.float8_e4m3fn) halves the bytes a decode step reads; its fp32 dequantization
+factors come per tensor, per K/V head or per sequence and K/V head:
+
+    out = fmha.fwd_kvcache(q, k_cache8, v_cache8, k_new, v_new, cache_seqlens=lengths,
+                           k_scale=k_scale, v_scale=v_scale)
+
 The kernels come from instances.yaml through ``python -m generator``; a problem that no compiled
 instance fits compiles one on demand where the build's CUDA compiler is (fmha.jit; FMHA_JIT=0
 turns it off), or raises :class:`MissingInstanceError`, whose message names the filter that

@@ -28,6 +28,8 @@ INT_LIMIT = 2**31  # sizes and window sizes are ints in fmha::FwdArgs
 # and every stride but the contiguous one is a multiple of 8 elements.
 ALIGN_BYTES = 16
 ROW_PIECE = 8
+# The same 16 bytes of an FP8 (e4m3) KV cache hold 16 elements (fmha.fwd_kvcache).
+E4M3_ROW_PIECE = 16
 # The largest head dim any kernel takes: beyond it there is nothing to pad to, and the checks
 # say so in their own words.
 MAX_HEAD_DIM = 256
@@ -242,13 +244,14 @@ def kernel_strides(t: torch.Tensor) -> tuple:
     return tuple([0 if size <= 1 else stride for size, stride in zip(t.shape, t.stride())])
 
 
-def rows_readable(t: torch.Tensor) -> bool:
+def rows_readable(t: torch.Tensor, piece: int = ROW_PIECE) -> bool:
     """Whether the kernels read t's rows as it is laid out: its head (last) dim contiguous and
-    every other stride a multiple of ROW_PIECE elements, so that each row starts on a 16-byte
-    boundary as a row does in memory. Where t starts is the caller's to check: by data_ptr()
-    where it has one, by storage_offset() under torch.compile's fake tensors."""
+    every other stride a multiple of `piece` elements (those of 16 bytes: ROW_PIECE of a 16-bit
+    type, E4M3_ROW_PIECE of an FP8 cache), so that each row starts on a 16-byte boundary as a
+    row does in memory. Where t starts is the caller's to check: by data_ptr() where it has
+    one, by storage_offset() under torch.compile's fake tensors."""
     return ((t.stride(-1) == 1 or t.shape[-1] <= 1)
-            and all(s % ROW_PIECE == 0 for s in kernel_strides(t)[:-1]))
+            and all(s % piece == 0 for s in kernel_strides(t)[:-1]))
 
 
 def _check_strides(name: str, t: torch.Tensor, contiguous: int, api: str = "fwd") -> None:

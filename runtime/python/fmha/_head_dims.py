@@ -9,7 +9,9 @@ the kernels would read them.
 fmha.fwd_kvcache's kernels take a partial last piece (they read and write nothing past a row's
 head dim), so its operands need copies only where their rows do not start on 16-byte
 boundaries (rows_in_place): a [..., :headdim] view of a buffer padded to a multiple of 8 runs
-in place, a contiguous tensor of such a head dim runs on a copy that is such a view.
+in place, a contiguous tensor of such a head dim runs on a copy that is such a view. An FP8
+(e4m3) cache is never copied: its head dims are multiples of 16 and its rows must be in place,
+which fwd_kvcache's checks say where they are not.
 
 Every check that needs no copy comes first: the callers check the call as it will run, but for
 the layouts of the tensors it copies (fmha._checks.Problem.copies, rows_copied), before they
@@ -44,8 +46,11 @@ def rows_in_place(t: torch.Tensor) -> bool:
 
 def rows_copied(t: Optional[torch.Tensor]) -> bool:
     """Whether fwd_kvcache runs on a copy of operand t (padded_rows): a tensor whose head dim
-    is no multiple of 8 and whose rows are not in place."""
-    return t is not None and t.shape[-1] % ROW_PIECE != 0 and not rows_in_place(t)
+    is no multiple of 8 and whose rows are not in place; never an e4m3 cache, which the kernel
+    writes in place and reads in 16-byte pieces of 16 elements (the checks refuse its other
+    layouts)."""
+    return (t is not None and t.dtype != torch.float8_e4m3fn and t.shape[-1] % ROW_PIECE != 0
+            and not rows_in_place(t))
 
 
 def kvcache_needs_copies(*operands) -> bool:
@@ -73,6 +78,11 @@ def pad(x, meta: bool = False):
     describe without copying anything."""
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] % ROW_PIECE == 0:
         return x
+    if x.dtype == torch.float8_e4m3fn:
+        # A copy of a cache would take the appends the kernel writes; fwd_kvcache's checks
+        # refuse such an e4m3 cache before this.
+        raise ValueError(f"an e4m3 (FP8) tensor of head dim {x.shape[-1]} is never padded or "
+                         f"copied: its head dim must be a multiple of 16")
     missing = -x.shape[-1] % ROW_PIECE
     if meta:
         return torch.empty((*x.shape[:-1], x.shape[-1] + missing), dtype=x.dtype, device="meta")

@@ -7,6 +7,11 @@ KvcacheArgs it built and the workspace size; a later call allocates out (and the
 and the workspace, reads its tensors' pointers and crosses into C++ once (KvcacheArgs.run).
 The lengths live on the GPU (cache_seqlens), so a captured CUDA graph replays a step with new
 lengths and new tokens without host work.
+
+A cache holds q's dtype, or float8 e4m3 (torch.float8_e4m3fn) with k_scale and v_scale, fp32
+dequantization factors for the tensor, per K/V head or per sequence and K/V head: half the
+bytes a decode step reads. The new tokens k and v stay in q's dtype; the kernel quantizes them
+as it appends them.
 """
 
 import math
@@ -19,6 +24,7 @@ from fmha import _C, _head_dims, _plans
 from fmha._api import _ask, _mark_given, _raise_for, _target_cc
 from fmha._checks import (
     DTYPE_CODES,
+    E4M3_ROW_PIECE,
     INT_LIMIT,
     ROW_PIECE,
     check_alignment,
@@ -47,14 +53,67 @@ def _check_tensor(name: str, t, ndim: Optional[int], dtype=None) -> None:
 
 def _check_rows(name: str, t: torch.Tensor) -> None:
     """fmha._checks.rows_readable, or an error saying which half of it fails (what the C++
-    checks ask too)."""
-    if rows_readable(t):
+    checks ask too): rows of 16-byte pieces, of 8 elements of a 16-bit type and 16 of an e4m3
+    cache."""
+    piece = E4M3_ROW_PIECE if t.dtype == E4M3 else ROW_PIECE
+    if rows_readable(t, piece):
         return
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         _fail(f"{name} must have its last (head) dimension contiguous, got strides "
               f"{tuple(t.stride())}; pass {name}.contiguous()")
     _fail(f"{name} has strides {tuple(t.stride())}; every one but the head dim's must be a "
-          f"multiple of {ROW_PIECE} elements; pass {name}.contiguous()")
+          f"multiple of {piece} elements (its rows move in 16-byte pieces); pass "
+          f"{name}.contiguous()")
+
+
+# An FP8 cache's elements (KvCacheDtype::kE4M3): float8 e4m3 without infinities, as torch and
+# FlashAttention-3 store them.
+E4M3 = torch.float8_e4m3fn
+
+
+def _scale_shapes(batch: int, nhead_k: int) -> str:
+    return (f"() or (1,) (one for the tensor), ({nhead_k},) (one per K/V head) or ({batch}, "
+            f"{nhead_k}) (one per sequence and K/V head)")
+
+
+def _check_cache_dtypes(q, k_cache, v_cache) -> bool:
+    """Both caches hold q's dtype, or both e4m3; whether they are e4m3."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dtype not in (q.dtype, E4M3):
+            _fail(f"{name} must be {q.dtype} (q's dtype) or {E4M3} (an FP8 cache, with k_scale "
+                  f"and v_scale), got {cache.dtype}")
+    if v_cache.dtype != k_cache.dtype:
+        _fail(f"k_cache and v_cache must hold one dtype, got {k_cache.dtype} and "
+              f"{v_cache.dtype}")
+    return k_cache.dtype == E4M3
+
+
+def _scale_strides(name: str, scale, e4m3: bool, batch: int, nhead_k: int,
+                   cache_dtype) -> tuple:
+    """The (batch, head) strides of k_scale or v_scale, (0, 0) without one: a tensor of fp32
+    dequantization factors of an e4m3 cache, for the tensor, per K/V head or per sequence and
+    K/V head. A cache of q's dtype takes none."""
+    if scale is None:
+        if e4m3:
+            _fail(f"an e4m3 cache ({E4M3}) needs k_scale and v_scale, fp32 tensors of its "
+                  f"dequantization factors (a key is k_cache * k_scale, a value v_cache * "
+                  f"v_scale) of shape {_scale_shapes(batch, nhead_k)}; {name} is missing")
+        return 0, 0
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"fmha.{_API}: {name} must be a torch.Tensor or None, got "
+                        f"{type(scale).__name__}")
+    if not e4m3:
+        _fail(f"{name} dequantizes an e4m3 cache ({E4M3}); a {cache_dtype} cache takes none")
+    if scale.dtype != torch.float32:
+        _fail(f"{name} must be torch.float32, got {scale.dtype}")
+    shape, strides = tuple(scale.shape), kernel_strides(scale)
+    if shape in ((), (1,)):
+        return 0, 0
+    if shape == (nhead_k,):
+        return 0, strides[0]
+    if shape == (batch, nhead_k):
+        return strides
+    _fail(f"{name} must have shape {_scale_shapes(batch, nhead_k)}, got {shape}")
 
 
 def _check_index(name: str, t, shape: tuple) -> None:
@@ -98,7 +157,7 @@ class _KvcachePlan:
         self.device = device
 
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
-            block_table, rotary_cos, rotary_sin, alibi_slopes, instance):
+            block_table, rotary_cos, rotary_sin, alibi_slopes, k_scale, v_scale, instance):
         out = q.new_empty(self.out_shape)
         if out.shape[-1] != self.args.hdim_v:
             out = out[..., :self.args.hdim_v]
@@ -109,7 +168,8 @@ class _KvcachePlan:
         call = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), ptr(k), ptr(v),
                 out.data_ptr(), ptr(lse), cache_seqlens.data_ptr(), ptr(cache_batch_idx),
                 ptr(cache_leftpad), ptr(block_table), ptr(rotary_cos), ptr(rotary_sin),
-                ptr(alibi_slopes), ptr(workspace), torch._C._cuda_getCurrentRawStream(self.device), instance)
+                ptr(alibi_slopes), ptr(k_scale), ptr(v_scale), ptr(workspace),
+                torch._C._cuda_getCurrentRawStream(self.device), instance)
         if torch._C._cuda_getDevice() == self.device:
             failed = self.args.run(*call)
         else:
@@ -129,8 +189,9 @@ def _layout(t: torch.Tensor) -> tuple:
 
 
 def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
-              cache_leftpad, rotary_cos, rotary_sin, alibi_slopes, rotary_interleaved, causal,
-              window_size, softcap, softmax_scale, num_splits, return_lse, instance) -> Optional[tuple]:
+              cache_leftpad, rotary_cos, rotary_sin, alibi_slopes, k_scale, v_scale,
+              rotary_interleaved, causal, window_size, softcap, softmax_scale, num_splits,
+              return_lse, instance) -> Optional[tuple]:
     """The signature of a call (and of the instance it names, whose workspace may differ from
     the dispatcher's choice's) whose tensors are plain tensors (or None) and whose options have
     their documented types exactly (a bool is no int here), so that two calls with one key pass
@@ -142,7 +203,7 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch
             or cache_seqlens.__class__ is not torch.Tensor):
         return None
     for t in (k, v, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
-              alibi_slopes):
+              alibi_slopes, k_scale, v_scale):
         if t is not None and t.__class__ is not torch.Tensor:
             return None
     for flag in (rotary_interleaved, causal, return_lse):
@@ -162,6 +223,8 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch
             None if rotary_cos is None else _layout(rotary_cos),
             None if rotary_sin is None else _layout(rotary_sin),
             None if alibi_slopes is None else _layout(alibi_slopes),
+            None if k_scale is None else _layout(k_scale),
+            None if v_scale is None else _layout(v_scale),
             rotary_interleaved, causal, window_size, softcap, softmax_scale, num_splits,
             return_lse, instance)
 
@@ -169,17 +232,20 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch
 def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
                 block_table, rotary_cos, rotary_sin, rotary_interleaved, causal, window_size,
                 softcap, alibi_slopes, softmax_scale, num_splits, return_lse,
-                check_device: bool = True, on_copies: bool = False):
+                check_device: bool = True, on_copies: bool = False, *, k_scale=None,
+                v_scale=None):
     """Every check of a call, then its KvcacheArgs (pointers left 0) and output shapes. Without
     check_device (select/explain for a named GPU), tensors may be on any device. on_copies: the
     call runs on copies of the operands that _head_dims.rows_copied (_fwd_kvcache_on_copies),
-    whose rows are the copies' and go unchecked here."""
+    whose rows are the copies' and go unchecked here (never an e4m3 cache's: it is written in
+    place)."""
     _check_tensor("q", q, 4)
     if q.dtype not in DTYPE_CODES:
         _fail(f"q must be float16 or bfloat16, got {q.dtype}")
     batch, seqlen_q, nhead_q, hdim_q = q.shape
-    _check_tensor("k_cache", k_cache, 4, q.dtype)
-    _check_tensor("v_cache", v_cache, 4, q.dtype)
+    _check_tensor("k_cache", k_cache, 4)
+    _check_tensor("v_cache", v_cache, 4)
+    e4m3 = _check_cache_dtypes(q, k_cache, v_cache)
     paged = block_table is not None
     batch_cache, rows_cache, nhead_k, hdim_k = k_cache.shape
     hdim_v = v_cache.shape[3]
@@ -196,6 +262,12 @@ def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache
     for name, d in (("q", hdim_q), ("v_cache", hdim_v)):
         if d == 0:
             _fail(f"{name}'s head dim must be positive")
+    if e4m3 and (hdim_q % E4M3_ROW_PIECE or hdim_v % E4M3_ROW_PIECE):
+        _fail(f"an e4m3 cache's head dims must be multiples of {E4M3_ROW_PIECE} (its rows move "
+              f"in whole 16-byte pieces of {E4M3_ROW_PIECE} elements, and it is written in "
+              f"place, never copied), got {hdim_q} for k_cache and {hdim_v} for v_cache")
+    k_scale_strides = _scale_strides("k_scale", k_scale, e4m3, batch, nhead_k, k_cache.dtype)
+    v_scale_strides = _scale_strides("v_scale", v_scale, e4m3, batch, nhead_k, k_cache.dtype)
     seqlen_new = 0
     if (k is None) != (v is None):
         _fail("k and v are appended together: pass both or neither")
@@ -288,10 +360,15 @@ def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache
         check_devices(api=_API, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
                       cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
                       cache_leftpad=cache_leftpad, block_table=block_table,
-                      rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+                      rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
+                      k_scale=k_scale, v_scale=v_scale)
 
     a = _C.KvcacheArgs()
     a.dtype = DTYPE_CODES[q.dtype]
+    if e4m3:
+        a.kv_dtype = _C.KV_DTYPE_E4M3
+        a.k_scale_batch_stride, a.k_scale_head_stride = k_scale_strides
+        a.v_scale_batch_stride, a.v_scale_head_stride = v_scale_strides
     a.batch, a.seqlen_q, a.nhead_q, a.hdim_q = batch, seqlen_q, nhead_q, hdim_q
     a.seqlen_new, a.seqlen_cache, a.batch_cache = seqlen_new, seqlen_cache, batch_cache
     a.nhead_k, a.hdim_v = nhead_k, hdim_v
@@ -332,7 +409,7 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
                 cache_batch_idx=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
                 rotary_interleaved=False, causal=False, window_size=(-1, -1), softcap=0.0,
                 alibi_slopes=None, softmax_scale=None, num_splits=0, return_lse=False,
-                instance=None):
+                k_scale=None, v_scale=None, instance=None):
     """Attention of q against a KV cache, FlashAttention's flash_attn_with_kvcache.
 
     q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch_cache, seqlen_cache,
@@ -349,6 +426,16 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
     choose from the shapes and the GPU. Returns out (batch, seqlen_q, nheads, headdim), and
     with return_lse the log-sum-exp (batch, nheads, seqlen_q) in fp32.
 
+    The caches hold q's dtype, or both torch.float8_e4m3fn (an FP8 cache: half the bytes a
+    decode step reads), whose key is k_cache * k_scale and value v_cache * v_scale: k_scale and
+    v_scale are fp32 tensors on the caches' GPU of shape () or (1,) (one for the tensor),
+    (nheads_k,) (one per K/V head) or (batch, nheads_k) (one per sequence and K/V head, as
+    FlashAttention-3's k_descale/v_descale), required with an e4m3 cache and refused with
+    another. k and v stay in q's dtype: they are divided by the scales, saturated to +-448 and
+    rounded to e4m3 as they are appended. An e4m3 cache's head dims are multiples of 16 and its
+    strides (in elements, i.e. bytes) too: it is written in place, never copied. It runs the
+    decode kernel at every chunk size (chunked prefill reads no e4m3 cache yet).
+
     Decode steps (a few query tokens) run the split-KV decode kernel. On H100/H200, chunks of
     at least a tile of query tokens (128; 192 at head dim 64) or of 256 query tokens x query
     heads per K/V head (32 tokens at GQA 8:1), on a contiguous cache or on pages of a multiple
@@ -357,28 +444,29 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
     """
     check_instance(instance, _API)
     key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
-                    cache_leftpad, rotary_cos, rotary_sin, alibi_slopes, rotary_interleaved, causal,
-                    window_size, softcap, softmax_scale, num_splits, return_lse, instance)
+                    cache_leftpad, rotary_cos, rotary_sin, alibi_slopes, k_scale, v_scale,
+                    rotary_interleaved, causal, window_size, softcap, softmax_scale, num_splits,
+                    return_lse, instance)
     plan = _PLANS.get(key) if key is not None else None
     if plan is None and _head_dims.kvcache_needs_copies(q, k_cache, v_cache, k, v):
         # Every check first: a bad call fails before anything is copied.
         _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
                     block_table, rotary_cos, rotary_sin, rotary_interleaved, causal, window_size,
                     softcap, alibi_slopes, softmax_scale, num_splits, return_lse,
-                    on_copies=True)
+                    on_copies=True, k_scale=k_scale, v_scale=v_scale)
         return _fwd_kvcache_on_copies(
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
             cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
             rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal,
             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
             softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
-            instance=instance)
+            k_scale=k_scale, v_scale=v_scale, instance=instance)
     if plan is None:
         args, out_shape, lse_shape = _build_args(
             q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
             rotary_cos,
             rotary_sin, rotary_interleaved, causal, window_size, softcap, alibi_slopes,
-            softmax_scale, num_splits, return_lse)
+            softmax_scale, num_splits, return_lse, k_scale=k_scale, v_scale=v_scale)
         check_alignment(_API, q=q, k_cache=k_cache, v_cache=v_cache,
                         **({} if k is None else {"k": k, "v": v}))
         device = q.get_device()
@@ -387,7 +475,7 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
             # operands the call has; run() sets every pointer from the call's tensors.
             _mark_given(args, k_new=k, v_new=v, block_table=block_table,
                         cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
-                        alibi_slopes=alibi_slopes)
+                        alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale)
             # A miss compiles on demand (fmha.jit), in C++, unless the stream captures a graph.
             code, message, workspace_bytes = _C.kvcache_workspace_size(
                 args, instance, torch._C._cuda_getCurrentRawStream(device))
@@ -397,7 +485,8 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
         if key is not None:
             _PLANS.put(key, plan)
     out, lse = plan.run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
-                        block_table, rotary_cos, rotary_sin, alibi_slopes, instance)
+                        block_table, rotary_cos, rotary_sin, alibi_slopes, k_scale, v_scale,
+                        instance)
     return (out, lse) if return_lse else out
 
 
@@ -432,7 +521,8 @@ def _described(q, k_cache, v_cache, k, v, cache_seqlens, options: dict, cc: int)
     defaults = dict(block_table=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
                     rotary_sin=None,
                     rotary_interleaved=False, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, softmax_scale=None, num_splits=0, return_lse=False)
+                    alibi_slopes=None, softmax_scale=None, num_splits=0, return_lse=False,
+                    k_scale=None, v_scale=None)
     unknown = set(options) - set(defaults)
     if unknown:
         raise TypeError(f"fmha.{_API}: unexpected options {sorted(unknown)}")
@@ -445,7 +535,8 @@ def _described(q, k_cache, v_cache, k, v, cache_seqlens, options: dict, cc: int)
                            o["rotary_sin"], o["rotary_interleaved"], o["causal"],
                            o["window_size"], o["softcap"], o["alibi_slopes"],
                            o["softmax_scale"], o["num_splits"], o["return_lse"],
-                           check_device=check_device, on_copies=on_copies)[0]
+                           check_device=check_device, on_copies=on_copies,
+                           k_scale=o["k_scale"], v_scale=o["v_scale"])[0]
 
     args = build(q, k_cache, v_cache, k, v, check_device=not cc)
     if on_copies:  # described on meta tensors of the copies' shapes and strides, as they run
@@ -454,7 +545,7 @@ def _described(q, k_cache, v_cache, k, v, cache_seqlens, options: dict, cc: int)
     _mark_given(args, k_new=k, v_new=v, block_table=o["block_table"],
                 cache_batch_idx=o["cache_batch_idx"], cache_leftpad=o["cache_leftpad"],
                 rotary_cos=o["rotary_cos"], rotary_sin=o["rotary_sin"],
-                alibi_slopes=o["alibi_slopes"])
+                alibi_slopes=o["alibi_slopes"], k_scale=o["k_scale"], v_scale=o["v_scale"])
     return args
 
 
