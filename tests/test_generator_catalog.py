@@ -51,8 +51,8 @@ def test_repository_matrix():
     fwd = catalog.of(OPERATION.get("fwd"))
     assert len(fwd) == 10080 - 48 + 72 and catalog.instances[:len(fwd)] == fwd
     # Every operation's points less what its rules keep (BWD_POINTS, KVCACHE_POINTS: below).
-    assert catalog.pruned == 2 * 32256 - 10104 + BWD_POINTS - 4056 + KVCACHE_POINTS - 1764
-    assert len(set(names(catalog))) == 10104 + 4056 + 1764
+    assert catalog.pruned == 2 * 32256 - 10104 + BWD_POINTS - 4056 + KVCACHE_POINTS - 1572
+    assert len(set(names(catalog))) == 10104 + 4056 + 1572
     for instance in fwd:
         point, traits = instance.point, instance.point.traits
         assert traits.mode.token == "batch" or (point.pad_seqlen and traits.lse)
@@ -580,8 +580,8 @@ KVCACHE_POINTS = 2 * 2 * 7 * 3 * 3 * 2 * 2 * 2 * 2 * 4
 def test_repository_kvcache_matrix():
     # fa2 (decode), on a cache of the queries' dtype: 2 dtypes x 6 head dims (hdim_q ==
     # hdim_v) x 3 masks x 2 biases (none, ALiBi) x 2 (contiguous, paged) x 2 softcap on 2 archs
-    # x exact and padded head dims: 1152; on an e4m3 cache the same at exact head dims only:
-    # 576. fa3 (chunked prefill): 2 dtypes x head dims 64, 128 and 256 x 3 masks x 2
+    # x exact and padded head dims: 1152; on an e4m3 cache the same at exact head dims only,
+    # of 64, 128, 192 and 256: 384. fa3 (chunked prefill): 2 dtypes x head dims 64, 128 and 256 x 3 masks x 2
     # (contiguous, paged) on sm90a, without ALiBi or soft-cap, exact head dims, on a cache of
     # the queries' dtype only: 36. Each pads sequence lengths; kvcache's is the last table of
     # the catalog.
@@ -592,7 +592,8 @@ def test_repository_kvcache_matrix():
     decode = [i for i in kvcache if i.point.pipeline.token == "fa2"]
     prefill = [i for i in kvcache if i.point.pipeline.token == "fa3"]
     e4m3 = [i for i in decode if i.point.traits.kv_dtype.token == "e4m3"]
-    assert (len(decode), len(e4m3), len(prefill)) == (1152 + 576, 576, 36)
+    assert (len(decode), len(e4m3), len(prefill)) == (1152 + 384, 384, 36)
+    assert {i.point.traits.hdim_q for i in e4m3} == {64, 128, 192, 256}
     assert sum(i.point.pad_hdim for i in decode) == 576
     assert not any(i.point.pad_hdim for i in (*prefill, *e4m3))
     assert all(i.name.startswith(f"kvcache_{i.point.traits.dtype.token}_kve4m3_d") for i in e4m3)

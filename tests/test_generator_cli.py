@@ -15,7 +15,7 @@ BWD_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias",
 KVCACHE_SUMMARY_FIELDS = ("name", "op", "dtype", "kv_dtype", "hdim_q", "hdim_v", "mask", "bias",
                           "paged", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim",
                           "block_m", "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = ("26 of 15924 instances selected (fwd 8, bwd 5, kvcache 13; 96972 "
+DEFAULT_SELECTED = ("26 of 15732 instances selected (fwd 8, bwd 5, kvcache 13; 97164 "
                     "pruned)")
 
 
@@ -51,7 +51,7 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     assert result.returncode == 0, result.stderr
     # minimal's fwd instances leave out the log-sum-exp, extended's write it: none are shared;
     # its two sm90a bwd and three sm90a kvcache ones are extended's.
-    assert "7 of 15924 instances selected (fwd 2, bwd 2, kvcache 3;" in result.stdout
+    assert "7 of 15732 instances selected (fwd 2, bwd 2, kvcache 3;" in result.stdout
     assert "5 unchanged, 79 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
         "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu",
@@ -185,12 +185,12 @@ def test_presets_table(run_cli):
     rows = {line.split()[0]: [int(n) for n in line.split()[1:7]]
             for line in lines[1:] if not line.startswith(" ")}
     assert rows == {"default": [8, 5, 13, 26, 12, 14],
-                    "extended": [276, 276, 468, 1020, 468, 552],
+                    "extended": [276, 276, 420, 972, 444, 528],
                     "minimal": [4, 4, 6, 14, 7, 7],
                     "flash_attn": [2040, 2040, 1188, 5268, 2592, 2676],
                     "pytorch": [448, 672, 0, 1120, 560, 560],
-                    "coverage": [592, 392, 648, 1632, 782, 850],
-                    "all": [10104, 4056, 1764, 15924, 7920, 8004]}
+                    "coverage": [592, 392, 640, 1624, 778, 846],
+                    "all": [10104, 4056, 1572, 15732, 7824, 7908]}
     assert "CI smoke build (14 TUs)" in result.stdout
     assert max(map(len, lines)) <= 100
 
@@ -216,7 +216,7 @@ def test_presets_json_with_targets_and_filter(run_cli):
         "instances": 14, "instances_per_op": {"fwd": 3, "bwd": 2, "kvcache": 9}, "tus": 14,
         "tus_per_target": {"sm80": 0, "sm90a": 14}, "why": default["why"]}
     assert default["why"].startswith("What `pip install .` builds")
-    assert rows[1]["instances_per_op"] == {"fwd": 100, "bwd": 100, "kvcache": 168}
+    assert rows[1]["instances_per_op"] == {"fwd": 100, "bwd": 100, "kvcache": 152}
     assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2, "kvcache": 3}
 
 
@@ -237,7 +237,7 @@ def test_shards_split_the_selection(run_cli, tmp_path):
              for index in range(1, 5)]
     assert sorted(sum(parts, [])) == sorted(whole)
     assert all(part == [name for name in whole if name in part] for part in parts)
-    assert [len(part) for part in parts] == [255, 255, 255, 255]
+    assert [len(part) for part in parts] == [243, 243, 243, 243]
     assert parts[1] == run_cli("--list", "--preset", "extended",
                                "--shard", "2/4").stdout.split()  # deterministic
 
@@ -246,21 +246,21 @@ def test_shard_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out, "--preset", "extended", "--shard", "2/4")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("generator: 1020 of 15924 instances selected (fwd 276, "
-                                    "bwd 276, kvcache 468; 96972 pruned); shard 2/4: 255 TUs "
+    assert result.stdout.startswith("generator: 972 of 15732 instances selected (fwd 276, "
+                                    "bwd 276, kvcache 420; 97164 pruned); shard 2/4: 243 TUs "
                                     "(sm80 ")
-    assert "258 files written" in result.stdout
+    assert "246 files written" in result.stdout
     tus = sorted(p.name for p in out.glob("*.cu"))
     listed = run_cli("--list", "--preset", "extended", "--shard", "2/4").stdout.split()
     assert tus == sorted(f"{name}.cu" for name in listed)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["instances"]) == 1020
+    assert len(manifest["instances"]) == 972
     assert (manifest["shard"]["index"], manifest["shard"]["count"]) == (2, 4)
     assert sorted(manifest["shard"]["tus"]) == tus
     table = (out / "dispatch_table.cpp").read_text()
-    assert table.count("&instances::launch_") == 1020
+    assert table.count("&instances::launch_") == 972
     assert table.count("&instances::workspace_bwd_") == 276
-    assert table.count("&instances::workspace_kvcache_") == 468
+    assert table.count("&instances::workspace_kvcache_") == 420
 
 
 def test_bad_shard_message(run_cli):
@@ -399,7 +399,7 @@ def test_filter_names_an_operation(run_cli):
     fwd = listed("--filter", "fwd")
     assert len(fwd) == 276 and all(name.startswith("fwd_") for name in fwd)
     kvcache = listed("--filter", "kvcache")
-    assert len(kvcache) == 468 and all(name.startswith("kvcache_") for name in kvcache)
+    assert len(kvcache) == 420 and all(name.startswith("kvcache_") for name in kvcache)
     assert listed() == fwd + bwd + kvcache
     # An axis of the other operation selects nothing of it: lse and vlayout are fwd's.
     result = run_cli("--list", "--preset", "extended", "--filter", "bwd,lse")
@@ -565,7 +565,7 @@ def test_explain_kvcache_hit(run_cli):
         "problem: op=kvcache,dtype=bf16,kv_dtype=same,hdim=128x128,mask=causal,bias=none,"
         "paged=true,softcap=false,seqlen_q=1,seqlen_k=4000,seqused=false,arch=90",
         "chosen:  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
-        "why:     8 of the 468 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "why:     8 of the 420 selected kvcache instances serve it; it goes ahead of the runner-up "
         "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad_hpad by rule 5 of the dispatch "
         "order, exact head dims first: pad_hdim=false against pad_hdim=true",
         "serving, in dispatch order:",
@@ -580,7 +580,7 @@ def test_explain_kvcache_chunk_runs_the_prefill_instance(run_cli):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1:] == [
         "chosen:  kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
-        "why:     9 of the 468 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "why:     9 of the 420 selected kvcache instances serve it; it goes ahead of the runner-up "
         "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad by rule 3 of the dispatch order, "
         "newer pipeline first: pipeline fa3 against pipeline fa2",
         "serving, in dispatch order:",
@@ -603,29 +603,31 @@ def test_explain_an_e4m3_chunk_says_why_it_runs_the_decode_kernel(run_cli):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1:5] == [
         "chosen:  kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n64_pad",
-        "why:     2 of the 468 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "why:     2 of the 420 selected kvcache instances serve it; it goes ahead of the runner-up "
         "kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm80_m16n64_pad by rule 1 of the dispatch "
         "order, higher compute capability first: sm90a (cc 90) against sm80 (cc 80)",
         "note:    fa3 (sm90a) has no instance for kv_dtype=e4m3: chunked prefill from an e4m3 "
         "cache is not built yet; such calls run the decode kernel at every chunk size; falling "
         "back to fa2",
         "serving, in dispatch order:"]
-    # Exact head dims only: no padded instance runs 120 from an e4m3 cache.
-    result = run_cli("--explain", "op=kvcache,dtype=bf16,kv_dtype=e4m3,hdim=120,arch=90",
-                     "--preset", "all")
-    assert "no kvcache instance of the whole matrix serves it either" in result.stdout
+    # Exact head dims only, of 64, 128, 192 and 256: no padded instance runs 120 from an e4m3
+    # cache, and none has 96.
+    for hdim in (120, 96):
+        result = run_cli("--explain", f"op=kvcache,dtype=bf16,kv_dtype=e4m3,hdim={hdim},arch=90",
+                         "--preset", "all")
+        assert "no kvcache instance of the whole matrix serves it either" in result.stdout
     # The filter of a miss names the cache's dtype.
-    result = run_cli("--explain", "op=kvcache,dtype=fp16,kv_dtype=e4m3,hdim=96,bias=alibi,arch=80",
-                     "--preset", "extended")
+    result = run_cli("--explain", "op=kvcache,dtype=fp16,kv_dtype=e4m3,hdim=192,bias=alibi,"
+                                  "arch=80", "--preset", "extended")
     assert result.stdout.splitlines()[-1] == (
-        "build it with: python -m generator --preset all --filter 'fp16,hdim96,kv_dtype=e4m3,"
+        "build it with: python -m generator --preset all --filter 'fp16,hdim192,kv_dtype=e4m3,"
         "mask=none,bias=alibi,paged=false,softcap=false,sm80'")
 
 
 def test_explain_kvcache_miss_suggests_a_filter_that_fits(run_cli):
     problem = "op=kvcache,dtype=fp16,hdim=96,bias=alibi,softcap=true,arch=80"
     lines = run_cli("--explain", problem, "--preset", "extended").stdout.splitlines()
-    assert lines[1] == "none of the 468 selected kvcache instances serves it; the nearest:"
+    assert lines[1] == "none of the 420 selected kvcache instances serves it; the nearest:"
     # The preset that builds least and has an instance serving it: coverage's head-dim-padded
     # d128 (every trait at d128), where flash_attn has the exact d96 one.
     assert lines[5] == ("the matrix has one that fits: "

@@ -194,7 +194,7 @@ def test_repository_config_loads():
     # The shared rules come first in the rules of each operation they apply to: all three
     # are fwd's and bwd's; kvcache has no mode, and the fa2 rule names fwd and bwd.
     fwd, bwd, kvcache = config.operations.values()
-    assert [len(op.rules) for op in (fwd, bwd, kvcache)] == [3 + 10, 3 + 1 + 8, 1 + 10]
+    assert [len(op.rules) for op in (fwd, bwd, kvcache)] == [3 + 10, 3 + 1 + 8, 1 + 11]
     assert fwd.rules[:3] == bwd.rules[:3] == config.shared_rules
     assert kvcache.rules[:1] == config.shared_rules[1:2]
     assert [c.axis for c in kvcache.rules[0].when] == ["pad_seqlen", "pad_hdim"]
