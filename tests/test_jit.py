@@ -170,3 +170,21 @@ def test_the_program_says_when_there_is_nothing_to_compile(tmp_path):
     assert result.returncode == jit.NOTHING_TO_COMPILE, result.stderr
     assert "nothing in the matrix" in result.stdout and "hdim4096" in result.stdout
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+@pytest.mark.parametrize("cc, target", [(90, "sm90a"), (80, "sm80")])
+def test_an_e4m3_cache_miss_compiles_its_own_instance(cc, target):
+    """The recipe of a miss on an FP8 (e4m3) cache names its kv_dtype, so compile on demand
+    builds the e4m3 decode instance, not the queries' dtype's (nothing is compiled here)."""
+    import torch
+    from fmha import _C, _kvcache
+    cache = torch.empty(2, 256, 2, 128, dtype=torch.float8_e4m3fn)
+    q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16)
+    args = _kvcache._described(q, cache, cache, None, None, torch.zeros(2, dtype=torch.int32),
+                               dict(k_scale=torch.ones(2), v_scale=torch.ones(2), causal=True,
+                                    block_table=torch.zeros(2, 16, dtype=torch.int32)), cc=cc)
+    filter_text, recipe_target = _C.instance_recipe(args, cc)
+    assert recipe_target == target
+    assert "kv_dtype=e4m3" in filter_text.split(",")
+    assert [i.name for i in jit._selection(filter_text, target).instances] == [
+        f"kvcache_bf16_kve4m3_d128_causal_paged_fa2_{target}_m16n64_pad"]
