@@ -1,20 +1,23 @@
-// float8 e4m3 KV-cache elements as the decode kernel's 16-bit mma operands, and the appends'
+// float8 e4m3 KV-cache elements as the decode kernel's fp16 mma operands, and the appends'
 // rounding into them (KvCacheDtype::kE4M3, fmha.h).
 //
-// Widening. An e4m3 byte (sign, 4 exponent bits of bias 7, 3 mantissa bits) becomes a bf16 or
-// fp16 of the same bits moved into place: sign to bit 15, exponent and mantissa to the low
-// exponent bits and the high mantissa bits. That is the exact value times a power of two that
-// the kernel folds into scales it applies anyway (bf16: 2^-120, the bias difference 127 - 7;
-// fp16: 2^-8, 15 - 7), subnormals included (e4m3's land on the wider type's subnormals, at the
-// same factor). Three instructions a pair of elements: a PRMT that picks the two bytes and
-// sign-extends each to 16 bits, a shift, a mask; cvt.rn.f16x2.e4m3x2 would take one for fp16
-// but bf16 then needs four more (through fp32), and the product with 2^k needs a fifth. The
-// e4m3fn NaN (S.1111.111) widens to a finite 480 * 2^-120 (bf16): a NaN in a cache is not a
-// value the quantizing append writes from finite inputs.
+// Widening. Every e4m3 value is an fp16 value (3 of fp16's 10 mantissa bits, 4 of its 5
+// exponent bits, subnormals included), so a decode step against an e4m3 cache runs its
+// products in fp16 whatever the queries' dtype, and the cache's elements convert exactly:
+// on sm89 and newer one cvt.rn.f16x2.e4m3x2 a pair. A bf16 widening would cost three
+// instructions a pair (PRMT, shift, mask: the bits moved into place), and the decode kernel's
+// step is bound by instruction issue once its bytes halve: on an H200 (bf16 queries, d128, GQA
+// 8:1) that widening read 1.34-1.63x the 16-bit cache's steps per second at batch 8-64 x
+// 8k-128k keys, against the 2x the bytes allow. sm80 has no e4m3 conversion: there the bits are
+// moved into place (an fp16 of 2^-8 times the value) and one HMUL2 by 256 restores it, which
+// reads the e4m3 NaN code (S.1111.111) as 480, not NaN.
 //
-// Which two bytes of a 32-bit word form a pair is the caller's choice of PRMT selector: a
-// selector nibble picks a byte (0-3 from the word), and its bit 3 fills the result byte with
-// that byte's sign, so (b, sign(b)) is b sign-extended.
+// Which two bytes of a 32-bit word form a pair is the caller's: K's pairs are bytes 0, 1 and
+// 2, 3 of a word; V's are bytes 0, 2 and 1, 3 (a transposed ldmatrix interleaves two keys),
+// which one PRMT turns into 0, 1 and 2, 3 for both of the word's pairs.
+//
+// bf16 queries become fp16 once per CTA, times 2^-shift where their largest magnitude would
+// pass fp16's range (query_shift below); the logits' scale takes 2^shift back.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -22,70 +25,42 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
-#include <type_traits>
 
 namespace fmha::e4m3 {
 
-// Selectors of byte pairs (lo, hi) of a word: bytes 0 and 1, 2 and 3, 0 and 2, 1 and 3.
-constexpr uint32_t kBytes01 = 0x9180;
-constexpr uint32_t kBytes23 = 0xB3A2;
-constexpr uint32_t kBytes02 = 0xA280;
-constexpr uint32_t kBytes13 = 0xB391;
+// Bytes 0 and 2 of a word, then 1 and 3: V's two pairs as K's are laid out.
+__device__ __forceinline__ uint32_t pair_interleaved_bytes(uint32_t word) {
+  return __byte_perm(word, 0, 0x3120);
+}
 
-template <typename Element>
-struct Widen;
-
-// kLog2Factor: the widened value is the e4m3 value times 2^kLog2Factor. The other operand of
-// each product is scaled by a power of two as well where the products would otherwise leave
-// fp32's normal range: bf16 keys of 2^-120 times their value meet queries times 2^64 (a query
-// up to 2^64 in magnitude stays finite), and bf16 values meet probabilities times 2^64, which
-// the exp2 of the softmax applies for free (its argument gains 64). fp16 needs neither.
-template <>
-struct Widen<__nv_bfloat16> {
-  static constexpr int kLog2Factor = -120;
-  static constexpr int kShift = 4;               // e4m3 bits 0-6 to bf16 bits 4-10
-  static constexpr uint32_t kMask = 0x87f087f0;  // bits 4-10 and the sign, of each half
-  static constexpr int kQueryLog2Scale = 64;
-  static constexpr int kProbabilityLog2Scale = 64;
-};
-
-template <>
-struct Widen<__half> {
-  static constexpr int kLog2Factor = -8;
-  static constexpr int kShift = 7;               // e4m3 bits 0-6 to fp16 bits 7-13
-  static constexpr uint32_t kMask = 0xbf80bf80;  // bits 7-13 and the sign, of each half
-  static constexpr int kQueryLog2Scale = 0;
-  static constexpr int kProbabilityLog2Scale = 0;
-};
-
-// The two e4m3 elements of `word` that `selector` picks, as a 16-bit pair of Element (the first
-// in the low half), each 2^Widen<Element>::kLog2Factor times its value.
-template <typename Element, uint32_t kSelector>
+// The two e4m3 values in bytes 0, 1 (kHigh: 2, 3) of `word` as an fp16 pair, exactly.
+template <bool kHigh>
 __device__ __forceinline__ uint32_t widen_pair(uint32_t word) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t pair;
+  const uint16_t bytes = static_cast<uint16_t>(kHigh ? word >> 16 : word);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(pair) : "h"(bytes));
+  return pair;
+#else
+  // Each byte sign-extended to 16 bits (a PRMT selector nibble's bit 3), shifted so that
+  // exponent and mantissa land in fp16's bits 7-13, the sign kept in bit 15: 2^-8 x the value.
+  constexpr uint32_t kSelector = kHigh ? 0xB3A2 : 0x9180;
   uint32_t extended;
   asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(extended) : "r"(word), "n"(kSelector));
-  return (extended << Widen<Element>::kShift) & Widen<Element>::kMask;
+  const uint32_t scaled = (extended << 7) & 0xbf80bf80;
+  const __half2 x = *reinterpret_cast<const __half2*>(&scaled);
+  const __half2 y = __hmul2(x, __half2(__ushort_as_half(0x5c00), __ushort_as_half(0x5c00)));
+  return *reinterpret_cast<const uint32_t*>(&y);  // 256 x: exact
+#endif
 }
 
-// A pair of query elements times 2^Widen<Element>::kQueryLog2Scale (exact: a power of two).
-template <typename Element>
-__device__ __forceinline__ uint32_t scale_query_pair(uint32_t pair) {
-  if constexpr (Widen<Element>::kQueryLog2Scale == 0) {
-    return pair;
-  } else {
-    static_assert(std::is_same_v<Element, __nv_bfloat16> && Widen<Element>::kQueryLog2Scale == 64);
-    const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(&pair);
-    const __nv_bfloat162 y = __hmul2(x, __nv_bfloat162(__ushort_as_bfloat16(0x5f80),
-                                                       __ushort_as_bfloat16(0x5f80)));  // 2^64
-    return *reinterpret_cast<const uint32_t*>(&y);
-  }
-}
-
-// 2^n as a float, for |n| <= 126.
-__host__ __device__ constexpr float exp2i(int n) {
-  float x = 1.f;
-  for (int i = 0; i < (n < 0 ? -n : n); ++i) x = n < 0 ? x * 0.5f : x * 2.f;
-  return x;
+// The power of two that brings queries of largest magnitude `amax` below 2^15, inside fp16's
+// range: 0 for any query fp16 holds, so that most calls convert without rounding (bf16's 8
+// significant bits fit fp16's 11 down to 2^-14; smaller elements round to fp16's subnormals,
+// 2^-24 apart, far below what a logit resolves).
+__device__ __forceinline__ int query_shift(float amax) {
+  const int exponent = amax > 0.f && amax < INFINITY ? ilogbf(amax) : 0;
+  return min(max(exponent - 14, 0), 100);
 }
 
 // Eight values divided by `scale` and rounded to nearest even, saturated to +-448 (what torch's

@@ -46,9 +46,10 @@ template <typename Element_, typename KvElement_, int kHeadDimQK_, int kHeadDimV
 struct Config {
   using Element = Element_;      // q's, k_new's, v_new's and the output's
   using KvElement = KvElement_;  // the caches': Element, or __nv_fp8_e4m3
-  // An e4m3 cache: its tiles are widened to Element in registers (e4m3_cache.cuh), so the
-  // mainloop's instructions are the 16-bit kernel's on half the bytes.
+  // An e4m3 cache: its tiles are widened to fp16 in registers (e4m3_cache.cuh), and the
+  // products run in fp16 whatever Element is (bf16 queries are converted once per CTA).
   static constexpr bool kE4m3Cache = std::is_same_v<KvElement, __nv_fp8_e4m3>;
+  using MmaElement = std::conditional_t<kE4m3Cache, __half, Element>;
   static constexpr int kHeadDimQK = kHeadDimQK_;
   static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kBlockM = kBlockM_;
@@ -368,22 +369,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
   // a CTA: a scalar each.
   float softmax_mul = p.softmax_mul, logit_scale = p.scale, softcap_scale = p.softcap_scale;
   float out_scale = 1.f;
+  // The one of them k_scale (and the queries' fp16 shift, below) multiplies.
+  [[maybe_unused]] float& logit_factor =
+      Cfg::kLogitsInScores ? (Cfg::kSoftcap ? softcap_scale : logit_scale) : softmax_mul;
   if constexpr (Cfg::kE4m3Cache) {
-    using Widen = e4m3::Widen<Element>;
-    constexpr float kLogitFactor = e4m3::exp2i(-Widen::kLog2Factor - Widen::kQueryLog2Scale);
-    constexpr float kValueFactor = e4m3::exp2i(-Widen::kLog2Factor);
-    const float k_dequant =
-        p.k_scale[batch * p.k_scale_batch_stride + kv_head * p.k_scale_head_stride] *
-        kLogitFactor;
-    (Cfg::kLogitsInScores ? (Cfg::kSoftcap ? softcap_scale : logit_scale) : softmax_mul) *=
-        k_dequant;
-    out_scale = p.v_scale[batch * p.v_scale_batch_stride + kv_head * p.v_scale_head_stride] *
-                kValueFactor;
+    logit_factor *= p.k_scale[batch * p.k_scale_batch_stride + kv_head * p.k_scale_head_stride];
+    out_scale = p.v_scale[batch * p.v_scale_batch_stride + kv_head * p.v_scale_head_stride];
   }
-  // exp2's argument gains it, so that P is 2^kPLog2Scale times the probabilities (the e4m3
-  // cache's bf16 products, e4m3_cache.cuh); the row sums carry the same factor.
-  constexpr float kPLog2Scale =
-      Cfg::kE4m3Cache ? static_cast<float>(e4m3::Widen<Element>::kProbabilityLog2Scale) : 0.f;
+  // exp2's argument gains it, so that P is 2^kPLog2Scale times the probabilities: an e4m3
+  // cache's P is fp16, whose normal range ends at 2^-14; at 2^15 it ends at 2^-29 instead, and
+  // P stays below fp16's largest value. The row sums carry the same factor.
+  constexpr float kPLog2Scale = Cfg::kE4m3Cache ? 15.f : 0.f;
 
   // This split's share of the key tiles the rows see, every num_splits-th of this sequence's
   // own range (an even share, so short sequences of a batch do not leave splits idle).
@@ -481,9 +477,47 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
     for (int h = 0; h < 2; ++h) {
       const uint2 x = *reinterpret_cast<const uint2*>(
           smem + QTile::offset(lane / 4 + 8 * h, 2 * kt + (lane % 4) / 2) + 8 * (lane % 2));
-      a[h] = e4m3::scale_query_pair<Element>(x.x);
-      a[2 + h] = e4m3::scale_query_pair<Element>(x.y);
+      a[h] = x.x;
+      a[2 + h] = x.y;
     }
+  };
+  // bf16 queries as fp16 in place in the Q tile, times 2^-shift where their largest magnitude
+  // needs it (e4m3::query_shift), the logits' scale times 2^shift: once, after Q has landed
+  // and before any thread reads a fragment of it.
+  auto queries_to_half = [&]() {
+    __shared__ float warp_amax[Cfg::kNumWarps];
+    constexpr int kChunks = QTile::kChunks;
+    float amax = 0.f;
+    for (int idx = threadIdx.x; idx < kBlockM * kChunks; idx += Cfg::kThreads) {
+      const auto* x = reinterpret_cast<const __nv_bfloat162*>(
+          smem + QTile::offset(idx / kChunks, idx % kChunks));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = __bfloat1622float2(x[e]);
+        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, offset));
+    }
+    if (lane == 0) warp_amax[warp] = amax;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < Cfg::kNumWarps; ++w) amax = fmaxf(amax, warp_amax[w]);
+    const int shift = e4m3::query_shift(amax);
+    const float down = __int_as_float((127 - shift) << 23);  // 2^-shift
+    for (int idx = threadIdx.x; idx < kBlockM * kChunks; idx += Cfg::kThreads) {
+      auto* x = reinterpret_cast<uint32_t*>(smem + QTile::offset(idx / kChunks, idx % kChunks));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x + e));
+        const __half2 h = __floats2half2_rn(f.x * down, f.y * down);
+        x[e] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+    }
+    logit_factor *= __int_as_float((127 + shift) << 23);
+    __syncthreads();
   };
 
   for (int it = 0; it < n_steps; ++it) {
@@ -495,6 +529,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
     if (it + kStages - 1 < n_steps) load_kv(it + kStages - 1, (it + kStages - 1) % kStages);
     fetch_pages(it + kStages - 1 + Pages::kLead);
     sm80::cp_async_commit();
+    if constexpr (Cfg::kE4m3Cache && std::is_same_v<Element, __nv_bfloat16>) {
+      if (it == 0) queries_to_half();
+    }
     if constexpr (Cfg::kQInRegisters) {
       if (it == 0) {
 #pragma unroll
@@ -537,9 +574,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
           sm80::ldmatrix_x4(b, s_k_stage + KTile::step(k_lane, warp_group0 + g, kc));
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            sm80::mma_16816<Element>(s[2 * g + i % 2], a[i / 2],
-                                     e4m3::widen_pair<Element, e4m3::kBytes01>(b[i]),
-                                     e4m3::widen_pair<Element, e4m3::kBytes23>(b[i]));
+            sm80::mma_16816<__half>(s[2 * g + i % 2], a[i / 2], e4m3::widen_pair<false>(b[i]),
+                                    e4m3::widen_pair<true>(b[i]));
           }
         }
       }
@@ -624,10 +660,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
 #pragma unroll
     for (int g = 0; g < kWarpKeyGroups; ++g) {
       uint32_t a[4];
-      a[0] = sm80::pack2<Element>(s[2 * g][0], s[2 * g][1]);
-      a[1] = sm80::pack2<Element>(s[2 * g][2], s[2 * g][3]);
-      a[2] = sm80::pack2<Element>(s[2 * g + 1][0], s[2 * g + 1][1]);
-      a[3] = sm80::pack2<Element>(s[2 * g + 1][2], s[2 * g + 1][3]);
+      using MmaElement = typename Cfg::MmaElement;
+      a[0] = sm80::pack2<MmaElement>(s[2 * g][0], s[2 * g][1]);
+      a[1] = sm80::pack2<MmaElement>(s[2 * g][2], s[2 * g][3]);
+      a[2] = sm80::pack2<MmaElement>(s[2 * g + 1][0], s[2 * g + 1][1]);
+      a[3] = sm80::pack2<MmaElement>(s[2 * g + 1][2], s[2 * g + 1][3]);
       if constexpr (Cfg::kE4m3Cache) {
         // Keys 0-7 and 8-15 at head-dim columns 32 dc.. (b[0], b[1]) and 32 dc + 16.. (b[2],
         // b[3]), transposed: a lane's word holds keys 2t, 2t + 1 at columns 2c, 2c + 1 (c =
@@ -639,12 +676,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtasPerSm) kvcache_ker
           sm80::ldmatrix_x4_trans(b, s_v_stage + VTile::step(v_lane, warp_group0 + g, dc));
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            sm80::mma_16816<Element>(o_acc[4 * dc + 2 * j], a,
-                                     e4m3::widen_pair<Element, e4m3::kBytes02>(b[2 * j]),
-                                     e4m3::widen_pair<Element, e4m3::kBytes02>(b[2 * j + 1]));
-            sm80::mma_16816<Element>(o_acc[4 * dc + 2 * j + 1], a,
-                                     e4m3::widen_pair<Element, e4m3::kBytes13>(b[2 * j]),
-                                     e4m3::widen_pair<Element, e4m3::kBytes13>(b[2 * j + 1]));
+            const uint32_t low_keys = e4m3::pair_interleaved_bytes(b[2 * j]);
+            const uint32_t high_keys = e4m3::pair_interleaved_bytes(b[2 * j + 1]);
+            sm80::mma_16816<__half>(o_acc[4 * dc + 2 * j], a, e4m3::widen_pair<false>(low_keys),
+                                    e4m3::widen_pair<false>(high_keys));
+            sm80::mma_16816<__half>(o_acc[4 * dc + 2 * j + 1], a,
+                                    e4m3::widen_pair<true>(low_keys),
+                                    e4m3::widen_pair<true>(high_keys));
           }
         }
       } else {
