@@ -111,9 +111,10 @@ def run_decode_case(dtype, d, nhead_q, nhead_k, batch, cache_len, args):
                       for _ in range(copies)]
             name = "fmha" + ("_e4m3" if e4m3 else "") + (f"_paged{page_size}" if page_size else "")
             try:
-                steps = [lambda k_cache=k_cache, v_cache=v_cache, table=table: fmha.fwd_kvcache(
-                    q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, **scales)
-                    for k_cache, v_cache, table in caches]
+                steps = [lambda k_cache=k_cache, v_cache=v_cache, table=table, scales=scales:
+                         fmha.fwd_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                          block_table=table, **scales)
+                         for k_cache, v_cache, table in caches]
                 steps[0]()
                 calls[name] = rotating(steps)
                 bytes_moved[name] = cache_bytes + 2 * element * batch * nhead_q * d
@@ -141,7 +142,7 @@ def run_decode_case(dtype, d, nhead_q, nhead_k, batch, cache_len, args):
     for name, ms in medians.items():
         row[name] = bytes_moved[name] / ms * 1e-6  # GB/s
         row[f"{name}_us"] = ms * 1e3
-    sdpa = {n: v for n, v in row.items() if n.startswith("sdpa_") and isinstance(v, float)}
+    sdpa = {n: row[n] for n in medians if n.startswith("sdpa_")}
     if sdpa:
         best = max(sdpa, key=sdpa.get)
         row["sdpa_best"] = best.removeprefix("sdpa_")
