@@ -990,7 +990,12 @@ bool kvcache_fills_grid(const KvcacheArgs& a) {
 // batch 8 x 8k 97.2 against 98.3 at 2 splits and 4 (v17). A split may be a single key tile:
 // with the combine in one round trip, batch 1 x 1k keys took 8.5 us at 16 splits against 9.5
 // at 4 (a split of at least 4 tiles, the rule before), 2k keys 9.0 against 9.7 at 8 (v16).
-// kMaxSplits bounds the combine's reads.
+// kMaxSplits bounds the combine's reads. An e4m3 cache's CTA keeps half the bytes in flight of a
+// 16-bit one of the same keys, and two fit an SM: where the units fill more than half the SMs
+// but not all, two splits put a second CTA on each (bf16 queries, d128, 128-key tiles, batch 16
+// x 8 K/V heads on an H200's 132 SMs: 84.9 -> 69.8 us a step at 8k keys, 307 -> 254 at 32k).
+// Below that it keeps one CTA an SM, as more splits only shorten them: batch 1 x 8k keys took
+// 11.4 us at 16 splits and 13.6 at 32, batch 8 x 8k 38.6 at 2 and at 4 (docs/perf-notes.md v27).
 template <class Cfg>
 int kvcache_num_splits(const KvcacheArgs& a) {
   constexpr int kMaxSplits = 128;
@@ -998,8 +1003,9 @@ int kvcache_num_splits(const KvcacheArgs& a) {
   if (a.num_splits > 0) return std::min(a.num_splits, std::max(1, key_tiles));
   if (kvcache_fills_grid<Cfg>(a)) return 1;
   const int most = std::max(1, std::min(kMaxSplits, key_tiles));
-  return static_cast<int>(
-      std::min<int64_t>(most, std::max(1, multiprocessor_count()) / kvcache_units<Cfg>(a)));
+  const int sms = std::max(1, multiprocessor_count());
+  if (Cfg::kE4m3Cache && 2 * kvcache_units<Cfg>(a) > sms) return std::min(most, 2);
+  return static_cast<int>(std::min<int64_t>(most, sms / kvcache_units<Cfg>(a)));
 }
 
 template <class Cfg>
