@@ -7,11 +7,11 @@ import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
-from .config import Config, OperationConfig, TileEntry
+from .config import TILE_TRAIT_SELECTORS, Config, OperationConfig, TileEntry
 from .dispatch import check_dispatchable, dispatch_order
 from .errors import GeneratorError
 from .gaps import PipelineGap, pipeline_gaps
-from .model import Instance, MatrixPoint
+from .model import ABSENT, Instance, MatrixPoint, Traits
 from .schema import BUILD_AXES, OperationKind
 
 
@@ -112,23 +112,29 @@ def assign_tiles(points: tuple[MatrixPoint, ...], op_config: OperationConfig,
     launch would fail.
 
     Points differ in many axes a tile does not depend on, so the entry is looked up once per
-    (pipeline, arch, hdim_q, hdim_v, and paged where the operation has it)."""
+    (pipeline, arch, hdim_q, hdim_v, and kv_dtype and paged where the operation has them:
+    config.TILE_TRAIT_SELECTORS), and its shared memory is checked once per such key, with the
+    size of a K/V element that the key's traits give (Traits.kv_element_size)."""
     instances = []
     used: dict[tuple, TileEntry] = {}
+    traits_of: dict[tuple, Traits] = {}  # the traits of the key's first point
     for point in points:
         key = (point.pipeline, point.arch, point.traits.hdim_q, point.traits.hdim_v,
-               getattr(point.traits, "paged", None))
+               *(point.traits.value(axis) for axis in TILE_TRAIT_SELECTORS))
         if key not in used:
             used[key] = _tile_entry(point, op_config, config)
+            traits_of[key] = point.traits
         instances.append(Instance(point, used[key].tile))
     for entry in op_config.tiles:
         if entry not in used.values():
             raise config.error(entry.line, f"{entry.label}: this entry matches no instance; "
                                            f"fix or remove it")
-    for (pipeline, arch, *_), entry in used.items():
+    for key, entry in used.items():
+        pipeline, arch = key[:2]
         smem = op_config.op.kernel(pipeline).shared_memory
+        kv_size = traits_of[key].kv_element_size
         for what, tile in (("the tile", entry.tile), ("its full-grid tile", entry.tile.full_grid)):
-            needed = smem.bytes(tile, entry.hdim) if tile else 0
+            needed = smem.bytes(tile, entry.hdim, kv_size) if tile else 0
             if needed > arch.smem_limit:
                 raise config.error(entry.line, f"{entry.label}: {what} needs {needed} bytes of "
                                                f"shared memory ({smem.formula}), more than the "
@@ -141,8 +147,10 @@ def _tile_entry(point: MatrixPoint, op_config: OperationConfig, config: Config) 
     entries = [entry for entry in op_config.tiles if entry.matches(point)]
     key = (f"pipeline={point.pipeline.token}, arch={point.arch.token}, "
            f"hdim_q={point.traits.hdim_q}, hdim_v={point.traits.hdim_v}")
-    if hasattr(point.traits, "paged"):
-        key += f", paged={str(point.traits.paged).lower()}"
+    for axis in TILE_TRAIT_SELECTORS:
+        value = point.traits.value(axis)
+        if value is not ABSENT:
+            key += f", {axis}={str(value).lower() if isinstance(value, bool) else value.token}"
     label = f"{op_config.label}.tiles"
     if not entries:
         raise config.error(op_config.lines["tiles"], f"{label}: no entry matches {key}; add one")

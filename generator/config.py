@@ -11,9 +11,11 @@ The file's sections:
     matrix:    optional; the values of its own axes (and of shared ones the top matrix leaves
                out): each axis of an operation is given once, here or in the top matrix; its
                matrix is their cross product
-    tiles:     the tile of each (pipeline, arch, hdim_q, hdim_v), with the reason for it;
-               where the kernel takes one (Kernel.full_grid_tile), a second tile for the calls
-               whose units alone fill every SM (`full_grid`)
+    tiles:     the tile of each (pipeline, arch, hdim_q, hdim_v), and of each value of the
+               traits in TILE_TRAIT_SELECTORS that the operation has where an entry names one
+               (kvcache: kv_dtype, paged), with the reason for it; where the kernel takes one
+               (Kernel.full_grid_tile), a second tile for the calls whose units alone fill every
+               SM (`full_grid`)
     rules:     optional; its pruning rules, `{when: {axis: value, [values] or {not: either}},
                reason: ...}`
   presets:     named filters over every operation, like CK's receipts; `default` is what a
@@ -32,8 +34,8 @@ from . import yamllines
 from .errors import ConfigError, GeneratorError
 from .model import Condition, MatrixPoint, Tile
 from .operations import OPERATIONS, Kernel, Operation
-from .schema import (BOOL_AXES, CONDITION_AXES, ENUM_AXES, INT_AXES, MATRIX_AXES, Arch, EnumAxis,
-                     Pipeline)
+from .schema import (BOOL_AXES, CONDITION_AXES, ENUM_AXES, INT_AXES, MATRIX_AXES, Arch, CacheType,
+                     EnumAxis, Pipeline)
 from .yamllines import LineList, LineMap
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "instances.yaml"
@@ -44,6 +46,9 @@ _SECTIONS = ("matrix", "rules", "operations", "presets")
 _OPERATION_SECTIONS = ("matrix", "tiles", "rules")  # `tiles` is required
 _TILE_MATCH_KEYS = ("pipeline", "hdim_q", "hdim_v")
 _TILE_SHAPE_KEYS = ("block_m", "block_n", "warps", "stages")
+# The traits a tile entry may select its points by, beside arch, in an operation that has them
+# (kvcache: its cache's dtype, and paged or contiguous); an entry without one covers each value.
+TILE_TRAIT_SELECTORS = ("kv_dtype", "paged")
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,8 @@ class Matrix:
 class TileEntry:
     """One row of an operation's `tiles:`: the tile of every point with its pipeline and head
     dims, on its arch or, when arch is not given, on every arch; for an operation with the
-    `paged` axis (kvcache), of its paged or contiguous points when `paged` is given."""
+    `kv_dtype` and `paged` axes (kvcache), of its points with that cache dtype when `kv_dtype`
+    is given, and of its paged or contiguous points when `paged` is given."""
 
     label: str  # its place in the file, operations.fwd.tiles[i], for messages
     pipeline: Pipeline
@@ -71,10 +77,12 @@ class TileEntry:
     why: str
     line: int
     paged: bool | None = None
+    kv_dtype: CacheType | None = None
 
     def matches(self, point: MatrixPoint) -> bool:
         return (point.pipeline == self.pipeline
                 and (self.arch is None or point.arch == self.arch)
+                and (self.kv_dtype is None or point.traits.kv_dtype == self.kv_dtype)
                 and (self.paged is None or point.traits.paged == self.paged)
                 and (point.traits.hdim_q, point.traits.hdim_v) == self.hdim)
 
@@ -312,7 +320,8 @@ class _Reader:
         return Matrix(axes)
 
     def tile(self, op: Operation, data, label: str, line: int) -> TileEntry:
-        selectors = ("arch", "paged") if "paged" in op.traits.axes() else ("arch",)
+        selectors = ("arch", *(axis for axis in TILE_TRAIT_SELECTORS
+                               if axis in op.traits.axes()))
         fields = self.mapping(data, label, line, optional=(*selectors, "full_grid"),
                               required=(*_TILE_MATCH_KEYS, *_TILE_SHAPE_KEYS, "why"))
 
@@ -324,6 +333,7 @@ class _Reader:
 
         pipeline = axis("pipeline")
         arch = axis("arch") if "arch" in fields else None
+        kv_dtype = axis("kv_dtype") if "kv_dtype" in fields else None
         paged = axis("paged") if "paged" in fields else None
         hdim = (axis("hdim_q"), axis("hdim_v"))
         kernel = op.kernel(pipeline)
@@ -344,7 +354,8 @@ class _Reader:
                 else fields.line_of(key))
         tile = replace(self.tile_shape(kernel, fields, hdim, label, line, fields.line_of),
                        full_grid=full_grid)
-        return TileEntry(label, pipeline, arch, hdim, tile, field("why", self.text), line, paged)
+        return TileEntry(label, pipeline, arch, hdim, tile, field("why", self.text), line, paged,
+                         kv_dtype)
 
     def tile_shape(self, kernel: Kernel, fields, hdim: tuple[int, int], label: str, line: int,
                    line_of) -> Tile:

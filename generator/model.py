@@ -60,6 +60,12 @@ class Traits:
         """A boolean trait, false for an operation without it (only the forward has lse)."""
         return getattr(self, axis, False)
 
+    @property
+    def kv_element_size(self) -> int:
+        """The bytes of a K or V element as the kernels hold it in shared memory: the dtype's
+        (a KV cache's may be narrower: KvcacheTraits); operations.SharedMemory takes it."""
+        return self.dtype.size
+
 
 @dataclass(frozen=True)
 class FwdTraits(Traits):
@@ -112,6 +118,12 @@ class KvcacheTraits(Traits):
     bias: EnumValue
     paged: bool  # the cache is in pages reached through a block table
     softcap: bool
+
+    @property
+    def kv_element_size(self) -> int:
+        """The cache's: 1 of an e4m3 cache, whose tiles the decode kernel keeps in e4m3
+        (decode::Config's kCacheElementsPer16Bit = 2 / sizeof(KvElement))."""
+        return self.kv_dtype.size_for(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -169,7 +181,7 @@ class Instance:
         pipeline, arch, tile, then `pad` for sequence-length and `hpad` for head-dim padding.
         E.g. fwd_bf16_d128_causal_alibi_col_group_lse_dropout_softcap_fa2_sm90a_m128n64_pad_hpad,
         bwd_fp16_d64_elementwise_dbias_fa2_sm80_m64n128,
-        kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n64_pad."""
+        kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n128_pad."""
         traits, point, tile = self.point.traits, self.point, self.tile
         spelled = []
         for axis in traits.axes():

@@ -79,7 +79,11 @@ class SharedMemory:
     limit so that an oversized tile is reported at its line instead of failing at launch."""
 
     formula: str  # the same in words, for the error message
-    bytes: Callable[[Any, tuple[int, int]], int]  # (model.Tile, (hdim_q, hdim_v)) -> bytes
+    # (model.Tile, (hdim_q, hdim_v), kv_size) -> bytes, where kv_size is the bytes of a K or V
+    # element in shared memory, as the instance's traits give it (Traits.kv_element_size): 2,
+    # or 1 of an e4m3 KV cache, which only the decode kernel reads; the other kernels' K and V
+    # are the inputs' 16-bit dtype, so their formulas count 2-byte elements (kv_size is 2).
+    bytes: Callable[[Any, tuple[int, int], int], int]
 
 
 @dataclass(frozen=True)
@@ -266,9 +270,9 @@ _FWD_FA2_CONSTRAINTS = (
 _Q_AND_KV_RING = "2 * (block_m * max(hdim_q, hdim_v) + stages * block_n * (hdim_q + hdim_v))"
 
 
-def _q_and_kv_ring_bytes(tile, hdim: tuple[int, int]) -> int:
+def _q_and_kv_ring_bytes(tile, hdim: tuple[int, int], kv_size: int = 2) -> int:
     """The Q region (it also stages O in the epilogue, so it fits the wider head dim) and one K
-    and one V tile per stage, of 2-byte elements."""
+    and one V tile per stage, of 2-byte elements (the forward's inputs: kv_size is 2)."""
     return 2 * (tile.block_m * max(hdim) + tile.stages * tile.block_n * (hdim[0] + hdim[1]))
 
 
@@ -299,7 +303,7 @@ _FWD_FA3_CONSTRAINTS = (
 _FA3_BARRIERS_AND_ALIGNMENT = 1024
 _FWD_FA3_SHARED_MEMORY = SharedMemory(
     f"{_Q_AND_KV_RING} + {_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
-    lambda tile, hdim: _q_and_kv_ring_bytes(tile, hdim) + _FA3_BARRIERS_AND_ALIGNMENT)
+    lambda tile, hdim, kv_size=2: _q_and_kv_ring_bytes(tile, hdim) + _FA3_BARRIERS_AND_ALIGNMENT)
 
 
 def _fwd_fa3_wgmma_n(tile, hdim: tuple[int, int]) -> tuple[int, ...]:
@@ -395,7 +399,7 @@ _BWD_FA2_CONSTRAINTS = (
 )
 
 
-def _bwd_fa2_smem_bytes(tile, hdim: tuple[int, int]) -> int:
+def _bwd_fa2_smem_bytes(tile, hdim: tuple[int, int], kv_size: int = 2) -> int:
     """BwdConfig::kSmemBytes: K and V of the CTA; per stage Q, dO and the LSE and D of each
     row; dS^T and, when split_d > 1, P^T."""
     both = hdim[0] + hdim[1]
@@ -445,7 +449,7 @@ _BWD_FA3_CONSTRAINTS = (
 )
 
 
-def _bwd_fa3_smem_bytes(tile, hdim: tuple[int, int]) -> int:
+def _bwd_fa3_smem_bytes(tile, hdim: tuple[int, int], kv_size: int = 2) -> int:
     """BwdConfig::kSmemBytes of bwd_fa3_sm90.cuh: K and V; per stage Q, dO and the LSE and D
     of each row; two dS^T buffers, and with the head-dim split two P^T buffers; one step's fp32
     dQ tile for the writer warp in two slices (of 128 columns each with the products split,
@@ -520,11 +524,18 @@ _DECODE_CONSTRAINTS = (
 )
 
 
-def _decode_smem_bytes(tile, hdim: tuple[int, int]) -> int:
-    """decode::Config::kSmemBytes of a paged instance: the Q tile and one K and one V tile per
-    stage, of 2-byte elements, and the block-table entries of stages + 1 key tiles (int32; a
+_DECODE_SHARED_MEMORY = ("2 * block_m * hdim_q + kv_size * stages * block_n * (hdim_q + hdim_v) "
+                         "+ 4 * (stages + 1) * block_n, kv_size 2, or 1 of an e4m3 cache")
+
+
+def _decode_smem_bytes(tile, hdim: tuple[int, int], kv_size: int) -> int:
+    """decode::Config::kSmemBytes of a paged instance: the Q tile (2-byte elements: the
+    queries'), one K and one V tile per stage of the cache's kv_size-byte elements (its
+    KTile and VTile are SmemTiles of hdim / kCacheElementsPer16Bit 16-bit columns: hdim *
+    kv_size bytes a row), and the block-table entries of stages + 1 key tiles (int32; a
     contiguous instance has none)."""
-    return (2 * (tile.block_m * hdim[0] + tile.stages * tile.block_n * (hdim[0] + hdim[1]))
+    return (2 * tile.block_m * hdim[0]
+            + kv_size * tile.stages * tile.block_n * (hdim[0] + hdim[1])
             + 4 * (tile.stages + 1) * tile.block_n)
 
 
@@ -547,9 +558,7 @@ KVCACHE = Operation(
                config_template="fmha::kvcache::decode::Config",
                launcher="fmha::kvcache::decode::launch",
                tile_constraints=_DECODE_CONSTRAINTS,
-               shared_memory=SharedMemory(
-                   "2 * (block_m * hdim_q + stages * block_n * (hdim_q + hdim_v)) + "
-                   "4 * (stages + 1) * block_n", _decode_smem_bytes),
+               shared_memory=SharedMemory(_DECODE_SHARED_MEMORY, _decode_smem_bytes),
                uses_cutlass=False, workspace="fmha::kvcache::decode::workspace_bytes",
                padded_hdim_step=1, full_grid_tile=True),
     ),

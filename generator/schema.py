@@ -27,6 +27,7 @@ class EnumValue:
 @dataclass(frozen=True)
 class DataType(EnumValue):
     element: str  # the CUDA element type the kernel is instantiated with
+    size: int  # sizeof(element)
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,15 @@ class CacheType(EnumValue):
     """What a KV cache holds (kvcache's kv_dtype axis)."""
 
     element: str | None  # the CUDA element type of the cache; None: the queries' (the dtype's)
+    size: int | None  # sizeof(element); None: the queries' dtype's
 
     def element_for(self, dtype: DataType) -> str:
         """The cache's element type for queries of `dtype`."""
         return self.element or dtype.element
+
+    def size_for(self, dtype: DataType) -> int:
+        """The bytes of a cache element for queries of `dtype`: sizeof(element_for(dtype))."""
+        return self.size or dtype.size
 
 
 @dataclass(frozen=True)
@@ -96,15 +102,15 @@ class EnumAxis:
 
 
 DTYPE = EnumAxis("dtype", (
-    DataType("fp16", "fmha::DataType::kFP16", 0, element="__half"),
-    DataType("bf16", "fmha::DataType::kBF16", 1, element="__nv_bfloat16"),
+    DataType("fp16", "fmha::DataType::kFP16", 0, element="__half", size=2),
+    DataType("bf16", "fmha::DataType::kBF16", 1, element="__nv_bfloat16", size=2),
 ))
 
 # What a KV cache holds: same, the queries' dtype; e4m3, float8 e4m3 with a dequantization
 # scale per tensor, K/V head or sequence and K/V head (KvcacheArgs::k_scale/v_scale).
 KV_DTYPE = EnumAxis("kv_dtype", (
-    CacheType("same", "fmha::KvCacheDtype::kSame", 0, element=None),
-    CacheType("e4m3", "fmha::KvCacheDtype::kE4M3", 1, element="__nv_fp8_e4m3"),
+    CacheType("same", "fmha::KvCacheDtype::kSame", 0, element=None, size=None),
+    CacheType("e4m3", "fmha::KvCacheDtype::kE4M3", 1, element="__nv_fp8_e4m3", size=1),
 ), name_default="same", name_prefix="kv")
 
 # causal and window are aligned top-left or bottom-right at run time (FwdArgs::mask_align), so

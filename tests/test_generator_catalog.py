@@ -253,7 +253,7 @@ def test_repository_tiles_fit_the_archs_they_are_used_on():
     # fa2's d256 128x64 on sm90a 192 KB, and its 128x32 on sm80 128 KB of A100's 163. The
     # backward's: d256 64x64 on sm90a 209 KB, (192, 192) 64x64 161 KB on both.
     used = {(operation_of(i).kernel(i.point.pipeline), i.point.arch, i.point.traits.hdim_q,
-             i.point.traits.hdim_v, i.tile)
+             i.point.traits.hdim_v, i.point.traits.kv_element_size, i.tile)
             for i in repository().catalog.instances}
     assert {(kernel.header, arch.token) for kernel, arch, *_ in used} == {
         ("fmha/kernels/fwd_fa2_sm80.cuh", "sm80"), ("fmha/kernels/fwd_fa2_sm80.cuh", "sm90a"),
@@ -262,8 +262,8 @@ def test_repository_tiles_fit_the_archs_they_are_used_on():
         ("fmha/kernels/kvcache_decode_split_kv.cuh", "sm80"),
         ("fmha/kernels/kvcache_decode_split_kv.cuh", "sm90a"),
         ("fmha/kernels/kvcache_chunked_prefill_sm90.cuh", "sm90a")}
-    for kernel, arch, hdim_q, hdim_v, tile in used:
-        needed = kernel.shared_memory.bytes(tile, (hdim_q, hdim_v))
+    for kernel, arch, hdim_q, hdim_v, kv_size, tile in used:
+        needed = kernel.shared_memory.bytes(tile, (hdim_q, hdim_v), kv_size)
         assert needed <= arch.smem_limit, (kernel.header, arch.token, hdim_q, hdim_v, needed)
 
 
@@ -605,11 +605,15 @@ def test_repository_kvcache_matrix():
         point = instance.point
         # Three stages but where they would pass A100's shared memory (d256: 200 KB); on sm90a
         # d64 (both caches) in 8 warps on 128-key tiles, with the 4-warp tile for calls that
-        # fill every SM.
+        # fill every SM; an e4m3 cache at d128 on sm90a in 4 warps on 128-key tiles (its rows
+        # are half as long). Every other e4m3 instance takes its 16-bit tile.
         a100_d256 = point.arch.token == "sm80" and point.traits.hdim_q == 256
         eight_warps = point.arch.token == "sm90a" and point.traits.hdim_q == 64
-        expected = (Tile(16, 128, 8, 3, full_grid=Tile(16, 64, 4, 3))
-                    if eight_warps else Tile(16, 64, 4, 2 if a100_d256 else 3))
+        e4m3_d128 = (point.arch.token == "sm90a" and point.traits.hdim_q == 128
+                     and point.traits.kv_dtype.token == "e4m3")
+        expected = (Tile(16, 128, 8, 3, full_grid=Tile(16, 64, 4, 3)) if eight_warps
+                    else Tile(16, 128, 4, 3) if e4m3_d128
+                    else Tile(16, 64, 4, 2 if a100_d256 else 3))
         assert instance.tile == expected
     forward_tiles = {i.point.traits.hdim_q: i.tile for i in catalog.of(OPERATION.get("fwd"))
                      if i.point.pipeline.token == "fa3"}
@@ -636,7 +640,8 @@ def test_repository_kvcache_matrix():
      "kvcache_fp16_d64_window_alibi_paged_softcap_fa2_sm80_m16n64_pad"),
     # An e4m3 cache says so after the dtype, the queries'; a cache of their dtype says nothing.
     ({"dtype": "bf16", "kv_dtype": "e4m3", "hdim": (128, 128), "mask": "causal", "paged": True,
-      "arch": "sm90a"}, "kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n64_pad"),
+      "arch": "sm90a", "tile": Tile(16, 128, 4, 3)},
+     "kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n128_pad"),
     ({"kv_dtype": "e4m3", "hdim": (192, 128)}, "kvcache_fp16_kve4m3_d192x128_fa2_sm80_m16n64_pad"),
 ])
 def test_kvcache_name_grammar(make_kvcache_instance, fields, name):
@@ -676,12 +681,104 @@ def test_a_tile_entry_both_with_and_without_paged_is_an_error(config_error, line
                                (D128_TILE, D128_TILE + "\n" + paged_tile))
     assert error.line == line_of(text, "why: kvcache d128 paged")
     assert error.message.endswith("both match pipeline=fa2, arch=sm80, hdim_q=128, hdim_v=128, "
-                                  "paged=true; each instance needs exactly one")
+                                  "kv_dtype=same, paged=true; each instance needs exactly one")
 
 
 def test_paged_selects_no_tile_of_an_operation_without_it(config_error, line_of):
     error, _ = config_error(("pipeline: fa2, hdim_q: 64", "pipeline: fa2, paged: true, hdim_q: 64"))
     assert "paged" in error.message
+
+
+# `kv_dtype` selects a kvcache tile entry's points as `paged` does: here d128's e4m3 instances
+# take 3 stages. KVCACHE_E4M3 gives the base config's kvcache operation both caches.
+KVCACHE_E4M3 = ("kv_dtype: [same]", "kv_dtype: [same, e4m3]")
+D128_E4M3_TILE = ("  - {pipeline: fa2, kv_dtype: e4m3, hdim_q: 128, hdim_v: 128, block_m: 16, "
+                  "block_n: 128, warps: 4, stages: 3, why: kvcache d128 e4m3}")
+
+
+def test_kvcache_tiles_may_differ_for_e4m3_caches(build):
+    same_tile = D128_TILE.replace("{pipeline: fa2,", "{pipeline: fa2, kv_dtype: same,")
+    _, catalog = build(BWD_OPERATION, KVCACHE_OPERATION, KVCACHE_E4M3,
+                       (D128_TILE, same_tile + "\n" + D128_E4M3_TILE))
+    kvcache = catalog.of(OPERATION.get("kvcache"))
+    d128 = [i for i in kvcache if i.point.traits.hdim_q == 128]
+    assert {(i.point.traits.kv_dtype.token, i.tile.stages) for i in d128} == {("same", 2),
+                                                                              ("e4m3", 3)}
+    # The d64 entry names no kv_dtype: it serves both caches.
+    assert {(i.point.traits.kv_dtype.token, i.tile) for i in kvcache
+            if i.point.traits.hdim_q == 64} == {("same", Tile(16, 64, 4, 2)),
+                                                ("e4m3", Tile(16, 64, 4, 2))}
+    assert "kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n128_pad" in names(catalog)
+
+
+def test_kv_dtype_combines_with_arch_and_paged(build):
+    # The repository's layout: e4m3 on sm90a has its own tile, sm80 one for both caches.
+    tiles = ("  - {pipeline: fa2, arch: sm80, hdim_q: 128, hdim_v: 128, block_m: 16, "
+             "block_n: 64, warps: 4, stages: 2, why: kvcache d128 sm80}\n"
+             "  - {pipeline: fa2, kv_dtype: same, arch: sm90a, hdim_q: 128, hdim_v: 128, "
+             "block_m: 16, block_n: 128, warps: 4, stages: 2, why: kvcache d128}\n"
+             "  - {pipeline: fa2, kv_dtype: e4m3, arch: sm90a, paged: true, hdim_q: 128, "
+             "hdim_v: 128, block_m: 16, block_n: 128, warps: 8, stages: 3, why: e4m3 paged}\n"
+             "  - {pipeline: fa2, kv_dtype: e4m3, arch: sm90a, paged: false, hdim_q: 128, "
+             "hdim_v: 128, block_m: 16, block_n: 128, warps: 4, stages: 3, why: e4m3}")
+    _, catalog = build(BWD_OPERATION, KVCACHE_OPERATION, KVCACHE_E4M3, (D128_TILE, tiles))
+    d128 = {(i.point.arch.token, i.point.traits.kv_dtype.token, i.point.traits.paged, i.tile)
+            for i in catalog.of(OPERATION.get("kvcache")) if i.point.traits.hdim_q == 128}
+    assert d128 == {("sm80", kv, paged, Tile(16, 64, 4, 2))
+                    for kv in ("same", "e4m3") for paged in (False, True)} | {
+        ("sm90a", "same", False, Tile(16, 128, 4, 2)), ("sm90a", "same", True, Tile(16, 128, 4, 2)),
+        ("sm90a", "e4m3", False, Tile(16, 128, 4, 3)), ("sm90a", "e4m3", True, Tile(16, 128, 8, 3))}
+
+
+def test_a_tile_entry_both_with_and_without_kv_dtype_is_an_error(config_error, line_of):
+    error, text = config_error(BWD_OPERATION, KVCACHE_OPERATION, KVCACHE_E4M3,
+                               (D128_TILE, D128_TILE + "\n" + D128_E4M3_TILE))
+    assert error.line == line_of(text, "why: kvcache d128 e4m3")
+    assert error.message == (
+        f"operations.kvcache.tiles: this entry and the one at line "
+        f"{line_of(text, 'why: kvcache d128}')} both match pipeline=fa2, arch=sm80, hdim_q=128, "
+        f"hdim_v=128, kv_dtype=e4m3, paged=false; each instance needs exactly one")
+
+
+def test_an_e4m3_point_without_a_tile_is_an_error(config_error, line_of):
+    same_tile = D128_TILE.replace("{pipeline: fa2,", "{pipeline: fa2, kv_dtype: same,")
+    error, text = config_error(BWD_OPERATION, KVCACHE_OPERATION, KVCACHE_E4M3,
+                               (D128_TILE, same_tile))
+    assert error.line == text.count("\n", 0, text.rindex("    tiles:")) + 1  # kvcache's
+    assert error.message == ("operations.kvcache.tiles: no entry matches pipeline=fa2, arch=sm80, "
+                             "hdim_q=128, hdim_v=128, kv_dtype=e4m3, paged=false; add one")
+
+
+def test_a_kv_dtype_entry_that_matches_nothing_is_an_error(config_error, line_of):
+    # The matrix has no e4m3 cache, so the entry serves no instance.
+    error, text = config_error(BWD_OPERATION, KVCACHE_OPERATION,
+                               (D128_TILE, D128_TILE + "\n" + D128_E4M3_TILE))
+    assert error.line == line_of(text, "why: kvcache d128 e4m3")
+    assert error.message == ("operations.kvcache.tiles[2]: this entry matches no instance; fix "
+                             "or remove it")
+
+
+@pytest.mark.parametrize("old, new, fragment, message", [
+    ("kv_dtype: e4m3, hdim_q", "kv_dtype: fp8, hdim_q", "kv_dtype: fp8",
+     "operations.kvcache.tiles[2].kv_dtype: unknown value 'fp8'; valid: same, e4m3"),
+    ("kv_dtype: e4m3, hdim_q", "kv_dtype: [e4m3], hdim_q", "kv_dtype: [e4m3]",
+     "operations.kvcache.tiles[2].kv_dtype: got a list; valid: same, e4m3"),
+])
+def test_a_wrong_kv_dtype_of_a_tile_is_reported_at_its_line(config_error, line_of, old, new,
+                                                            fragment, message):
+    error, text = config_error(BWD_OPERATION, KVCACHE_OPERATION, KVCACHE_E4M3,
+                               (D128_TILE, D128_TILE + "\n" + D128_E4M3_TILE.replace(old, new)))
+    assert error.line == line_of(text, fragment)
+    assert error.message == message
+
+
+def test_kv_dtype_selects_no_tile_of_an_operation_without_it(config_error, line_of):
+    error, text = config_error(("pipeline: fa2, hdim_q: 64",
+                                "pipeline: fa2, kv_dtype: e4m3, hdim_q: 64"))
+    assert error.line == line_of(text, "kv_dtype: e4m3")
+    assert error.message == ("operations.fwd.tiles[0]: unknown key 'kv_dtype'; valid: pipeline, "
+                             "hdim_q, hdim_v, block_m, block_n, warps, stages, why, arch, "
+                             "full_grid")
 
 
 FULL_GRID_D128 = D128_TILE.replace("stages: 2,", "stages: 2, full_grid: {block_n: 64, warps: 4, "
@@ -743,13 +840,38 @@ def test_kvcache_shared_memory_matches_the_kernels_formula(config_error, line_of
     # within A100's 163 KB.
     kernel = operation_of(repository().catalog.of(OPERATION.get("kvcache"))[0]
                           ).kernel(PIPELINE.get("fa2"))
-    assert kernel.shared_memory.bytes(Tile(16, 64, 4, 2), (256, 256)) == 139264 + 768
-    # d128 with 256-key steps in three stages: 2 * (16 * 128 + 3 * 256 * 256) + 4 * 4 * 256 =
+    assert kernel.shared_memory.bytes(Tile(16, 64, 4, 2), (256, 256), 2) == 139264 + 768
+    # An e4m3 cache's K and V tiles take a byte an element (SmemTile<kBlockN, kHeadDimQK /
+    # kCacheElementsPer16Bit>), Q two: the repository's e4m3 d128 sm90a tile, 128 keys in three
+    # stages, 16 * 128 * 2 + 3 * 128 * 256 + 4 * 4 * 128 bytes (32 KB a stage).
+    assert kernel.shared_memory.bytes(Tile(16, 128, 4, 3), (128, 128), 1) == 4096 + 98304 + 2048
+    # d128 with 256-key steps in three stages: 2 * 16 * 128 + 2 * 3 * 256 * 256 + 4 * 4 * 256 =
     # 401408 bytes.
     error, text = config_error(KVCACHE_OPERATION, ("block_n: 128, warps: 4, stages: 2",
                                                    "block_n: 256, warps: 4, stages: 3"))
     assert error.line == line_of(text, "why: kvcache d128")
     assert error.message == (
-        "operations.kvcache.tiles[1]: the tile needs 401408 bytes of shared memory (2 * "
-        "(block_m * hdim_q + stages * block_n * (hdim_q + hdim_v)) + 4 * (stages + 1) * "
-        "block_n), more than the 166912 a CTA may use on sm80")
+        "operations.kvcache.tiles[1]: the tile needs 401408 bytes of shared memory (2 * block_m * "
+        "hdim_q + kv_size * stages * block_n * (hdim_q + hdim_v) + 4 * (stages + 1) * block_n, "
+        "kv_size 2, or 1 of an e4m3 cache), more than the 166912 a CTA may use on sm80")
+
+
+# d128 with 128-key steps in four stages: 268800 bytes of a 16-bit cache, past both archs'
+# limits, and 4096 + 131072 + 2560 = 137728 of an e4m3 one, within A100's 163 KB.
+BIG_D128_TILE = ("  - {pipeline: fa2, hdim_q: 128, hdim_v: 128, block_m: 16, block_n: 128, "
+                 "warps: 4, stages: 4, why: big d128}")
+
+
+def test_kvcache_shared_memory_is_checked_per_cache_dtype(config_error, line_of, build):
+    # The tile fits an e4m3 cache's instances...
+    e4m3_only = BIG_D128_TILE.replace("{pipeline: fa2,", "{pipeline: fa2, kv_dtype: e4m3,")
+    same_tile = D128_TILE.replace("{pipeline: fa2,", "{pipeline: fa2, kv_dtype: same,")
+    _, catalog = build(KVCACHE_OPERATION, KVCACHE_E4M3,
+                       (D128_TILE, same_tile + "\n" + e4m3_only))
+    assert {i.tile.stages for i in catalog.of(OPERATION.get("kvcache"))
+            if i.point.traits.kv_dtype.token == "e4m3" and i.point.traits.hdim_q == 128} == {4}
+    # ...and not a 16-bit cache's, which an entry without kv_dtype serves too.
+    error, text = config_error(KVCACHE_OPERATION, KVCACHE_E4M3, (D128_TILE, BIG_D128_TILE))
+    assert error.line == line_of(text, "why: big d128")
+    assert error.message.startswith("operations.kvcache.tiles[1]: the tile needs 268800 bytes "
+                                    "of shared memory")

@@ -29,7 +29,7 @@ def test_default_render(run_cli, tmp_path):
     assert len(list(out.glob("kvcache_*.cu"))) == 13
     # Decode from an e4m3 cache, for H100/H200 only.
     assert sorted(p.name for p in out.glob("kvcache_*_kve4m3_*.cu")) == sorted(
-        f"kvcache_bf16_kve4m3_d128_{traits}fa2_sm90a_m16n64_pad.cu"
+        f"kvcache_bf16_kve4m3_d128_{traits}fa2_sm90a_m16n128_pad.cu"
         for traits in ("", "causal_", "causal_paged_", "paged_"))
     assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {
         p.name for p in out.iterdir()}
@@ -512,13 +512,14 @@ def test_list_and_json_of_kvcache_instances(run_cli):
     result = run_cli("--list", "--preset", "extended", "--filter", "kvcache,bf16,hdim128,causal",
                      "--targets", "sm90a")
     # An e4m3 cache's instances come with their dtype's, on the decode kernel at exact head
-    # dims only.
+    # dims only; their 128-key tile puts them first among the decode instances (larger tile
+    # first: the two caches' instances never serve the same call).
     assert result.stdout.split() == ["kvcache_bf16_d128_causal_fa3_sm90a_m128n128_pad",
                                      "kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
+                                     "kvcache_bf16_kve4m3_d128_causal_fa2_sm90a_m16n128_pad",
+                                     "kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n128_pad",
                                      "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad",
                                      "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
-                                     "kvcache_bf16_kve4m3_d128_causal_fa2_sm90a_m16n64_pad",
-                                     "kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n64_pad",
                                      "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad_hpad",
                                      "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad_hpad"]
     e4m3 = run_cli("--list", "--preset", "extended", "--filter",
@@ -602,7 +603,7 @@ def test_explain_an_e4m3_chunk_says_why_it_runs_the_decode_kernel(run_cli):
                      "--preset", "extended")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1:5] == [
-        "chosen:  kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n64_pad",
+        "chosen:  kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n128_pad",
         "why:     2 of the 420 selected kvcache instances serve it; it goes ahead of the runner-up "
         "kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm80_m16n64_pad by rule 1 of the dispatch "
         "order, higher compute capability first: sm90a (cc 90) against sm80 (cc 80)",

@@ -1039,7 +1039,7 @@ def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
     assert both == ("fmha::fwd_kvcache: cache_batch_idx selects rows of a contiguous cache; a "
                     "paged cache (block_table set) must not get it\n")
     # An e4m3 chunk runs the decode kernel, and explain quotes the rule that keeps fa3 from it.
-    assert ("Runs kvcache_fp16_kve4m3_d128_paged_fa2_sm90a_m16n64_pad (fa2, sm90a, tile 16x64, "
+    assert ("Runs kvcache_fp16_kve4m3_d128_paged_fa2_sm90a_m16n128_pad (fa2, sm90a, tile 16x128, "
             "head dims 128x128, pad_seqlen=true, pad_hdim=false).\n") in chunk
     assert ("fa3 (sm90a) has no instance for kv_dtype=e4m3: chunked prefill from an e4m3 cache "
             "is not built yet; such calls run the decode kernel at every chunk size; falling "

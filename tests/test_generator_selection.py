@@ -230,7 +230,7 @@ def test_presets_choose_the_cache_dtypes_their_users_call():
                 if i.op.token == "kvcache" and i.point.traits.kv_dtype.token == kv_dtype]
 
     assert sorted(i.name for i in kvcache("default", "e4m3")) == sorted(
-        f"kvcache_bf16_kve4m3_d128_{traits}fa2_sm90a_m16n64_pad"
+        f"kvcache_bf16_kve4m3_d128_{traits}fa2_sm90a_m16n128_pad"
         for traits in ("", "causal_", "paged_", "causal_paged_"))
     assert len(kvcache("default", "same")) == 9
     for preset in ("minimal", "flash_attn"):
@@ -238,11 +238,14 @@ def test_presets_choose_the_cache_dtypes_their_users_call():
     for preset in ("extended", "coverage"):
         same, e4m3 = kvcache(preset, "same"), kvcache(preset, "e4m3")
         # Every decode instance of the queries' dtype at exact head dims an e4m3 cache takes
-        # (64, 128, 192, 256) has its e4m3 twin.
+        # (64, 128, 192, 256) has its e4m3 twin, on its tile but at d128 on sm90a, where an
+        # e4m3 cache has 128-key tiles (its rows are half as long).
         twins = {i.name.replace("kvcache_fp16_", "kvcache_fp16_kve4m3_").replace(
                      "kvcache_bf16_", "kvcache_bf16_kve4m3_")
                  for i in same if i.point.pipeline.token == "fa2" and not i.point.pad_hdim
                  and i.point.traits.hdim_q in (64, 128, 192, 256)}
+        twins = {name.replace("_fa2_sm90a_m16n64_", "_fa2_sm90a_m16n128_")
+                 if "_kve4m3_d128_" in name else name for name in twins}
         assert {i.name for i in e4m3} == twins
 
 
