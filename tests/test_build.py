@@ -55,7 +55,9 @@ def configure_and_build(build, *options):
 def build_dir(tmp_path_factory):
     build = tmp_path_factory.mktemp("cmake")
     output = configure_and_build(build, "-DFMHA_BUILD_PYTHON=OFF")
-    assert f"generator: {TUS} of 15924 instances selected (fwd 3, bwd 3, kvcache 6;" in output
+    # The matrix's total moves with instances.yaml; the selection's counts are this test's.
+    assert re.search(rf"generator: {TUS} of \d+ instances selected \(fwd 3, bwd 3, kvcache 6;",
+                     output), output
     assert "CUTLASS 4.2" in output and "headers for the fa3 TUs" in output
     return build
 
