@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -134,6 +135,7 @@ def compare(before: Path, after: Path, labels: bool, stat: bool) -> bool:
 
 
 def main() -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # piped into head: stop quietly
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", type=Path)
     parser.add_argument("--normalize", action="store_true", help="print one file normalized")
