@@ -16,10 +16,17 @@ run on a CPU, and the GPU tests compare the kernels against it.
 - Spec, make_inputs() and compare(): a problem described in a few fields, its tensors (with
   NaN poison where a kernel must not look), and the pass rule of the GPU tests; check_fwd() and
   check_bwd() run one problem through fmha and apply it.
+- The e4m3 (FP8) forward: fwd_reference_e4m3() (the float64 truth on the dequantized inputs
+  and the quantizing reference, P rounded to e4m3 as the kernel rounds it), round_e4m3(), the
+  descales (to_e4m3, dequantize_e4m3), the accuracy study's input kinds (study_inputs:
+  FlashAttention-3's outliers, outlier channels, attention sinks), and E4m3Case,
+  make_e4m3_inputs(), compare_e4m3() and check_fwd_e4m3(): the cases and the pass rule of
+  tests/test_fwd_e4m3_gpu.py.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
@@ -133,12 +140,14 @@ def visible(seqlen_q: int, seqlen_k: int, left: int, right: int, mask_align: str
 
 
 def _attend(q, k, v, *, scale, softcap, bias, slopes, left, right, mask_align, keep, dropout_p,
-            compute_dtype):
+            compute_dtype, weights=None):
     """One batch of sequences of equal lengths.
 
     q (B, sq, hq, d), k (B, sk, hk, d), v (B, sk, hk, dv); bias (B, hq, sq, sk) or None;
     slopes (B, hq) or None; keep (B, hq, sq, sk) or None. Returns out (B, sq, hq, dv) in
     compute_dtype and lse (B, hq, sq) in float64 (float32 for a low-precision compute_dtype).
+    weights(s, lse): the (B, hq, sq, sk) weights of V's rows given the masked logits and their
+    log-sum-exp, instead of the probabilities exp(s - lse) (the e4m3 reference's rounded P).
     """
     B, sq, hq, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -166,7 +175,10 @@ def _attend(q, k, v, *, scale, softcap, bias, slopes, left, right, mask_align, k
     lse = torch.logsumexp(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty.squeeze(-1),
                                                                         float("-inf"))
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(s - safe.unsqueeze(-1))  # rows of only -inf: exp(-inf) = 0, output 0
+    if weights is not None:
+        p = weights(s, lse)
+    else:
+        p = torch.exp(s - safe.unsqueeze(-1))  # rows of only -inf: exp(-inf) = 0, output 0
     if keep is not None:
         p = p * keep.to(acc) / (1.0 - dropout_p)
     out = p.to(compute_dtype) @ vh
@@ -203,7 +215,7 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_siz
                         mask_align="top_left", bias=None, attn_mask=None, alibi_slopes=None,
                         softcap=0.0, dropout_p=0.0, dropout_keep=None, cu_seqlens_q=None,
                         cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
-                        seqused_k=None, compute_dtype=torch.float64):
+                        seqused_k=None, compute_dtype=torch.float64, weights=None):
     """fmha.fwd's semantics in plain torch: returns (out, lse).
 
     Batch mode: q (b, sq, hq, d), k (b, sk, hk, d), v (b, sk, hk, dv) -> out (b, sq, hq, dv),
@@ -220,6 +232,8 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_siz
 
     compute_dtype float64 gives the truth; the input dtype gives the same attention in the input
     precision (S and P rounded to it, softmax in fp32), the yardstick of the pass rule.
+    weights: _attend's hook, called once per sequence (group mode, seqused) or per batch: the
+    weights of V's rows in place of the probabilities (fwd_reference_e4m3's rounded P).
     """
     if dropout_p > 0 and dropout_keep is None:
         raise ValueError("dropout_p > 0 needs dropout_keep (fmha.dropout_mask's pattern)")
@@ -233,7 +247,8 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_siz
     if alibi_slopes is not None:
         slopes = alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes.unsqueeze(0)
     common = dict(scale=scale, softcap=float(softcap), left=left, right=right,
-                  mask_align=mask_align, dropout_p=float(dropout_p), compute_dtype=compute_dtype)
+                  mask_align=mask_align, dropout_p=float(dropout_p), compute_dtype=compute_dtype,
+                  weights=weights)
     group = cu_seqlens_q is not None
     if group != (cu_seqlens_k is not None):
         raise ValueError("group mode needs both cu_seqlens_q and cu_seqlens_k")
@@ -465,6 +480,709 @@ def kvcache_reference_e4m3(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         cache_seqlens=used.to(torch.int32).to(q.device), causal=causal, window_size=window_size,
         compute_dtype=compute_dtype, **kwargs)
     return out, lse, k_cache, v_cache
+
+
+# ---------------------------------------------------------------------------------------------
+# The e4m3 (FP8) forward: fmha.fwd on torch.float8_e4m3fn q, k, v with descales (issue 41).
+# ---------------------------------------------------------------------------------------------
+
+# What the fa3 e4m3 forward does with P (docs/design/fp8.md): the probabilities times 2^8,
+# relative to the running row max, rounded to e4m3 before P V, over key tiles of 128 visited
+# last to first; the row sum stays fp32 and unrounded. Its output is bf16.
+E4M3_P_SCALE = 256.0
+E4M3_KEY_TILE = 128
+E4M3_OUT_DTYPE = torch.bfloat16
+# How the e4m3 tests and the accuracy study pick descales: none (the codes are the values),
+# one for the tensor, one per (batch, K/V head) (FlashAttention-3's q/k/v_descale).
+DESCALE_KINDS = (None, "tensor", "head")
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to the nearest float8 e4m3 value (torch.float8_e4m3fn's), ties to even,
+    saturating at +-448 (cvt.rn.satfinite.e4m3x2.f32's rule), with e4m3's subnormals (steps of
+    2^-9 below 2^-6); NaN stays NaN. Computed in x's own floating dtype, so a float64 x is
+    rounded once, not through float32 as a cast to torch.float8_e4m3fn would."""
+    a = x.abs()
+    _, exponent = torch.frexp(a)  # a = m * 2^exponent, m in [0.5, 1)
+    lead = (exponent.to(a.dtype) - 1).clamp(min=-6.0)  # the leading bit's; -6 for subnormals
+    step = torch.exp2(lead - 3)  # 3 mantissa bits
+    rounded = (torch.round(a / step) * step).clamp(max=E4M3_MAX)  # torch.round: half to even
+    return torch.copysign(rounded, x)
+
+
+def descale_table(descale: Optional[torch.Tensor], batch: int, nhead_k: int) -> torch.Tensor:
+    """The float64 (batch, nhead_k) table a q/k/v_descale stands for: None is 1; a tensor of
+    a shape that broadcasts to (batch, nhead_k) ((), (1, 1), (batch, 1), (1, nhead_k) or
+    (batch, nhead_k)) is expanded. Another shape raises ValueError."""
+    if descale is None:
+        return torch.ones(batch, nhead_k, dtype=torch.float64)
+    if descale.dim() > 2:
+        raise ValueError(f"a descale has at most 2 dims (batch, nhead_k); got "
+                         f"{tuple(descale.shape)}")
+    try:
+        return descale.double().expand(batch, nhead_k)
+    except RuntimeError as err:
+        raise ValueError(f"descale of shape {tuple(descale.shape)} does not broadcast to "
+                         f"(batch, nhead_k) = {(batch, nhead_k)}") from err
+
+
+def _lead_count(x: torch.Tensor, cu_seqlens) -> int:
+    return x.shape[0] if cu_seqlens is None else len(_as_list(cu_seqlens, 0, 0)) - 1
+
+
+def _row_factors(table: torch.Tensor, x: torch.Tensor, cu_seqlens, heads_per: int):
+    """The (batch, nhead_k) `table` broadcastable against x: (batch, 1, nhead, 1) for batch
+    mode's (batch, seqlen, nhead, d), (total, nhead, 1) for group mode's (total, nhead, d), the
+    rows of sequence b reading row b, query head h reading K/V head h // heads_per."""
+    per_head = table.repeat_interleave(heads_per, dim=1).to(x.device)
+    if cu_seqlens is None:
+        return per_head[:, None, :, None]
+    cu = torch.as_tensor(_as_list(cu_seqlens, 0, 0), device=x.device)
+    rows = torch.arange(x.shape[0], device=x.device)
+    sequence = torch.bucketize(rows, cu[1:], right=True).clamp(max=max(per_head.shape[0] - 1, 0))
+    return per_head[sequence][:, :, None]
+
+
+def dequantize_e4m3(x: torch.Tensor, descale: Optional[torch.Tensor], *, cu_seqlens=None,
+                    heads_per_descale: int = 1) -> torch.Tensor:
+    """x (e4m3 codes, or any values) times its descale, in float64: batch mode x (batch, seqlen,
+    nhead, d), group mode (cu_seqlens given) x (total, nhead, d) with descale row b for the
+    rows of sequence b. heads_per_descale: query heads per K/V head for q (whose descale is
+    indexed by K/V head, as FlashAttention-3's q_descale is), 1 for k and v."""
+    values = x.float().double() if x.dtype == torch.float8_e4m3fn else x.double()
+    if descale is None:
+        return values
+    table = descale_table(descale.cpu(), _lead_count(x, cu_seqlens),
+                          x.shape[-2] // heads_per_descale)
+    return values * _row_factors(table, x, cu_seqlens, heads_per_descale)
+
+
+def e4m3_descale(x: torch.Tensor, kind: Optional[str], *, cu_seqlens=None,
+                 heads_per_descale: int = 1) -> Optional[torch.Tensor]:
+    """The descale that maps the largest magnitude of x to 448, float32 on x's device: kind
+    "tensor" gives a (1, 1) one, "head" a (batch, nhead_k) one, each over the rows of one
+    sequence and the query heads of one K/V head (heads_per_descale as in dequantize_e4m3);
+    None gives None (x quantized as it is). A group of zeros gets 1."""
+    if kind is None:
+        return None
+    a = x.detach().abs().float()
+    if kind == "tensor":
+        amax = (a.amax() if a.numel() else a.new_zeros(())).reshape(1, 1)
+    elif kind == "head":
+        nhead_k = a.shape[-2] // heads_per_descale
+        if cu_seqlens is None:
+            grouped = a.unflatten(2, (nhead_k, heads_per_descale))  # (b, s, hk, per, d)
+            amax = (grouped.amax(dim=(1, 3, 4)) if a.shape[1] else
+                    a.new_zeros(a.shape[0], nhead_k))
+        else:
+            cu = _as_list(cu_seqlens, 0, 0)
+            amax = a.new_zeros(len(cu) - 1, nhead_k)
+            for b in range(len(cu) - 1):
+                rows = a[cu[b]:cu[b + 1]].unflatten(1, (nhead_k, heads_per_descale))
+                if rows.shape[0]:
+                    amax[b] = rows.amax(dim=(0, 2, 3))
+    else:
+        raise ValueError(f"descale kind must be one of {DESCALE_KINDS}, got {kind!r}")
+    descale = amax / E4M3_MAX
+    return torch.where(descale > 0, descale, torch.ones_like(descale)).float()
+
+
+def quantize_fwd_e4m3(x: torch.Tensor, descale: Optional[torch.Tensor], *, cu_seqlens=None,
+                      heads_per_descale: int = 1) -> torch.Tensor:
+    """x's e4m3 codes under `descale` (indexed as dequantize_e4m3 indexes it): x / descale in
+    float32, saturated to +-448, rounded to nearest even; a contiguous torch.float8_e4m3fn
+    tensor of x's shape."""
+    values = x.float()
+    if descale is not None:
+        table = descale_table(descale.cpu(), _lead_count(x, cu_seqlens),
+                              x.shape[-2] // heads_per_descale)
+        values = values / _row_factors(table, x, cu_seqlens, heads_per_descale).float()
+    return values.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).contiguous()
+
+
+def to_e4m3(x: torch.Tensor, kind: Optional[str], *, cu_seqlens=None,
+            heads_per_descale: int = 1) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(codes, descale) of x: e4m3_descale's descale of the kind and the codes under it."""
+    descale = e4m3_descale(x, kind, cu_seqlens=cu_seqlens, heads_per_descale=heads_per_descale)
+    codes = quantize_fwd_e4m3(x, descale, cu_seqlens=cu_seqlens,
+                              heads_per_descale=heads_per_descale)
+    return codes, descale
+
+
+def e4m3_p_weights(p_scale: float = E4M3_P_SCALE, p_max: str = "final",
+                   block_n: int = E4M3_KEY_TILE, round_p: bool = True):
+    """attention_reference's `weights` hook of the e4m3 forward: row i's weight of key j is
+    round_e4m3(p_scale * exp(s_ij - m_ij)) * exp(m_ij - M_i) / (p_scale * sum_j exp(s_ij - M_i)),
+    M_i the row's final max, in float64 but for that rounding.
+
+    p_max "final": m_ij = M_i, P rounded relative to the final row max, the reference the issue
+    names ("quantizes q, k, v and P the way the kernel does") and the tests' yardstick.
+    "running": m_ij is the max over the key tiles of block_n keys (counted from the sequence's
+    first key) that the kernel has visited when it reaches j's tile, visiting them last to
+    first, with the exact running max: P rounded as the kernel rounds it, the accumulated sum
+    rescaled by exp(m - M) exactly. The two differ where that max grows as the tiles go, most
+    where a first tile holds sink keys: relative to the final max the other keys' P fall into
+    e4m3's subnormals or to 0, relative to the running max they do not (in the output the
+    sinks' own rounding, the same in both, weighs more: bench/fp8_accuracy.py measures both).
+    round_p False leaves P unrounded: the weights are then the probabilities (the truth).
+    """
+    if p_max not in ("final", "running"):
+        raise ValueError(f"p_max must be 'final' or 'running', got {p_max!r}")
+
+    def weights(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        if s.shape[-1] == 0:
+            return torch.zeros_like(s)
+        final = s.amax(-1, keepdim=True)
+        final = torch.where(torch.isfinite(final), final, torch.zeros_like(final))
+        if p_max == "final":
+            m = final
+        else:
+            sk = s.shape[-1]
+            tiles = -(-sk // block_n)
+            padded = torch.nn.functional.pad(s, (0, tiles * block_n - sk), value=float("-inf"))
+            tile_max = padded.unflatten(-1, (tiles, block_n)).amax(-1)
+            running = tile_max.flip(-1).cummax(-1).values.flip(-1)
+            m = running.repeat_interleave(block_n, dim=-1)[..., :sk]
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = p_scale * torch.exp(s - m)  # 0 where masked
+        if round_p:
+            p = round_e4m3(p)
+        rowsum = p_scale * torch.exp(s - final).sum(-1, keepdim=True)
+        w = p * torch.exp(m - final) / torch.where(rowsum > 0, rowsum, torch.ones_like(rowsum))
+        return torch.where(rowsum > 0, w, torch.zeros_like(w))
+
+    return weights
+
+
+@dataclass
+class E4m3Reference:
+    """fwd_reference_e4m3's result (iterates as (truth, lse, quantized))."""
+
+    truth: torch.Tensor      # float64 attention of the dequantized q, k, v
+    lse: torch.Tensor        # its natural-log log-sum-exp, float64 (-inf: a row sees no key)
+    quantized: torch.Tensor  # the quantizing reference's output, float64
+
+    def __iter__(self):
+        return iter((self.truth, self.lse, self.quantized))
+
+
+E4M3_UNSUPPORTED = ("bias", "attn_mask", "alibi_slopes", "softcap", "dropout_p", "dropout_keep")
+
+
+def fwd_reference_e4m3(q, k, v, *, q_descale=None, k_descale=None, v_descale=None,
+                       p_scale: float = E4M3_P_SCALE, p_max: str = "final",
+                       block_n: int = E4M3_KEY_TILE, round_p: bool = True,
+                       **kwargs) -> E4m3Reference:
+    """fmha.fwd's e4m3 forward in plain torch: q, k, v torch.float8_e4m3fn codes (or any
+    values) in fmha.fwd's layouts (v may be a V^T view), q/k/v_descale None or float32 of a
+    shape that broadcasts to (batch, nhead_k) (q's indexed by K/V head: query head h reads
+    h // (nhead_q / nhead_k)); kwargs: attention_reference's masks, alignment, softmax_scale,
+    cu_seqlens and seqused (no bias, ALiBi, soft-capping or dropout: the e4m3 forward has none).
+
+    A logit is (q * q_descale) . (k * k_descale) * softmax_scale, an output row
+    sum_j p_j (v_j * v_descale) / sum_j p_j. Returns
+    - truth, lse: attention_reference() in float64 on the dequantized inputs, the truth;
+    - quantized: the same attention with P rounded as the kernel rounds it
+      (e4m3_p_weights(p_scale, p_max, block_n)): p_scale * exp(s - m) to e4m3 (nearest even,
+      saturating at 448) before P V, the row sum of the unrounded values; by default m is the
+      row's FINAL max (p_max="final"), not the running max the kernel uses (p_max="running"
+      mirrors that: key tiles of block_n visited last to first), and everything else is float64:
+      the quantizing reference of the issue's bar ("a reference that quantizes q, k, v and P
+      the way the kernel does": q, k, v are quantized already, being e4m3 codes). The kernel's
+      bf16 output rounding is not in it (compare_e4m3's floor stands for it).
+    """
+    given = [name for name in E4M3_UNSUPPORTED if kwargs.get(name) not in (None, 0, 0.0)]
+    if given:
+        raise ValueError(f"the e4m3 forward has no {', '.join(given)}")
+    heads_per = q.shape[-2] // k.shape[-2]
+    qd = dequantize_e4m3(q, q_descale, cu_seqlens=kwargs.get("cu_seqlens_q"),
+                         heads_per_descale=heads_per)
+    kd = dequantize_e4m3(k, k_descale, cu_seqlens=kwargs.get("cu_seqlens_k"))
+    vd = dequantize_e4m3(v, v_descale, cu_seqlens=kwargs.get("cu_seqlens_k"))
+    truth, lse = attention_reference(qd, kd, vd, **kwargs)
+    quantized, _ = attention_reference(qd, kd, vd, **kwargs,
+                                       weights=e4m3_p_weights(p_scale, p_max, block_n, round_p))
+    return E4m3Reference(truth, lse, quantized)
+
+
+def rms(x: torch.Tensor) -> float:
+    """The root mean square of x's elements in float64 (0 for none)."""
+    return x.double().square().mean().sqrt().item() if x.numel() else 0.0
+
+
+@dataclass
+class E4m3Comparison:
+    """compare_e4m3's result: the errors over the whole output, and the worst ratio of error to
+    tolerance over the slices the rule is applied to (which one, in `worst`)."""
+
+    err_max: float      # max |out - truth| over the defined elements
+    err_rms: float      # their root mean square
+    ref_err_max: float  # the same for the quantizing reference
+    ref_err_rms: float
+    out_max: float      # max |truth|
+    ratio: float = 0.0  # the largest err / tol of a slice, max or RMS: the rule holds up to 1
+    worst: str = ""     # that slice
+    lse_err: float = 0.0  # max |lse - truth's| over rows that see keys
+
+
+def _errors(o, truth, quantized, factor, floor_ulps) -> dict:
+    defined = ~torch.isnan(truth)
+    diff, ref_diff = (o - truth)[defined], (quantized - truth)[defined]
+    if not diff.numel():
+        return dict(err_max=0.0, err_rms=0.0, ref_err_max=0.0, ref_err_rms=0.0, out_max=0.0,
+                    tol_max=0.0, tol_rms=0.0)
+    e = dict(err_max=diff.abs().max().item(), err_rms=rms(diff),
+             ref_err_max=ref_diff.abs().max().item(), ref_err_rms=rms(ref_diff),
+             out_max=truth[defined].abs().max().item())
+    # The output's rounding to bf16: floor_ulps ulps of the largest element for the max error,
+    # floor_ulps half-ulps of each element (the rounding's bound) in RMS for the RMS error.
+    floor_max = floor_ulps * ulp(e["out_max"], torch.bfloat16)
+    magnitude = truth[defined].abs()
+    half_ulps = torch.where(magnitude > 0, torch.exp2(torch.frexp(magnitude)[1] - 9.0),
+                            torch.zeros_like(magnitude))
+    floor_rms = floor_ulps * rms(half_ulps)
+    e.update(floor_max=floor_max, floor_rms=floor_rms,
+             tol_max=factor * e["ref_err_max"] + floor_max,
+             tol_rms=factor * e["ref_err_rms"] + floor_rms)
+    return e
+
+
+def _slices(out: torch.Tensor, cu_seqlens) -> list:
+    """(label, index) of each (sequence, query head) of an output: (b, :, h) in batch mode;
+    in group mode the rows of each sequence of cu_seqlens (all rows as one without it)."""
+    if out.dim() == 4:
+        return [(f"batch {b} head {h}", (b, slice(None), h))
+                for b in range(out.shape[0]) for h in range(out.shape[2])]
+    cu = _as_list(cu_seqlens, 0, 0) if cu_seqlens is not None else [0, out.shape[0]]
+    return [(f"sequence {b} head {h}", (slice(cu[b], cu[b + 1]), h))
+            for b in range(len(cu) - 1) if cu[b + 1] > cu[b] for h in range(out.shape[1])]
+
+
+def compare_e4m3(out: torch.Tensor, ref: E4m3Reference, *, lse=None, what: str = "",
+                 cu_seqlens=None, factor: float = 2.0, floor_ulps: float = 2.0,
+                 lse_rtol: float = 1e-3) -> E4m3Comparison:
+    """The e4m3 forward's pass rule (the FP8 issue's bar): the max and the RMS error of `out`
+    against the float64 truth each at most `factor` times the quantizing reference's, plus a
+    floor for the output's own rounding to bf16, which is all there is where the reference's
+    error is tiny (one key): floor_ulps bf16 ulps of the largest output for the max error,
+    floor_ulps times the RMS of each element's half ulp for the RMS error. The rule holds for each
+    (sequence, query head) of the output on its own (cu_seqlens: group mode's sequences), so
+    that a head of small values, whose descale the kernel misreads, cannot hide behind a head
+    of large ones. Elements NaN in the truth (rows the kernel does not write) are not compared;
+    elsewhere no NaN. Rows that see no key are exactly 0 with lse -inf; lse elsewhere within
+    lse_rtol * max(1, |lse|) of the truth's.
+    """
+    truth = ref.truth
+    assert tuple(out.shape) == tuple(truth.shape), (
+        f"{what}: output shape {tuple(out.shape)} != {tuple(truth.shape)}")
+    defined = ~torch.isnan(truth)
+    o = out.double()
+    bad = torch.isnan(o) & defined
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} NaN output elements in rows the kernel must write "
+        f"(first at {tuple(bad.nonzero()[0].tolist())})")
+    quantized = ref.quantized.double()
+    whole = _errors(o, truth, quantized, factor, floor_ulps)
+    ratio, worst = 0.0, ""
+    for label, index in _slices(out, cu_seqlens):
+        e = _errors(o[index], truth[index], quantized[index], factor, floor_ulps)
+        for kind in ("max", "rms"):
+            err, tol = e[f"err_{kind}"], e[f"tol_{kind}"]
+            if tol > 0 and err / tol > ratio:
+                ratio, worst = err / tol, label
+            if err <= tol:
+                continue
+            where = ""
+            if kind == "max":
+                full = (o[index] - truth[index]).abs().nan_to_num(0.0)
+                at = tuple(torch.nonzero(full == full.max())[0].tolist())
+                where = (f" at {at} of it: got {o[index][at].item():.6g}, want "
+                         f"{truth[index][at].item():.6g}, the quantizing reference "
+                         f"{quantized[index][at].item():.6g}")
+            name = "max error" if kind == "max" else "RMS error"
+            raise AssertionError(
+                f"{what}: {label}: {name} {err:.4g} > {tol:.4g} ({factor:g} x the quantizing "
+                f"reference's {e[f'ref_err_{kind}']:.4g} + {e[f'floor_{kind}']:.3g}){where}")
+
+    empty = torch.isneginf(ref.lse)
+    rows = empty.permute(0, 2, 1) if out.dim() == 4 else empty.transpose(0, 1)
+    assert (o[rows] == 0).all(), f"{what}: rows that see no key must be exactly 0"
+    lse_err = 0.0
+    if lse is not None:
+        assert tuple(lse.shape) == tuple(ref.lse.shape), (
+            f"{what}: lse shape {tuple(lse.shape)} != {tuple(ref.lse.shape)}")
+        assert lse.dtype == torch.float32, f"{what}: lse dtype {lse.dtype}, want float32"
+        got = lse.double()
+        if empty.any():
+            wrong = got[empty][~torch.isneginf(got[empty])][:4].tolist()
+            assert not wrong, f"{what}: rows that see no key must have lse -inf; got {wrong}"
+        finite = torch.isfinite(ref.lse)
+        if finite.any():
+            assert not torch.isnan(got[finite]).any(), f"{what}: NaN lse in rows that see keys"
+            d = (got[finite] - ref.lse[finite]).abs()
+            lse_err = d.max().item()
+            tol = lse_rtol * ref.lse[finite].abs().clamp(min=1.0)
+            bad = d > tol
+            assert not bad.any(), (
+                f"{what}: lse error {lse_err:.4g} > {lse_rtol:g} x max(1, |lse|) (want "
+                f"{ref.lse[finite][bad][0].item():.6g}, got {got[finite][bad][0].item():.6g})")
+    return E4m3Comparison(whole["err_max"], whole["err_rms"], whole["ref_err_max"],
+                          whole["ref_err_rms"], whole["out_max"], ratio, worst, lse_err)
+
+
+# The inputs of the e4m3 accuracy study (bench/fp8_accuracy.py) and of the GPU tests' own kinds.
+STUDY_KINDS = ("normal", "fa3_outliers", "outlier_channels", "sinks")
+# FlashAttention-3's outliers (arXiv 2407.08608, section 4.3): every entry of Q, K and V is
+# N(0, 1) + N(0, 100) * Bernoulli(0.001), a term of standard deviation 10 added to 0.1% of them.
+FA3_OUTLIER_P, FA3_OUTLIER_STD = 0.001, 10.0
+# outlier_channels: head-dim channels of q (and other ones of k) this many times larger.
+OUTLIER_CHANNEL_FACTORS = (10.0, 20.0, 35.0, 50.0)
+# sinks: the first keys' logits this much above log(seqlen_k), so that they take most of the
+# probability mass (with 4 sinks, about 4 e^3 / (4 e^3 + e^0.5) ~ 98% of it).
+SINK_MARGIN = 3.0
+
+
+def study_inputs(kind: str, batch: int, seqlen_q: int, nhead_q: int, nhead_k: int, hdim: int, *,
+                 seqlen_k: Optional[int] = None, gen: Optional[torch.Generator] = None,
+                 device="cpu", n_sink: int = 4) -> tuple:
+    """(q, k, v) float32 (batch, seqlen, nhead, hdim) of one kind of the accuracy study, before
+    any quantization, drawn on the CPU from `gen` (seed 0 when None), then moved to `device`:
+
+    - "normal": every entry N(0, 1).
+    - "fa3_outliers": FlashAttention-3's recipe for its Table 3, every entry of q, k and v
+      N(0, 1) + N(0, 100) * Bernoulli(0.001) (variance 100: standard deviation 10).
+    - "outlier_channels": as LLM activations have them, four head-dim channels of q
+      OUTLIER_CHANNEL_FACTORS (10-50) times larger, and four others of k; v normal. (Other
+      channels for q and k: shared ones would multiply the factors into logits of hundreds.)
+    - "sinks": the first n_sink keys (attention sinks) get logits about log(seqlen_k) + 3 from
+      every query, the others N(0, 1)-distributed ones, so that they take most of each row's
+      probability mass: channel 0 of every query and of the sink keys is
+      sqrt((log(seqlen_k) + 3) * sqrt(hdim)), of the other keys 0 (for the default
+      softmax_scale 1 / sqrt(hdim)).
+    """
+    gen = gen if gen is not None else torch.Generator().manual_seed(0)
+    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+
+    def randn(s, h):
+        return torch.randn(batch, s, h, hdim, generator=gen)
+
+    q, k, v = randn(seqlen_q, nhead_q), randn(seqlen_k, nhead_k), randn(seqlen_k, nhead_k)
+    if kind == "fa3_outliers":
+        for x in (q, k, v):
+            hit = torch.rand(x.shape, generator=gen) < FA3_OUTLIER_P
+            x += FA3_OUTLIER_STD * torch.randn(x.shape, generator=gen) * hit
+    elif kind == "outlier_channels":
+        channels = torch.randperm(hdim, generator=gen)[:2 * len(OUTLIER_CHANNEL_FACTORS)]
+        factors = torch.tensor(OUTLIER_CHANNEL_FACTORS)
+        n = len(OUTLIER_CHANNEL_FACTORS)
+        q[..., channels[:n]] *= factors
+        k[..., channels[n:]] *= factors
+    elif kind == "sinks":
+        height = math.sqrt((math.log(max(seqlen_k, 1)) + SINK_MARGIN) * math.sqrt(hdim))
+        q[..., 0] = height
+        k[..., 0] = 0.0
+        k[:, :n_sink, :, 0] = height
+    elif kind != "normal":
+        raise ValueError(f"kind must be one of {STUDY_KINDS}, got {kind!r}")
+    return tuple(x.to(device) for x in (q, k, v))
+
+
+# ---- The cases of one compiled e4m3 forward instance (tests/test_fwd_e4m3_gpu.py) ----------
+
+
+@dataclass(frozen=True)
+class E4m3Case:
+    """One e4m3 fmha.fwd problem. Batch mode: b, sq, sk; group mode: seqlens_q/seqlens_k
+    (sequences packed, cu_seqlens). descale: one of DESCALE_KINDS, for q, k and v alike. kind:
+    one of STUDY_KINDS, or "heads" (normal entries times a factor per (sequence, K/V head),
+    log-uniform in [1/16, 16], so that per-head descales matter). vcol: V given as V^T (the
+    sequence dim contiguous, what the kernel reads) in a buffer whose padding is NaN; else
+    row-major (the API transposes a copy). layout "poison": q and k are views into buffers
+    wider in the head dim, NaN there."""
+
+    d: int
+    dv: int
+    hq: int = 4
+    hk: int = 1
+    b: int = 1
+    sq: int = 1
+    sk: int = 1
+    seqlens_q: Optional[tuple] = None
+    seqlens_k: Optional[tuple] = None
+    causal: bool = False
+    window: tuple = (-1, -1)
+    align: str = "top_left"
+    lse: bool = False
+    vcol: bool = False
+    descale: Optional[str] = None
+    kind: str = "heads"
+    scale: Optional[float] = None
+    layout: str = "bshd"
+
+    @property
+    def group(self) -> bool:
+        return self.seqlens_q is not None
+
+    @property
+    def windowed(self) -> bool:
+        return any(w is not None and w >= 0 for w in self.window)
+
+    @property
+    def mask(self) -> str:
+        return "window" if self.windowed else ("causal" if self.causal else "none")
+
+    def replace(self, **changes) -> "E4m3Case":
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        parts = [f"e4m3 d{self.d}/{self.dv}", f"h{self.hq}/{self.hk}"]
+        parts.append(f"q{list(self.seqlens_q)} k{list(self.seqlens_k)}" if self.group
+                     else f"b{self.b} {self.sq}x{self.sk}")
+        if self.causal:
+            parts.append("causal")
+        if self.windowed:
+            parts.append(f"window{tuple(self.window)}")
+        if self.causal or self.windowed:
+            parts.append(self.align)
+        parts.append(f"descale={self.descale}")
+        parts.append(self.kind)
+        if self.lse:
+            parts.append("lse")
+        parts.append("vcol" if self.vcol else "vrow")
+        if self.layout != "bshd":
+            parts.append(self.layout)
+        if self.scale is not None:
+            parts.append(f"scale={self.scale:.4g}")
+        return " ".join(parts)
+
+
+@dataclass
+class E4m3Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    fwd_kwargs: dict  # fmha.fwd's keyword arguments (descales included; no instance or out)
+    ref_kwargs: dict  # fwd_reference_e4m3's (descales included)
+    case: Optional[E4m3Case] = None
+
+
+E4M3_NAN_BYTE = 0x7F  # an e4m3 NaN (torch.float8_e4m3fn has no infinities)
+
+
+def _e4m3_buffer(shape, device) -> torch.Tensor:
+    return torch.full(shape, E4M3_NAN_BYTE, dtype=torch.uint8, device=device).view(
+        torch.float8_e4m3fn)
+
+
+def _e4m3_in_layout(codes: torch.Tensor, *, col: bool, poison: bool) -> torch.Tensor:
+    """codes (*lead, s, h, dim) as the call passes them: col, a V^T view (sequence stride 1)
+    into a NaN-filled buffer of rows rounded up to 16 bytes and 16 more; poison, a view into a
+    NaN-filled buffer 16 columns wider in the head dim; else the contiguous codes."""
+    *lead, s, h, dim = codes.shape
+    n = len(lead)
+    if col:
+        buf = _e4m3_buffer((*lead, h, dim, -(-s // 16) * 16 + 16), codes.device)
+        inner = buf[..., :s]  # (*lead, h, dim, s)
+        inner.copy_(codes.permute(*range(n), n + 1, n + 2, n))
+        return inner.permute(*range(n), n + 2, n, n + 1)
+    if poison:
+        buf = _e4m3_buffer((*lead, s, h, dim + 16), codes.device)
+        view = buf[..., :dim]
+        view.copy_(codes)
+        return view
+    return codes.contiguous()
+
+
+def make_e4m3_inputs(case: E4m3Case, device="cuda", seed: int = 0) -> E4m3Inputs:
+    """The e4m3 tensors and keyword arguments of `case`: values drawn (study_inputs, from a
+    CPU generator seeded by `seed`) and quantized with descales of case.descale (to_e4m3)."""
+    gen = torch.Generator().manual_seed(seed)
+    per = case.hq // case.hk
+    kind = "normal" if case.kind == "heads" else case.kind
+    fwd: dict = {}
+    cu_q = cu_k = None
+    if case.group:
+        cu_q = [0] + list(itertools.accumulate(case.seqlens_q))
+        cu_k = [0] + list(itertools.accumulate(case.seqlens_k))
+        drawn = study_inputs(kind, 1, cu_q[-1], case.hq, case.hk, case.d, seqlen_k=cu_k[-1],
+                             gen=gen)
+        drawn = [x[0] for x in drawn]  # (total, nhead, d)
+        fwd.update(cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+                   cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+                   max_seqlen_q=max(case.seqlens_q), max_seqlen_k=max(case.seqlens_k))
+        batch = len(case.seqlens_q)
+    else:
+        drawn = study_inputs(kind, case.b, case.sq, case.hq, case.hk, case.d, seqlen_k=case.sk,
+                             gen=gen)
+        batch = case.b
+    values = dict(q=drawn[0], k=drawn[1], v=drawn[2][..., :case.dv])
+    layout = dict(q=(cu_q, per), k=(cu_k, 1), v=(cu_k, 1))  # (cu_seqlens, heads per descale)
+    if case.kind == "heads":
+        # A magnitude per (sequence, K/V head), 2^-4 to 2^4, the query heads of a K/V head
+        # sharing one (they share its q_descale).
+        for name, x in values.items():
+            table = torch.exp2(torch.rand(batch, case.hk, generator=gen, dtype=torch.float64)
+                               * 8 - 4)
+            values[name] = x * _row_factors(table, x, *layout[name]).float()
+    codes, descales = {}, {}
+    for name, x in values.items():
+        cu, heads = layout[name]
+        codes[name], descales[name] = to_e4m3(x, case.descale, cu_seqlens=cu,
+                                              heads_per_descale=heads)
+    poison = case.layout == "poison"
+    q8 = _e4m3_in_layout(codes["q"].to(device), col=False, poison=poison)
+    k8 = _e4m3_in_layout(codes["k"].to(device), col=False, poison=poison)
+    v8 = _e4m3_in_layout(codes["v"].to(device), col=case.vcol, poison=False)
+    for name in ("q", "k", "v"):
+        if descales[name] is not None:
+            fwd[f"{name}_descale"] = descales[name].to(device)
+    if case.causal:
+        fwd["causal"] = True
+    if case.windowed:
+        fwd["window_size"] = tuple(case.window)
+    if case.causal or case.windowed:
+        fwd["mask_align"] = case.align
+    if case.scale is not None:
+        fwd["softmax_scale"] = case.scale
+    ref = dict(fwd)
+    if case.lse:
+        fwd["return_lse"] = True
+    return E4m3Inputs(q8, k8, v8, fwd, ref, case)
+
+
+def e4m3_lse_shape(case: E4m3Case) -> tuple:
+    if case.group:
+        return (case.hq, sum(case.seqlens_q))
+    return (case.b, case.hq, case.sq)
+
+
+def check_fwd_e4m3(fwd, case: E4m3Case, *, instance=None, device="cuda", seed: int = 0,
+                   what: str = "", out_param: bool = False,
+                   inputs: Optional[E4m3Inputs] = None) -> E4m3Comparison:
+    """Runs `case` through `fwd` (fmha.fwd; forced to `instance` when given) and applies
+    compare_e4m3 against fwd_reference_e4m3. out_param: the API takes out=, which gets a
+    NaN-filled bf16 tensor the result must be; without it the allocator is poisoned with NaN
+    blocks of the output's and lse's sizes (poison_allocator)."""
+    inputs = inputs if inputs is not None else make_e4m3_inputs(case, device, seed)
+    q, k, v = inputs.q, inputs.k, inputs.v
+    what = f"{what or instance or 'dispatcher'} [{case.describe()}]"
+    out_shape = (*q.shape[:-1], case.dv)
+    kwargs = dict(inputs.fwd_kwargs)
+    if instance is not None:
+        kwargs["instance"] = instance
+    given = None
+    if out_param:
+        given = torch.full(out_shape, float("nan"), dtype=E4M3_OUT_DTYPE, device=q.device)
+        kwargs["out"] = given
+    else:
+        poison_allocator([(out_shape, E4M3_OUT_DTYPE), (e4m3_lse_shape(case), torch.float32)],
+                         q.device)
+    result = fwd(q, k, v, **kwargs)
+    if q.is_cuda:
+        torch.cuda.synchronize()  # surfaces asynchronous CUDA errors here
+    if case.lse:
+        assert isinstance(result, tuple) and len(result) == 2, (
+            f"{what}: return_lse=True returns (out, lse)")
+        out, lse = result
+    else:
+        assert isinstance(result, torch.Tensor), f"{what}: return_lse=False returns out alone"
+        out, lse = result, None
+    assert tuple(out.shape) == out_shape, (
+        f"{what}: output shape {tuple(out.shape)}, want {out_shape}")
+    assert out.dtype == E4M3_OUT_DTYPE and out.device == q.device, (
+        f"{what}: output {out.dtype} on {out.device}, want {E4M3_OUT_DTYPE} on {q.device}")
+    if given is not None:
+        assert out.data_ptr() == given.data_ptr(), f"{what}: out= given, another tensor returned"
+    ref = fwd_reference_e4m3(q, k, v, **inputs.ref_kwargs)
+    return compare_e4m3(out, ref, lse=lse, what=what,
+                        cu_seqlens=inputs.fwd_kwargs.get("cu_seqlens_q"))
+
+
+# Lengths of the e4m3 cases: ragged (1, 127, 200, 1000 keys or queries), seqlen_q != seqlen_k
+# both ways, GQA 4:1 and MHA; group mode with an empty sequence of keys and one of queries.
+E4M3_BATCH_SHAPES = (
+    ("q1_k1000_gqa4", dict(b=2, sq=1, sk=1000, hq=8, hk=2)),
+    ("q127_k200_gqa4", dict(b=2, sq=127, sk=200, hq=4, hk=1)),
+    ("q1000_k127_gqa4", dict(b=1, sq=1000, sk=127, hq=4, hk=1)),
+    ("q200_k1_mha", dict(b=3, sq=200, sk=1, hq=2, hk=2)),
+)
+E4M3_GROUP_SHAPES = (
+    ("varlen_gqa4", dict(seqlens_q=(1, 127, 200, 1000), seqlens_k=(127, 1000, 1, 200), hq=8,
+                         hk=2)),
+    ("varlen_empty", dict(seqlens_q=(200, 0, 1), seqlens_k=(0, 127, 1000), hq=4, hk=1)),
+    ("varlen_one", dict(seqlens_q=(1000,), seqlens_k=(127,), hq=4, hk=1)),
+)
+
+
+def e4m3_instance_cases(inst: dict) -> list[tuple[str, E4m3Case]]:
+    """The cases of one e4m3 forward instance: its head dims, mode and mask (causal of both
+    alignments, windows from WINDOW_CASES), each shape with V row-major and as V^T, descales
+    none, per tensor and per (batch, K/V head) in turn, per-head magnitudes, the log-sum-exp
+    where the instance writes it (but in one shape), q and k in NaN-padded views in one shape,
+    a softmax_scale of 0.8 / sqrt(d) in one."""
+    shapes = E4M3_GROUP_SHAPES if trait(inst, "mode") == "group" else E4M3_BATCH_SHAPES
+    cases = []
+    for idx, (name, shape) in enumerate(shapes):
+        base = E4m3Case(d=inst["hdim_q"], dv=inst["hdim_v"], **shape)
+        label = []
+        align = ALIGNS[idx % 2]
+        short = "tl" if align == "top_left" else "br"
+        mask = trait(inst, "mask")
+        if mask == "causal":
+            base = base.replace(causal=True, align=align)
+            label.append(f"causal_{short}")
+        elif mask == "window":
+            left, right, causal = WINDOW_CASES[idx % len(WINDOW_CASES)]
+            base = base.replace(window=(left, right), causal=causal, align=align)
+            label.append(f"win{left}_{right}{'_causal' if causal else ''}_{short}")
+        if trait(inst, "lse") and idx != 1:
+            base = base.replace(lse=True)
+            label.append("lse")
+        if idx == 1:
+            base = base.replace(layout="poison")
+            label.append("poison")
+        if idx == 2:
+            base = base.replace(scale=0.8 / math.sqrt(base.d))
+            label.append("scale0.8")
+        for vcol in (False, True):
+            descale = DESCALE_KINDS[(idx + 2 * vcol) % len(DESCALE_KINDS)]
+            case = base.replace(vcol=vcol, descale=descale)
+            parts = [name, *label, f"descale_{descale or 'none'}", "vcol" if vcol else "vrow"]
+            cases.append(("-".join(parts), case))
+    return cases
+
+
+def e4m3_fits(case: E4m3Case, inst: dict) -> str:
+    """Why the e4m3 instance `inst` cannot run `case` ("" when it can): dtype, head dims, mask,
+    mode, lse (V's layout is the API's to arrange: it transposes a row-major V)."""
+    if inst.get("dtype") != "e4m3":
+        return "dtype"
+    if (case.d, case.dv) != (inst["hdim_q"], inst["hdim_v"]):
+        return "hdim"
+    if case.mask != trait(inst, "mask"):
+        return "mask"
+    if ("group" if case.group else "batch") != trait(inst, "mode"):
+        return "mode"
+    if case.lse and not trait(inst, "lse"):
+        return "lse"
+    return ""
+
+
+def e4m3_study_cases(inst: dict, seqlen: int = 1000) -> list[tuple[str, E4m3Case]]:
+    """The accuracy study's input kinds (STUDY_KINDS) on one instance, per-tensor and per-head
+    descales: seqlen_q = seqlen_k = seqlen (batch mode) or one sequence of them (group mode),
+    4 heads, under the instance's mask (causal bottom-right, a window (256, 0))."""
+    shape = (dict(seqlens_q=(seqlen,), seqlens_k=(seqlen,)) if trait(inst, "mode") == "group"
+             else dict(b=1, sq=seqlen, sk=seqlen))
+    base = E4m3Case(d=inst["hdim_q"], dv=inst["hdim_v"], hq=4, hk=4, lse=bool(trait(inst, "lse")),
+                    **shape)
+    mask = trait(inst, "mask")
+    if mask == "causal":
+        base = base.replace(causal=True, align="bottom_right")
+    elif mask == "window":
+        base = base.replace(window=(256, 0), align="bottom_right")
+    return [(f"{kind}-descale_{descale}", base.replace(kind=kind, descale=descale))
+            for kind in STUDY_KINDS for descale in ("tensor", "head")]
 
 
 # ---------------------------------------------------------------------------------------------

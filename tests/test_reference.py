@@ -1228,3 +1228,388 @@ def test_e4m3_reference_is_the_16_bit_one_on_dequantized_caches(paged):
     assert torch.equal(k_codes.double() * k_table.double()[:, None, :, None], k_written)
     assert torch.equal(R.gather_cache(v_after, batch, block_table=kw.get("block_table"))[0, :5],
                        R.gather_cache(v8, batch, block_table=kw.get("block_table"))[0, :5])
+
+
+# ---- the e4m3 forward's references (fwd_reference_e4m3) --------------------------------------
+
+E4M3 = torch.float8_e4m3fn
+
+
+def test_round_e4m3_is_torchs_cast_on_float32_values():
+    gen = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-14, 10, (20000,), generator=gen).float()
+    x = torch.randn(20000, generator=gen) * exponents.exp2()
+    # Every midpoint between neighbouring e4m3 values (exact in float32): ties to even.
+    codes = torch.arange(256, dtype=torch.uint8).view(E4M3).float()
+    grid = codes[codes.isfinite()].unique()
+    mids = (grid[:-1] + grid[1:]) / 2
+    x = torch.cat([x, grid, mids, torch.tensor([449.0, 463.9, 464.0, 1e6, -1e6, 0.0, -0.0])])
+    want = x.clamp(-448, 448).to(E4M3).double()
+    got = R.round_e4m3(x.double())
+    assert torch.equal(got, want)
+    assert torch.equal(R.round_e4m3(x), want.float())  # in float32 too
+
+
+def test_round_e4m3_known_values():
+    x = torch.tensor([1.0625, 1.1875, 3.3, 232.0, 240.0, 450.0, -1000.0, 2.0 ** -10,
+                      3 * 2.0 ** -11, 0.0117, 0.0009, float("inf")], dtype=torch.float64)
+    want = [1.0, 1.25, 3.25, 224.0, 240.0, 448.0, -448.0, 0.0, 2.0 ** -9, 6 * 2.0 ** -9, 0.0,
+            448.0]
+    assert R.round_e4m3(x).tolist() == want
+    assert R.round_e4m3(torch.tensor([float("nan")])).isnan().all()
+    # Rounded once from float64: just above a tie goes up, where float32 would land on the tie
+    # and round it to even.
+    above = torch.tensor([1.0625 + 2.0 ** -30], dtype=torch.float64)
+    assert R.round_e4m3(above).item() == 1.125
+    assert above.float().to(E4M3).item() == 1.0
+
+
+def test_descale_table_takes_the_shapes_that_broadcast():
+    b, hk = 3, 2
+    for shape in ((), (1,), (1, 1), (b, 1), (1, hk), (hk,), (b, hk)):
+        t = torch.rand(shape) + 0.5
+        assert torch.equal(R.descale_table(t, b, hk), t.double().expand(b, hk))
+    assert torch.equal(R.descale_table(None, b, hk), torch.ones(b, hk, dtype=torch.float64))
+    for shape in ((hk, b), (b, 4), (b + 1, hk), (1, 1, 1)):
+        with pytest.raises(ValueError):
+            R.descale_table(torch.ones(shape), b, hk)
+
+
+def test_dequantize_indexes_descales_by_sequence_and_kv_head():
+    gen = torch.Generator().manual_seed(1)
+    b, s, hq, hk, d = 3, 5, 4, 2, 8
+    x = torch.randn(b, s, hq, d, generator=gen)
+    table = torch.rand(b, hk, generator=gen) + 0.5
+    got = R.dequantize_e4m3(x, table, heads_per_descale=hq // hk)
+    for h in range(hq):
+        want = x[:, :, h].double() * table[:, h // 2].double()[:, None, None]
+        assert torch.equal(got[:, :, h], want)
+    # Group mode: sequences of 2, 0 and 3 rows packed, descale row b for sequence b's rows.
+    packed = x[0]  # (5, hq, d)
+    cu = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    got = R.dequantize_e4m3(packed, table, cu_seqlens=cu, heads_per_descale=hq // hk)
+    for row, seq in enumerate([0, 0, 2, 2, 2]):
+        for h in range(hq):
+            assert torch.equal(got[row, h], packed[row, h].double() * table[seq, h // 2].double())
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_to_e4m3_maps_each_groups_largest_magnitude_to_448(group):
+    gen = torch.Generator().manual_seed(2)
+    b, s, hq, hk, d = 2, 6, 4, 2, 16
+    x = torch.randn(b, s, hq, d, generator=gen) * torch.tensor([0.01, 3.0, 0.5, 70.0])[:, None]
+    cu = None
+    if group:
+        x, cu = x.reshape(b * s, hq, d), torch.tensor([0, 4, 4, b * s], dtype=torch.int32)
+    codes, descale = R.to_e4m3(x, "tensor", cu_seqlens=cu, heads_per_descale=2)
+    assert codes.dtype == E4M3 and descale.shape == (1, 1) and descale.dtype == torch.float32
+    assert codes.float().abs().max().item() == 448.0
+    codes, descale = R.to_e4m3(x, "head", cu_seqlens=cu, heads_per_descale=2)
+    assert descale.shape == (3 if group else b, hk)
+    if group:
+        assert descale[1].tolist() == [1.0, 1.0]  # an empty sequence
+        groups = [codes[0:4, 0:2], codes[0:4, 2:4], codes[4:, 0:2], codes[4:, 2:4]]
+    else:
+        groups = [codes[i, :, 2 * j:2 * j + 2] for i in range(b) for j in range(hk)]
+    assert all(g.float().abs().max().item() == 448.0 for g in groups)
+    back = R.dequantize_e4m3(codes, descale, cu_seqlens=cu, heads_per_descale=2)
+    rel = (back - x.double()).abs() / x.double().abs()
+    assert rel[x.abs() > descale.max() * 2 ** -6].max() <= 2 ** -4  # normal codes: half a step
+    codes, descale = R.to_e4m3(x, None)
+    assert descale is None and torch.equal(codes, x.clamp(-448, 448).to(E4M3))
+
+
+def e4m3_problem(seed=0, b=2, sq=40, sk=300, hq=4, hk=2, d=32, kind="normal", group=False):
+    """Codes, descales (per head) and the reference's keyword arguments of a small problem."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = R.study_inputs(kind, b, sq, hq, hk, d, seqlen_k=sk, gen=gen)
+    kw = {}
+    if group:
+        q, k, v = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+        kw.update(cu_seqlens_q=torch.tensor([0, sq, 2 * sq], dtype=torch.int32),
+                  cu_seqlens_k=torch.tensor([0, sk, 2 * sk], dtype=torch.int32),
+                  max_seqlen_q=sq, max_seqlen_k=sk)
+    cu_q, cu_k = kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
+    (q8, qd), (k8, kd), (v8, vd) = (R.to_e4m3(x, "head", cu_seqlens=cu, heads_per_descale=per)
+                                    for x, cu, per in ((q, cu_q, hq // hk), (k, cu_k, 1),
+                                                       (v, cu_k, 1)))
+    return q8, k8, v8, dict(q_descale=qd, k_descale=kd, v_descale=vd, **kw)
+
+
+E4M3_MASKS = [dict(), dict(causal=True, mask_align="bottom_right"),
+              dict(window_size=(37, 5), mask_align="top_left")]
+
+
+@pytest.mark.parametrize("group", [False, True])
+@pytest.mark.parametrize("mask", E4M3_MASKS, ids=["none", "causal_br", "window"])
+def test_e4m3_truth_is_attention_of_the_dequantized_inputs(mask, group):
+    q8, k8, v8, kw = e4m3_problem(group=group)
+    ref = R.fwd_reference_e4m3(q8, k8, v8, **kw, **mask)
+    cu = dict(cu_seqlens=kw.get("cu_seqlens_q"))
+    qd = R.dequantize_e4m3(q8, kw["q_descale"], heads_per_descale=2, **cu)
+    kd, vd = (R.dequantize_e4m3(x, kw[f"{n}_descale"], cu_seqlens=kw.get("cu_seqlens_k"))
+              for x, n in ((k8, "k"), (v8, "v")))
+    rest = {key: value for key, value in kw.items() if not key.endswith("descale")}
+    want, want_lse = R.attention_reference(qd, kd, vd, **rest, **mask)
+    assert torch.equal(ref.truth, want) and torch.equal(ref.lse, want_lse)
+    assert ref.truth.dtype == torch.float64
+
+
+@pytest.mark.parametrize("p_max", ["final", "running"])
+@pytest.mark.parametrize("group", [False, True])
+@pytest.mark.parametrize("mask", E4M3_MASKS, ids=["none", "causal_br", "window"])
+def test_e4m3_unrounded_p_is_the_truth(mask, group, p_max):
+    q8, k8, v8, kw = e4m3_problem(group=group)
+    ref = R.fwd_reference_e4m3(q8, k8, v8, **kw, **mask, p_max=p_max, round_p=False)
+    torch.testing.assert_close(ref.quantized, ref.truth, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("p_max", ["final", "running"])
+@pytest.mark.parametrize("mask", E4M3_MASKS, ids=["none", "causal_br", "window"])
+def test_e4m3_rounding_p_moves_the_output_within_its_bound(mask, p_max):
+    """Rounding P (times 256) to e4m3 moves each weight by at most 2^-4 of itself (a normal
+    code: half a step of 3 mantissa bits) or 2^-10 (a subnormal, half of 2^-9), relative to
+    the row sum; so |O_quantized - O| <= sum_j (2^-4 p_j + 2^-10 / l) |v_j| per element. It
+    moves it: the quantizing reference is not the truth."""
+    q8, k8, v8, kw = e4m3_problem(seed=3)
+    ref = R.fwd_reference_e4m3(q8, k8, v8, **kw, **mask, p_max=p_max)
+    moved = (ref.quantized - ref.truth).abs()
+    assert moved.max() > 1e-4 * ref.truth.abs().max()
+    # The bound, from the truth's probabilities and the row sums (in units of P * 256).
+    b, sq, hq, _ = q8.shape
+    qd = R.dequantize_e4m3(q8, kw["q_descale"], heads_per_descale=2)
+    kd = R.dequantize_e4m3(k8, kw["k_descale"]).repeat_interleave(2, dim=2)
+    vd = R.dequantize_e4m3(v8, kw["v_descale"]).repeat_interleave(2, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qd, kd) / math.sqrt(q8.shape[-1])
+    left, right = R.window_bounds(mask.get("causal", False), mask.get("window_size"))
+    vis = R.visible(sq, k8.shape[1], left, right, mask.get("mask_align", "top_left"))
+    s = s.masked_fill(~vis, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    rowsum = 256 * torch.exp(s - s.amax(-1, keepdim=True)).sum(-1, keepdim=True)
+    # A running max only makes the weights' codes larger (never subnormal where the final max
+    # leaves them normal), so the final max's bound holds for both.
+    slack = 2.0 ** -4 * p + torch.where(vis, 2.0 ** -10 / rowsum, torch.zeros_like(p))
+    bound = torch.einsum("bhqk,bkhd->bqhd", slack.nan_to_num(0.0), vd.abs())
+    assert (moved <= bound * (1 + 1e-9) + 1e-15).all()
+
+
+def test_e4m3_p_is_rounded_at_known_values():
+    """One query, keys whose logits put 256 * P at 256, 3.3, 0.0117 and 0.0009 (d = 1, q = 1,
+    softmax_scale 1, float64 values): the codes are 256, 3.25, 6 * 2^-9 and 0, over the
+    unrounded row sum."""
+    p = torch.tensor([256.0, 3.3, 0.0117, 0.0009], dtype=torch.float64)
+    logits = torch.log(p / 256)
+    q = torch.ones(1, 1, 1, 1, dtype=torch.float64)
+    k = logits.view(1, 4, 1, 1)
+    v = torch.eye(4, dtype=torch.float64).view(1, 4, 1, 4)
+    ref = R.fwd_reference_e4m3(q, k, v, softmax_scale=1.0)
+    want = torch.tensor([256.0, 3.25, 6 * 2.0 ** -9, 0.0], dtype=torch.float64) / p.sum()
+    torch.testing.assert_close(ref.quantized.flatten(), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(ref.truth.flatten(), p / p.sum(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(ref.lse.flatten(), torch.logsumexp(logits, 0).view(1),
+                               rtol=1e-12, atol=0)
+
+
+def online_softmax_e4m3(q, k, v, *, scale, block_n=128, p_scale=256.0, visible=None):
+    """The kernel's loop as docs/design/fp8.md and the issue describe it, one (query head)
+    row block in float64: key tiles of block_n visited last to first, the exact running max,
+    P = round_e4m3(p_scale * exp(s - m)) into the output, rescaled by exp(m_old - m_new) when
+    the max grows, the row sum of the unrounded values; q (sq, d), k (sk, d), v (sk, dv)."""
+    sq, sk = q.shape[0], k.shape[0]
+    acc = torch.zeros(sq, v.shape[1], dtype=torch.float64)
+    m = torch.full((sq, 1), float("-inf"), dtype=torch.float64)
+    rowsum = torch.zeros(sq, 1, dtype=torch.float64)
+    for start in reversed(range(0, sk, block_n)):
+        s = (q @ k[start:start + block_n].T) * scale
+        if visible is not None:
+            s = s.masked_fill(~visible[:, start:start + block_n], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        grow = torch.where(torch.isfinite(m), torch.exp(m - safe), torch.zeros_like(m))
+        p = p_scale * torch.exp(s - safe)
+        acc = acc * grow + R.round_e4m3(p) @ v[start:start + block_n]
+        rowsum = rowsum * grow + p.sum(-1, keepdim=True)
+        m = m_new
+    return torch.where(rowsum > 0, acc / rowsum.clamp(min=1e-300), torch.zeros_like(acc))
+
+
+@pytest.mark.parametrize("kind", ["normal", "sinks", "outlier_channels"])
+@pytest.mark.parametrize("mask", E4M3_MASKS[:2], ids=["none", "causal_br"])
+def test_e4m3_running_max_reference_is_the_kernels_loop(mask, kind):
+    q8, k8, v8, kw = e4m3_problem(seed=4, b=1, sq=70, sk=333, kind=kind)
+    ref = R.fwd_reference_e4m3(q8, k8, v8, **kw, **mask, p_max="running")
+    qd = R.dequantize_e4m3(q8, kw["q_descale"], heads_per_descale=2)[0]
+    kd = R.dequantize_e4m3(k8, kw["k_descale"])[0]
+    vd = R.dequantize_e4m3(v8, kw["v_descale"])[0]
+    left, right = R.window_bounds(mask.get("causal", False), None)
+    vis = R.visible(70, 333, left, right, mask.get("mask_align", "top_left"))
+    for h in range(q8.shape[2]):
+        want = online_softmax_e4m3(qd[:, h], kd[:, h // 2], vd[:, h // 2],
+                                   scale=1 / math.sqrt(q8.shape[-1]), visible=vis)
+        torch.testing.assert_close(ref.quantized[0, :, h], want, rtol=1e-10, atol=1e-13)
+
+
+def test_e4m3_running_max_keeps_small_p_out_of_the_subnormals_with_sinks():
+    """Four sink keys in the first tile (visited last) with logits 12 above the others: relative
+    to the final max the other keys' P * 256 fall among e4m3's subnormals or to 0 (relative
+    errors far past 2^-4); relative to the running max they stay normal codes, within 2^-4."""
+    gen = torch.Generator().manual_seed(5)
+    s = torch.randn(1, 1, 1, 1024, generator=gen, dtype=torch.float64)
+    s[..., :4] += 12.0
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None])
+    others = slice(128, None)  # keys outside the sinks' tile
+    for p_max, worst in (("final", None), ("running", 2.0 ** -4)):
+        w = R.e4m3_p_weights(p_max=p_max)(s, lse)
+        rel = ((w - p).abs() / p)[..., others].max().item()
+        if worst is None:
+            assert rel > 0.2, f"{p_max}: {rel}"
+        else:
+            assert rel <= worst * (1 + 1e-9), f"{p_max}: {rel}"
+
+
+def test_study_inputs_are_what_they_say():
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = R.study_inputs("normal", 2, 100, 4, 2, 64, seqlen_k=50, gen=gen)
+    assert q.shape == (2, 100, 4, 64) and k.shape == v.shape == (2, 50, 2, 64)
+    q, k, v = R.study_inputs("fa3_outliers", 1, 4096, 4, 4, 128, gen=gen)
+    for x in (q, k, v):
+        big = (x.abs() > 6).double().mean().item()  # N(0, 1) alone: 2e-9 of them
+        assert 0.0005 < big < 0.0015
+    q, k, v = R.study_inputs("outlier_channels", 1, 512, 2, 2, 64, gen=gen)
+    std_q, std_k = q.std(dim=(0, 1, 2)), k.std(dim=(0, 1, 2))
+    assert (std_q > 5).sum() == 4 and (std_k > 5).sum() == 4
+    assert not ((std_q > 5) & (std_k > 5)).any()
+    q, k, v = R.study_inputs("sinks", 1, 256, 2, 2, 64, seqlen_k=1024, gen=gen)
+    _, lse = R.attention_reference(q.double(), k.double(), v.double())
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / 8
+    sink_mass = torch.exp(s[..., :4] - lse[..., None]).sum(-1)
+    assert sink_mass.min() > 0.8 and sink_mass.mean() > 0.95
+    with pytest.raises(ValueError):
+        R.study_inputs("uniform", 1, 8, 1, 1, 8)
+
+
+def e4m3_stand_in(q, k, v, *, return_lse=False, out=None, instance=None, p_max="running",
+                  spoil=None, **kw):
+    """A CPU stand-in for fmha.fwd's e4m3 forward: the quantizing reference with the kernel's
+    running max, rounded to bf16 (spoil(out, lse) breaks it in a chosen way)."""
+    ref = R.fwd_reference_e4m3(q, k, v, p_max=p_max, **kw)
+    o, lse = ref.quantized.to(torch.bfloat16), ref.lse.float()
+    if spoil is not None:
+        o, lse = spoil(o, lse, ref)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return (o, lse) if return_lse else o
+
+
+def e4m3_manifest():
+    return [dict(name=f"fwd_e4m3_d{d}_{mask}_{mode}{'_lse' if lse else ''}", dtype="e4m3",
+                 hdim_q=d, hdim_v=d, mask=mask, mode=mode, lse=lse, bias="none", vlayout="col",
+                 dropout=False, softcap=False, pipeline="fa3", arch="sm90a", block_m=128,
+                 block_n=128, pad_seqlen=True, pad_hdim=False)
+            for d in (64, 128, 256) for mask in ("none", "causal", "window")
+            for mode in ("batch", "group") for lse in (False, True)]
+
+
+@pytest.mark.parametrize("inst", e4m3_manifest(), ids=lambda i: i["name"])
+def test_e4m3_instance_cases_fit_and_cover_the_issue(inst):
+    cases = R.e4m3_instance_cases(inst)
+    ids = [case_id for case_id, _ in cases]
+    assert len(set(ids)) == len(ids), ids
+    specs = [case for _, case in cases]
+    for case_id, case in cases:
+        assert not R.e4m3_fits(case, inst), f"{case_id}: {R.e4m3_fits(case, inst)}"
+        other = dict(inst, mask={"none": "causal", "causal": "window", "window": "none"}[
+            inst["mask"]])
+        assert R.e4m3_fits(case, other) == "mask"
+    assert {c.descale for c in specs} == set(R.DESCALE_KINDS)
+    assert {c.vcol for c in specs} == {False, True}
+    assert any(c.hq == 4 * c.hk for c in specs), "GQA 4:1"
+    lengths = ([(q, k) for c in specs for q, k in zip(c.seqlens_q, c.seqlens_k)] if
+               inst["mode"] == "group" else [(c.sq, c.sk) for c in specs])
+    assert any(q < k for q, k in lengths) and any(q > k for q, k in lengths)
+    assert {1, 127, 200, 1000} <= {n for pair in lengths for n in pair}
+    if inst["lse"]:
+        assert any(c.lse for c in specs) and any(not c.lse for c in specs)
+    if inst["mask"] != "none":
+        assert {c.align for c in specs} == set(R.ALIGNS)
+
+
+def sees_no_key_somewhere(case) -> bool:
+    """Whether a query row of the case sees no key, by its lengths and mask alone."""
+    left, right = R.window_bounds(case.causal, case.window)
+    pairs = (list(zip(case.seqlens_q, case.seqlens_k)) if case.group else [(case.sq, case.sk)])
+    return any(sq and not R.visible(sq, sk, left, right, case.align).any(-1).all()
+               for sq, sk in pairs)
+
+
+def test_e4m3_cases_have_rows_that_see_no_key():
+    for inst in e4m3_manifest():
+        if inst["mask"] == "none" and inst["mode"] == "batch":
+            continue  # every row sees every key
+        assert any(sees_no_key_somewhere(case) for _, case in R.e4m3_instance_cases(inst)), (
+            f"{inst['name']}: no case whose mask or lengths empty a row")
+    # The structural test above agrees with the reference's lse on one case.
+    inst = e4m3_manifest()[-1]  # d256, window, group, lse
+    _, case = next((i, c) for i, c in R.e4m3_instance_cases(inst) if sees_no_key_somewhere(c))
+    inputs = R.make_e4m3_inputs(case.replace(d=16, dv=16), "cpu")
+    ref = R.fwd_reference_e4m3(inputs.q, inputs.k, inputs.v, **inputs.ref_kwargs)
+    assert torch.isneginf(ref.lse).any()
+
+
+@pytest.mark.parametrize("case_index", [1, 3, 5, 7])
+def test_check_fwd_e4m3_accepts_the_kernels_algorithm(case_index):
+    """The whole GPU check on the CPU stand-in: inputs in their layouts (V^T views into
+    NaN-padded buffers, q and k in NaN-padded views), descales, the returned out= tensor, the
+    pass rule. Cases of a causal batch instance and a window group one, at head dim 64."""
+    batch = [i for i in e4m3_manifest() if i["name"] == "fwd_e4m3_d64_causal_batch_lse"][0]
+    group = [i for i in e4m3_manifest() if i["name"] == "fwd_e4m3_d64_window_group_lse"][0]
+    cases = R.e4m3_instance_cases(batch) + R.e4m3_instance_cases(group)
+    case_id, case = cases[case_index % len(cases)]
+    for out_param in (False, True):
+        result = R.check_fwd_e4m3(e4m3_stand_in, case, device="cpu", seed=case_index,
+                                  out_param=out_param, what=case_id)
+        assert result.ratio <= 1
+
+
+def spoiled(spoil, p_max="running"):
+    return lambda *a, **kw: e4m3_stand_in(*a, **kw, p_max=p_max, spoil=spoil)
+
+
+def _shifted(o, ref, by):
+    return (o.double() + by).to(o.dtype)
+
+
+@pytest.mark.parametrize("spoil,match", [
+    (lambda o, lse, ref: (o.index_fill(1, torch.tensor([900]), 0.5), lse), "max error"),
+    (lambda o, lse, ref: (_shifted(o, ref, 3 * R.rms(ref.quantized - ref.truth)), lse),
+     "RMS error"),
+    (lambda o, lse, ref: (o.index_fill(1, torch.tensor([3]), float("nan")), lse), "NaN output"),
+    (lambda o, lse, ref: (o, lse + 0.05), "lse error"),
+    (lambda o, lse, ref: (o + (lse.transpose(1, 2).unsqueeze(-1).isneginf() * 1e-3).to(o.dtype),
+                          lse), "no key must be exactly 0"),
+    (lambda o, lse, ref: (o, lse.nan_to_num(neginf=0.0)), "no key must have lse -inf"),
+], ids=["element", "rms", "nan", "lse", "empty_row", "empty_lse"])
+def test_check_fwd_e4m3_rejects_a_faulty_kernel(spoil, match):
+    """A wrong element, all elements shifted by 3x the reference's RMS error (within 2x its max
+    error), a NaN, lse off by 0.05, rows that see no key not 0
+    or their lse not -inf: each fails check_fwd_e4m3 with its own message. (1000 queries on
+    127 keys, causal bottom-right: the first 873 rows see no key.)"""
+    inst = [i for i in e4m3_manifest() if i["name"] == "fwd_e4m3_d64_causal_batch_lse"][0]
+    _, case = R.e4m3_instance_cases(inst)[4]
+    assert (case.sq, case.sk) == (1000, 127)
+    case = case.replace(align="bottom_right", lse=True)
+    with pytest.raises(AssertionError, match=match):
+        R.check_fwd_e4m3(spoiled(spoil), case, device="cpu")
+
+
+def test_final_max_reference_is_a_fair_yardstick_for_the_running_max():
+    """The pass rule's 2x holds with room for the kernel's algorithm (running max, bf16
+    output) against the final-max reference, on every input kind of the study."""
+    for kind in R.STUDY_KINDS:
+        q8, k8, v8, kw = e4m3_problem(seed=7, b=1, sq=128, sk=640, hq=2, hk=2, d=64, kind=kind)
+        ref = R.fwd_reference_e4m3(q8, k8, v8, **kw)
+        out = e4m3_stand_in(q8, k8, v8, **kw)
+        result = R.compare_e4m3(out, ref, what=kind)
+        assert result.ratio < 0.75, (kind, result)
