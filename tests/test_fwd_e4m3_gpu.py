@@ -1,0 +1,243 @@
+"""The e4m3 (FP8) forward on the GPU (issue 41): fmha.fwd on torch.float8_e4m3fn q, k and v with
+q/k/v_descale, against tests/reference.py's fwd_reference_e4m3.
+
+The cases come from the build's e4m3 instances (fmha.instances() rows of dtype "e4m3"), each
+forced by name: its head dim, mode and mask (causal of both alignments, windows that empty
+rows), lengths 1, 127, 200 and 1000 with seqlen_q != seqlen_k both ways, GQA 4:1 and MHA,
+group mode with empty sequences, descales none, per tensor ((1, 1)) and per (batch, K/V head)
+over heads of magnitudes 2^-4 to 2^4, V row-major (the API transposes a copy) and given as V^T
+(a view of a NaN-padded buffer, sequence stride 1: what the kernel reads), q and k as views of
+NaN-padded buffers, the log-sum-exp where the instance writes it. The output goes to a
+NaN-filled out= where fmha.fwd takes one, else the allocator is poisoned with NaN blocks of its
+size. A few cases go through the dispatcher; the accuracy study's input kinds (FlashAttention-3's
+outliers, outlier channels, attention sinks) run on one instance of each head dim and mask.
+
+Pass rule (the FP8 issue's bar, reference.compare_e4m3): in every (sequence, query head), the
+max and the RMS error against the float64 attention of the dequantized inputs at most twice
+the quantizing reference's (P rounded to e4m3 x 256 relative to the final row max) plus a floor
+for the bf16 output's rounding; rows that see no key exactly 0 with lse -inf; lse within 1e-3
+x max(1, |lse|).
+
+Also the API: mixed dtypes are a TypeError, a descale of a shape that does not broadcast to
+(batch, nhead_k) a ValueError, e4m3 inputs that require grad an error (no backward), all before
+any launch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_support import device_cc, import_fmha, runs_here  # noqa: E402
+
+torch, fmha = import_fmha()
+import reference as R  # noqa: E402
+
+if not hasattr(torch, "float8_e4m3fn"):
+    pytest.skip(f"torch {torch.__version__} has no float8_e4m3fn", allow_module_level=True)
+FWD_PARAMS = inspect.signature(fmha.fwd).parameters
+if "q_descale" not in FWD_PARAMS:
+    pytest.skip(f"fmha.fwd at {getattr(fmha, '__file__', '?')} takes no q_descale: the e4m3 "
+                "forward's API is not in this build; rebuild it", allow_module_level=True)
+
+E4M3 = torch.float8_e4m3fn
+CC = device_cc(torch)
+OUT_PARAM = "out" in FWD_PARAMS  # fmha.fwd(..., out=) writes a given output
+ALL_E4M3 = [i for i in fmha.instances() if i["dtype"] == "e4m3"]
+INSTANCES = [i for i in ALL_E4M3 if runs_here(i, CC)]
+ELSEWHERE = [i for i in ALL_E4M3 if not runs_here(i, CC)]
+NONE_BUILT = ("this build has no e4m3 forward instance (build one: FMHA_PRESET=all "
+              "FMHA_FILTER=e4m3 FMHA_ARCHS=90a pip install -v ., or see python -m generator "
+              "--preset all --filter e4m3 --list)")
+
+
+def _seed(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def _params(cases_of, instances=INSTANCES):
+    """pytest params (instance name, case) of every runnable instance, a skipped one for each
+    instance this GPU cannot run, and one skipped param saying why when there are none."""
+    params = [pytest.param(inst["name"], case, id=f"{inst['name']}-{case_id}")
+              for inst in instances for case_id, case in cases_of(inst)]
+    params += [pytest.param(inst["name"], None, id=inst["name"], marks=pytest.mark.skip(
+        reason=f"{inst['arch']} does not run on compute capability {CC // 10}.{CC % 10}"))
+        for inst in ELSEWHERE]
+    if not params:
+        params = [pytest.param(None, None, id="none", marks=pytest.mark.skip(reason=NONE_BUILT))]
+    return params
+
+
+def _instance(name: str) -> dict:
+    return next(i for i in INSTANCES if i["name"] == name)
+
+
+def _select_kwargs(kwargs: dict) -> dict:
+    """fwd's keyword arguments that fmha.select takes too."""
+    params = inspect.signature(fmha.select).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs)
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def check(case, instance=None, seed=0, **kwargs):
+    return R.check_fwd_e4m3(fmha.fwd, case, instance=instance, seed=seed, device="cuda",
+                            out_param=OUT_PARAM, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------
+# Every e4m3 instance, forced
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,case", _params(R.e4m3_instance_cases))
+def test_instance_within_twice_the_quantizing_reference(name, case):
+    reason = R.e4m3_fits(case, _instance(name))
+    assert not reason, f"{name}: the case does not fit ({reason})"
+    check(case, instance=name, seed=_seed(name + case.describe()))
+
+
+def _study_instances():
+    """One instance of each (head dim, mask): batch mode and the log-sum-exp where built."""
+    chosen: dict = {}
+    for inst in sorted(INSTANCES, key=lambda i: (i["mode"] != "batch", not i["lse"])):
+        chosen.setdefault((inst["hdim_q"], inst["mask"]), inst)
+    return list(chosen.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,case", _params(R.e4m3_study_cases, _study_instances()))
+def test_study_inputs_within_twice_the_quantizing_reference(name, case):
+    """FlashAttention-3's outliers, outlier channels of q and k, attention sinks (and normal
+    inputs), 1000 x 1000, per-tensor and per-head descales."""
+    check(case, instance=name, seed=_seed(name + case.describe()))
+
+
+def _dispatch_cases():
+    """One case of each functional trait set, for the dispatcher."""
+    seen: dict = {}
+    for inst in INSTANCES:
+        key = (inst["hdim_q"], inst["hdim_v"], inst["mask"], inst["mode"], inst["lse"])
+        if key not in seen:
+            cases = R.e4m3_instance_cases(inst)
+            seen[key] = (inst, cases[_seed(inst["name"]) % len(cases)])
+    return [(inst, (case_id, case)) for inst, (case_id, case) in seen.values()]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,case", _params(
+    lambda inst: [c for i, c in _dispatch_cases() if i is inst]))
+def test_dispatched_within_twice_the_quantizing_reference(name, case):
+    inputs = R.make_e4m3_inputs(case, "cuda", seed=1)
+    chosen = fmha.select(inputs.q, inputs.k, inputs.v, **_select_kwargs(inputs.fwd_kwargs))
+    assert chosen["dtype"] == "e4m3", f"the dispatcher chose {chosen['name']} for e4m3 inputs"
+    assert runs_here(chosen, CC), f"the dispatcher chose {chosen['name']}, which cannot run here"
+    check(case, instance=None, inputs=inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,case", _params(
+    lambda inst: [c for c in R.e4m3_instance_cases(inst) if not c[1].vcol][:1]))
+def test_v_layouts_give_the_same_output(name, case):
+    """V row-major (the API's transposed copy) and V^T (read in place) run the same kernel on
+    the same values: the same output, bit for bit."""
+    row = R.make_e4m3_inputs(case, "cuda", seed=2)
+    col = R.make_e4m3_inputs(case.replace(vcol=True), "cuda", seed=2)
+    assert torch.equal(row.v.float(), col.v.float()) and col.v.stride(-3) == 1
+    a = fmha.fwd(row.q, row.k, row.v, **row.fwd_kwargs, instance=name)
+    b = fmha.fwd(col.q, col.k, col.v, **col.fwd_kwargs, instance=name)
+    torch.cuda.synchronize()
+    a, b = (r[0] if isinstance(r, tuple) else r for r in (a, b))
+    assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------
+# The Python API around the e4m3 kernels (checks before any launch: no instance needed)
+# ------------------------------------------------------------------------------------------
+
+
+def _e4m3(*shape):
+    return (torch.randn(*shape, device="cuda") * 4).to(E4M3)
+
+
+def _api_problem(b=2, s=64, hq=4, hk=2, d=128):
+    return _e4m3(b, s, hq, d), _e4m3(b, s, hk, d), _e4m3(b, s, hk, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["k", "v", "q", "kv"])
+def test_mixed_dtypes_are_a_type_error(which):
+    q, k, v = _api_problem()
+    tensors = dict(q=q, k=k, v=v)
+    for name in ("k", "v") if which == "kv" else (which,):
+        tensors[name] = tensors[name].to(torch.bfloat16)
+    with pytest.raises(TypeError):
+        fmha.fwd(tensors["q"], tensors["k"], tensors["v"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["q_descale", "k_descale", "v_descale"])
+@pytest.mark.parametrize("shape", [(2, 4), (3, 2), (2, 2, 1), (4,), (2, 3)],
+                         ids=["b_hq", "b+1_hk", "3d", "hq", "b_hk+1"])
+def test_descale_of_a_shape_that_does_not_broadcast_is_a_value_error(which, shape):
+    """Descales broadcast to (batch, nhead_k) = (2, 2) (FlashAttention-3's convention, query
+    heads reading their K/V head's q_descale); (batch, nhead_q) and the like do not."""
+    q, k, v = _api_problem()
+    descale = torch.ones(shape, device="cuda", dtype=torch.float32)
+    with pytest.raises(ValueError) as caught:
+        fmha.fwd(q, k, v, **{which: descale})
+    assert not isinstance(caught.value, fmha.MissingInstanceError), (
+        f"a miss, not the descale's check: {caught.value}")
+    assert "descale" in str(caught.value), str(caught.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(), (1,), (2,), (1, 1), (2, 1), (1, 2), (2, 2)])
+def test_descale_shapes_that_broadcast_are_taken(shape):
+    """Each descale shape that broadcasts to (batch, nhead_k) gives the output of its
+    expanded (batch, nhead_k) table."""
+    if not any(i["mask"] == "none" and i["mode"] == "batch" and i["hdim_q"] == 128
+               for i in INSTANCES):
+        pytest.skip("no e4m3 d128 batch instance without a mask runs here")
+    q, k, v = _api_problem()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    d = torch.rand(shape, generator=gen, device="cuda") + 0.5
+    got = fmha.fwd(q, k, v, q_descale=d, k_descale=d, v_descale=d)
+    full = d.expand(2, 2).contiguous()
+    want = fmha.fwd(q, k, v, q_descale=full, k_descale=full, v_descale=full)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_e4m3_inputs_that_require_grad_are_refused(which):
+    """The e4m3 forward has no backward: a call autograd would record fails, saying so."""
+    q, k, v = _api_problem()
+    tensors = dict(q=q, k=k, v=v)
+    tensors[which].requires_grad_()
+    with pytest.raises((RuntimeError, ValueError, TypeError, NotImplementedError),
+                       match=r"(?i)grad|backward|differentiab") as caught:
+        fmha.fwd(tensors["q"], tensors["k"], tensors["v"])
+    assert not isinstance(caught.value, fmha.MissingInstanceError), str(caught.value)
+
+
+@pytest.mark.gpu
+def test_output_is_bf16_and_rows_that_see_no_key_are_zero():
+    """1000 queries on 127 keys, causal bottom-right: the first 873 rows of every head see no
+    key; their output is exactly 0 and their log-sum-exp -inf (compare_e4m3 checks both)."""
+    causal = [i for i in INSTANCES if i["mask"] == "causal" and i["mode"] == "batch"
+              and i["lse"]]
+    if not causal:
+        pytest.skip("no e4m3 causal batch instance with the log-sum-exp runs here")
+    inst = causal[0]
+    case = R.E4m3Case(d=inst["hdim_q"], dv=inst["hdim_v"], hq=4, hk=1, b=1, sq=1000, sk=127,
+                      causal=True, align="bottom_right", lse=True, descale="head")
+    result = check(case, instance=inst["name"], seed=4)
+    assert result.out_max > 0
