@@ -28,6 +28,11 @@ time included, with the host's microseconds per call (--no-loop leaves these tab
 
 --host times what a call costs the host instead (bench/host.py): the forward without and with
 grad, a training call and a compiled one, for fmha (both leaf layouts) and SDPA's backends.
+
+--dtypes e4m3 (alone or beside bf16, fp16) adds the e4m3 (FP8) forward's rows to the grid
+(bench/fp8.py): fmha on e4m3 inputs with V^T given and with v row-major, fmha's bf16 forward,
+torch._scaled_mm's e4m3 8192^3 GEMM and SDPA's bf16 backends, timed in turns, each e4m3 row
+with its ratios to the GEMM and to fmha bf16; a table of its own, the JSON's e4m3_rows.
 """
 
 import argparse
@@ -43,10 +48,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
-from bench import decode, generate, host, plot, prefill, training
+from bench import decode, fp8, generate, host, plot, prefill, training
 from fmha.timing import graph_median_ms, host_us, interleaved_medians
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# The forward grid's FP8 rows (bench/fp8.py): --dtypes e4m3.
+FP8_DTYPES = ("e4m3",)
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                  "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
 # The rows of the main grid compare with the two fast backends; the memory-efficient one is
@@ -149,9 +156,14 @@ def parse_args(argv):
                         "any table from the --json file)")
     args = p.parse_args(argv)
     args.argv = list(argv)
-    unknown = set(args.dtypes) - set(DTYPES)
+    unknown = set(args.dtypes) - set(DTYPES) - set(FP8_DTYPES)
     if unknown:
-        p.error(f"unknown dtype {sorted(unknown)}; valid: {', '.join(DTYPES)}")
+        p.error(f"unknown dtype {sorted(unknown)}; valid: {', '.join([*DTYPES, *FP8_DTYPES])}")
+    if set(args.dtypes) & set(FP8_DTYPES) and (args.bwd or args.decode or args.prefill
+                                               or args.generate or args.host):
+        p.error("--dtypes e4m3 times the e4m3 forward on the grid only (no --bwd, --decode, "
+                "--prefill, --generate or --host); decode from an e4m3 cache is --decode "
+                "--kv-dtypes e4m3")
     unknown = set(args.kv_dtypes) - {"same", "e4m3"}
     if unknown:
         p.error(f"unknown --kv-dtypes {sorted(unknown)}; valid: same, e4m3")
@@ -498,25 +510,42 @@ def main(argv=None):
         return main_backward(args, causal_values)
     if args.host:
         return main_host(args)
-    rows = []
+    rows, e4m3_rows = [], []
     for dt in args.dtypes:
         for d in args.hdims:
             for causal in causal_values:
                 for s in args.seqlens:
+                    if dt in FP8_DTYPES:
+                        e4m3_rows.append(fp8.run_e4m3_case(d, s, causal, args, sdpa_calls,
+                                                           head_dims, GRID_BACKENDS))
+                        print(json.dumps(e4m3_rows[-1]), file=sys.stderr, flush=True)
+                        continue
                     rows.append(run_case(DTYPES[dt], d, s, causal, args))
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     feature_rows = []
     if args.features:
         for dt in args.dtypes:
+            if dt in FP8_DTYPES:
+                continue  # the traits are timed in the 16-bit dtypes
             for d in args.hdims:
                 feature_rows += run_features(DTYPES[dt], d, args)
     host = measure_host_us()
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version(), "targets": fmha.compiled_targets(),
             "host_us_per_call": host}
-    save(args, {"info": info, "rows": rows, "feature_rows": feature_rows})
+    results = {"info": info, "rows": rows, "feature_rows": feature_rows}
+    if e4m3_rows:
+        results["e4m3_rows"] = e4m3_rows
+    save(args, results)
     print(f"{info['gpu']}, torch {info['torch']}, cuDNN {info['cudnn']}; TFLOP/s, medians")
-    print(format_table(rows, "case"))
+    if rows or not e4m3_rows:
+        print(format_table(rows, "case"))
+    if e4m3_rows:
+        print(f"e4m3 forward (bench/fp8.py): fmha_vcol V^T given, fmha v row-major (the API's "
+              f"copy included), fmha_bf16 the bf16 forward, scaled_mm torch._scaled_mm e4m3 "
+              f"{fp8.GEMM_N}^3 -> bf16 (fast accumulation; _exact without), SDPA bf16; "
+              f"bar: the FP8 issue's share of scaled_mm for V^T")
+        print(fp8.format_rows(e4m3_rows))
     print("host time per call, us (not in the TFLOP/s above; bf16, sdpa: its default backend):")
     for shape, costs in host.items():
         print(f"  {shape:32s} " + ", ".join(

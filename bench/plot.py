@@ -42,6 +42,12 @@ TABLES = {
                       "backward"),
     "fwd_bwd_rows": Table("seqlen", "sequence length", GRID_PANEL, GRID_SERIES, "TFLOP/s",
                           "forward + backward"),
+    "e4m3_rows": Table(
+        "seqlen", "sequence length", GRID_PANEL,
+        {"fmha_vcol": "fmha e4m3, V^T given", "fmha": "fmha e4m3, v row-major (with its copy)",
+         "fmha_bf16": "fmha bf16", "scaled_mm": "torch._scaled_mm e4m3 8192^3",
+         "sdpa_flash": "FlashAttention-2 bf16 (SDPA flash)", "cudnn": "cuDNN bf16 (SDPA)"},
+        "TFLOP/s", "e4m3 forward"),
     "decode_rows": Table(
         "cache_len", "cached keys per sequence", ("batch", "dtype", "hdim", "heads"),
         {"fmha": "fmha, contiguous cache", "fmha_paged16": "fmha, pages of 16",
@@ -55,7 +61,7 @@ TABLES = {
          "paged256": "fwd_kvcache, pages of 256", "append16": "fwd_kvcache appending, pages of 16"},
         "TFLOP/s", "chunked prefill"),
 }
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "e4m3": "e4m3"}
 SHORT_DTYPES = {long: short for short, long in DTYPE_NAMES.items()}
 
 
@@ -186,7 +192,7 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="the image to write (PNG, SVG, PDF)")
     p.add_argument("--table", choices=list(TABLES),
                    help="which rows to draw (default: the file's first drawable table)")
-    p.add_argument("--dtype", help="draw only this dtype's rows (bf16, fp16)")
+    p.add_argument("--dtype", help="draw only this dtype's rows (bf16, fp16, e4m3)")
     p.add_argument("--date", help="the run's date, where its JSON records none")
     p.add_argument("--command", help="the run's command, where its JSON records none")
     args = p.parse_args(argv)
