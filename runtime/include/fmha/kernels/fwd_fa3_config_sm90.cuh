@@ -1,7 +1,7 @@
 // The fa3 forward's configuration (fwd_fa3_sm90.cuh): the tile and its warpgroups, the register
 // split, the shared-memory layout and the TMA copy types, checked against what the kernel
-// assumes; the named barriers its roles meet at; and each consumer warpgroup's Q and O rows in
-// shared memory.
+// assumes; the load policy for K and V; the named barriers its roles meet at; a consumer
+// thread's place (ConsumerWarpgroup); and the shared-memory tensors the stages address.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +19,9 @@
 
 namespace fmha::fa3 {
 
+template <class Cfg>
+class TmaKvLoad;
+
 template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
           int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, VLayout kVLayout_,
           Mode kMode_, bool kLse_, bool kDropout_, bool kSoftcap_, bool kPadSeqlen_,
@@ -33,10 +36,10 @@ struct FwdConfig {
   static constexpr MaskType kMask = kMask_;
   static constexpr Mode kMode = kMode_;
   static constexpr bool kLse = kLse_;
-  // K and V are the call's own tensors, loaded a whole key tile a box; chunked prefill's Config
-  // (kvcache_chunked_prefill_sm90.cuh) reads them from a KV cache instead (cached_kv_sm90.cuh).
-  static constexpr bool kCachedKv = false;
-  static constexpr bool kPaged = false;
+  // Where K and V come from (fwd_fa3_producer_sm90.cuh): the call's own tensors, a whole key
+  // tile a TMA box. Chunked prefill's Config (kvcache_chunked_prefill_sm90.cuh) reads them from a
+  // KV cache instead (CachedKvLoad, cached_kv_sm90.cuh).
+  using KvLoad = TmaKvLoad<FwdConfig>;
 
   static_assert(kBias_ == BiasType::kNone && !kDropout_ && !kSoftcap_,
                 "fa3 has no bias, dropout or soft-cap yet: those instances are fa2");
@@ -187,6 +190,32 @@ enum Barrier : uint32_t {
   kWarpgroupFirst = 7,   // + w: the 128 threads of consumer warpgroup w
 };
 
+// A consumer thread's place: its warpgroup owns query rows [64 index, 64 index + 64) of the
+// tile, and the thread holds rows row0 and row0 + 8 of the warpgroup's wgmma accumulators.
+struct ConsumerWarpgroup {
+  int index;     // which 64 query rows
+  int consumer;  // 0 .. kConsumerThreads - 1
+  int thread;    // 0 .. 127 within the warpgroup
+  int lane;
+  int row0;      // counted from the tile's first row
+  bool leader;
+
+  __device__ __forceinline__ ConsumerWarpgroup(int warpgroup, int lane_)
+      : index(warpgroup - 1),
+        consumer(threadIdx.x - 128),
+        thread(threadIdx.x % 128),
+        lane(lane_),
+        row0(index * 64 + thread / 32 * 16 + lane / 4),
+        leader(thread == 0) {}
+
+  // The warpgroup's 128 threads meet.
+  __device__ void sync() const { barrier_sync(Barrier::kWarpgroupFirst + index, 128); }
+  // Its Q rows may take the next tile's Q (the producer warp waits for this, once per tile).
+  __device__ void release_query() const {
+    barrier_arrive(Barrier::kQueryEmptyFirst + index, 128 + 32);
+  }
+};
+
 // Shared-memory tensors of a config's SharedStorage, in the config's layouts: chunked
 // prefill's Config keeps the forward's storage but lays K and V out its own way.
 //
@@ -206,4 +235,18 @@ __device__ auto output_rows(typename Cfg::SharedStorage& shared, int w) {
   }
   return cute::make_tensor(cute::make_smem_ptr(region), typename Cfg::SmemLayoutO{});
 }
+// The K and V rings' stages, (keys, d, stage), and V as the PV product reads it, (d, keys, stage).
+template <class Cfg>
+__device__ __forceinline__ auto k_stages(typename Cfg::SharedStorage& shared) {
+  return cute::make_tensor(cute::make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutK{});
+}
+template <class Cfg>
+__device__ __forceinline__ auto v_stages(typename Cfg::SharedStorage& shared) {
+  return cute::make_tensor(cute::make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutV{});
+}
+template <class Cfg>
+__device__ __forceinline__ auto vt_stages(typename Cfg::SharedStorage& shared) {
+  return cute::make_tensor(cute::make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutVt{});
+}
+
 }  // namespace fmha::fa3
