@@ -20,7 +20,10 @@ namespace fmha {
 
 using Stream = CUstream_st*;  // a cudaStream_t; nullptr is the legacy default stream
 
-enum class DataType : int { kFP16 = 0, kBF16 = 1 };
+// kE4M3 is float8 e4m3 (OCP, torch.float8_e4m3fn: no infinities, largest finite 448), a forward
+// input type only (fa3, sm90a): Q, K and V are e4m3 with descale factors (FwdArgs::q_descale and
+// the like) and O is bf16.
+enum class DataType : int { kFP16 = 0, kBF16 = 1, kE4M3 = 2 };
 
 // Which keys a query row sees. Query row i is aligned with key row i + offset, where the
 // offset is 0 for MaskAlign::kTopLeft (torch SDPA's is_causal) and seqlen_k - seqlen_q for
@@ -138,6 +141,18 @@ struct FMHA_API FwdArgs {
   // sequence b is at lse[h * lse_head_stride + cu_seqlens_q[b] + i] (batch stride ignored).
   float* lse = nullptr;
   int64_t lse_batch_stride = 0, lse_head_stride = 0;
+
+  // dtype kE4M3 only: what dequantizes Q, K and V (FlashAttention-3's q/k/v_descale), device
+  // fp32. The factor of sequence b and K/V head g is at ptr[b * batch_stride + g * head_stride]
+  // (query head h reads g = h / (nhead_q / nhead_k)); strides of 0 broadcast, so one factor per
+  // tensor is a pointer with both strides 0. nullptr: 1. A logit is q * k * q_descale *
+  // k_descale * softmax_scale, an output row sum(p * v) * v_descale / sum(p).
+  const float* q_descale = nullptr;
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
+  int64_t q_descale_batch_stride = 0, q_descale_head_stride = 0;
+  int64_t k_descale_batch_stride = 0, k_descale_head_stride = 0;
+  int64_t v_descale_batch_stride = 0, v_descale_head_stride = 0;
 
   FwdTraits traits() const;
 };

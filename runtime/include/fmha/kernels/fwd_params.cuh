@@ -61,6 +61,13 @@ struct FwdParams {
   float* lse;
   int64_t lse_batch_stride, lse_head_stride;
 
+  const float* q_descale;  // e4m3 inputs (FwdArgs says how they are indexed); nullptr: 1
+  const float* k_descale;
+  const float* v_descale;
+  int64_t q_descale_batch_stride, q_descale_head_stride;
+  int64_t k_descale_batch_stride, k_descale_head_stride;
+  int64_t v_descale_batch_stride, v_descale_head_stride;
+
   int m_blocks;     // query tiles per head (of the longest sequence)
   int group_heads;  // causal tile order: (batch, head) pairs per L2 group (tile_order.cuh)
 };
@@ -117,6 +124,15 @@ inline FwdParams make_fwd_params(const FwdArgs& a, bool logits_in_scores) {
   p.lse = a.lse;
   p.lse_batch_stride = a.lse_batch_stride;
   p.lse_head_stride = a.lse_head_stride;
+  p.q_descale = a.q_descale;
+  p.k_descale = a.k_descale;
+  p.v_descale = a.v_descale;
+  p.q_descale_batch_stride = a.q_descale_batch_stride;
+  p.q_descale_head_stride = a.q_descale_head_stride;
+  p.k_descale_batch_stride = a.k_descale_batch_stride;
+  p.k_descale_head_stride = a.k_descale_head_stride;
+  p.v_descale_batch_stride = a.v_descale_batch_stride;
+  p.v_descale_head_stride = a.v_descale_head_stride;
   return p;
 }
 
