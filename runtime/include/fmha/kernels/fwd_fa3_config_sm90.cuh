@@ -27,7 +27,12 @@ template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int 
           Mode kMode_, bool kLse_, bool kDropout_, bool kSoftcap_, bool kPadSeqlen_,
           bool kPadHdim_, int kSmemLimit_>
 struct FwdConfig {
-  using Element = typename CuteElement<Element_>::type;
+  using Element = typename CuteElement<Element_>::type;  // Q, K and V
+  // e4m3 inputs: wgmma reads 8-bit operands K-major only, so V arrives transposed (vlayout=col,
+  // keys contiguous), P is cast to e4m3 and moved into the k32 A-operand layout before P V
+  // (convert_p_e4m3), and O leaves in bf16.
+  static constexpr bool kFp8 = sizeof(Element) == 1;
+  using OutElement = std::conditional_t<kFp8, cutlass::bfloat16_t, Element>;
   static constexpr int kHeadDimQK = kHeadDimQK_;
   static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kBlockM = kBlockM_;
@@ -43,13 +48,15 @@ struct FwdConfig {
 
   static_assert(kBias_ == BiasType::kNone && !kDropout_ && !kSoftcap_,
                 "fa3 has no bias, dropout or soft-cap yet: those instances are fa2");
-  static_assert(kVLayout_ == VLayout::kRowMajor, "fa3 reads V row-major (V^T is fa2)");
+  static_assert(kVLayout_ == (kFp8 ? VLayout::kColMajor : VLayout::kRowMajor),
+                "fa3 reads 16-bit V row-major (V^T is fa2) and e4m3 V transposed");
   static_assert(kPadSeqlen_ && !kPadHdim_,
                 "fa3 serves every sequence length (pad_seqlen) and exact head dims only");
   static_assert(kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0 && kHeadDimV <= kHeadDimQK,
                 "fa3 head dims are whole 128-byte swizzle atoms, and O is staged over Q");
   static_assert(kBlockM % 64 == 0, "each consumer warpgroup owns 64 query rows (wgmma M)");
-  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key tiles are wgmma N <= 256, k16 steps");
+  static_assert(kBlockN % (kFp8 ? 32 : 16) == 0 && kBlockN <= 256,
+                "key tiles are wgmma N <= 256, and whole k-steps of P V (k16, or k32 for e4m3)");
   static_assert(kStages >= 2, "K and V need at least double buffering");
 
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
@@ -80,13 +87,15 @@ struct FwdConfig {
       cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, BlockN, DimQK>>()));
   using TiledMmaO = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, DimV, BlockN>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+                                 cute::GMMA::Major::K,
+                                 kFp8 ? cute::GMMA::Major::K : cute::GMMA::Major::MN>()));
   static_assert(wgmma_n<TiledMmaS> == kBlockN && wgmma_n<TiledMmaO> == kHeadDimV,
                 "a wgmma N outside CuTe's base shapes: the TU must define "
                 "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED first (sm90_primitives.cuh)");
 
-  // Rows of 64 elements (128 bytes) in 8-row swizzle atoms: what TMA writes and wgmma reads.
-  using SwizzleAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  // Rows of 128 bytes (64 16-bit elements, 128 e4m3 ones) in 8-row swizzle atoms: what TMA
+  // writes and wgmma reads. e4m3 rows of 64 bytes (d64) take the 64-byte swizzle.
+  using SwizzleAtom = KMajorSwizzleAtom<Element, kHeadDimQK>;
   // Q and O: one (64, d) region per consumer warpgroup.
   using SmemLayoutQ = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<cute::_64, DimQK>{}));
   // K and V stages, (keys, d, stage). kRowGroupsOuter false: 64-column blocks of kBlockN rows,
@@ -106,10 +115,17 @@ struct FwdConfig {
         V{}, cute::make_ordered_layout(cute::Shape<DimV, BlockN, cute::Int<kStages>>{},
                                        cute::Step<cute::_2, cute::_1, cute::_3>{})));
   };
+  // e4m3 V stages hold V^T, (d, keys, stage) with the keys contiguous, as TMA copies them from
+  // a column-major V and the PV product reads them (K-major).
+  using SmemLayoutVtFp8 = decltype(cute::tile_to_shape(
+      KMajorSwizzleAtom<Element, kBlockN>{}, cute::Shape<DimV, BlockN, cute::Int<kStages>>{}));
   using SmemLayoutK = typename KvStageLayouts<false>::K;
-  using SmemLayoutV = typename KvStageLayouts<false>::V;
-  using SmemLayoutVt = typename KvStageLayouts<false>::Vt;
-  using SmemLayoutO = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<cute::_64, DimV>{}));
+  using SmemLayoutV =
+      std::conditional_t<kFp8, SmemLayoutVtFp8, typename KvStageLayouts<false>::V>;
+  using SmemLayoutVt =
+      std::conditional_t<kFp8, SmemLayoutVtFp8, typename KvStageLayouts<false>::Vt>;
+  using SmemLayoutO = decltype(cute::tile_to_shape(KMajorSwizzleAtom<OutElement, kHeadDimV>{},
+                                                   cute::Shape<cute::_64, DimV>{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
@@ -119,14 +135,18 @@ struct FwdConfig {
   // O gets its own region where it fits: a warpgroup's next Q then loads
   // while it finishes its last PV product and stores O. Otherwise (d256) each warpgroup stages
   // O over its own Q rows, and its next Q waits for the store.
-  static constexpr int kTileBytes =
-      2 * (kBlockM * kHeadDimQK + kStages * kBlockN * (kHeadDimQK + kHeadDimV));
-  static constexpr bool kSeparateO = kTileBytes + 2 * kBlockM * kHeadDimV + 1024 <= kSmemLimit;
+  static constexpr int kTileBytes = static_cast<int>(
+      sizeof(Element) * (kBlockM * kHeadDimQK + kStages * kBlockN * (kHeadDimQK + kHeadDimV)));
+  static constexpr bool kSeparateO =
+      kTileBytes + static_cast<int>(sizeof(OutElement)) * kBlockM * kHeadDimV + 1024 <= kSmemLimit;
+  static_assert(kSeparateO || sizeof(OutElement) <= sizeof(Element),
+                "a bf16 O from e4m3 inputs does not fit over Q: it needs its own region");
   struct NoRegion {};
   static constexpr int kQRegion = cute::cosize_v<SmemLayoutQ>;  // elements per warpgroup
   static constexpr int kORegion = cute::cosize_v<SmemLayoutO>;
   using ORegion = std::conditional_t<
-      kSeparateO, cute::array_aligned<Element, kConsumerWarpgroups * kORegion, 1024>, NoRegion>;
+      kSeparateO, cute::array_aligned<OutElement, kConsumerWarpgroups * kORegion, 1024>,
+      NoRegion>;
 
   struct SharedStorage {
     cute::array_aligned<Element, kConsumerWarpgroups * kQRegion, 1024> q;
@@ -157,13 +177,15 @@ struct FwdConfig {
       cute::SM90_TMA_LOAD{},
       cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
       cute::take<0, 2>(SmemLayoutK{}), cute::Shape<BlockN, DimQK>{}, cute::_1{}));
+  // V's box: a (keys, d) tile, or for e4m3 a (d, keys) tile of V^T.
+  using VBox = std::conditional_t<kFp8, cute::Shape<DimV, BlockN>, cute::Shape<BlockN, DimV>>;
   using TmaLoadV = decltype(cute::make_tma_copy(
       cute::SM90_TMA_LOAD{},
       cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
-      cute::take<0, 2>(SmemLayoutV{}), cute::Shape<BlockN, DimV>{}, cute::_1{}));
+      cute::take<0, 2>(SmemLayoutV{}), VBox{}, cute::_1{}));
   using TmaStoreO = decltype(cute::make_tma_copy(
       cute::SM90_TMA_STORE{},
-      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element*>(nullptr)), GmemLayout{}),
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<OutElement*>(nullptr)), GmemLayout{}),
       SmemLayoutO{}, cute::Shape<cute::_64, DimV>{}, cute::_1{}));
 
   struct KernelParams {
@@ -227,11 +249,11 @@ __device__ auto query_rows(typename Cfg::SharedStorage& shared, int w) {
 }
 template <class Cfg>
 __device__ auto output_rows(typename Cfg::SharedStorage& shared, int w) {
-  typename Cfg::Element* region;
+  typename Cfg::OutElement* region;
   if constexpr (Cfg::kSeparateO) {
     region = shared.o.data() + w * Cfg::kORegion;
   } else {
-    region = shared.q.data() + w * Cfg::kQRegion;
+    region = shared.q.data() + w * Cfg::kQRegion;  // same type: the config asserts it
   }
   return cute::make_tensor(cute::make_smem_ptr(region), typename Cfg::SmemLayoutO{});
 }

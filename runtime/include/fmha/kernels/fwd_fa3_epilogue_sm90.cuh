@@ -16,7 +16,7 @@
 
 namespace fmha::fa3 {
 
-// A finished tile's O in 16 bits, in registers until it is stored. With O in its own region the
+// A finished tile's O in 16 bits (bf16 for e4m3 inputs), in registers until it is stored. With O in its own region the
 // store waits until the next tile's first QK^T is on the tensor cores and runs under it. A
 // clock64 trace of d128 at S = 2k on an H200 put the store at 730-1770 of a tile's 43k cycles,
 // all of it at the tile boundary, where this warpgroup issues no GEMM; deferring it gained 1-7%
@@ -27,13 +27,13 @@ namespace fmha::fa3 {
 // it) in memory until late in NVVM's pipeline, and the ragged-row store loop then compiled
 // differently (scripts/ptx_identity.py).
 template <class Cfg>
-using StagedO = decltype(cute::make_tensor<typename Cfg::Element>(cute::partition_shape_C(
+using StagedO = decltype(cute::make_tensor<typename Cfg::OutElement>(cute::partition_shape_C(
     typename Cfg::TiledMmaO{}, cute::Shape<cute::_64, typename Cfg::DimV>{})));
 
 template <class Cfg>
 class Epilogue {
  public:
-  using Element = typename Cfg::Element;
+  using Element = typename Cfg::OutElement;  // O's
   using KernelParams = typename Cfg::KernelParams;
   using SharedStorage = typename Cfg::SharedStorage;
 
@@ -99,20 +99,23 @@ class Epilogue {
     }
   }
 
-  // While the last PV product runs: the row sums, the log-sum-exp, 1 / rowsum.
-  __device__ __forceinline__ void finish_rows(const RowStats& stats, float* lse, int rows_valid,
-                                              float (&inv)[2]) const {
+  // While the last PV product runs: the row sums, the log-sum-exp, and what O's rows are
+  // multiplied by, out_scale / rowsum (out_scale: e4m3's v_descale, else 1).
+  template <class Stats>
+  __device__ __forceinline__ void finish_rows(const Stats& stats, float out_scale, float* lse,
+                                              int rows_valid, float (&inv)[2]) const {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float sum = stats.sum[h];
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       // No visible key: output 0, log-sum-exp -inf, never NaN.
-      inv[h] = sum > 0.f ? 1.f / sum : 0.f;
+      inv[h] = sum > 0.f ? out_scale / sum : 0.f;
       const int row = wg_.row0 + 8 * h;
       if (lse != nullptr && wg_.lane % 4 == 0 && row < rows_valid) {
         // A NaN sum (NaN or +inf among the logits) is no empty row: its LSE is NaN too.
-        lse[row] = sum > 0.f    ? (stats.max[h] + log2f(sum)) * static_cast<float>(M_LN2)
+        lse[row] = sum > 0.f    ? (stats.max[h] - Stats::kPScaleLog2 + log2f(sum)) *
+                                         static_cast<float>(M_LN2)
                    : sum == 0.f ? -INFINITY
                                 : NAN;
       }

@@ -3,7 +3,8 @@
 //   S = Q K^T   wgmma, both operands from shared memory (128-byte swizzle), fp32 accumulators
 //   softmax     online, on the accumulators (exp2 with the scale folded into one FFMA)
 //   O += P V    wgmma, P from registers (S's accumulator layout is the A-operand register
-//               layout once rounded to 16 bits) and V from shared memory, read transposed.
+//               layout once rounded to 16 bits; e4m3 P is moved into it, convert_p_e4m3) and
+//               V from shared memory, read transposed (e4m3: stored transposed).
 // Two overlaps keep the tensor cores busy during the softmax (FlashAttention-3, section 3):
 //   - within a warpgroup, S of step j+1 and O += P_j V_j are issued together and the softmax of
 //     step j+1 runs while the PV product is still on the tensor cores;
@@ -26,13 +27,21 @@ namespace fmha::fa3 {
 // fragment ((2, 2, N / 8), 1, 1) is row half (v / 2) % 2 (rows r and r + 8), column
 // 8 * (v / 4) + 2 * (lane % 4) + v % 2.
 //
-// The running max that the exponents subtract moves only when a row's new max exceeds it by
-// more than 2^kStaleMaxLog2 (FlashAttention-4's conditional rescaling): P then stays below 256,
-// which fp16, bf16 and the fp32 sums hold with their usual relative precision, and O, whose
-// rescale is the softmax's largest cost (128 FMULs per thread and key tile at d256 against 40
-// exponentials), is rescaled only in the steps where some row of the warp moved its max.
+// 16-bit P: the running max that the exponents subtract moves only when a row's new max
+// exceeds it by more than 2^kStaleMaxLog2 (FlashAttention-4's conditional rescaling): P then
+// stays below 256, which fp16, bf16 and the fp32 sums hold with their usual relative precision,
+// and O, whose rescale is the softmax's largest cost (128 FMULs per thread and key tile at d256
+// against 40 exponentials), is rescaled only in the steps where some row of the warp moved its
+// max.
+// e4m3 P: the max is exact and P is scaled by 2^kPScaleLog2 = 256 before the cast, so that P
+// spans (0, 256] of e4m3's range (448 at most, normal from 2^-6, subnormal to 2^-9): a
+// probability keeps e4m3's 3 mantissa bits down to 2^-14 of its row's largest and reaches 0
+// only below 2^-18 (FlashAttention-3's choice). The sums are of the scaled P, so O / sum
+// cancels the scale; the log-sum-exp takes it out.
+template <bool kFp8>
 struct RowStats {
-  static constexpr float kStaleMaxLog2 = 8.f;
+  static constexpr float kStaleMaxLog2 = kFp8 ? 0.f : 8.f;
+  static constexpr float kPScaleLog2 = kFp8 ? 8.f : 0.f;
   float max[2] = {-INFINITY, -INFINITY};  // what the exponents subtract, already * softmax_mul
   float sum[2] = {0.f, 0.f};  // this thread's partial sums; the quad reduces them at the end
 
@@ -62,7 +71,7 @@ struct RowStats {
         sum[h] *= correction[h];
         moved = true;
       }
-      const float m_scaled = max[h] == -INFINITY ? 0.f : max[h];
+      const float m_scaled = (max[h] == -INFINITY ? 0.f : max[h]) - kPScaleLog2;
 #pragma unroll
       for (int v = 0; v < kValues; ++v) {
         if ((v / 2) % 2 == h) {
@@ -126,15 +135,30 @@ class Mainloop {
   using FragQ = decltype(std::declval<ThrMmaS&>().partition_fragment_A(std::declval<SmemQ&>()));
   using FragK = decltype(std::declval<ThrMmaS&>().partition_fragment_B(std::declval<SmemK&>()));
   using FragV = decltype(std::declval<ThrMmaO&>().partition_fragment_B(std::declval<SmemVt&>()));
+  // P as the PV product's A operand: k16 steps of 16-bit pairs, or k32 steps of e4m3 quads.
+  using PLayout = std::conditional_t<
+      Cfg::kFp8,
+      cute::Layout<cute::Shape<cute::Shape<cute::_4, cute::_2, cute::_2>, cute::_1,
+                               cute::Int<Cfg::kBlockN / 32>>>,
+      cute::Layout<cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1,
+                               cute::Int<Cfg::kBlockN / 16>>>>;
+
+  template <class TensorS, class TensorP>
+  static __device__ __forceinline__ void to_operand(const TensorS& s, TensorP& p) {
+    if constexpr (Cfg::kFp8) {
+      convert_p_e4m3(s, p);
+    } else {
+      convert_p<Element>(s, p);
+    }
+  }
 
  public:
   __device__ __forceinline__ Mainloop(SharedStorage& shared, Pipeline& k_pipe, Pipeline& v_pipe,
-                                      const ConsumerWarpgroup& wg, const FwdParams& p)
+                                      const ConsumerWarpgroup& wg)
       : shared_(shared),
         k_pipe_(k_pipe),
         v_pipe_(v_pipe),
         wg_(wg),
-        p_(p),
         sV_(v_stages<Cfg>(shared)),
         thr_s_(mma_s_.get_thread_slice(wg.thread)),
         thr_o_(mma_o_.get_thread_slice(wg.thread)),
@@ -182,11 +206,12 @@ class Mainloop {
 
   // O (unnormalized) and the row statistics of key tiles [n_begin, wg_n_end), returning with
   // the last PV product still on the tensor cores (finish waits for it). The epilogue's
-  // deferred store of the previous tile runs under the first QK^T.
-  template <class TensorO, class Epilogue>
+  // deferred store of the previous tile runs under the first QK^T. `softmax_mul` turns a raw
+  // score into log2 units (e4m3: the descales of Q and K in it).
+  template <class TensorO, class Stats, class Epilogue>
   __device__ __forceinline__ void run(const WorkTile<Cfg>& work, int wg_rows_valid,
-                                      int wg_n_end, TensorO& tOrO, RowStats& stats,
-                                      Epilogue& epilogue) {
+                                      int wg_n_end, float softmax_mul, TensorO& tOrO,
+                                      Stats& stats, Epilogue& epilogue) {
     using namespace cute;
     constexpr int kBlockN = Cfg::kBlockN;
     const int q_row0 = work.q_row0;
@@ -197,8 +222,7 @@ class Mainloop {
     const int wg_last_row = wg_first_row + wg_rows_valid - 1;
 
     clear(tOrO);
-    Tensor tOrP = make_tensor<Element>(
-        Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>>{});
+    Tensor tOrP = make_tensor<Element>(PLayout{});
     float correction[2];
     bool rescale_o = false;  // O is zero until the first PV product
 
@@ -230,11 +254,21 @@ class Mainloop {
     const int last_tile_keys = work.seq.seqlen_k - (n_end - 1) * kBlockN;
     auto zero_v_tail = [&](int stage) {
       if (last_tile_keys >= kBlockN) return;
-      constexpr int kChunks = Cfg::kHeadDimV / 8;
-      for (int idx = wg_.thread; idx < (kBlockN - last_tile_keys) * kChunks; idx += 128) {
-        const int row = last_tile_keys + idx / kChunks;
-        *reinterpret_cast<uint4*>(raw_pointer_cast(&sV_(row, (idx % kChunks) * 8, stage))) =
-            make_uint4(0, 0, 0, 0);
+      if constexpr (Cfg::kFp8) {
+        // V^T: the tail is the last columns of every row, e4m3 bytes; swizzling moves 16-byte
+        // pieces, so a byte's neighbours within its piece stay its neighbours.
+        const int tail = kBlockN - last_tile_keys;
+        for (int idx = wg_.thread; idx < tail * Cfg::kHeadDimV; idx += 128) {
+          *reinterpret_cast<uint8_t*>(raw_pointer_cast(
+              &sV_(idx / tail, last_tile_keys + idx % tail, stage))) = 0;
+        }
+      } else {
+        constexpr int kChunks = Cfg::kHeadDimV / 8;
+        for (int idx = wg_.thread; idx < (kBlockN - last_tile_keys) * kChunks; idx += 128) {
+          const int row = last_tile_keys + idx / kChunks;
+          *reinterpret_cast<uint4*>(raw_pointer_cast(&sV_(row, (idx % kChunks) * 8, stage))) =
+              make_uint4(0, 0, 0, 0);
+        }
       }
       cutlass::arch::fence_view_async_shared();
       wg_.sync();
@@ -260,8 +294,8 @@ class Mainloop {
       ++read_k_;
       query_read(wg_n_end - 1);
       apply_mask(tSrS, wg_n_end - 1);
-      stats.update(tSrS, p_.softmax_mul, correction);  // O is still zero: nothing to rescale
-      convert_p<Element>(tSrS, tOrP);
+      stats.update(tSrS, softmax_mul, correction);  // O is still zero: nothing to rescale
+      to_operand(tSrS, tOrP);
     }
     // The first V tile its PV products read is the query tile's last, ragged one unless it
     // idled past that.
@@ -285,12 +319,12 @@ class Mainloop {
       ++read_k_;
       query_read(n_block);
       apply_mask(tSrS, n_block);
-      rescale_o = stats.update(tSrS, p_.softmax_mul, correction);
+      rescale_o = stats.update(tSrS, softmax_mul, correction);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
       v_pipe_.consumer_release(read_v_);
       ++read_v_;
-      convert_p<Element>(tSrS, tOrP);
+      to_operand(tSrS, tOrP);
     }
     if (rescale_o) scale_rows(tOrO, correction);
     v_pipe_.consumer_wait(read_v_);
@@ -312,7 +346,6 @@ class Mainloop {
   Pipeline& k_pipe_;
   Pipeline& v_pipe_;
   const ConsumerWarpgroup wg_;
-  const FwdParams& p_;
   SmemV sV_;
   TiledMmaS mma_s_;
   TiledMmaO mma_o_;

@@ -82,9 +82,15 @@ class TmaKvLoad {
                            Shape<typename Cfg::BlockN, typename Cfg::DimQK>{},
                            make_coord(_, _0{}));
     Tensor mV = kp_.tma_v.get_tma_tensor(kp_.v_shape)(_, _, kv_head, batch_coord);
-    Tensor gV = local_tile(domain_offset(make_coord(k_start, _0{}), mV),
-                           Shape<typename Cfg::BlockN, typename Cfg::DimV>{},
-                           make_coord(_, _0{}));
+    auto gV = [&] {
+      if constexpr (Cfg::kFp8) {  // V^T: (d, keys), key tiles along the columns
+        return local_tile(domain_offset(make_coord(_0{}, k_start), mV), typename Cfg::VBox{},
+                          make_coord(_0{}, _));
+      } else {
+        return local_tile(domain_offset(make_coord(k_start, _0{}), mV), typename Cfg::VBox{},
+                          make_coord(_, _0{}));
+      }
+    }();
     auto k_part = tma_partition(kp_.tma_k, _0{}, Layout<_1>{},
                                 group_modes<0, 2>(k_stages<Cfg>(shared_)), group_modes<0, 2>(gK));
     auto v_part = tma_partition(kp_.tma_v, _0{}, Layout<_1>{},
@@ -93,21 +99,23 @@ class TmaKvLoad {
   }
 
   // Host: the K and V tensor maps, (rows, head dim, head, batch) as make_kernel_params shapes
-  // and strides them.
+  // and strides them; e4m3's V^T is (head dim, keys, head, batch), the keys contiguous.
   template <class MakeShape, class MakeStride, class MakeGmem>
   static void make_params(const FwdArgs& args, int64_t rows_k, KernelParams& kp,
                           MakeShape shape, MakeStride stride, MakeGmem gmem) {
     using namespace cute;
     kp.k_shape = shape(rows_k, args.hdim_q, args.nhead_k);
-    kp.v_shape = shape(rows_k, args.hdim_v, args.nhead_k);
+    kp.v_shape = Cfg::kFp8 ? shape(args.hdim_v, static_cast<int>(rows_k), args.nhead_k)
+                           : shape(rows_k, args.hdim_v, args.nhead_k);
     const auto k_stride = stride(args.k_seq_stride, args.k_head_stride, args.k_batch_stride);
-    const auto v_stride = stride(args.v_seq_stride, args.v_head_stride, args.v_batch_stride);
+    const auto v_stride =
+        stride(Cfg::kFp8 ? args.v_dim_stride : args.v_seq_stride, args.v_head_stride,
+               args.v_batch_stride);
     kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(args.k, kp.k_shape, k_stride),
                              take<0, 2>(typename Cfg::SmemLayoutK{}),
                              Shape<typename Cfg::BlockN, typename Cfg::DimQK>{}, _1{});
     kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(args.v, kp.v_shape, v_stride),
-                             take<0, 2>(typename Cfg::SmemLayoutV{}),
-                             Shape<typename Cfg::BlockN, typename Cfg::DimV>{}, _1{});
+                             take<0, 2>(typename Cfg::SmemLayoutV{}), typename Cfg::VBox{}, _1{});
   }
 
  private:

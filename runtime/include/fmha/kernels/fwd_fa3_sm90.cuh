@@ -18,11 +18,12 @@
 //   Epilogue       O / rowsum and the log-sum-exp out (fwd_fa3_epilogue_sm90.cuh)
 // The config (tile, register split, shared memory, TMA types) is fwd_fa3_config_sm90.cuh's.
 //
-// Traits on this pipeline: fp16/bf16; head dims that are multiples of 64; no mask, causal and
-// sliding windows (both alignments); MQA/GQA; batch and group mode with seqused; LSE. Every
-// sequence length is served (TMA zero-fills ragged tiles; the last key tile is masked), so the
-// instances are pad_seqlen=true. Bias, dropout, soft-capping, V^T and padded head dims run on
-// the fa2 pipeline (instances.yaml's rules say so, and the dispatcher's explain quotes them).
+// Traits on this pipeline: fp16/bf16, and e4m3 with V^T (bf16 out, descales per tensor or per
+// sequence and K/V head); head dims that are multiples of 64; no mask, causal and sliding
+// windows (both alignments); MQA/GQA; batch and group mode with seqused; LSE. Every sequence
+// length is served (TMA zero-fills ragged tiles; the last key tile is masked), so the instances
+// are pad_seqlen=true. Bias, dropout, soft-capping, 16-bit V^T and padded head dims run on the
+// fa2 pipeline (instances.yaml's rules say so, and the dispatcher's explain quotes them).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -65,7 +66,8 @@ class Consumer {
                                       StagedO<Cfg>& staged_o)
       : wg_(warpgroup, lane),
         epilogue_(kp, shared, wg_, staged_o),
-        mainloop_(shared, k_pipe, v_pipe, wg_, kp.p) {
+        mainloop_(shared, k_pipe, v_pipe, wg_),
+        p_(kp.p) {
     mainloop_.enter_turns();
     // A warpgroup frees its Q rows once per tile, after the tile's use of them; they start free.
     wg_.release_query();
@@ -91,10 +93,17 @@ class Consumer {
 
     auto tOrO = cute::partition_fragment_C(typename Cfg::TiledMmaO{},
                                            cute::Shape<cute::_64, typename Cfg::DimV>{});
-    RowStats stats;
-    mainloop_.run(work, wg_rows_valid, wg_n_end, tOrO, stats, epilogue_);
+    RowStats<Cfg::kFp8> stats;
+    float softmax_mul = p_.softmax_mul;
+    float out_scale = 1.f;
+    if constexpr (Cfg::kFp8) {
+      const Descales descales(p_, work.tile.batch, work.tile.head / p_.kv_group);
+      softmax_mul *= descales.q * descales.k;
+      out_scale = descales.v;
+    }
+    mainloop_.run(work, wg_rows_valid, wg_n_end, softmax_mul, tOrO, stats, epilogue_);
     float inv[2];
-    epilogue_.finish_rows(stats, lse, rows_valid, inv);  // under the last PV product
+    epilogue_.finish_rows(stats, out_scale, lse, rows_valid, inv);  // under the last PV product
     mainloop_.finish(tOrO);
     epilogue_.store_tile(tOrO, inv, work, o, wg_rows_valid);
   }
@@ -103,9 +112,24 @@ class Consumer {
   __device__ __forceinline__ void finish() { epilogue_.finish(); }
 
  private:
+  // e4m3: the factors that dequantize a work tile's Q, K and V (FwdArgs::q_descale says how
+  // they are indexed), one scalar each per (sequence, K/V head).
+  struct Descales {
+    float q, k, v;
+    __device__ __forceinline__ Descales(const FwdParams& p, int batch, int kv_head)
+        : q(load(p.q_descale, batch * p.q_descale_batch_stride + kv_head * p.q_descale_head_stride)),
+          k(load(p.k_descale, batch * p.k_descale_batch_stride + kv_head * p.k_descale_head_stride)),
+          v(load(p.v_descale,
+                 batch * p.v_descale_batch_stride + kv_head * p.v_descale_head_stride)) {}
+    static __device__ __forceinline__ float load(const float* ptr, int64_t offset) {
+      return ptr == nullptr ? 1.f : __ldg(ptr + offset);
+    }
+  };
+
   const ConsumerWarpgroup wg_;
   Epilogue<Cfg> epilogue_;
   Mainloop<Cfg> mainloop_;
+  const FwdParams& p_;
 };
 
 template <class Cfg>
@@ -182,7 +206,8 @@ cudaError_t make_kernel_params(const FwdArgs& args, typename Cfg::KernelParams& 
   kp.p.group_heads = kp.spread_heads
                          ? static_cast<int>(batch_heads)
                          : heads_per_group(static_cast<int64_t>(args.seqlen_k) *
-                                               (Cfg::kHeadDimQK + Cfg::kHeadDimV) * 2,
+                                               (Cfg::kHeadDimQK + Cfg::kHeadDimV) *
+                                               static_cast<int64_t>(sizeof(Element)),
                                            batch_heads);
   kp.total_tiles = static_cast<int>(total_tiles);
 
@@ -191,8 +216,8 @@ cudaError_t make_kernel_params(const FwdArgs& args, typename Cfg::KernelParams& 
     return typename Cfg::GmemShape(static_cast<int32_t>(rows), dim, heads, batch);
   };
   auto stride = [&](int64_t seq, int64_t head, int64_t batch_stride) {
-    return typename Cfg::GmemStride(tma_stride(seq), _1{}, tma_stride(head),
-                                    tma_stride(kGroup ? 0 : batch_stride));
+    return typename Cfg::GmemStride(tma_stride<Element>(seq), _1{}, tma_stride<Element>(head),
+                                    tma_stride<Element>(kGroup ? 0 : batch_stride));
   };
   kp.q_shape = shape(rows_q, args.hdim_q, args.nhead_q);
   kp.o_shape = shape(rows_q, args.hdim_v, args.nhead_q);
@@ -206,7 +231,7 @@ cudaError_t make_kernel_params(const FwdArgs& args, typename Cfg::KernelParams& 
   Cfg::KvLoad::make_params(args, rows_k, kp, shape, stride, gmem);
   kp.tma_o = make_tma_copy(
       SM90_TMA_STORE{},
-      make_tensor(make_gmem_ptr(static_cast<Element*>(args.o)),
+      make_tensor(make_gmem_ptr(static_cast<typename Cfg::OutElement*>(args.o)),
                   make_layout(kp.o_shape, stride(args.o_seq_stride, args.o_head_stride,
                                                  args.o_batch_stride))),
       typename Cfg::SmemLayoutO{}, Shape<_64, typename Cfg::DimV>{}, _1{});
