@@ -1,6 +1,7 @@
 // K and V read from a KV cache by TMA, for the fa3 forward's kernel as chunked prefill runs it
 // (kvcache_chunked_prefill_sm90.cuh): a paged cache (vLLM's layout, pages reached through a block
-// table) or a contiguous one, which is the same thing with one page per sequence.
+// table) or a contiguous one, which is the same thing with one page per sequence. CachedKvLoad
+// is the forward producer's load policy for it (fwd_fa3_producer_sm90.cuh says what one is).
 //
 // A key tile of kBlockN keys may span several pages, so it is loaded in boxes of box_rows keys by
 // every column, box_rows = gcd(page_size, kBlockN): each box lies in one page. A stage keeps each
@@ -27,6 +28,8 @@
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/cuda_host_adapter.hpp>
 
+#include "fmha/kernels/fwd_fa3_config_sm90.cuh"
+#include "fmha/kernels/fwd_fa3_scheduler_sm90.cuh"
 #include "fmha/kernels/sm90_primitives.cuh"
 
 namespace fmha::fa3 {
@@ -115,7 +118,7 @@ struct CachedKv {
 
   // Lane `lane`'s box of a key tile from `source`, into the stage at `stage` (its rows in
   // 8-row groups of every column, one group after another), made before the stage is free
-  // (fwd_fa3_sm90.cuh's producer). Each box is issued by its own lane: issued by one lane in
+  // (CachedKvLoad). Each box is issued by its own lane: issued by one lane in
   // turn, the 8 boxes of a 128-key tile of 16-key pages left the producer behind the consumers
   // (d128 chunked prefill at 0.48-0.55x of the contiguous cache, H100).
   template <int kHeadDim, typename Element>
@@ -152,6 +155,101 @@ struct CachedKv {
         &map.tma, &barrier, static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
         b.smem, 0, b.rows, b.columns, b.groups, b.outer);
   }
+};
+
+// The forward producer's load policy for a KV cache (fwd_fa3_producer_sm90.cuh): the config's
+// KernelParams carry the CachedKv as `cache`, and its K/V stages are laid out as the boxes
+// write them (KvStageLayouts<true>, kvcache_chunked_prefill_sm90.cuh).
+template <class Cfg>
+class CachedKvLoad {
+ public:
+  using KernelParams = typename Cfg::KernelParams;
+  using SharedStorage = typename Cfg::SharedStorage;
+  using Pipeline = typename Cfg::Pipeline;
+  using PipelineState = cutlass::PipelineState<Cfg::kStages>;
+
+  static __device__ __forceinline__ void prefetch_descriptors(const KernelParams& kp) {
+    cute::prefetch_tma_descriptor(&kp.cache.k.tma);
+    cute::prefetch_tma_descriptor(&kp.cache.v.tma);
+  }
+
+  __device__ __forceinline__ CachedKvLoad(const KernelParams& kp, SharedStorage& shared, int lane)
+      : kp_(kp), shared_(shared), lane_(lane) {}
+
+  // A tile's boxes, each from its page. Their table entries are read one K load ahead, so the
+  // read overlaps the previous tile's wait and copies, and kept for the tile's V load, which
+  // comes after the next tile's K. A box's coordinates and stage address are made before the
+  // stage's wait, so that only the copies follow the consumers' release: made after it, d128
+  // chunks on pages of 16 read 3-8% less (H100, perf notes v24), two stages leaving the
+  // producer no slack for its arithmetic.
+  class Tile {
+   public:
+    __device__ __forceinline__ Tile(CachedKvLoad& load, const WorkTile<Cfg>& work, int kv_head)
+        : load_(load),
+          batch_(work.tile.batch),
+          kv_head_(kv_head),
+          n_begin_(work.n_begin),
+          next_k_(sources_of(work.n_end - 1)) {}
+
+    __device__ void load_k(Pipeline& pipe, PipelineState& state, int n_block) {
+      const int2 source = next_k_;
+      if (n_block > n_begin_) next_k_ = sources_of(n_block - 1);
+      (n_block % 2 == 0 ? load_.v_even_ : load_.v_odd_) = source;
+      issue<Cfg::kHeadDimQK>(pipe, state, load_.kp_.cache.k, k_stages<Cfg>(load_.shared_), source);
+    }
+    __device__ void load_v(Pipeline& pipe, PipelineState& state, int n_block) {
+      issue<Cfg::kHeadDimV>(pipe, state, load_.kp_.cache.v, v_stages<Cfg>(load_.shared_),
+                            n_block % 2 == 0 ? load_.v_even_ : load_.v_odd_);
+    }
+
+   private:
+    __device__ int2 sources_of(int n_block) const {
+      return load_.kp_.cache.template box_source<Cfg::kPaged>(batch_, n_block * Cfg::kBlockN,
+                                                           load_.lane_);
+    }
+
+    // A lane's box starts box_rows x lane rows into its stage (CachedKv::box): a stage
+    // holds 8-row groups of every column one after another, and the 128-byte swizzle acts
+    // on address bits inside a group's 1 KB blocks, which a group's start leaves alone.
+    static_assert(cute::get_nonswizzle_portion(typename Cfg::SmemLayoutK{})(8, 0, 0) ==
+                          8 * Cfg::kHeadDimQK &&
+                  cute::get_nonswizzle_portion(typename Cfg::SmemLayoutV{})(8, 0, 0) ==
+                          8 * Cfg::kHeadDimV);
+    template <int kHeadDim, class Stages>
+    __device__ void issue(Pipeline& pipe, PipelineState& state, const CacheMap& map,
+                          Stages smem, int2 source) {
+      const int stage = state.index();
+      const CacheBox box = load_.kp_.cache.template box<kHeadDim>(
+          map, cute::raw_pointer_cast(&smem(0, 0, stage)), source, kv_head_, load_.lane_);
+      uint64_t* barrier = pipe.producer_get_barrier(state);
+      pipe.producer_acquire(state);
+      CachedKv::copy(map, *barrier, box);
+      ++state;
+    }
+
+    CachedKvLoad& load_;
+    int batch_;
+    int kv_head_;
+    int n_begin_;
+    int2 next_k_;
+  };
+
+  __device__ __forceinline__ Tile tile(const WorkTile<Cfg>& work, int kv_head) {
+    return Tile(*this, work, kv_head);
+  }
+
+  // Host: the cache's maps are its launcher's (kvcache_chunked_prefill_sm90.cuh).
+  template <class MakeShape, class MakeStride, class MakeGmem>
+  static void make_params(const FwdArgs&, int64_t, KernelParams&, MakeShape, MakeStride,
+                          MakeGmem) {}
+
+ private:
+  const KernelParams& kp_;
+  SharedStorage& shared_;
+  int lane_;
+  // The sources of the last two K tiles, by n_block's parity: the V load of a key tile reads
+  // what its K load, a step earlier, looked up.
+  int2 v_odd_, v_even_;
 };
 
 // The fold a cache's strides allow: `rows` keys a page.

@@ -1,7 +1,7 @@
 // The fa3 forward's configuration (fwd_fa3_sm90.cuh): the tile and its warpgroups, the register
 // split, the shared-memory layout and the TMA copy types, checked against what the kernel
-// assumes; the named barriers its roles meet at; and each consumer warpgroup's Q and O rows in
-// shared memory.
+// assumes; the load policy for K and V; the named barriers its roles meet at; a consumer
+// thread's place (ConsumerWarpgroup); and the shared-memory tensors the stages address.
 #pragma once
 
 #include <cstdint>
@@ -19,12 +19,20 @@
 
 namespace fmha::fa3 {
 
+template <class Cfg>
+class TmaKvLoad;
+
 template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
           int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, VLayout kVLayout_,
           Mode kMode_, bool kLse_, bool kDropout_, bool kSoftcap_, bool kPadSeqlen_,
           bool kPadHdim_, int kSmemLimit_>
 struct FwdConfig {
-  using Element = typename CuteElement<Element_>::type;
+  using Element = typename CuteElement<Element_>::type;  // Q, K and V
+  // e4m3 inputs: wgmma reads 8-bit operands K-major only, so V arrives transposed (vlayout=col,
+  // keys contiguous), P is cast to e4m3 and moved into the k32 A-operand layout before P V
+  // (convert_p_e4m3), and O leaves in bf16.
+  static constexpr bool kFp8 = sizeof(Element) == 1;
+  using OutElement = std::conditional_t<kFp8, cutlass::bfloat16_t, Element>;
   static constexpr int kHeadDimQK = kHeadDimQK_;
   static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kBlockM = kBlockM_;
@@ -33,20 +41,22 @@ struct FwdConfig {
   static constexpr MaskType kMask = kMask_;
   static constexpr Mode kMode = kMode_;
   static constexpr bool kLse = kLse_;
-  // K and V are the call's own tensors, loaded a whole key tile a box; chunked prefill's Config
-  // (kvcache_chunked_prefill_sm90.cuh) reads them from a KV cache instead (cached_kv_sm90.cuh).
-  static constexpr bool kCachedKv = false;
-  static constexpr bool kPaged = false;
+  // Where K and V come from (fwd_fa3_producer_sm90.cuh): the call's own tensors, a whole key
+  // tile a TMA box. Chunked prefill's Config (kvcache_chunked_prefill_sm90.cuh) reads them from a
+  // KV cache instead (CachedKvLoad, cached_kv_sm90.cuh).
+  using KvLoad = TmaKvLoad<FwdConfig>;
 
   static_assert(kBias_ == BiasType::kNone && !kDropout_ && !kSoftcap_,
                 "fa3 has no bias, dropout or soft-cap yet: those instances are fa2");
-  static_assert(kVLayout_ == VLayout::kRowMajor, "fa3 reads V row-major (V^T is fa2)");
+  static_assert(kVLayout_ == (kFp8 ? VLayout::kColMajor : VLayout::kRowMajor),
+                "fa3 reads 16-bit V row-major (V^T is fa2) and e4m3 V transposed");
   static_assert(kPadSeqlen_ && !kPadHdim_,
                 "fa3 serves every sequence length (pad_seqlen) and exact head dims only");
   static_assert(kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0 && kHeadDimV <= kHeadDimQK,
                 "fa3 head dims are whole 128-byte swizzle atoms, and O is staged over Q");
   static_assert(kBlockM % 64 == 0, "each consumer warpgroup owns 64 query rows (wgmma M)");
-  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key tiles are wgmma N <= 256, k16 steps");
+  static_assert(kBlockN % (kFp8 ? 32 : 16) == 0 && kBlockN <= 256,
+                "key tiles are wgmma N <= 256, and whole k-steps of P V (k16, or k32 for e4m3)");
   static_assert(kStages >= 2, "K and V need at least double buffering");
 
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
@@ -77,13 +87,15 @@ struct FwdConfig {
       cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, BlockN, DimQK>>()));
   using TiledMmaO = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, DimV, BlockN>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+                                 cute::GMMA::Major::K,
+                                 kFp8 ? cute::GMMA::Major::K : cute::GMMA::Major::MN>()));
   static_assert(wgmma_n<TiledMmaS> == kBlockN && wgmma_n<TiledMmaO> == kHeadDimV,
                 "a wgmma N outside CuTe's base shapes: the TU must define "
                 "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED first (sm90_primitives.cuh)");
 
-  // Rows of 64 elements (128 bytes) in 8-row swizzle atoms: what TMA writes and wgmma reads.
-  using SwizzleAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  // Rows of 128 bytes (64 16-bit elements, 128 e4m3 ones) in 8-row swizzle atoms: what TMA
+  // writes and wgmma reads. e4m3 rows of 64 bytes (d64) take the 64-byte swizzle.
+  using SwizzleAtom = KMajorSwizzleAtom<Element, kHeadDimQK>;
   // Q and O: one (64, d) region per consumer warpgroup.
   using SmemLayoutQ = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<cute::_64, DimQK>{}));
   // K and V stages, (keys, d, stage). kRowGroupsOuter false: 64-column blocks of kBlockN rows,
@@ -103,10 +115,17 @@ struct FwdConfig {
         V{}, cute::make_ordered_layout(cute::Shape<DimV, BlockN, cute::Int<kStages>>{},
                                        cute::Step<cute::_2, cute::_1, cute::_3>{})));
   };
+  // e4m3 V stages hold V^T, (d, keys, stage) with the keys contiguous, as TMA copies them from
+  // a column-major V and the PV product reads them (K-major).
+  using SmemLayoutVtFp8 = decltype(cute::tile_to_shape(
+      KMajorSwizzleAtom<Element, kBlockN>{}, cute::Shape<DimV, BlockN, cute::Int<kStages>>{}));
   using SmemLayoutK = typename KvStageLayouts<false>::K;
-  using SmemLayoutV = typename KvStageLayouts<false>::V;
-  using SmemLayoutVt = typename KvStageLayouts<false>::Vt;
-  using SmemLayoutO = decltype(cute::tile_to_shape(SwizzleAtom{}, cute::Shape<cute::_64, DimV>{}));
+  using SmemLayoutV =
+      std::conditional_t<kFp8, SmemLayoutVtFp8, typename KvStageLayouts<false>::V>;
+  using SmemLayoutVt =
+      std::conditional_t<kFp8, SmemLayoutVtFp8, typename KvStageLayouts<false>::Vt>;
+  using SmemLayoutO = decltype(cute::tile_to_shape(KMajorSwizzleAtom<OutElement, kHeadDimV>{},
+                                                   cute::Shape<cute::_64, DimV>{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
@@ -116,14 +135,18 @@ struct FwdConfig {
   // O gets its own region where it fits: a warpgroup's next Q then loads
   // while it finishes its last PV product and stores O. Otherwise (d256) each warpgroup stages
   // O over its own Q rows, and its next Q waits for the store.
-  static constexpr int kTileBytes =
-      2 * (kBlockM * kHeadDimQK + kStages * kBlockN * (kHeadDimQK + kHeadDimV));
-  static constexpr bool kSeparateO = kTileBytes + 2 * kBlockM * kHeadDimV + 1024 <= kSmemLimit;
+  static constexpr int kTileBytes = static_cast<int>(
+      sizeof(Element) * (kBlockM * kHeadDimQK + kStages * kBlockN * (kHeadDimQK + kHeadDimV)));
+  static constexpr bool kSeparateO =
+      kTileBytes + static_cast<int>(sizeof(OutElement)) * kBlockM * kHeadDimV + 1024 <= kSmemLimit;
+  static_assert(kSeparateO || sizeof(OutElement) <= sizeof(Element),
+                "a bf16 O from e4m3 inputs does not fit over Q: it needs its own region");
   struct NoRegion {};
   static constexpr int kQRegion = cute::cosize_v<SmemLayoutQ>;  // elements per warpgroup
   static constexpr int kORegion = cute::cosize_v<SmemLayoutO>;
   using ORegion = std::conditional_t<
-      kSeparateO, cute::array_aligned<Element, kConsumerWarpgroups * kORegion, 1024>, NoRegion>;
+      kSeparateO, cute::array_aligned<OutElement, kConsumerWarpgroups * kORegion, 1024>,
+      NoRegion>;
 
   struct SharedStorage {
     cute::array_aligned<Element, kConsumerWarpgroups * kQRegion, 1024> q;
@@ -154,13 +177,15 @@ struct FwdConfig {
       cute::SM90_TMA_LOAD{},
       cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
       cute::take<0, 2>(SmemLayoutK{}), cute::Shape<BlockN, DimQK>{}, cute::_1{}));
+  // V's box: a (keys, d) tile, or for e4m3 a (d, keys) tile of V^T.
+  using VBox = std::conditional_t<kFp8, cute::Shape<DimV, BlockN>, cute::Shape<BlockN, DimV>>;
   using TmaLoadV = decltype(cute::make_tma_copy(
       cute::SM90_TMA_LOAD{},
       cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
-      cute::take<0, 2>(SmemLayoutV{}), cute::Shape<BlockN, DimV>{}, cute::_1{}));
+      cute::take<0, 2>(SmemLayoutV{}), VBox{}, cute::_1{}));
   using TmaStoreO = decltype(cute::make_tma_copy(
       cute::SM90_TMA_STORE{},
-      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element*>(nullptr)), GmemLayout{}),
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<OutElement*>(nullptr)), GmemLayout{}),
       SmemLayoutO{}, cute::Shape<cute::_64, DimV>{}, cute::_1{}));
 
   struct KernelParams {
@@ -187,6 +212,32 @@ enum Barrier : uint32_t {
   kWarpgroupFirst = 7,   // + w: the 128 threads of consumer warpgroup w
 };
 
+// A consumer thread's place: its warpgroup owns query rows [64 index, 64 index + 64) of the
+// tile, and the thread holds rows row0 and row0 + 8 of the warpgroup's wgmma accumulators.
+struct ConsumerWarpgroup {
+  int index;     // which 64 query rows
+  int consumer;  // 0 .. kConsumerThreads - 1
+  int thread;    // 0 .. 127 within the warpgroup
+  int lane;
+  int row0;      // counted from the tile's first row
+  bool leader;
+
+  __device__ __forceinline__ ConsumerWarpgroup(int warpgroup, int lane_)
+      : index(warpgroup - 1),
+        consumer(threadIdx.x - 128),
+        thread(threadIdx.x % 128),
+        lane(lane_),
+        row0(index * 64 + thread / 32 * 16 + lane / 4),
+        leader(thread == 0) {}
+
+  // The warpgroup's 128 threads meet.
+  __device__ void sync() const { barrier_sync(Barrier::kWarpgroupFirst + index, 128); }
+  // Its Q rows may take the next tile's Q (the producer warp waits for this, once per tile).
+  __device__ void release_query() const {
+    barrier_arrive(Barrier::kQueryEmptyFirst + index, 128 + 32);
+  }
+};
+
 // Shared-memory tensors of a config's SharedStorage, in the config's layouts: chunked
 // prefill's Config keeps the forward's storage but lays K and V out its own way.
 //
@@ -198,12 +249,26 @@ __device__ auto query_rows(typename Cfg::SharedStorage& shared, int w) {
 }
 template <class Cfg>
 __device__ auto output_rows(typename Cfg::SharedStorage& shared, int w) {
-  typename Cfg::Element* region;
+  typename Cfg::OutElement* region;
   if constexpr (Cfg::kSeparateO) {
     region = shared.o.data() + w * Cfg::kORegion;
   } else {
-    region = shared.q.data() + w * Cfg::kQRegion;
+    region = shared.q.data() + w * Cfg::kQRegion;  // same type: the config asserts it
   }
   return cute::make_tensor(cute::make_smem_ptr(region), typename Cfg::SmemLayoutO{});
 }
+// The K and V rings' stages, (keys, d, stage), and V as the PV product reads it, (d, keys, stage).
+template <class Cfg>
+__device__ __forceinline__ auto k_stages(typename Cfg::SharedStorage& shared) {
+  return cute::make_tensor(cute::make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutK{});
+}
+template <class Cfg>
+__device__ __forceinline__ auto v_stages(typename Cfg::SharedStorage& shared) {
+  return cute::make_tensor(cute::make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutV{});
+}
+template <class Cfg>
+__device__ __forceinline__ auto vt_stages(typename Cfg::SharedStorage& shared) {
+  return cute::make_tensor(cute::make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutVt{});
+}
+
 }  // namespace fmha::fa3

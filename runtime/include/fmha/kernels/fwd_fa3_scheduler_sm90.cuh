@@ -1,7 +1,7 @@
 // The fa3 forward's tile scheduler: which (query tile, head, sequence) work tiles a persistent
 // CTA runs, in which order, and the key tiles each one visits. The producer warp and the
-// consumer warpgroups each walk the same tiles with it, so they agree on every tile's loads
-// without talking to each other.
+// consumer warpgroups each walk the same tiles with it (TileScheduler::for_each_tile), so they
+// agree on every tile's loads without talking to each other.
 #pragma once
 
 #include <cstdint>
@@ -78,21 +78,37 @@ struct WorkTile {
 
   // The grid covers the longest sequence; tiles past this one's end have nothing to do.
   __device__ bool in_sequence() const { return q_row0 < seq.seqlen_q; }
+  // No row of the tile sees a key (a window past the sequence's keys, or no keys at all).
+  __device__ __forceinline__ bool sees_no_key() const { return n_end <= n_begin; }
 };
 
-// This CTA's share of the work: units blockIdx.x, blockIdx.x + gridDim.x, ... below units(),
-// each one or two tiles (unit_tile).
+// The persistent loop: this CTA's work units, each unit's one or two tiles.
 template <class Cfg>
 class TileScheduler {
  public:
   __device__ __forceinline__ explicit TileScheduler(const typename Cfg::KernelParams& kp)
-      : batch_heads_(kp.total_tiles / kp.p.m_blocks),
+      : kp_(kp),
+        batch_heads_(kp.total_tiles / kp.p.m_blocks),
         units_(static_cast<int>(work_units<Cfg>(kp.p.m_blocks, batch_heads_))) {}
 
-  __device__ __forceinline__ int units() const { return units_; }
-  __device__ __forceinline__ int batch_heads() const { return batch_heads_; }
+  // visit(const WorkTile<Cfg>&) on each of the CTA's tiles that lies within its sequence, in
+  // the order every role of the CTA takes them. visit is a role (Producer, Consumer) passed by
+  // reference: a lambda that captured a role's state by reference kept that state in memory
+  // past NVVM's early passes, which reordered the loop's code (scripts/ptx_identity.py).
+  template <class Visit>
+  __device__ __forceinline__ void for_each_tile(Visit&& visit) const {
+    for (int unit = blockIdx.x; unit < units_; unit += gridDim.x)
+    for (int half = 0; half < 2; ++half) {
+      TileCoord coord;
+      if (!unit_tile<Cfg>(kp_, unit, half, batch_heads_, &coord)) continue;
+      const WorkTile<Cfg> work(kp_.p, coord);
+      if (!work.in_sequence()) continue;
+      visit(work);
+    }
+  }
 
  private:
+  const typename Cfg::KernelParams& kp_;
   int batch_heads_;
   int units_;
 };

@@ -19,6 +19,7 @@
 
 #include <type_traits>
 
+#include "fmha/kernels/cached_kv_sm90.cuh"
 #include "fmha/kernels/fast_divisor.cuh"
 #include "fmha/kernels/fwd_fa3_sm90.cuh"
 #include "fmha/kernels/kvcache_append.cuh"
@@ -40,8 +41,9 @@ struct Config
                 "the decode kernel (instances.yaml prunes kv_dtype=e4m3 on pipeline fa3)");
   using Base = typename Config::FwdConfig;  // the base above, by its injected name
   using KvElement = KvElement_;
-  static constexpr bool kCachedKv = true;
   static constexpr bool kPaged = kPaged_;
+  // K and V from the cache's pages (cached_kv_sm90.cuh), in place of the call's own tensors.
+  using KvLoad = fa3::CachedKvLoad<Config>;
   // The cache's boxes are a few rows by every column (cached_kv_sm90.cuh); the stages keep the
   // forward's size, so its SharedStorage holds them.
   using SmemLayoutK = typename Base::template KvStageLayouts<true>::K;
