@@ -895,7 +895,8 @@ class E4m3Case:
     """One e4m3 fmha.fwd problem. Batch mode: b, sq, sk; group mode: seqlens_q/seqlens_k
     (sequences packed, cu_seqlens). descale: one of DESCALE_KINDS, for q, k and v alike. kind:
     one of STUDY_KINDS, or "heads" (normal entries times a factor per (sequence, K/V head),
-    log-uniform in [1/16, 16], so that per-head descales matter). vcol: V given as V^T (the
+    log-uniform in [1/4, 4] for q and k and [1/16, 16] for v, so that per-head descales
+    matter). vcol: V given as V^T (the
     sequence dim contiguous, what the kernel reads) in a buffer whose padding is NaN; else
     row-major (the API transposes a copy). layout "poison": q and k are views into buffers
     wider in the head dim, NaN there."""
@@ -1018,11 +1019,14 @@ def make_e4m3_inputs(case: E4m3Case, device="cuda", seed: int = 0) -> E4m3Inputs
     values = dict(q=drawn[0], k=drawn[1], v=drawn[2][..., :case.dv])
     layout = dict(q=(cu_q, per), k=(cu_k, 1), v=(cu_k, 1))  # (cu_seqlens, heads per descale)
     if case.kind == "heads":
-        # A magnitude per (sequence, K/V head), 2^-4 to 2^4, the query heads of a K/V head
-        # sharing one (they share its q_descale).
+        # A magnitude per (sequence, K/V head), the query heads of a K/V head sharing one (they
+        # share its q_descale): 2^-2 to 2^2 for q and k (logits of standard deviation up to
+        # 16, not beyond: past that the rows are one-hot and the fp8 products' accumulation,
+        # not P's rounding, would set the error), 2^-4 to 2^4 for v.
         for name, x in values.items():
-            table = torch.exp2(torch.rand(batch, case.hk, generator=gen, dtype=torch.float64)
-                               * 8 - 4)
+            span = 8.0 if name == "v" else 4.0
+            table = torch.exp2((torch.rand(batch, case.hk, generator=gen, dtype=torch.float64)
+                                - 0.5) * span)
             values[name] = x * _row_factors(table, x, *layout[name]).float()
     codes, descales = {}, {}
     for name, x in values.items():

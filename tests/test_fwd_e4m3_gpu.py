@@ -5,12 +5,13 @@ The cases come from the build's e4m3 instances (fmha.instances() rows of dtype "
 forced by name: its head dim, mode and mask (causal of both alignments, windows that empty
 rows), lengths 1, 127, 200 and 1000 with seqlen_q != seqlen_k both ways, GQA 4:1 and MHA,
 group mode with empty sequences, descales none, per tensor ((1, 1)) and per (batch, K/V head)
-over heads of magnitudes 2^-4 to 2^4, V row-major (the API transposes a copy) and given as V^T
-(a view of a NaN-padded buffer, sequence stride 1: what the kernel reads), q and k as views of
-NaN-padded buffers, the log-sum-exp where the instance writes it. The output goes to a
-NaN-filled out= where fmha.fwd takes one, else the allocator is poisoned with NaN blocks of its
-size. A few cases go through the dispatcher; the accuracy study's input kinds (FlashAttention-3's
-outliers, outlier channels, attention sinks) run on one instance of each head dim and mask.
+over heads of magnitudes 2^-2 to 2^2 (q, k) and 2^-4 to 2^4 (v), V row-major (the API
+transposes a copy) and given as V^T (a view of a NaN-padded buffer, sequence stride 1: what the
+kernel reads), q and k as views of NaN-padded buffers, the log-sum-exp where the instance
+writes it. The output goes to a NaN-filled out= where fmha.fwd takes one, else the allocator
+is poisoned with NaN blocks of its size. A few cases go through the dispatcher; the accuracy
+study's input kinds (FlashAttention-3's outliers, outlier channels, attention sinks) run on one
+instance of each head dim and mask.
 
 Pass rule (the FP8 issue's bar, reference.compare_e4m3): in every (sequence, query head), the
 max and the RMS error against the float64 attention of the dequantized inputs at most twice
