@@ -39,6 +39,14 @@ incoherent processing, so its peer there is the baseline FP8 and "no incoherent 
 
 Prints a table; --json [PATH] writes the info and every row as JSON lines (to stdout without a
 path). --device cpu computes the reference columns without a GPU (fmha's are then "-").
+
+--p-study: the quantizing reference alone (no fmha), with the kernel's running max over
+128-key tiles (fwd_reference_e4m3's p_max="running"), for each scale of P before its rounding
+to e4m3 (1, 16, the kernel's 256, and 448, the largest that cannot saturate since P <= 1
+relative to the exact max) and each order of the key tiles (lf: last to first, the kernel's,
+the causal diagonal first and sink keys last; fl: first to last): the RMSE against the float64
+attention of the dequantized per-tensor inputs, without a mask and causal, the winner (the
+smallest RMSE) and the kernel's choice (256/lf) over the winner's RMSE.
 """
 
 import argparse
@@ -67,6 +75,16 @@ FA3_RMSE = {
 FA3_CELL = {"fa3_outliers": "2.4e-2/9.1e-3"}
 COLUMNS = ("|O|", "e4m3", "qref", "qref_run", "sdpa_bf16", "e4m3_head", "e4m3_orig",
            "e4m3_head_orig", "qref_orig", "sdpa_bf16_orig", "fa3")
+# --p-study: P's scales and the key tiles' orders, the kernel's (256, last to first) among them.
+P_SCALES = (1.0, 16.0, R.E4M3_P_SCALE, R.E4M3_MAX)
+P_ORDER_NAMES = {"last_to_first": "lf", "first_to_last": "fl"}
+P_VARIANTS = tuple((scale, order) for scale in P_SCALES for order in R.E4M3_KEY_ORDERS)
+P_KERNEL = (R.E4M3_P_SCALE, R.E4M3_KEY_ORDER)
+
+
+def p_variant_name(variant) -> str:
+    scale, order = variant
+    return f"{scale:g}/{P_ORDER_NAMES[order]}"
 
 
 def parse_args(argv):
@@ -84,6 +102,11 @@ def parse_args(argv):
     p.add_argument("--device", default="cuda", help="cuda, or cpu for the reference columns")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="also write JSON lines: the info, then every row (stdout without PATH)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch's CPU threads (torch.set_num_threads; default: torch's)")
+    p.add_argument("--p-study", action="store_true",
+                   help="the quantizing reference's RMSE for each scale of P and order of the "
+                        "key tiles, without a mask and causal (no fmha; --causal ignored)")
     args = p.parse_args(argv)
     unknown = set(args.kinds) - set(R.STUDY_KINDS)
     if unknown:
@@ -160,6 +183,64 @@ def study_row(kind, d, s, args, fmha=None) -> dict:
     return row
 
 
+def p_study_outputs(q8, k8, v8, descales, causal, variants=P_VARIANTS, rows=64):
+    """(truth, {variant: output}) of the per-tensor e4m3 codes q8, k8, v8 (b, s, h, d) and
+    their descales (q, k, v): the float64 attention of the dequantized inputs, and the
+    quantizing reference with the running max (fwd_reference_e4m3(p_max="running",
+    p_scale=scale, order=order).quantized) of each (scale, order), float64 (b, s, h, dv).
+
+    One head at a time, its masked logits computed once (attention_reference's weights hook
+    sees them) for every variant, e4m3_p_weights applied to `rows` queries at a time."""
+    qd, kd, vd = (R.dequantize_e4m3(x, ds) for x, ds in zip((q8, k8, v8), descales))
+    truths, outs = [], {variant: [] for variant in variants}
+    for h in range(qd.shape[2]):
+        vh = vd[:, :, h:h + 1].permute(0, 2, 1, 3)  # (b, 1, sk, dv)
+
+        def weights(s, lse):
+            safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+            for variant in variants:
+                scale, order = variant
+                w = R.e4m3_p_weights(scale, "running", order=order)
+                out = torch.cat([w(s[..., i:i + rows, :], lse[..., i:i + rows]) @ vh
+                                 for i in range(0, s.shape[-2], rows)], dim=-2)
+                outs[variant].append(out.permute(0, 2, 1, 3))
+            return torch.exp(s - safe.unsqueeze(-1))  # _attend's own probabilities: the truth
+
+        truth, _ = R.attention_reference(qd[:, :, h:h + 1], kd[:, :, h:h + 1], vd[:, :, h:h + 1],
+                                         causal=causal, weights=weights)
+        truths.append(truth)
+    return torch.cat(truths, dim=2), {v: torch.cat(o, dim=2) for v, o in outs.items()}
+
+
+def p_study_row(kind, d, s, causal, args) -> dict:
+    """One row of --p-study: the RMSE of each (scale, order) against the truth, the winner."""
+    gen = torch.Generator().manual_seed(args.seed + 1000 * d + s)
+    q, k, v = R.study_inputs(kind, args.batch, s, args.heads, args.heads, d, gen=gen,
+                             device=args.device)
+    (q8, qd), (k8, kd), (v8, vd) = (R.to_e4m3(x, "tensor") for x in (q, k, v))
+    truth, outs = p_study_outputs(q8, k8, v8, (qd, kd, vd), causal)
+    row = {"kind": kind, "hdim": d, "seqlen": s, "batch": args.batch, "heads": args.heads,
+           "causal": causal, "|O|": R.rms(truth)}
+    rmse = {p_variant_name(variant): R.rms(out - truth) for variant, out in outs.items()}
+    row["rmse"] = rmse
+    row["winner"] = min(rmse, key=rmse.get)
+    row["kernel/winner"] = rmse[p_variant_name(P_KERNEL)] / rmse[row["winner"]]
+    return row
+
+
+def format_p_rows(rows) -> str:
+    names = [p_variant_name(variant) for variant in P_VARIANTS]
+    head = (f"{'kind':>16} {'hdim':>4} {'S':>5} {'mask':>6} {'|O|':>8} "
+            + " ".join(f"{n:>8}" for n in names) + f" {'winner':>8} {'256/lf/w':>8}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['kind']:>16} {r['hdim']:>4} {r['seqlen']:>5} "
+                     f"{'causal' if r['causal'] else 'none':>6} {r['|O|']:>8.2e} "
+                     + " ".join(f"{r['rmse'][n]:>8.2e}" for n in names)
+                     + f" {r['winner']:>8} {r['kernel/winner']:>8.3f}")
+    return "\n".join(lines)
+
+
 def format_rows(rows) -> str:
     width = 11
     head = f"{'hdim':>5} {'S':>6} {'kind':>17} " + " ".join(f"{c:>{width}}" for c in COLUMNS)
@@ -181,15 +262,17 @@ def fa3_lines() -> list:
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     fmha = None
-    if args.device.startswith("cuda"):
+    if args.device.startswith("cuda") and not args.p_study:
         if not torch.cuda.is_available():
             sys.exit("python -m bench.fp8_accuracy: needs a CUDA GPU (or --device cpu for the "
                      "reference columns alone)")
         import fmha
     info = {"gpu": torch.cuda.get_device_name() if fmha is not None else None,
             "torch": torch.__version__, "device": args.device, "batch": args.batch,
-            "heads": args.heads, "causal": args.causal, "seed": args.seed,
+            "heads": args.heads, "causal": args.causal, "seed": args.seed, "p_study": args.p_study,
             "fa3": {"source": FA3_SOURCE, "rmse": FA3_RMSE},
             "command": " ".join(["python", "-m", "bench.fp8_accuracy", *(argv or sys.argv[1:])])}
     out = None
@@ -199,13 +282,31 @@ def main(argv=None):
     # With JSON lines on stdout, the table goes to stderr; else each row goes there as it comes.
     table = sys.stderr if out is sys.stdout else sys.stdout
     rows = []
-    for d in args.hdims:
-        for s in args.seqlens:
-            for kind in args.kinds:
-                rows.append(study_row(kind, d, s, args, fmha))
-                print(json.dumps(rows[-1]), file=out or sys.stderr, flush=True)
+    if args.p_study:
+        for kind in args.kinds:
+            for d in args.hdims:
+                for causal in (False, True):
+                    for s in args.seqlens:
+                        rows.append(p_study_row(kind, d, s, causal, args))
+                        print(json.dumps(rows[-1]), file=out or sys.stderr, flush=True)
+    else:
+        for d in args.hdims:
+            for s in args.seqlens:
+                for kind in args.kinds:
+                    rows.append(study_row(kind, d, s, args, fmha))
+                    print(json.dumps(rows[-1]), file=out or sys.stderr, flush=True)
     if out is not None and out is not sys.stdout:
         out.close()
+    if args.p_study:
+        print(f"{args.device}, torch {info['torch']}; the quantizing reference (float64 but for "
+              f"P rounded to e4m3, the running max over 128-key tiles), not the kernel; RMSE "
+              f"of the output against float64 attention of the dequantized per-tensor inputs; "
+              f"batch {args.batch}, {args.heads} heads, seed {args.seed}; columns scale/order: "
+              "P x scale before its rounding, key tiles visited lf last to first (the "
+              "kernel's), fl first to last; winner: the smallest RMSE; 256/lf/w: the kernel's "
+              "RMSE over the winner's", file=table)
+        print(format_p_rows(rows), file=table)
+        return rows
     print(f"{info['gpu'] or args.device}, torch {info['torch']}; RMSE of the output, batch "
           f"{args.batch}, {args.heads} heads, {'causal' if args.causal else 'no mask'}; "
           "e4m3 .. sdpa_bf16: against float64 attention of the dequantized per-tensor inputs "

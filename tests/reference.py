@@ -491,6 +491,9 @@ def kvcache_reference_e4m3(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
 # last to first; the row sum stays fp32 and unrounded. Its output is bf16.
 E4M3_P_SCALE = 256.0
 E4M3_KEY_TILE = 128
+# The orders the running max may visit the key tiles in: the kernel's first.
+E4M3_KEY_ORDERS = ("last_to_first", "first_to_last")
+E4M3_KEY_ORDER = E4M3_KEY_ORDERS[0]
 E4M3_OUT_DTYPE = torch.bfloat16
 # How the e4m3 tests and the accuracy study pick descales: none (the codes are the values),
 # one for the tensor, one per (batch, K/V head) (FlashAttention-3's q/k/v_descale).
@@ -610,7 +613,8 @@ def to_e4m3(x: torch.Tensor, kind: Optional[str], *, cu_seqlens=None,
 
 
 def e4m3_p_weights(p_scale: float = E4M3_P_SCALE, p_max: str = "final",
-                   block_n: int = E4M3_KEY_TILE, round_p: bool = True):
+                   block_n: int = E4M3_KEY_TILE, round_p: bool = True,
+                   order: str = E4M3_KEY_ORDER):
     """attention_reference's `weights` hook of the e4m3 forward: row i's weight of key j is
     round_e4m3(p_scale * exp(s_ij - m_ij)) * exp(m_ij - M_i) / (p_scale * sum_j exp(s_ij - M_i)),
     M_i the row's final max, in float64 but for that rounding.
@@ -618,16 +622,22 @@ def e4m3_p_weights(p_scale: float = E4M3_P_SCALE, p_max: str = "final",
     p_max "final": m_ij = M_i, P rounded relative to the final row max, the reference the issue
     names ("quantizes q, k, v and P the way the kernel does") and the tests' yardstick.
     "running": m_ij is the max over the key tiles of block_n keys (counted from the sequence's
-    first key) that the kernel has visited when it reaches j's tile, visiting them last to
-    first, with the exact running max: P rounded as the kernel rounds it, the accumulated sum
-    rescaled by exp(m - M) exactly. The two differ where that max grows as the tiles go, most
-    where a first tile holds sink keys: relative to the final max the other keys' P fall into
-    e4m3's subnormals or to 0, relative to the running max they do not (in the output the
-    sinks' own rounding, the same in both, weighs more: bench/fp8_accuracy.py measures both).
+    first key) that the kernel has visited when it reaches j's tile, visiting them in `order`
+    (the kernel's "last_to_first", or "first_to_last"), with the exact running max: P rounded
+    as the kernel rounds it, the accumulated sum rescaled by exp(m - M) exactly. The two
+    differ where that max grows as the tiles go, most where a first tile holds sink keys:
+    relative to the final max the other keys' P fall into e4m3's subnormals or to 0, relative
+    to the running max they do not (in the output the sinks' own rounding, the same in both,
+    weighs more: bench/fp8_accuracy.py measures both). The order matters in the same way:
+    first to last, sinks in the first tile set the max before the other keys are rounded.
+    p_scale: the kernel's 256; P <= 1 relative to the exact max, so 448 is the largest scale
+    that cannot saturate (bench/fp8_accuracy.py --p-study compares scales and orders).
     round_p False leaves P unrounded: the weights are then the probabilities (the truth).
     """
     if p_max not in ("final", "running"):
         raise ValueError(f"p_max must be 'final' or 'running', got {p_max!r}")
+    if order not in E4M3_KEY_ORDERS:
+        raise ValueError(f"order must be one of {E4M3_KEY_ORDERS}, got {order!r}")
 
     def weights(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         if s.shape[-1] == 0:
@@ -641,7 +651,10 @@ def e4m3_p_weights(p_scale: float = E4M3_P_SCALE, p_max: str = "final",
             tiles = -(-sk // block_n)
             padded = torch.nn.functional.pad(s, (0, tiles * block_n - sk), value=float("-inf"))
             tile_max = padded.unflatten(-1, (tiles, block_n)).amax(-1)
-            running = tile_max.flip(-1).cummax(-1).values.flip(-1)
+            if order == "last_to_first":
+                running = tile_max.flip(-1).cummax(-1).values.flip(-1)
+            else:
+                running = tile_max.cummax(-1).values
             m = running.repeat_interleave(block_n, dim=-1)[..., :sk]
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = p_scale * torch.exp(s - m)  # 0 where masked
@@ -672,7 +685,7 @@ E4M3_UNSUPPORTED = ("bias", "attn_mask", "alibi_slopes", "softcap", "dropout_p",
 def fwd_reference_e4m3(q, k, v, *, q_descale=None, k_descale=None, v_descale=None,
                        p_scale: float = E4M3_P_SCALE, p_max: str = "final",
                        block_n: int = E4M3_KEY_TILE, round_p: bool = True,
-                       **kwargs) -> E4m3Reference:
+                       order: str = E4M3_KEY_ORDER, **kwargs) -> E4m3Reference:
     """fmha.fwd's e4m3 forward in plain torch: q, k, v torch.float8_e4m3fn codes (or any
     values) in fmha.fwd's layouts (v may be a V^T view), q/k/v_descale None or float32 of a
     shape that broadcasts to (batch, nhead_k) (q's indexed by K/V head: query head h reads
@@ -683,10 +696,11 @@ def fwd_reference_e4m3(q, k, v, *, q_descale=None, k_descale=None, v_descale=Non
     sum_j p_j (v_j * v_descale) / sum_j p_j. Returns
     - truth, lse: attention_reference() in float64 on the dequantized inputs, the truth;
     - quantized: the same attention with P rounded as the kernel rounds it
-      (e4m3_p_weights(p_scale, p_max, block_n)): p_scale * exp(s - m) to e4m3 (nearest even,
-      saturating at 448) before P V, the row sum of the unrounded values; by default m is the
-      row's FINAL max (p_max="final"), not the running max the kernel uses (p_max="running"
-      mirrors that: key tiles of block_n visited last to first), and everything else is float64:
+      (e4m3_p_weights(p_scale, p_max, block_n, round_p, order)): p_scale * exp(s - m) to e4m3
+      (nearest even, saturating at 448) before P V, the row sum of the unrounded values; by
+      default m is the row's FINAL max (p_max="final"), not the running max the kernel uses
+      (p_max="running" mirrors that: key tiles of block_n visited in `order`, the kernel's
+      "last_to_first" by default, or "first_to_last"), and everything else is float64:
       the quantizing reference of the issue's bar ("a reference that quantizes q, k, v and P
       the way the kernel does": q, k, v are quantized already, being e4m3 codes). The kernel's
       bf16 output rounding is not in it (compare_e4m3's floor stands for it).
@@ -701,7 +715,8 @@ def fwd_reference_e4m3(q, k, v, *, q_descale=None, k_descale=None, v_descale=Non
     vd = dequantize_e4m3(v, v_descale, cu_seqlens=kwargs.get("cu_seqlens_k"))
     truth, lse = attention_reference(qd, kd, vd, **kwargs)
     quantized, _ = attention_reference(qd, kd, vd, **kwargs,
-                                       weights=e4m3_p_weights(p_scale, p_max, block_n, round_p))
+                                       weights=e4m3_p_weights(p_scale, p_max, block_n, round_p,
+                                                              order))
     return E4m3Reference(truth, lse, quantized)
 
 

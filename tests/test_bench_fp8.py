@@ -1,6 +1,7 @@
 """The e4m3 parts of the benchmark on the CPU: bench/fp8.py's table and ratios (python -m bench
 --dtypes e4m3), bench/fp8_accuracy.py's arguments, table and one row of reference columns
-(--device cpu), and bench/plot.py's e4m3_rows."""
+(--device cpu), its --p-study (P's scale and the key tiles' order), and bench/plot.py's
+e4m3_rows."""
 
 import json
 
@@ -100,3 +101,52 @@ def test_accuracy_study_reference_columns_on_the_cpu(tmp_path, capsys):
     assert [line["kind"] for line in lines[1:]] == ["normal", "fa3_outliers"]
     printed = capsys.readouterr().out
     assert "2.4e-2/9.1e-3" in printed and "baseline FP8" in printed
+
+
+def test_p_study_arguments_and_variants():
+    args = fp8_accuracy.parse_args(["--p-study", "--threads", "1"])
+    assert args.p_study and args.threads == 1
+    assert not fp8_accuracy.parse_args([]).p_study
+    names = [fp8_accuracy.p_variant_name(v) for v in fp8_accuracy.P_VARIANTS]
+    assert names == ["1/lf", "1/fl", "16/lf", "16/fl", "256/lf", "256/fl", "448/lf", "448/fl"]
+    assert fp8_accuracy.p_variant_name(fp8_accuracy.P_KERNEL) == "256/lf"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_p_study_outputs_are_the_quantizing_reference_with_the_running_max(causal):
+    """Each (scale, order) of --p-study is fwd_reference_e4m3(p_max="running", p_scale=,
+    order=) on the per-tensor codes, and its truth the reference's."""
+    R = fp8_accuracy.R
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = R.study_inputs("sinks", 1, 300, 2, 2, 32, gen=gen)
+    (q8, qd), (k8, kd), (v8, vd) = (R.to_e4m3(x, "tensor") for x in (q, k, v))
+    truth, outs = fp8_accuracy.p_study_outputs(q8, k8, v8, (qd, kd, vd), causal, rows=100)
+    assert set(outs) == set(fp8_accuracy.P_VARIANTS)
+    kw = dict(q_descale=qd, k_descale=kd, v_descale=vd, causal=causal, p_max="running")
+    for (scale, order), out in outs.items():
+        ref = R.fwd_reference_e4m3(q8, k8, v8, **kw, p_scale=scale, order=order)
+        torch.testing.assert_close(out, ref.quantized, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(truth, ref.truth, rtol=1e-12, atol=1e-15)
+
+
+def test_p_study_table_on_the_cpu(tmp_path, capsys):
+    """--p-study's rows: every kind x head dim x mask x length, the RMSE of each (scale,
+    order), the winner the smallest and the kernel's over it; the table names them."""
+    out = tmp_path / "p.jsonl"
+    rows = fp8_accuracy.main(["--p-study", "--device", "cpu", "--hdims", "32", "--seqlens",
+                              "160", "--heads", "1", "--kinds", "normal,sinks",
+                              "--json", str(out)])
+    assert [(r["kind"], r["causal"]) for r in rows] == [
+        ("normal", False), ("normal", True), ("sinks", False), ("sinks", True)]
+    for r in rows:
+        rmse = r["rmse"]
+        assert len(rmse) == 8 and all(0 < e < r["|O|"] for e in rmse.values())
+        assert rmse[r["winner"]] == min(rmse.values())
+        assert r["kernel/winner"] == pytest.approx(rmse["256/lf"] / min(rmse.values()))
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["info"]["p_study"] and len(lines) == 1 + len(rows)
+    printed = capsys.readouterr().out
+    assert "not the kernel" in printed
+    header = printed.splitlines()[1].split()
+    assert header[:5] == ["kind", "hdim", "S", "mask", "|O|"] and header[-2] == "winner"
+    assert len(printed.splitlines()) == 2 + len(rows)

@@ -1410,16 +1410,19 @@ def test_e4m3_p_is_rounded_at_known_values():
                                rtol=1e-12, atol=0)
 
 
-def online_softmax_e4m3(q, k, v, *, scale, block_n=128, p_scale=256.0, visible=None):
+def online_softmax_e4m3(q, k, v, *, scale, block_n=128, p_scale=256.0, visible=None,
+                        order="last_to_first"):
     """The kernel's loop as docs/design/fp8.md and the issue describe it, one (query head)
-    row block in float64: key tiles of block_n visited last to first, the exact running max,
-    P = round_e4m3(p_scale * exp(s - m)) into the output, rescaled by exp(m_old - m_new) when
-    the max grows, the row sum of the unrounded values; q (sq, d), k (sk, d), v (sk, dv)."""
+    row block in float64: key tiles of block_n visited last to first (or first to last), the
+    exact running max, P = round_e4m3(p_scale * exp(s - m)) into the output, rescaled by
+    exp(m_old - m_new) when the max grows, the row sum of the unrounded values; q (sq, d),
+    k (sk, d), v (sk, dv)."""
     sq, sk = q.shape[0], k.shape[0]
     acc = torch.zeros(sq, v.shape[1], dtype=torch.float64)
     m = torch.full((sq, 1), float("-inf"), dtype=torch.float64)
     rowsum = torch.zeros(sq, 1, dtype=torch.float64)
-    for start in reversed(range(0, sk, block_n)):
+    starts = range(0, sk, block_n)
+    for start in (reversed(starts) if order == "last_to_first" else starts):
         s = (q @ k[start:start + block_n].T) * scale
         if visible is not None:
             s = s.masked_fill(~visible[:, start:start + block_n], float("-inf"))
@@ -1433,11 +1436,17 @@ def online_softmax_e4m3(q, k, v, *, scale, block_n=128, p_scale=256.0, visible=N
     return torch.where(rowsum > 0, acc / rowsum.clamp(min=1e-300), torch.zeros_like(acc))
 
 
+# (p_scale, order): the kernel's (the reference's defaults), and the others it can be given.
+E4M3_P_VARIANTS = [dict(), dict(order="first_to_last"), dict(p_scale=1.0),
+                   dict(p_scale=448.0, order="first_to_last")]
+
+
+@pytest.mark.parametrize("variant", E4M3_P_VARIANTS, ids=["kernel", "fl", "scale1", "448fl"])
 @pytest.mark.parametrize("kind", ["normal", "sinks", "outlier_channels"])
 @pytest.mark.parametrize("mask", E4M3_MASKS[:2], ids=["none", "causal_br"])
-def test_e4m3_running_max_reference_is_the_kernels_loop(mask, kind):
+def test_e4m3_running_max_reference_is_the_kernels_loop(mask, kind, variant):
     q8, k8, v8, kw = e4m3_problem(seed=4, b=1, sq=70, sk=333, kind=kind)
-    ref = R.fwd_reference_e4m3(q8, k8, v8, **kw, **mask, p_max="running")
+    ref = R.fwd_reference_e4m3(q8, k8, v8, **kw, **mask, p_max="running", **variant)
     qd = R.dequantize_e4m3(q8, kw["q_descale"], heads_per_descale=2)[0]
     kd = R.dequantize_e4m3(k8, kw["k_descale"])[0]
     vd = R.dequantize_e4m3(v8, kw["v_descale"])[0]
@@ -1445,8 +1454,96 @@ def test_e4m3_running_max_reference_is_the_kernels_loop(mask, kind):
     vis = R.visible(70, 333, left, right, mask.get("mask_align", "top_left"))
     for h in range(q8.shape[2]):
         want = online_softmax_e4m3(qd[:, h], kd[:, h // 2], vd[:, h // 2],
-                                   scale=1 / math.sqrt(q8.shape[-1]), visible=vis)
+                                   scale=1 / math.sqrt(q8.shape[-1]), visible=vis, **variant)
         torch.testing.assert_close(ref.quantized[0, :, h], want, rtol=1e-10, atol=1e-13)
+
+
+def running_weights(s, order=None, p_scale=256.0):
+    """e4m3_p_weights with the running max (order None: the default) on logits s."""
+    options = {} if order is None else dict(order=order)
+    return R.e4m3_p_weights(p_scale, "running", **options)(s, torch.logsumexp(s, -1))
+
+
+def test_e4m3_an_order_is_the_final_max_where_its_first_tile_holds_the_max():
+    """Where the tile an order visits first holds the row max, its running max is the final
+    max from the start: the weights are the final max's, bit for bit. With the max in both the
+    first and the last tile the two orders agree; with it in the first tile only (sinks) they
+    do not. The default order is the kernel's, last to first."""
+    gen = torch.Generator().manual_seed(7)
+    s = torch.randn(2, 3, 5, 1000, generator=gen, dtype=torch.float64)  # 8 tiles, the last 104
+    final = R.e4m3_p_weights(p_max="final")
+    first, last, both = s.clone(), s.clone(), s.clone()
+    first[..., 3] += 10.0
+    last[..., 990] += 10.0
+    both[..., 3] += 10.0
+    both[..., 990] = both[..., 3]
+    assert torch.equal(running_weights(last, "last_to_first"),
+                       final(last, torch.logsumexp(last, -1)))
+    assert torch.equal(running_weights(first, "first_to_last"),
+                       final(first, torch.logsumexp(first, -1)))
+    assert torch.equal(running_weights(both, "last_to_first"),
+                       running_weights(both, "first_to_last"))
+    assert not torch.equal(running_weights(first, "last_to_first"),
+                           running_weights(first, "first_to_last"))
+    for x in (s, first, last):
+        assert torch.equal(running_weights(x), running_weights(x, "last_to_first"))
+
+
+@pytest.mark.parametrize("kind", ["normal", "sinks"])
+def test_e4m3_first_to_last_is_last_to_first_on_reversed_keys(kind):
+    """With whole tiles and no mask, visiting the tiles first to last is visiting those of the
+    reversed keys (and values) last to first: the same outputs, up to the order of P V's sums.
+    The reversal matters: the default order on the reversed keys differs."""
+    q8, k8, v8, kw = e4m3_problem(seed=8, sk=384, kind=kind)
+
+    def flip(x):  # float8 codes reversed along the keys (through their bytes)
+        return x.view(torch.uint8).flip(1).view(E4M3)
+
+    fl = R.fwd_reference_e4m3(q8, k8, v8, **kw, p_max="running", order="first_to_last")
+    lf = R.fwd_reference_e4m3(q8, flip(k8), flip(v8), **kw, p_max="running")
+    torch.testing.assert_close(fl.quantized, lf.quantized, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(fl.truth, lf.truth, rtol=1e-12, atol=1e-15)
+    kernel = R.fwd_reference_e4m3(q8, k8, v8, **kw, p_max="running")
+    assert (kernel.quantized - fl.quantized).abs().max() > 1e-6 * fl.truth.abs().max()
+
+
+def test_e4m3_p_scale_1_rounds_small_probabilities_to_0():
+    """P unscaled (p_scale 1) takes e4m3's own codes: relative to the row max, P of 2^-6 on is
+    a normal code, between 2^-10 and 2^-9 it rounds up to the smallest subnormal 2^-9, and at
+    or below 2^-10 (half of it: the tie goes to even, 0) it is lost. 256 keeps every one."""
+    p = torch.tensor([1.0, 2.0 ** -6, 1.5 * 2.0 ** -9, 0.75 * 2.0 ** -9, 2.0 ** -10,
+                      2.0 ** -11, 2.0 ** -16], dtype=torch.float64)
+    s = torch.log(p).view(1, 1, 1, -1)
+    codes = torch.tensor([1.0, 2.0 ** -6, 2.0 ** -8, 2.0 ** -9, 0.0, 0.0, 0.0],
+                         dtype=torch.float64)
+    w = running_weights(s, p_scale=1.0).flatten()
+    torch.testing.assert_close(w, codes / p.sum(), rtol=1e-14, atol=0)
+    assert w[4:].eq(0).all() and w[:4].gt(0).all()
+    w = running_weights(s, p_scale=256.0).flatten()
+    assert w.gt(0).all()
+    assert ((w - p / p.sum()).abs() <= 2.0 ** -4 * p / p.sum()).all()  # normal codes
+
+
+def test_e4m3_p_scale_448_is_the_largest_that_cannot_saturate():
+    """Relative to the exact running max P <= 1, so P x 448 is at most e4m3's largest value:
+    the max key's code is 448 exactly. P x 512 saturates it to 448, an eighth low."""
+    p = torch.tensor([1.0, 0.999, 0.5, 0.01], dtype=torch.float64)
+    s = torch.log(p).view(1, 1, 1, -1)
+    for scale in (256.0, 448.0, 512.0):
+        w = running_weights(s, p_scale=scale).flatten()
+        want = R.round_e4m3(scale * p) / (scale * p.sum())
+        torch.testing.assert_close(w, want, rtol=1e-14, atol=0)
+        code = w[0].item() * scale * p.sum().item()
+        assert code == pytest.approx(448.0 if scale > 256 else 256.0, rel=1e-14)
+        assert (code / scale == pytest.approx(1.0, rel=1e-14)) == (scale <= 448.0)
+
+
+def test_e4m3_order_must_be_one_of_two():
+    with pytest.raises(ValueError, match="order"):
+        R.e4m3_p_weights(order="middle_out")
+    q8, k8, v8, kw = e4m3_problem()
+    with pytest.raises(ValueError, match="order"):
+        R.fwd_reference_e4m3(q8, k8, v8, **kw, p_max="running", order="backwards")
 
 
 def test_e4m3_running_max_keeps_small_p_out_of_the_subnormals_with_sinks():
