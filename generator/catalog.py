@@ -7,7 +7,8 @@ import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
-from .config import TILE_TRAIT_SELECTORS, Config, OperationConfig, TileEntry
+from .config import (TILE_TRAIT_SELECTORS, UNSELECTED_DTYPE_SIZE, Config, OperationConfig,
+                     TileEntry)
 from .dispatch import check_dispatchable, dispatch_order
 from .errors import GeneratorError
 from .gaps import PipelineGap, pipeline_gaps
@@ -112,9 +113,9 @@ def assign_tiles(points: tuple[MatrixPoint, ...], op_config: OperationConfig,
     launch would fail.
 
     Points differ in many axes a tile does not depend on, so the entry is looked up once per
-    (pipeline, arch, hdim_q, hdim_v, and kv_dtype and paged where the operation has them:
-    config.TILE_TRAIT_SELECTORS), and its shared memory is checked once per such key, with the
-    size of a K/V element that the key's traits give (Traits.kv_element_size)."""
+    (pipeline, arch, hdim_q, hdim_v, dtype, and kv_dtype and paged where the operation has
+    them: config.TILE_TRAIT_SELECTORS), and its shared memory is checked once per such key,
+    with the size of a K/V element that the key's traits give (Traits.kv_element_size)."""
     instances = []
     used: dict[tuple, TileEntry] = {}
     traits_of: dict[tuple, Traits] = {}  # the traits of the key's first point
@@ -137,7 +138,8 @@ def assign_tiles(points: tuple[MatrixPoint, ...], op_config: OperationConfig,
             needed = smem.bytes(tile, entry.hdim, kv_size) if tile else 0
             if needed > arch.smem_limit:
                 raise config.error(entry.line, f"{entry.label}: {what} needs {needed} bytes of "
-                                               f"shared memory ({smem.formula}), more than the "
+                                               f"shared memory ({smem.formula_for(kv_size)}), "
+                                               f"more than the "
                                                f"{arch.smem_limit} a CTA may use on "
                                                f"{arch.token}")
     return tuple(instances)
@@ -149,8 +151,10 @@ def _tile_entry(point: MatrixPoint, op_config: OperationConfig, config: Config) 
            f"hdim_q={point.traits.hdim_q}, hdim_v={point.traits.hdim_v}")
     for axis in TILE_TRAIT_SELECTORS:
         value = point.traits.value(axis)
-        if value is not ABSENT:
-            key += f", {axis}={str(value).lower() if isinstance(value, bool) else value.token}"
+        # A 16-bit dtype goes unsaid: an entry without `dtype` serves it.
+        if value is ABSENT or (axis == "dtype" and value.size == UNSELECTED_DTYPE_SIZE):
+            continue
+        key += f", {axis}={str(value).lower() if isinstance(value, bool) else value.token}"
     label = f"{op_config.label}.tiles"
     if not entries:
         raise config.error(op_config.lines["tiles"], f"{label}: no entry matches {key}; add one")

@@ -234,7 +234,7 @@ def explain(problem: Problem, selection: Selection, config: Config, catalog: Cat
     else:
         lines += _miss(problem, table, catalog,
                        select_each_preset(config, catalog, preset_tokens=preset_tokens), preset,
-                       targets)
+                       targets, config)
     return "\n".join(lines) + "\n"
 
 
@@ -267,11 +267,22 @@ def _nearest(instances: Sequence[Instance], problem: Problem) -> list[str]:
     return [f"  {i.name}: {'; '.join(mismatches(i, problem))}" for i in ranked]
 
 
+def trait_rules(problem: Problem, config: Config) -> list:
+    """The rules of the problem's operation that drop its traits from the whole matrix: those
+    whose every condition is on a trait (none on how or for which GPU an instance is built)
+    and holds for the problem's traits, e.g. {dtype: e4m3, vlayout: row}."""
+    rules = config.operations[problem.op.token].rules
+    return [rule for rule in rules
+            if all(c.axis not in (*BUILD_AXES, "op") for c in rule.when)
+            and all(c.holds(problem.traits) for c in rule.when)]
+
+
 def _miss(problem: Problem, table: list[Instance], catalog: Catalog,
           presets: dict[str, Selection], preset: str,
-          targets: tuple[Arch, ...] | None) -> list[str]:
+          targets: tuple[Arch, ...] | None, config: Config | None = None) -> list[str]:
     """`table`: the selected instances of the problem's operation; `presets`: what each preset
-    selects without --filter and --targets."""
+    selects without --filter and --targets. A miss of the whole matrix quotes the rules that
+    drop the problem's traits (trait_rules), where `config` is given."""
     op = problem.op.token
     lines = [f"none of the {len(table)} selected {op} instances serves it; the nearest:",
              *_nearest(table, problem)]
@@ -286,9 +297,13 @@ def _miss(problem: Problem, table: list[Instance], catalog: Catalog,
     else:
         fit = first_serving(catalog.instances, problem)
     if fit is None:
+        dropped = [f"  {rule.label} (line {rule.line}): {' '.join(rule.reason.split())}"
+                   for rule in (trait_rules(problem, config) if config is not None else ())]
         return lines + [f"no {op} instance of the whole matrix serves it either; the nearest "
                         f"there:",
                         *_nearest(catalog.of(problem.op), problem),
+                        *([f"{config.file}'s rules drop these traits:", *dropped]
+                          if dropped else []),
                         "extend the matrix (instances.yaml) to build one"]
     filter_text = fitting_filter(fit, problem, catalog)
     lines.append(f"the matrix has one that fits: {fit.name}")

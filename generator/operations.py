@@ -81,9 +81,15 @@ class SharedMemory:
     formula: str  # the same in words, for the error message
     # (model.Tile, (hdim_q, hdim_v), kv_size) -> bytes, where kv_size is the bytes of a K or V
     # element in shared memory, as the instance's traits give it (Traits.kv_element_size): 2,
-    # or 1 of an e4m3 KV cache, which only the decode kernel reads; the other kernels' K and V
-    # are the inputs' 16-bit dtype, so their formulas count 2-byte elements (kv_size is 2).
+    # or 1 of an e4m3 KV cache, which the decode kernel reads, and of the fa3 forward's e4m3
+    # inputs (Q, K and V share the dtype there; O stays bf16). The other kernels' K and V are
+    # the inputs' 16-bit dtype, so their formulas count 2-byte elements (kv_size is 2).
     bytes: Callable[[Any, tuple[int, int], int], int]
+    # The formula in words where kv_size is 1, when it reads otherwise than `formula`.
+    narrow_formula: str | None = None
+
+    def formula_for(self, kv_size: int) -> str:
+        return self.narrow_formula if kv_size == 1 and self.narrow_formula else self.formula
 
 
 @dataclass(frozen=True)
@@ -299,11 +305,25 @@ _FWD_FA3_CONSTRAINTS = (
 
 # FwdConfig::kSmemBytes of fwd_fa3_sm90.cuh: fa2's regions, plus the K/V ring's mbarriers and
 # the 1024-byte alignment that 128-byte-swizzled TMA tiles need. kvcache's chunked prefill runs
-# the same kernel, so it takes the same.
+# the same kernel, so it takes the same (on caches of the queries' 16-bit dtype: a rule keeps
+# its e4m3 caches off fa3, so its kv_size is 2). e4m3 inputs (kv_size 1: Q, K and V alike)
+# take a byte an element, and O, bf16, a region of its own: it does not fit over Q.
 _FA3_BARRIERS_AND_ALIGNMENT = 1024
+_FWD_FA3_E4M3 = ("block_m * hdim_q + stages * block_n * (hdim_q + hdim_v) + 2 * block_m * "
+                 f"hdim_v (O, bf16, in its own region) + {_FA3_BARRIERS_AND_ALIGNMENT} (barriers "
+                 f"and alignment), of e4m3 inputs")
+
+
+def _fwd_fa3_smem_bytes(tile, hdim: tuple[int, int], kv_size: int = 2) -> int:
+    if kv_size == 2:
+        return _q_and_kv_ring_bytes(tile, hdim) + _FA3_BARRIERS_AND_ALIGNMENT
+    return (kv_size * (tile.block_m * hdim[0] + tile.stages * tile.block_n * (hdim[0] + hdim[1]))
+            + 2 * tile.block_m * hdim[1] + _FA3_BARRIERS_AND_ALIGNMENT)
+
+
 _FWD_FA3_SHARED_MEMORY = SharedMemory(
     f"{_Q_AND_KV_RING} + {_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
-    lambda tile, hdim, kv_size=2: _q_and_kv_ring_bytes(tile, hdim) + _FA3_BARRIERS_AND_ALIGNMENT)
+    _fwd_fa3_smem_bytes, narrow_formula=_FWD_FA3_E4M3)
 
 
 def _fwd_fa3_wgmma_n(tile, hdim: tuple[int, int]) -> tuple[int, ...]:

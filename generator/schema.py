@@ -87,7 +87,9 @@ class EnumAxis:
     # The value instance names leave out; None: the axis is always spelled.
     name_default: str | None = None
     # What instance names put before a value's token, where the token alone would not say
-    # which axis it is of (kv_dtype's e4m3 is `kve4m3`: the cache's, not the queries').
+    # which axis it is of (kv_dtype's e4m3 is `kve4m3`: the cache's, not the queries'). Filters
+    # take the prefixed token too, and where another axis has the bare one (dtype's e4m3), only
+    # the prefixed one names this axis's value (selection._bare_values).
     name_prefix: str = ""
 
     def __iter__(self) -> Iterator[AxisValue]:
@@ -101,9 +103,12 @@ class EnumAxis:
         return next((v for v in self.values if v.token == token), None)
 
 
+# e4m3: float8 e4m3 inputs (torch.float8_e4m3fn) of the forward only, with descale factors
+# (FwdArgs::q_descale, ...), and O in bf16; instances.yaml gives it to the fwd operation alone.
 DTYPE = EnumAxis("dtype", (
     DataType("fp16", "fmha::DataType::kFP16", 0, element="__half", size=2),
     DataType("bf16", "fmha::DataType::kBF16", 1, element="__nv_bfloat16", size=2),
+    DataType("e4m3", "fmha::DataType::kE4M3", 2, element="__nv_fp8_e4m3", size=1),
 ))
 
 # What a KV cache holds: same, the queries' dtype; e4m3, float8 e4m3 with a dequantization

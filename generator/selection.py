@@ -26,7 +26,8 @@ GRAMMAR = """\
 A filter is comma-separated tokens that must all hold. A token is
   an operation     fwd, bwd, kvcache (op=kvcache): the forward or the backward pass, or
                    KV-cache attention (decode)
-  a value          fp16, causal, alibi, col, group, e4m3, sm90a, fa2 (the axis is implied)
+  a value          fp16, e4m3, causal, alibi, col, group, sm90a, fa2 (the axis is implied);
+                   kvcache's kv_dtype as names spell it: kve4m3 (e4m3 is the dtype's)
   a head dim       hdim128 (hdim_q = hdim_v = 128), hdim192x128 (hdim_q 192, hdim_v 128)
   a flag           lse, dbias, paged, dropout, softcap: the trait is on (!lse: off)
   padding          pad, nopad (sequence lengths); hpad, nohpad (head dims)
@@ -300,11 +301,23 @@ class _BadTerm(Exception):
 
 
 def _bare_values() -> dict[str, list[tuple[str, AxisValue]]]:
-    """Each enum token and the axes it is a value of; a token of two axes is ambiguous bare."""
+    """Each bare word of an enum value and the axes it is a value of: its token, and for an
+    axis with a name prefix also the token as instance names spell it (kve4m3). Where a token
+    is a value of an axis without a prefix too (dtype's e4m3), the bare token is that axis's
+    and the prefixed axis's value takes its prefixed word only, as in names: e4m3 is the
+    queries' dtype, kve4m3 the cache's. A word of two axes without prefixes (none: mask and
+    bias) is ambiguous bare."""
     owners = defaultdict(list)
     for axis in ENUM_AXES.values():
         for value in axis:
             owners[value.token].append((axis.name, value))
+            if axis.name_prefix:
+                owners[axis.name_prefix + value.token].append((axis.name, value))
+    for word, claims in owners.items():
+        plain = [(name, value) for name, value in claims
+                 if not ENUM_AXES[name].name_prefix or word != value.token]
+        if plain and len(plain) < len(claims):
+            owners[word] = plain
     return dict(owners)
 
 
@@ -402,9 +415,9 @@ def _vocabulary(catalog: Catalog) -> str:
     """The valid tokens, grouped by axis, for error messages."""
     hdims = sorted({(i.point.traits.hdim_q, i.point.traits.hdim_v) for i in catalog.instances})
     hdim_tokens = [f"hdim{q}" if q == v else f"hdim{q}x{v}" for q, v in hdims]
-    # A value of several axes is listed as axis=value, as a bare one would be ambiguous.
-    groups = {name: [value.token if len(_BARE_VALUES[value.token]) == 1
-                     else f"{name}={value.token}" for value in axis]
+    # A value is listed by its bare word (kv_dtype's e4m3 by its prefixed one, kve4m3), or as
+    # axis=value where a bare one would be ambiguous.
+    groups = {name: [_bare_word(name, value) for value in axis]
               for name, axis in ENUM_AXES.items()}
     groups["hdim"] = [*hdim_tokens, "hdim_q=N", "hdim_v=N"]
     for axis in BOOL_AXES:
@@ -418,6 +431,14 @@ def _vocabulary(catalog: Catalog) -> str:
     return ("valid tokens (',' joins tokens that must all hold, '|' alternatives, "
             "a leading '!' negates):\n" + "\n".join(lines)
             + f"\nan operation's own axes ({own}) hold for no instance of another operation")
+
+
+def _bare_word(axis: str, value: AxisValue) -> str:
+    """The word a filter names `value` of `axis` by alone, or axis=value where none does."""
+    for word in (value.token, ENUM_AXES[axis].name_prefix + value.token):
+        if _BARE_VALUES.get(word) == [(axis, value)]:
+            return word
+    return f"{axis}={value.token}"
 
 
 def _own_axes() -> dict[str, list[str]]:

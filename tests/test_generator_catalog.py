@@ -41,6 +41,8 @@ def test_repository_matrix():
     # unpadded batch-mode ones on sm90a that fa3 serves (2 dtypes x 4 head dims x 3 masks x
     # lse false/true). fa3: those 24 trait combinations on sm90a, each with 3 instances, all
     # padding sequence lengths only: batch mode with lse false/true, and group mode with lse.
+    # e4m3 (the forward's third dtype, 3 x 32256 points): fa3 on sm90a with V^T only, head dims
+    # 64, 128 and 256 x 3 masks, each with the same 3 instances: 27.
     # This thread's CPU time: neither other jobs nor the CPU that torch's worker threads spend
     # after earlier tests count (process_time did). Every operation's matrix (15348 instances)
     # took 2.9-4.4 s on the 2-core CI-like machine (2026-11-28), 5.4 s beside a compile; the
@@ -49,10 +51,10 @@ def test_repository_matrix():
     catalog = build_catalog(load(DEFAULT_CONFIG))
     assert time.thread_time() - start < 15
     fwd = catalog.of(OPERATION.get("fwd"))
-    assert len(fwd) == 10080 - 48 + 72 and catalog.instances[:len(fwd)] == fwd
+    assert len(fwd) == 10080 - 48 + 72 + 27 and catalog.instances[:len(fwd)] == fwd
     # Every operation's points less what its rules keep (BWD_POINTS, KVCACHE_POINTS: below).
-    assert catalog.pruned == 2 * 32256 - 10104 + BWD_POINTS - 4056 + KVCACHE_POINTS - 1572
-    assert len(set(names(catalog))) == 10104 + 4056 + 1572
+    assert catalog.pruned == 3 * 32256 - 10131 + BWD_POINTS - 4056 + KVCACHE_POINTS - 1572
+    assert len(set(names(catalog))) == 10131 + 4056 + 1572
     for instance in fwd:
         point, traits = instance.point, instance.point.traits
         assert traits.mode.token == "batch" or (point.pad_seqlen and traits.lse)
@@ -61,8 +63,10 @@ def test_repository_matrix():
             continue
         assert point.arch.token == "sm90a" and point.pad_seqlen and not point.pad_hdim
         assert (traits.hdim_q, traits.hdim_v) in FA3_HDIMS
+        # fa3 reads V^T of e4m3 inputs only (and of them nothing else).
+        vlayout = "col" if traits.dtype.token == "e4m3" else "row"
         assert (traits.bias.token, traits.vlayout.token, traits.dropout, traits.softcap) == (
-            "none", "row", False, False)
+            "none", vlayout, False, False)
 
 
 def test_fa2_keeps_on_sm90a_what_fa3_does_not_serve():
@@ -778,7 +782,7 @@ def test_kv_dtype_selects_no_tile_of_an_operation_without_it(config_error, line_
     assert error.line == line_of(text, "kv_dtype: e4m3")
     assert error.message == ("operations.fwd.tiles[0]: unknown key 'kv_dtype'; valid: pipeline, "
                              "hdim_q, hdim_v, block_m, block_n, warps, stages, why, arch, "
-                             "full_grid")
+                             "dtype, full_grid")
 
 
 FULL_GRID_D128 = D128_TILE.replace("stages: 2,", "stages: 2, full_grid: {block_n: 64, warps: 4, "

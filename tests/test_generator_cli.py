@@ -15,7 +15,7 @@ BWD_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias",
 KVCACHE_SUMMARY_FIELDS = ("name", "op", "dtype", "kv_dtype", "hdim_q", "hdim_v", "mask", "bias",
                           "paged", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim",
                           "block_m", "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = ("26 of 15732 instances selected (fwd 8, bwd 5, kvcache 13; 97164 "
+DEFAULT_SELECTED = ("28 of 15759 instances selected (fwd 10, bwd 5, kvcache 13; 129393 "
                     "pruned)")
 
 
@@ -23,9 +23,13 @@ def test_default_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 26 TUs (sm80 12, sm90a 14), "
-                             f"29 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
-    assert len(list(out.glob("fwd_*.cu"))) == 8 and len(list(out.glob("bwd_*.cu"))) == 5
+    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 28 TUs (sm80 12, sm90a 16), "
+                             f"31 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
+    assert len(list(out.glob("fwd_*.cu"))) == 10 and len(list(out.glob("bwd_*.cu"))) == 5
+    # The e4m3 (FP8) forward at d128, no mask and causal, batch mode, for H100/H200 only.
+    assert sorted(p.name for p in out.glob("fwd_e4m3_*.cu")) == [
+        "fwd_e4m3_d128_causal_col_lse_fa3_sm90a_m128n128_pad.cu",
+        "fwd_e4m3_d128_col_lse_fa3_sm90a_m128n128_pad.cu"]
     assert len(list(out.glob("kvcache_*.cu"))) == 13
     # Decode from an e4m3 cache, for H100/H200 only.
     assert sorted(p.name for p in out.glob("kvcache_*_kve4m3_*.cu")) == sorted(
@@ -40,7 +44,7 @@ def test_second_run_writes_nothing(run_cli, tmp_path):
     run_cli("--out", out)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     result = run_cli("--out", out)
-    assert "0 files written, 29 unchanged, 0 removed" in result.stdout
+    assert "0 files written, 31 unchanged, 0 removed" in result.stdout
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
 
 
@@ -51,7 +55,7 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     assert result.returncode == 0, result.stderr
     # minimal's fwd instances leave out the log-sum-exp, extended's write it: none are shared;
     # its two sm90a bwd and three sm90a kvcache ones are extended's.
-    assert "7 of 15732 instances selected (fwd 2, bwd 2, kvcache 3;" in result.stdout
+    assert "7 of 15759 instances selected (fwd 2, bwd 2, kvcache 3;" in result.stdout
     assert "5 unchanged, 79 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
         "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu",
@@ -184,13 +188,13 @@ def test_presets_table(run_cli):
     assert lines[0].split() == ["preset", "fwd", "bwd", "kvcache", "TUs", "sm80", "sm90a", "why"]
     rows = {line.split()[0]: [int(n) for n in line.split()[1:7]]
             for line in lines[1:] if not line.startswith(" ")}
-    assert rows == {"default": [8, 5, 13, 26, 12, 14],
-                    "extended": [276, 276, 420, 972, 444, 528],
+    assert rows == {"default": [10, 5, 13, 28, 12, 16],
+                    "extended": [303, 276, 420, 999, 444, 555],
                     "minimal": [4, 4, 6, 14, 7, 7],
                     "flash_attn": [2040, 2040, 1188, 5268, 2592, 2676],
                     "pytorch": [448, 672, 0, 1120, 560, 560],
-                    "coverage": [592, 392, 640, 1624, 778, 846],
-                    "all": [10104, 4056, 1572, 15732, 7824, 7908]}
+                    "coverage": [600, 392, 640, 1632, 778, 854],
+                    "all": [10131, 4056, 1572, 15759, 7824, 7935]}
     assert "CI smoke build (14 TUs)" in result.stdout
     assert max(map(len, lines)) <= 100
 
@@ -212,11 +216,13 @@ def test_presets_json_with_targets_and_filter(run_cli):
             "kvcache,fa2,bf16,kv_dtype=same,hdim128,mask=none|causal,bias=none,!softcap,nohpad",
             "kvcache,fa3,paged,bf16,kv_dtype=same,hdim128,causal",
             "kvcache,fa2,bf16,kv_dtype=e4m3,hdim128,mask=none|causal,bias=none,!softcap,nohpad,"
-            "sm90a"],
-        "instances": 14, "instances_per_op": {"fwd": 3, "bwd": 2, "kvcache": 9}, "tus": 14,
-        "tus_per_target": {"sm80": 0, "sm90a": 14}, "why": default["why"]}
+            "sm90a",
+            "fwd,fa3,e4m3,hdim128,mask=none|causal,mode=batch,lse"],
+        "instances": 16, "instances_per_op": {"fwd": 5, "bwd": 2, "kvcache": 9}, "tus": 16,
+        "tus_per_target": {"sm80": 0, "sm90a": 16}, "why": default["why"]}
     assert default["why"].startswith("What `pip install .` builds")
-    assert rows[1]["instances_per_op"] == {"fwd": 100, "bwd": 100, "kvcache": 152}
+    # extended's e4m3 forward on sm90a without windows: 18 of its 27.
+    assert rows[1]["instances_per_op"] == {"fwd": 100 + 18, "bwd": 100, "kvcache": 152}
     assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2, "kvcache": 3}
 
 
@@ -237,7 +243,7 @@ def test_shards_split_the_selection(run_cli, tmp_path):
              for index in range(1, 5)]
     assert sorted(sum(parts, [])) == sorted(whole)
     assert all(part == [name for name in whole if name in part] for part in parts)
-    assert [len(part) for part in parts] == [243, 243, 243, 243]
+    assert [len(part) for part in parts] == [250, 250, 250, 249]
     assert parts[1] == run_cli("--list", "--preset", "extended",
                                "--shard", "2/4").stdout.split()  # deterministic
 
@@ -246,19 +252,19 @@ def test_shard_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out, "--preset", "extended", "--shard", "2/4")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("generator: 972 of 15732 instances selected (fwd 276, "
-                                    "bwd 276, kvcache 420; 97164 pruned); shard 2/4: 243 TUs "
+    assert result.stdout.startswith("generator: 999 of 15759 instances selected (fwd 303, "
+                                    "bwd 276, kvcache 420; 129393 pruned); shard 2/4: 250 TUs "
                                     "(sm80 ")
-    assert "246 files written" in result.stdout
+    assert "253 files written" in result.stdout
     tus = sorted(p.name for p in out.glob("*.cu"))
     listed = run_cli("--list", "--preset", "extended", "--shard", "2/4").stdout.split()
     assert tus == sorted(f"{name}.cu" for name in listed)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["instances"]) == 972
+    assert len(manifest["instances"]) == 999
     assert (manifest["shard"]["index"], manifest["shard"]["count"]) == (2, 4)
     assert sorted(manifest["shard"]["tus"]) == tus
     table = (out / "dispatch_table.cpp").read_text()
-    assert table.count("&instances::launch_") == 972
+    assert table.count("&instances::launch_") == 999
     assert table.count("&instances::workspace_bwd_") == 276
     assert table.count("&instances::workspace_kvcache_") == 420
 
@@ -281,7 +287,7 @@ def test_explain_hit_names_the_rule_and_the_runner_up(run_cli):
                         "seqlen_k=1024,seqused=false,arch=86")
     assert lines[1] == "chosen:  fwd_bf16_d128_causal_lse_fa2_sm80_m128n64_pad_hpad"
     assert lines[2] == (
-        "why:     4 of the 276 selected fwd instances serve it; it goes ahead of the runner-up "
+        "why:     4 of the 303 selected fwd instances serve it; it goes ahead of the runner-up "
         "fwd_bf16_d192x128_causal_lse_fa2_sm80_m128n64_pad_hpad by rule 6 of the dispatch order, "
         "the tightest padded head dims first: head dims 128x128 against head dims 192x128")
     assert lines[3] == "serving, in dispatch order:"
@@ -314,8 +320,9 @@ def test_explain_quotes_every_rule_that_keeps_fa3_away(run_cli):
     result = run_cli("--explain", "dtype=bf16,hdim=96,vlayout=col,softcap=true,arch=90",
                      "--preset", "all")
     notes = [line for line in result.stdout.splitlines() if line.startswith("note:")]
+    # fa3 reads V^T of e4m3 inputs only: the rule names the dtype too.
     assert [note.partition(" has no instance for ")[2].split(":")[0] for note in notes] == [
-        "hdim=96x96", "vlayout=col", "softcap=true"]
+        "hdim=96x96", "dtype=bf16, vlayout=col", "softcap=true"]
     assert all(note.endswith("; falling back to fa2") for note in notes)
     # On an A100 fa3 does not exist: nothing to say.
     result = run_cli("--explain", "dtype=bf16,hdim=96,vlayout=col,softcap=true,arch=80",
@@ -336,7 +343,7 @@ def test_explain_miss_lists_the_nearest_and_a_filter_that_fits(run_cli):
                      "--preset", "extended")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[1] == "none of the 276 selected fwd instances serves it; the nearest:"
+    assert lines[1] == "none of the 303 selected fwd instances serves it; the nearest:"
     assert lines[2] == ("  fwd_bf16_d128_lse_fa2_sm80_m128n64: bias=none (the call: alibi); "
                         "vlayout=row (the call: col)")
     assert lines[5] == "the matrix has one that fits: fwd_bf16_d128_alibi_col_fa2_sm80_m128n64"
@@ -368,7 +375,7 @@ def test_explain_miss_outside_the_matrix(run_cli):
 
 
 @pytest.mark.parametrize("problem, message", [
-    ("hdim=64", "needs dtype= (fp16, bf16)"),
+    ("hdim=64", "needs dtype= (fp16, bf16, e4m3)"),
     ("dtype=fp16", "needs hdim=N or QxV (or hdim_q= and hdim_v=)"),
     ("dtype=fp32,hdim=64", "unknown dtype 'fp32'; valid: fp16, bf16"),
     ("dtype=fp16,hdim=64,mask=casual", "unknown mask 'casual'; valid: none, causal, window"),
@@ -397,7 +404,7 @@ def test_filter_names_an_operation(run_cli):
     assert len(bwd) == 276 and all(name.startswith("bwd_") for name in bwd)
     assert listed("--filter", "op=bwd") == bwd
     fwd = listed("--filter", "fwd")
-    assert len(fwd) == 276 and all(name.startswith("fwd_") for name in fwd)
+    assert len(fwd) == 303 and all(name.startswith("fwd_") for name in fwd)
     kvcache = listed("--filter", "kvcache")
     assert len(kvcache) == 420 and all(name.startswith("kvcache_") for name in kvcache)
     assert listed() == fwd + bwd + kvcache
@@ -417,7 +424,9 @@ def test_unknown_token_lists_the_operations(run_cli):
     assert any(line.split() == ["op", "fwd,", "bwd,", "kvcache"] for line in lines)
     assert any(line.split() == ["dbias", "dbias,", "dbias=true|false"] for line in lines)
     assert any(line.split() == ["paged", "paged,", "paged=true|false"] for line in lines)
-    assert any(line.split() == ["kv_dtype", "same,", "e4m3"] for line in lines)
+    # A bare e4m3 is the dtype's; the cache's is spelled as in names.
+    assert any(line.split() == ["dtype", "fp16,", "bf16,", "e4m3"] for line in lines)
+    assert any(line.split() == ["kv_dtype", "same,", "kve4m3"] for line in lines)
     assert lines[-1] == ("an operation's own axes (kv_dtype, paged: kvcache's; vlayout, lse: "
                          "fwd's; mode, dropout: fwd's and bwd's; dbias: bwd's) hold for no "
                          "instance of another operation")
@@ -498,7 +507,7 @@ def test_explain_bwd_miss_suggests_a_filter_that_fits(run_cli):
     ("dtype=fp16,hdim=64,dbias=true", "dbias is a key of op=bwd, not of op=fwd"),
     ("op=decode,dtype=fp16,hdim=64", "unknown op 'decode'; valid: fwd, bwd, kvcache"),
     ("op=bwd,dtype=fp16,hdim=64,dbias=1", "dbias takes true or false, not '1'"),
-    ("op=bwd,hdim=64", "needs dtype= (fp16, bf16)"),
+    ("op=bwd,hdim=64", "needs dtype= (fp16, bf16, e4m3)"),
 ])
 def test_explain_bwd_problem_errors(run_cli, problem, message):
     result = run_cli("--explain", problem)
@@ -523,7 +532,7 @@ def test_list_and_json_of_kvcache_instances(run_cli):
                                      "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad_hpad",
                                      "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad_hpad"]
     e4m3 = run_cli("--list", "--preset", "extended", "--filter",
-                   "kvcache,bf16,hdim128,causal,e4m3", "--targets", "sm90a").stdout.split()
+                   "kvcache,bf16,hdim128,causal,kve4m3", "--targets", "sm90a").stdout.split()
     assert e4m3 == [name for name in result.stdout.split() if "_kve4m3_" in name]
     assert run_cli("--list", "--preset", "extended", "--filter",
                    "kvcache,bf16,hdim128,causal,kv_dtype=e4m3", "--targets", "sm90a"
@@ -539,7 +548,7 @@ def test_list_and_json_of_kvcache_instances(run_cli):
     assert all(tuple(r) == KVCACHE_SUMMARY_FIELDS and r["op"] == "kvcache" for r in records)
     assert {r["kv_dtype"] for r in records} == {"same"}
     records = json.loads(run_cli("--json", "--preset", "all", "--filter",
-                                 "kvcache,fp16,hdim256,window,alibi,paged,softcap,e4m3").stdout)
+                                 "kvcache,fp16,hdim256,window,alibi,paged,softcap,kve4m3").stdout)
     assert [(r["name"], r["kv_dtype"]) for r in records] == [
         ("kvcache_fp16_kve4m3_d256_window_alibi_paged_softcap_fa2_sm90a_m16n64_pad", "e4m3"),
         ("kvcache_fp16_kve4m3_d256_window_alibi_paged_softcap_fa2_sm80_m16n64_pad", "e4m3")]

@@ -164,10 +164,13 @@ def test_every_criterion_says_what_it_prefers(make_instance):
 
 
 DEFAULT_CATALOG = repository().catalog
+# The dtypes every operation has; the e4m3 forward's calls have a property of their own
+# (test_generator_e4m3.py).
+SIXTEEN_BIT = tuple(dtype.token for dtype in DTYPE if dtype.size == 2)
 
 
 @settings(max_examples=100, deadline=None)
-@given(dtype=st.sampled_from(DTYPE.tokens), mask=st.sampled_from(MASK.tokens),
+@given(dtype=st.sampled_from(SIXTEEN_BIT), mask=st.sampled_from(MASK.tokens),
        bias=st.sampled_from(BIAS.tokens), vlayout=st.sampled_from(VLAYOUT.tokens),
        mode=st.sampled_from(MODE.tokens),
        flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
@@ -377,7 +380,7 @@ def test_bwd_instance_that_serves_nothing_is_an_error(build):
 
 
 @settings(max_examples=100, deadline=None)
-@given(dtype=st.sampled_from(DTYPE.tokens), mask=st.sampled_from(MASK.tokens),
+@given(dtype=st.sampled_from(SIXTEEN_BIT), mask=st.sampled_from(MASK.tokens),
        bias=st.sampled_from(BIAS.tokens), mode=st.sampled_from(MODE.tokens),
        flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
        hdim=st.tuples(st.integers(1, 40), st.integers(1, 40)).map(lambda d: (d[0] * 8, d[1] * 8)),
@@ -498,7 +501,7 @@ E4M3_HDIMS = {(d, d) for d in (64, 128, 192, 256)}
 
 
 @settings(max_examples=100, deadline=None)
-@given(dtype=st.sampled_from(DTYPE.tokens), mask=st.sampled_from(MASK.tokens),
+@given(dtype=st.sampled_from(SIXTEEN_BIT), mask=st.sampled_from(MASK.tokens),
        bias=st.sampled_from(BIAS.tokens), flags=st.tuples(st.booleans(), st.booleans()),
        hdim=st.sampled_from(sorted(KVCACHE_HDIMS | {(192, 128), (80, 80), (120, 120), (36, 36),
                                                     (100, 100), (57, 57)})),
@@ -522,7 +525,7 @@ def test_repository_kvcache_matrix_serves_every_call_on_its_newest_arch(dtype, m
 
 
 @settings(max_examples=60, deadline=None)
-@given(dtype=st.sampled_from(DTYPE.tokens), mask=st.sampled_from(MASK.tokens),
+@given(dtype=st.sampled_from(SIXTEEN_BIT), mask=st.sampled_from(MASK.tokens),
        bias=st.sampled_from(["none", "alibi"]), flags=st.tuples(st.booleans(), st.booleans()),
        hdim=st.sampled_from(sorted(KVCACHE_HDIMS | {(120, 120), (80, 80), (57, 57)})),
        seqlen_q=st.sampled_from([1, 16, 128, 512, 4096]), cc=st.sampled_from([80, 89, 90]))

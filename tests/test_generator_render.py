@@ -151,7 +151,7 @@ def test_dispatch_table(rendered):
      &instances::launch_fwd_fp16_d64_fa2_sm90a_m128n64},
 """ in text
     assert 'const char* const kCompiledTargets[] = {"sm80", "sm90a"};' in text
-    assert 'const char* const kDataTypeTokens[] = {"fp16", "bf16"};' in text
+    assert 'const char* const kDataTypeTokens[] = {"fp16", "bf16", "e4m3"};' in text
     assert 'const char* const kMaskTokens[] = {"none", "causal", "window"};' in text
     assert 'const char* const kBiasTokens[] = {"none", "elementwise", "alibi"};' in text
     assert 'const char* const kVLayoutTokens[] = {"row", "col"};' in text
@@ -896,7 +896,7 @@ def test_an_e4m3_cache_reaches_the_tu_and_the_table(build):
     # the row's traits say kE4M3, the manifest e4m3.
     config, catalog = build(KVCACHE_OPERATION, ("kv_dtype: [same]", "kv_dtype: [same, e4m3]"))
     files = render(select(config, catalog, "default",
-                          "kvcache,bf16,hdim64,e4m3,mask=none,paged,sm90a"), source="config.yaml")
+                          "kvcache,bf16,hdim64,kve4m3,mask=none,paged,sm90a"), source="config.yaml")
     name = "kvcache_bf16_kve4m3_d64_paged_fa2_sm90a_m16n64_pad"
     assert sorted(n for n in files if n.endswith(".cu")) == [f"{name}.cu"]
     assert ("    /*Element=*/__nv_bfloat16, /*KvElement=*/__nv_fp8_e4m3, /*kHeadDimQK=*/64, "
