@@ -20,10 +20,16 @@
 namespace fmha {
 namespace {
 
-// The kernels move every row in 16-byte pieces: 8 elements of a 16-bit type, 16 of an e4m3
-// KV cache (KvCacheDtype::kE4M3).
+// The kernels move every row in 16-byte pieces: 8 elements of a 16-bit type, 16 of e4m3 (an
+// e4m3 KV cache, KvCacheDtype::kE4M3, or the forward's e4m3 inputs, DataType::kE4M3).
 constexpr int64_t kAlignElements = 8;
 constexpr int64_t kE4m3AlignElements = 16;
+
+// The elements of 16 bytes of a forward input of `dtype` (Q, K, V, an elementwise bias). The
+// output is never e4m3: O of an e4m3 call is bf16, 8 elements of 16 bytes (kAlignElements).
+int64_t align_elements(DataType dtype) {
+  return dtype == DataType::kE4M3 ? kE4m3AlignElements : kAlignElements;
+}
 constexpr uintptr_t kAlignBytes = 16;
 // CUDA's limit on gridDim.y and gridDim.z, which carry heads and batches.
 constexpr int kMaxGridYZ = 65535;
@@ -246,12 +252,52 @@ Status check_int_array(const char* name, const int32_t* ptr, bool needed, const 
   return Status::Ok();
 }
 
+// The descale factors of e4m3 inputs (FwdArgs::q_descale, k_descale, v_descale): a kE4M3
+// call's only, their strides non-negative and, with `check_memory`, each pointer given 4-byte
+// aligned (fp32). A 16-bit call has none, and strides of 0: a caller that sets them means
+// something this dtype does not do.
+Status check_descales(const FwdArgs& a, bool check_memory) {
+  const std::initializer_list<Stride> strides = {
+      {"q_descale_batch_stride", a.q_descale_batch_stride},
+      {"q_descale_head_stride", a.q_descale_head_stride},
+      {"k_descale_batch_stride", a.k_descale_batch_stride},
+      {"k_descale_head_stride", a.k_descale_head_stride},
+      {"v_descale_batch_stride", a.v_descale_batch_stride},
+      {"v_descale_head_stride", a.v_descale_head_stride}};
+  if (a.dtype != DataType::kE4M3) {
+    const char* dtype = a.dtype == DataType::kFP16 ? "kFP16" : "kBF16";
+    if (a.q_descale != nullptr || a.k_descale != nullptr || a.v_descale != nullptr) {
+      return invalid(std::string("q_descale/k_descale/v_descale are for dtype kE4M3 (they "
+                                 "dequantize e4m3 inputs); a ") +
+                     dtype + " call takes none");
+    }
+    for (const Stride& stride : strides) {
+      if (stride.value != 0) {
+        return invalid(std::string(stride.name) + " is " + std::to_string(stride.value) +
+                       "; the descale strides are for dtype kE4M3, and a " + dtype +
+                       " call must leave them 0");
+      }
+    }
+    return Status::Ok();
+  }
+  if (Status st = check_non_negative(strides); !st.ok()) return st;
+  if (!check_memory) return Status::Ok();
+  for (const auto& [name, descale] : {std::pair{"q_descale", a.q_descale},
+                                      std::pair{"k_descale", a.k_descale},
+                                      std::pair{"v_descale", a.v_descale}}) {
+    if (descale != nullptr && !aligned(descale, alignof(float))) {
+      return invalid(std::string(name) + " must be 4-byte aligned (fp32)");
+    }
+  }
+  return Status::Ok();
+}
+
 // Shapes, traits and options always; pointers, alignment and strides only when `check_memory`
 // (select() and explain() describe a problem without tensors). The window sizes are read only
 // for MaskType::kWindow: the other masks ignore them, as fmha.h says.
 Status check_fwd_args(const FwdArgs& a, bool check_memory) {
   for (const Status& st :
-       {check_enum("dtype", a.dtype, DataType::kBF16, "kFP16, kBF16"),
+       {check_enum("dtype", a.dtype, DataType::kE4M3, "kFP16, kBF16, kE4M3"),
         check_enum("mode", a.mode, Mode::kGroup, "kBatch, kGroup"),
         check_enum("mask type", a.mask, MaskType::kWindow, "kNone, kCausal, kWindow"),
         check_enum("mask alignment", a.mask_align, MaskAlign::kBottomRight,
@@ -295,14 +341,18 @@ Status check_fwd_args(const FwdArgs& a, bool check_memory) {
   if (a.bias != BiasType::kAlibi && a.alibi_slopes != nullptr) {
     return invalid("alibi_slopes is set but the bias type is not BiasType::kAlibi");
   }
+  if (Status st = check_descales(a, check_memory); !st.ok()) return st;
   if (is_empty(a) || !check_memory) return Status::Ok();
 
   // Group mode ignores the batch strides: a sequence starts at its cu_seqlens entry.
   const bool batch_mode = a.mode == Mode::kBatch;
   auto batch_stride = [&](int64_t stride) { return batch_mode ? stride : 0; };
+  // Q, K and V in the dtype's 16-byte pieces; O is 16-bit whatever the dtype (bf16 for e4m3).
+  const int64_t input_align = align_elements(a.dtype);
   if (Status st = check_operand("q", a.q, {{"batch", batch_stride(a.q_batch_stride)},
                                            {"seq", a.q_seq_stride},
-                                           {"head", a.q_head_stride}});
+                                           {"head", a.q_head_stride}},
+                                input_align);
       !st.ok()) {
     return st;
   }
@@ -315,7 +365,8 @@ Status check_fwd_args(const FwdArgs& a, bool check_memory) {
   if (a.seqlen_k > 0) {
     if (Status st = check_operand("k", a.k, {{"batch", batch_stride(a.k_batch_stride)},
                                              {"seq", a.k_seq_stride},
-                                             {"head", a.k_head_stride}});
+                                             {"head", a.k_head_stride}},
+                                  input_align);
         !st.ok()) {
       return st;
     }
@@ -329,15 +380,17 @@ Status check_fwd_args(const FwdArgs& a, bool check_memory) {
       return invalid("v_seq_stride is " + std::to_string(a.v_seq_stride) +
                      "; VLayout::kColMajor needs 1 (the sequence contiguous)");
     }
-    if (!row_major && (a.v_dim_stride <= 0 || a.v_dim_stride % kAlignElements != 0)) {
+    if (!row_major && (a.v_dim_stride <= 0 || a.v_dim_stride % input_align != 0)) {
       return invalid("v_dim_stride is " + std::to_string(a.v_dim_stride) +
-                     "; VLayout::kColMajor needs a positive multiple of 8 elements");
+                     "; VLayout::kColMajor needs a positive multiple of " +
+                     std::to_string(input_align) + " elements");
     }
     if (Status st = check_operand(
             "v", a.v,
             {{"batch", batch_stride(a.v_batch_stride)},
              {row_major ? "seq" : "dim", row_major ? a.v_seq_stride : a.v_dim_stride},
-             {"head", a.v_head_stride}});
+             {"head", a.v_head_stride}},
+            input_align);
         !st.ok()) {
       return st;
     }
@@ -361,7 +414,12 @@ Status check_fwd_args(const FwdArgs& a, bool check_memory) {
 
   if (a.bias == BiasType::kElementwise) {
     if (a.bias_ptr == nullptr) return invalid("BiasType::kElementwise needs bias_ptr");
-    if (!aligned(a.bias_ptr, 2)) return invalid("bias_ptr must be aligned to its 2-byte elements");
+    // The bias is of the dtype: 2-byte elements, 1-byte ones of e4m3.
+    const uintptr_t bias_bytes = kAlignBytes / align_elements(a.dtype);
+    if (!aligned(a.bias_ptr, bias_bytes)) {
+      return invalid("bias_ptr must be aligned to its " + std::to_string(bias_bytes) +
+                     "-byte elements");
+    }
     if (Status st = check_non_negative({{"bias_batch_stride", a.bias_batch_stride},
                                         {"bias_head_stride", a.bias_head_stride},
                                         {"bias_seq_stride", a.bias_seq_stride}});
@@ -408,6 +466,10 @@ Status invalid_bwd(const std::string& message) { return as_bwd(invalid(message))
 // empty problem (no sequence or no head) writes nothing, so it needs no pointers.
 Status check_bwd_args(const BwdArgs& a, bool check_memory) {
   const FwdArgs& f = a.fwd;
+  if (f.dtype == DataType::kE4M3) {
+    return invalid_bwd("dtype kE4M3 (float8 e4m3) is an input type of the forward only: there "
+                       "is no FP8 backward; differentiate a kFP16 or kBF16 forward");
+  }
   if (Status st = as_bwd(check_fwd_args(f, check_memory)); !st.ok()) return st;
   if (f.vlayout != VLayout::kRowMajor) {
     return invalid_bwd("the backward takes row-major V (VLayout::kRowMajor) only; pass V with "
@@ -487,6 +549,11 @@ Status invalid_kvcache(const std::string& message) { return as_kvcache(invalid(m
 // there is checked only with `check_memory`, while one that must not (a paged cache's
 // cache_batch_idx, ALiBi's slopes without ALiBi) is an error either way.
 Status check_kvcache_args(const KvcacheArgs& a, bool check_memory) {
+  if (a.dtype == DataType::kE4M3) {
+    return invalid_kvcache("dtype is the queries' (q, k_new, v_new and o): kFP16 or kBF16; "
+                           "DataType::kE4M3 is an input type of fmha::fwd only. An FP8 cache "
+                           "is kv_dtype KvCacheDtype::kE4M3, with 16-bit queries");
+  }
   for (const Status& st :
        {check_enum("dtype", a.dtype, DataType::kBF16, "kFP16, kBF16"),
         check_enum("KV cache dtype", a.kv_dtype, KvCacheDtype::kE4M3, "kSame, kE4M3"),

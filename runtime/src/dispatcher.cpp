@@ -437,15 +437,35 @@ bool needs_padded_lengths(const KvcacheArgs&, int, int) {
 
 // Why no instance of `w`'s traits pads head dims, or null where the operation's padded ones
 // may: an e4m3 cache's rows move in whole 16-byte pieces of 16 elements (instances.yaml's rule
-// {kv_dtype: e4m3, pad_hdim: true} prunes its padded instances).
+// {kv_dtype: e4m3, pad_hdim: true} prunes its padded instances), and the e4m3 forward runs on
+// fa3, whose instances take exact head dims.
 template <class Traits>
 const char* exact_head_dims_only(const Traits&) {
   return nullptr;
+}
+const char* exact_head_dims_only(const FwdTraits& w) {
+  return w.dtype == DataType::kE4M3
+             ? "the e4m3 forward's instances (fa3) run exactly their own head dims"
+             : nullptr;
 }
 const char* exact_head_dims_only(const KvcacheTraits& w) {
   return w.kv_dtype == KvCacheDtype::kE4M3
              ? "an e4m3 cache's instances run exactly their own head dims (its rows move in "
                "whole 16-byte pieces of 16 elements)"
+             : nullptr;
+}
+
+// What to check before building for `w`, where the matrix keeps its traits to a few instances
+// of another shape (the e4m3 forward); null for the others.
+template <class Traits>
+const char* traits_note(const Traits&) {
+  return nullptr;
+}
+const char* traits_note(const FwdTraits& w) {
+  return w.dtype == DataType::kE4M3
+             ? "the e4m3 (FP8) forward has instances on fa3 (sm90a) only, for V^T "
+               "(VLayout::kColMajor) and not every trait: python -m generator --preset all "
+               "--filter e4m3 --list names them"
              : nullptr;
 }
 
@@ -495,6 +515,7 @@ Suggestion suggest(const Args& a, int cc) {
              ", so instances.yaml's matrix.hdim may need [" + std::to_string(hdim_q) + ", " +
              std::to_string(hdim_v) + "]";
   }
+  if (const char* note = traits_note(w)) s.note = s.note.empty() ? note : s.note + "; " + note;
   const bool pad_hdim = hdim_q != w.hdim_q || hdim_v != w.hdim_v;
 
   // `pad` only where no unpadded instance could serve: without it the filter selects both

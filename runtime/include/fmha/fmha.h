@@ -69,7 +69,8 @@ struct FwdTraits {
 // One forward problem. Q, K, V and O are (batch, seqlen, nhead, hdim) in any stride order whose
 // hdim dimension is contiguous (V: see VLayout); strides are in elements. Pointers must be
 // 16-byte aligned and every stride of Q, K, V and O (other than the contiguous one) a multiple
-// of 8 elements, so that each row moves in 16-byte pieces. Offsets are 64-bit, so tensors may
+// of 8 elements, so that each row moves in 16-byte pieces: of 16 elements for the e4m3 inputs
+// of DataType::kE4M3 (Q, K, V), whose O is bf16 (8). Offsets are 64-bit, so tensors may
 // hold more than 2^31 elements; the limits are batch and nhead_q <= 65535, seqlen_q + seqlen_k
 // < 2^30 (the kernels' row and key arithmetic), and for a causal mask at most 2^31 - 1 query
 // tiles in all (ceil(seqlen_q / block_m) * batch * nhead_q).
