@@ -23,8 +23,9 @@ def main():
     key = _plans.call_key(q, k, v, *opts)
     plan = _api._PLANS.get(key)
     out, lse = plan.outputs(q)
-    call = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0,
-            0, *_plans._KEEP_SIZES, torch._C._cuda_getCurrentRawStream(0), None)
+    # lse, bias, alibi_slopes, cu_seqlens_q/k, seqused_q/k, q/k/v_descale, dropout seed, offset
+    call = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0,
+            0, 0, 0, *_plans._KEEP_SIZES, torch._C._cuda_getCurrentRawStream(0), None)
     full = _api._make_args(_api._prepare(q, k, v, False, None, **_api._OPTION_DEFAULTS,
                                          materialize=True), out, None)
     stream = call[-2]

@@ -871,7 +871,7 @@ def cpp_fwd(**overrides):
          r"1-D grid, at most 2\^31 - 1; with the largest compiled block_m of \d+ that is "
          r"ceil\(16 / \d+\) \* 65535 \* 65535 = 4294836225"),
         (dict(seqlen_k=-1), "must be non-negative"),
-        (dict(dtype=2), "unknown dtype 2; valid: kFP16, kBF16"),
+        (dict(dtype=3), "unknown dtype 3; valid: kFP16, kBF16, kE4M3"),
         (dict(mode=-1), "unknown mode -1"),
         (dict(mask=3), "unknown mask type 3"),
         (dict(mask_align=2), "unknown mask alignment 2"),
@@ -1035,7 +1035,7 @@ def test_cpp_reports_the_compiled_matrix():
         # schema says it once, and the runtime must report the same.
         arch = ARCH.get(inst["arch"])
         assert (inst["arch_cc"], inst["arch_exact"]) == (arch.cc, arch.exact)
-        assert inst["dtype"] in ("fp16", "bf16")
+        assert inst["dtype"] in ("fp16", "bf16", "e4m3")
         assert inst["mask"] in ("none", "causal", "window")
         assert inst["bias"] in ("none", "elementwise", "alibi")
         assert inst["vlayout"] in ("row", "col") and inst["mode"] in ("batch", "group")

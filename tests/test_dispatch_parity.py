@@ -28,7 +28,7 @@ from generator.config import DEFAULT_CONFIG  # noqa: E402
 from generator.dispatch import Problem, dispatch_order, first_serving  # noqa: E402
 from generator.model import BwdTraits  # noqa: E402
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
 CASES = 400
 # An A100, an RTX 30x0/A10 (sm86: sm80 code runs, sm90a's does not), an H100/H200.
 CAPABILITIES = [(8, 0), (8, 6), (9, 0)]
@@ -60,7 +60,8 @@ def select_call(traits, seqlen_q, seqlen_k, seqused):
     q = torch.empty(1, seqlen_q, 2, traits.hdim_q, dtype=dtype, device=DEVICE)
     k = torch.empty(1, seqlen_k, 2, traits.hdim_q, dtype=dtype, device=DEVICE)
     if getattr(traits, "vlayout", None) and traits.vlayout.token == "col":  # (b, s, h, d) with the sequence dim contiguous, its
-        padded = -(-seqlen_k // 8) * 8  # rows 16-byte aligned as fmha.h asks
+        piece = 16 // traits.dtype.size  # the elements of 16 bytes
+        padded = -(-seqlen_k // piece) * piece  # rows 16-byte aligned as fmha.h asks
         v = torch.empty(1, 2, traits.hdim_v, padded, dtype=q.dtype, device=DEVICE)
         v = v[..., :seqlen_k].permute(0, 3, 1, 2)
     else:
@@ -101,9 +102,10 @@ def problems(ordered, cc, rng):
     for _ in range(CASES):
         inst = rng.choice(ordered)
         own = inst.point.traits
+        step = 16 // own.dtype.size  # e4m3 head dims are multiples of 16, never padded
         hdim_q, hdim_v = rng.choice([(own.hdim_q, own.hdim_v),
-                                     (max(8, own.hdim_q - 8 * rng.randint(1, 4)),) * 2,
-                                     (own.hdim_q + 8, own.hdim_v + 8)])
+                                     (max(step, own.hdim_q - step * rng.randint(1, 4)),) * 2,
+                                     (own.hdim_q + step, own.hdim_v + step)])
         traits = dataclasses.replace(own, hdim_q=hdim_q, hdim_v=hdim_v)
         if not isinstance(traits, BwdTraits):
             traits = dataclasses.replace(traits, lse=rng.random() < 0.5)

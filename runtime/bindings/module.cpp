@@ -205,13 +205,15 @@ void set_sizes(fmha::FwdArgs& a, int seqlen_q, int seqlen_k, int64_t total_q, in
 // A planned call (fmha/_plans.py): `plan` holds a checked call's shapes, strides and options,
 // and this call's tensors bring their pointers, the dropout seed and offset, and in group mode
 // (varlen) the lengths and token counts, which change from one batch to the next (negative:
-// the plan's). Runs on the current device; returns None, or (status code, message) when
-// nothing was launched. One Python-to-C++ crossing per call, where setting FwdArgs' fields
-// one property at a time cost ~16 us of fwd's host time (docs/perf-notes.md v5).
+// the plan's); an e4m3 call's descale factors are device tensors like the others (0: none).
+// Runs on the current device; returns None, or (status code, message) when nothing was
+// launched. One Python-to-C++ crossing per call, where setting FwdArgs' fields one property at
+// a time cost ~16 us of fwd's host time (docs/perf-notes.md v5).
 py::object run_planned(const fmha::FwdArgs& plan, uintptr_t q, uintptr_t k, uintptr_t v,
                        uintptr_t o, uintptr_t lse, uintptr_t bias, uintptr_t alibi_slopes,
                        uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, uintptr_t seqused_q,
-                       uintptr_t seqused_k, uint64_t dropout_seed, uint32_t dropout_offset,
+                       uintptr_t seqused_k, uintptr_t q_descale, uintptr_t k_descale,
+                       uintptr_t v_descale, uint64_t dropout_seed, uint32_t dropout_offset,
                        int seqlen_q, int seqlen_k, int64_t total_q, int64_t total_k,
                        int64_t lse_head_stride, uintptr_t stream,
                        std::optional<std::string> instance) {
@@ -227,6 +229,9 @@ py::object run_planned(const fmha::FwdArgs& plan, uintptr_t q, uintptr_t k, uint
   args.cu_seqlens_k = reinterpret_cast<const int32_t*>(cu_seqlens_k);
   args.seqused_q = reinterpret_cast<const int32_t*>(seqused_q);
   args.seqused_k = reinterpret_cast<const int32_t*>(seqused_k);
+  args.q_descale = reinterpret_cast<const float*>(q_descale);
+  args.k_descale = reinterpret_cast<const float*>(k_descale);
+  args.v_descale = reinterpret_cast<const float*>(v_descale);
   args.dropout_seed = dropout_seed;
   args.dropout_offset = dropout_offset;
   set_sizes(args, seqlen_q, seqlen_k, total_q, total_k);
@@ -576,7 +581,8 @@ void bind_args(py::module_& m) {
   Args cls(m, "FwdArgs",
            "fmha::FwdArgs: one forward problem. Pointers are integers (data_ptr(), 0 for none), "
            "enums are ints (the module's DTYPE_*, MODE_*, MASK_*, ALIGN_*, BIAS_*, VLAYOUT_* "
-           "constants), strides are in elements.");
+           "constants), strides are in elements; q_descale, k_descale and v_descale (DTYPE_E4M3 "
+           "only) are fp32 device pointers with (batch, K/V head) strides.");
   cls.def(py::init<>());
   enum_property(cls, "dtype", &fmha::FwdArgs::dtype);
   enum_property(cls, "mode", &fmha::FwdArgs::mode);
@@ -630,12 +636,22 @@ void bind_args(py::module_& m) {
   pointer_property(cls, "lse", &fmha::FwdArgs::lse);
   cls.def_readwrite("lse_batch_stride", &fmha::FwdArgs::lse_batch_stride)
       .def_readwrite("lse_head_stride", &fmha::FwdArgs::lse_head_stride);
+  pointer_property(cls, "q_descale", &fmha::FwdArgs::q_descale);
+  pointer_property(cls, "k_descale", &fmha::FwdArgs::k_descale);
+  pointer_property(cls, "v_descale", &fmha::FwdArgs::v_descale);
+  cls.def_readwrite("q_descale_batch_stride", &fmha::FwdArgs::q_descale_batch_stride)
+      .def_readwrite("q_descale_head_stride", &fmha::FwdArgs::q_descale_head_stride)
+      .def_readwrite("k_descale_batch_stride", &fmha::FwdArgs::k_descale_batch_stride)
+      .def_readwrite("k_descale_head_stride", &fmha::FwdArgs::k_descale_head_stride)
+      .def_readwrite("v_descale_batch_stride", &fmha::FwdArgs::v_descale_batch_stride)
+      .def_readwrite("v_descale_head_stride", &fmha::FwdArgs::v_descale_head_stride);
   cls.def(
       "traits", [](const fmha::FwdArgs& a) { return traits_dict(a.traits()); },
       "FwdArgs::traits(): what an instance must match, enums as ints.");
   cls.def("run", &run_planned, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
           py::arg("lse"), py::arg("bias"), py::arg("alibi_slopes"), py::arg("cu_seqlens_q"),
           py::arg("cu_seqlens_k"), py::arg("seqused_q"), py::arg("seqused_k"),
+          py::arg("q_descale"), py::arg("k_descale"), py::arg("v_descale"),
           py::arg("dropout_seed"), py::arg("dropout_offset"), py::arg("seqlen_q"),
           py::arg("seqlen_k"), py::arg("total_q"), py::arg("total_k"),
           py::arg("lse_head_stride"), py::arg("stream"), py::arg("instance"),
@@ -658,6 +674,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("STATUS_CUDA_ERROR") = static_cast<int>(fmha::Status::Code::kCudaError);
   m.attr("DTYPE_FP16") = static_cast<int>(fmha::DataType::kFP16);
   m.attr("DTYPE_BF16") = static_cast<int>(fmha::DataType::kBF16);
+  m.attr("DTYPE_E4M3") = static_cast<int>(fmha::DataType::kE4M3);
   m.attr("KV_DTYPE_SAME") = static_cast<int>(fmha::KvCacheDtype::kSame);
   m.attr("KV_DTYPE_E4M3") = static_cast<int>(fmha::KvCacheDtype::kE4M3);
   m.attr("MODE_BATCH") = static_cast<int>(fmha::Mode::kBatch);

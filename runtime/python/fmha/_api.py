@@ -15,7 +15,9 @@ import torch
 
 from fmha import _C, _head_dims, _plans
 from fmha._checks import (
-    DTYPE_CODES,
+    DESCALES,
+    E4M3,
+    FWD_DTYPE_CODES,
     INT_LIMIT,
     OFFSET_LIMIT,
     SEED_LIMIT,
@@ -24,13 +26,17 @@ from fmha._checks import (
     bias_target,
     check_alignment,
     check_bias,
+    check_descales,
     check_devices,
     check_inputs,
     check_instance,
     check_mode,
     check_options,
     check_seqused,
+    descale_strides,
+    e4m3_v_transposed,
     kernel_strides,
+    out_dtype,
     v_layout,
 )
 
@@ -81,6 +87,16 @@ class _Operands(NamedTuple):
     dropout_seed: Optional[torch.Tensor]
     dropout_offset: int
     return_lse: bool
+    # e4m3 inputs only: fp32 dequantization factors, (batch, nheads_k) or broadcast to it; None
+    # is 1. Last, with defaults: fmha::bwd's record of the forward call leaves them out
+    # (FORWARD_RECORD), as there is no FP8 backward.
+    q_descale: Optional[torch.Tensor] = None
+    k_descale: Optional[torch.Tensor] = None
+    v_descale: Optional[torch.Tensor] = None
+
+
+# The fields of a forward call that fmha::bwd's arguments repeat: _Operands' up to return_lse.
+FORWARD_RECORD = _Operands._fields.index("return_lse")
 
 
 def _bias_operand(bias, attn_mask, dtype: torch.dtype, p: Problem, materialize: bool):
@@ -113,25 +129,34 @@ def _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
              alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
              materialize: bool, api: str = "fwd", more_checks=None,
-             check_device: bool = True) -> _Operands:
+             check_device: bool = True, fp8: bool = False, q_descale=None, k_descale=None,
+             v_descale=None) -> _Operands:
     """Every check of a call, then its operands: what fwd, select and explain share, and bwd,
     select_bwd and explain_bwd (`api` names the caller in messages). more_checks(p, o): the
     caller's own checks of the Problem and Options, run before the device check; it returns
     the further tensors (by name) whose device to check. Without check_device (select and
-    explain for a named GPU), tensors may be on any device, meta tensors included."""
+    explain for a named GPU), tensors may be on any device, meta tensors included. fp8: the
+    forward's, whose inputs may be float8_e4m3fn with q_descale, k_descale and v_descale."""
     group = check_mode(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, api)
     p = check_inputs(q, k, v, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     api)
+                     api, fp8)
     o: Options = check_options(causal, softmax_scale, window_size, mask_align, softcap,
                                dropout_p, dropout_seed, dropout_offset, return_lse, p.hdim_q,
                                api)
     check_bias(bias, attn_mask, alibi_slopes, q.dtype, p, api)
     check_seqused(seqused_q, seqused_k, p, api)
+    descales = dict(zip(DESCALES, (q_descale, k_descale, v_descale)))
+    check_descales(descales, q.dtype, p, api)
+    if q.dtype == E4M3 and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError(
+            f"fmha.{api}: {E4M3} inputs have no backward (there is no FP8 training here), but "
+            f"q, k or v requires grad; pass them detached, or call under torch.no_grad()")
     more = {} if more_checks is None else more_checks(p, o)
     if check_device:
         check_devices(api=api, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
                       cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
-                      bias=bias, attn_mask=attn_mask, alibi_slopes=alibi_slopes, **more)
+                      bias=bias, attn_mask=attn_mask, alibi_slopes=alibi_slopes, **descales,
+                      **more)
     if materialize and alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
         alibi_slopes = alibi_slopes.contiguous()  # slope (b, h) is at b * batch stride + h
     seed = _seed_operand(o.dropout_seed) if materialize and o.dropout_p > 0 else None
@@ -140,7 +165,7 @@ def _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
         max_seqlen_q if group else 0, max_seqlen_k if group else 0,
         o.softmax_scale, o.mask, o.mask_align, o.window_left, o.window_right, o.softcap,
-        o.dropout_p, seed, o.dropout_offset, o.return_lse,
+        o.dropout_p, seed, o.dropout_offset, o.return_lse, q_descale, k_descale, v_descale,
     )
 
 
@@ -149,7 +174,7 @@ def _make_args(ops: _Operands, out: Optional[torch.Tensor],
     """The one translation of a checked call into fmha::FwdArgs (pointers, sizes, strides)."""
     q, k, v = ops.q, ops.k, ops.v
     a = _C.FwdArgs()
-    a.dtype = DTYPE_CODES[q.dtype]
+    a.dtype = FWD_DTYPE_CODES[q.dtype]
     a.q, a.k, a.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
     a.nhead_q, a.nhead_k = q.shape[-2], k.shape[-2]
     a.hdim_q, a.hdim_v = q.shape[-1], v.shape[-1]
@@ -203,6 +228,14 @@ def _make_args(ops: _Operands, out: Optional[torch.Tensor],
         a.lse = lse.data_ptr()
         a.lse_head_stride = lse.stride(-2)
         a.lse_batch_stride = 0 if group else lse.stride(0)
+    # The descale factors' strides; their pointers are the call's (a plan passes them per call,
+    # as it does q's), set here where the tensors have memory.
+    if ops.q_descale is not None:
+        a.q_descale_batch_stride, a.q_descale_head_stride = descale_strides(ops.q_descale)
+    if ops.k_descale is not None:
+        a.k_descale_batch_stride, a.k_descale_head_stride = descale_strides(ops.k_descale)
+    if ops.v_descale is not None:
+        a.v_descale_batch_stride, a.v_descale_head_stride = descale_strides(ops.v_descale)
     return a
 
 
@@ -245,7 +278,8 @@ def _fwd_impl(*arguments) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse, failed = plan.run(ops.q, ops.k, ops.v, ops.bias, None, ops.alibi_slopes,
                                     ops.cu_seqlens_q, ops.cu_seqlens_k, ops.seqused_q,
                                     ops.seqused_k, ops.max_seqlen_q, ops.max_seqlen_k, seed,
-                                    ops.dropout_offset, instance)
+                                    ops.dropout_offset, instance, ops.q_descale, ops.k_descale,
+                                    ops.v_descale)
         if failed is not None:
             _raise_for_plan(failed, ops.q, ops.k, ops.v)
     return out, lse if lse is not None else ops.q.new_empty((0,), dtype=torch.float32)
@@ -259,7 +293,7 @@ _OP_PLANS = _plans.PlanTable()
 def _fwd_fake(*arguments):
     ops = _Operands(*arguments[:-1])
     q = ops.q
-    out = q.new_empty((*q.shape[:-1], ops.v.shape[-1]))
+    out = q.new_empty((*q.shape[:-1], ops.v.shape[-1]), dtype=out_dtype(q.dtype))
     lse_shape = _plans.lse_shape(q, ops.cu_seqlens_q is not None) if ops.return_lse else (0,)
     lse = q.new_empty(lse_shape, dtype=torch.float32)
     return out, lse
@@ -274,7 +308,7 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
         mask_align="top_left", bias=None, attn_mask=None, alibi_slopes=None, softcap=0.0,
         dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False, cu_seqlens_q=None,
         cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
-        instance=None):
+        q_descale=None, k_descale=None, v_descale=None, instance=None):
     """Attention forward: softmax(q k^T * softmax_scale + bias, masked) v, per head.
 
     Batch mode: q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim),
@@ -310,6 +344,20 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     softmax_scale defaults to 1/sqrt(headdim). instance: run this compiled instance (a name from
     fmha.instances()) instead of the dispatcher's choice.
 
+    FP8: q, k and v all torch.float8_e4m3fn (FlashAttention-3's FP8 forward; H100/H200, fa3),
+    out bfloat16 (of the same shape as otherwise). q_descale, k_descale, v_descale: float32
+    CUDA tensors of shape (batch, nheads_k), FlashAttention-3's, or one that broadcasts to it
+    ((), (1,), (nheads_k,), (1, 1), (batch, 1), (1, nheads_k)); None is 1. The logits are
+    q k^T * q_descale * k_descale * softmax_scale (query head h takes K/V head h // (nheads /
+    nheads_k)'s factors), out is softmax(...) v * v_descale. The e4m3 kernels read V^T: a v
+    with its head dim contiguous (what models hold) is copied once per call into V^T (keys
+    contiguous, each row of keys padded to a multiple of 16), as the in-kernel transpose does
+    not exist yet; a v with its sequence dim contiguous (a V^T view whose strides are multiples
+    of 16) runs as it is. Head dims are multiples of 16 (never padded); the e4m3 instances
+    have 64, 128 and 256, no bias, ALiBi, dropout or soft-capping, with every mask, in batch
+    and group mode, with MQA/GQA. No backward: e4m3 inputs that require grad are refused.
+    The descales with inputs of another dtype are an error.
+
     Returns out, or (out, lse) with return_lse=True: the natural-log log-sum-exp of every row's
     logits, float32 (batch, nheads, seqlen_q), or (nheads, total_q) in group mode.
 
@@ -321,10 +369,13 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     """
     if instance is not None:
         check_instance(instance)
+    if isinstance(q, torch.Tensor) and q.dtype == E4M3:
+        v = e4m3_v_transposed(v)  # the e4m3 kernels read V^T: a row-major v is copied
+    descales = (q_descale, k_descale, v_descale)
     key = _plans.call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias,
                           attn_mask, alibi_slopes, softcap, dropout_p, dropout_seed,
                           dropout_offset, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, seqused_q, seqused_k, instance)
+                          max_seqlen_k, seqused_q, seqused_k, instance, descales)
     plan = None if key is None else _PLANS.get(key)
     if plan is not None:  # a signature seen before: its checks passed then
         if plan.draws_seed:
@@ -337,17 +388,20 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
             return (out, lse) if return_lse else out
         out, lse, failed = plan.run(q, k, v, bias, attn_mask, alibi_slopes, cu_seqlens_q,
                                     cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                                    max_seqlen_k, dropout_seed or 0, dropout_offset, instance)
+                                    max_seqlen_k, dropout_seed or 0, dropout_offset, instance,
+                                    *descales)
         if failed is not None:
             _raise_for_plan(failed, q, k, v)
         return (out, lse) if return_lse else out
 
     if _head_dims.needs_padding(q, v):  # no plan: the padded call keeps its own
-        # Every check first: a bad call fails before q, k or v is copied.
+        # Every check first: a bad call fails before q, k or v is copied (an e4m3 one, whose
+        # head dims are never padded, fails here).
         _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
                  alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                 materialize=False)
+                 materialize=False, fp8=True, q_descale=q_descale, k_descale=k_descale,
+                 v_descale=v_descale)
         result = fwd(_head_dims.pad(q), _head_dims.pad(k), _head_dims.pad(v), causal,
                      _head_dims.default_scale(q, softmax_scale), window_size=window_size,
                      mask_align=mask_align, bias=bias, attn_mask=attn_mask,
@@ -363,7 +417,8 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     ops = _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
                    alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                   materialize=True)
+                   materialize=True, fp8=True, q_descale=q_descale, k_descale=k_descale,
+                   v_descale=v_descale)
     if dropout_p and dropout_seed is None and not torch.compiler.is_compiling():
         _refuse_drawn_seed_in_capture()
     if key is None or not _plans.reusable(ops, bias, attn_mask, alibi_slopes):
@@ -411,7 +466,8 @@ def _first_call(table, key, plan, ops: _Operands, bias, attn_mask, instance) -> 
         return plan.launch(ops.q, ops.k, ops.v, out, lse, bias, attn_mask, ops.alibi_slopes,
                            ops.cu_seqlens_q, ops.cu_seqlens_k, ops.seqused_q, ops.seqused_k,
                            ops.max_seqlen_q, ops.max_seqlen_k, plan.args.dropout_seed,
-                           ops.dropout_offset, instance)
+                           ops.dropout_offset, instance, ops.q_descale, ops.k_descale,
+                           ops.v_descale)
     failed = launch()  # a miss compiles on demand (fmha.jit), in C++
     if failed is not None:
         _raise_for_plan(failed, ops.q, ops.k, ops.v)
@@ -442,7 +498,7 @@ _OPTION_DEFAULTS = dict(
     window_size=(-1, -1), mask_align="top_left", bias=None, attn_mask=None, alibi_slopes=None,
     softcap=0.0, dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False,
     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
-    seqused_k=None,
+    seqused_k=None, q_descale=None, k_descale=None, v_descale=None,
 )
 
 # The one stand-in pointer of select(), explain() and their bwd and kvcache counterparts
@@ -494,13 +550,16 @@ def _described(api: str, q, k, v, causal, softmax_scale, options: dict,
         raise TypeError(f"fmha.{api}: unexpected keyword argument {unknown[0]!r}; it takes "
                         f"fmha.fwd's, without instance, and capability")
     ops = _prepare(q, k, v, causal, softmax_scale, **{**_OPTION_DEFAULTS, **options},
-                   materialize=False, check_device=not cc)
+                   materialize=False, check_device=not cc, fp8=True)
+    # An e4m3 call runs on a V^T copy of a row-major v (fwd): described by the copy's layout.
+    ops = ops._replace(v=e4m3_v_transposed(ops.v, meta=True))
     args = _make_args(_padded_as_described(ops), out=None, lse=None)
     if ops.return_lse:
         args.lse = _PLACEHOLDER_POINTER
     _mark_given(args, bias_ptr=ops.bias, alibi_slopes=ops.alibi_slopes,
                 cu_seqlens_q=ops.cu_seqlens_q, cu_seqlens_k=ops.cu_seqlens_k,
-                seqused_q=ops.seqused_q, seqused_k=ops.seqused_k)
+                seqused_q=ops.seqused_q, seqused_k=ops.seqused_k, q_descale=ops.q_descale,
+                k_descale=ops.k_descale, v_descale=ops.v_descale)
     return args
 
 

@@ -23,6 +23,7 @@ import torch
 
 from fmha import _C, _api, _head_dims, _plans
 from fmha._api import (
+    FORWARD_RECORD,
     _LIBRARY,
     _OPTION_DEFAULTS,
     _PLACEHOLDER_POINTER,
@@ -40,6 +41,8 @@ from fmha._api import (
     _target_cc,
 )
 from fmha._checks import (
+    DESCALES,
+    E4M3,
     SEED_LIMIT,
     check_alignment,
     check_bwd_operands,
@@ -111,20 +114,21 @@ def _make_bwd_args(ops: _Operands, dout, out, lse, dq, dk, dv, dbias, determinis
 # ---- the op fmha::bwd ---------------------------------------------------------------------------
 
 # fmha::bwd's arguments: dout and the forward's out and log-sum-exp, the forward's checked call
-# less return_lse (the backward always reads the log-sum-exp), then the backward's flags.
+# up to return_lse (FORWARD_RECORD: the backward always reads the log-sum-exp, and there is no
+# FP8 backward, whose descale factors come after), then the backward's flags.
 BWD_ARGUMENTS = {
     "dout": torch.Tensor, "out": torch.Tensor, "lse": torch.Tensor,
-    **{name: kind for name, kind in _Operands.__annotations__.items() if name != "return_lse"},
+    **{name: _Operands.__annotations__[name] for name in _Operands._fields[:FORWARD_RECORD]},
     "deterministic": bool, "return_dbias": bool, "instance": Optional[str],
 }
-_FORWARD_PART = slice(3, -3)  # of BWD_ARGUMENTS: _Operands' fields but return_lse
+_FORWARD_PART = slice(3, -3)  # of BWD_ARGUMENTS: _Operands' fields up to return_lse
 
 _LIBRARY.define(_schema("bwd", BWD_ARGUMENTS, "(Tensor, Tensor, Tensor, Tensor)"),
                 tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def _forward_call(arguments: tuple) -> _Operands:
-    """The forward call's record in fmha::bwd's arguments."""
+    """The forward call's record in fmha::bwd's arguments (no descale factors)."""
     return _Operands(*arguments[_FORWARD_PART], True)
 
 
@@ -240,6 +244,10 @@ def _fwd_setup_context(ctx, inputs, output):
 def _fwd_backward(ctx, dout, _dlse):
     out, lse, *tensors = ctx.saved_tensors
     ops = ctx.ops._replace(**dict(zip(_TENSOR_OPERANDS, tensors)))
+    if ops.q.dtype == E4M3 or any(getattr(ops, name) is not None for name in DESCALES):
+        raise RuntimeError(
+            f"fmha::fwd has no backward for {E4M3} inputs (there is no FP8 backward); run the "
+            f"e4m3 forward on tensors that do not require grad")
     if not ops.return_lse:
         raise RuntimeError(
             "fmha::fwd ran with return_lse=False, so its backward has no log-sum-exp to read; "
@@ -251,8 +259,8 @@ def _fwd_backward(ctx, dout, _dlse):
         # The backward takes row-major V only; dv has v's shape either way.
         ops = ops._replace(v=ops.v.contiguous())
     dq, dk, dv, dbias = _bwd_op(
-        _kernel_layout(dout), out, lse, *ops[:-1], torch.are_deterministic_algorithms_enabled(),
-        return_dbias, None)
+        _kernel_layout(dout), out, lse, *ops[:FORWARD_RECORD],
+        torch.are_deterministic_algorithms_enabled(), return_dbias, None)
     # One gradient per argument of fmha::fwd: q, k, v and bias have one, the others none.
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
             dbias if return_dbias else None) + (None,) * (len(_api.FWD_ARGUMENTS) - 4)
@@ -421,8 +429,8 @@ def bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, *, window_siz
         dq, dk, dv, dbias = _bwd_first_call(_BWD_PLANS, key, ops, dout, out, lse, deterministic,
                                             return_dbias, given, instance)
     else:
-        dq, dk, dv, dbias = _bwd_op(dout, out, lse, *ops[:-1], deterministic, return_dbias,
-                                    instance)
+        dq, dk, dv, dbias = _bwd_op(dout, out, lse, *ops[:FORWARD_RECORD], deterministic,
+                                    return_dbias, instance)
     return (dq, dk, dv, dbias.sum_to_size(given.shape)) if return_dbias else (dq, dk, dv)
 
 
@@ -432,9 +440,11 @@ _BWD_PLANS = _plans.PlanTable()
 
 
 # The keyword options of bwd that select_bwd and explain_bwd take: fwd's, less return_lse (the
-# backward always reads the log-sum-exp), plus the backward's own.
+# backward always reads the log-sum-exp) and the descale factors of e4m3 inputs (which have no
+# backward), plus the backward's own.
 _BWD_OPTION_DEFAULTS = {
-    **{name: value for name, value in _OPTION_DEFAULTS.items() if name != "return_lse"},
+    **{name: value for name, value in _OPTION_DEFAULTS.items()
+       if name != "return_lse" and name not in DESCALES},
     "deterministic": False,
     "return_dbias": False,
 }

@@ -20,6 +20,13 @@ import torch
 from fmha import _C
 
 DTYPE_CODES = {torch.float16: _C.DTYPE_FP16, torch.bfloat16: _C.DTYPE_BF16}
+# float8 e4m3 (torch.float8_e4m3fn: no infinities, largest finite 448): the forward's inputs
+# only (fmha.fwd, select, explain; the e4m3 kernel is fa3's, H100/H200), with fp32 descale
+# factors, and its output in bfloat16. No backward, no KV-cache queries.
+E4M3 = torch.float8_e4m3fn
+E4M3_OUT_DTYPE = torch.bfloat16
+FWD_DTYPE_CODES = {**DTYPE_CODES, E4M3: _C.DTYPE_E4M3}
+DESCALES = ("q_descale", "k_descale", "v_descale")
 MASK_ALIGNS = {"top_left": _C.ALIGN_TOP_LEFT, "bottom_right": _C.ALIGN_BOTTOM_RIGHT}
 SEED_LIMIT = 2**64  # dropout_seed is a uint64_t
 OFFSET_LIMIT = 2**32  # dropout_offset is a uint32_t
@@ -28,7 +35,8 @@ INT_LIMIT = 2**31  # sizes and window sizes are ints in fmha::FwdArgs
 # and every stride but the contiguous one is a multiple of 8 elements.
 ALIGN_BYTES = 16
 ROW_PIECE = 8
-# The same 16 bytes of an FP8 (e4m3) KV cache hold 16 elements (fmha.fwd_kvcache).
+# The same 16 bytes of an FP8 (e4m3) KV cache hold 16 elements (fmha.fwd_kvcache), and of the
+# forward's e4m3 inputs.
 E4M3_ROW_PIECE = 16
 # The largest head dim any kernel takes: beyond it there is nothing to pad to, and the checks
 # say so in their own words.
@@ -93,6 +101,17 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
+def row_piece(dtype: torch.dtype) -> int:
+    """The elements of 16 bytes of `dtype`: what every stride but the contiguous one of an
+    operand of that dtype is a multiple of."""
+    return E4M3_ROW_PIECE if dtype == E4M3 else ROW_PIECE
+
+
+def out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The output's dtype of a forward of inputs of `dtype`: theirs, bfloat16 of e4m3."""
+    return E4M3_OUT_DTYPE if dtype == E4M3 else dtype
+
+
 def v_layout(v: torch.Tensor) -> tuple[int, int, int]:
     """(vlayout, seq stride, head-dim stride) of a (..., seqlen_k, nheads_k, headdim_v) V:
     row-major when its head dim is contiguous, column-major (V^T stored) when its sequence dim
@@ -132,14 +151,21 @@ def check_mode(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, api: str 
 
 
 def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                 max_seqlen_k, api: str = "fwd") -> Problem:
+                 max_seqlen_k, api: str = "fwd", fp8: bool = False) -> Problem:
+    """fp8: the call may take float8_e4m3fn inputs (the forward's: fwd, select, explain)."""
     named = (("q", q), ("k", k), ("v", v))
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fmha.{api}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if q.dtype not in DTYPE_CODES:
+    if q.dtype == E4M3 and not fp8:
+        raise TypeError(
+            f"fmha.{api}: q has dtype {q.dtype}, an input type of the forward only (fmha.fwd): "
+            f"there is no FP8 backward; supported are torch.float16 and torch.bfloat16"
+        )
+    if q.dtype not in DTYPE_CODES and q.dtype != E4M3:
         raise TypeError(
             f"fmha.{api}: q has dtype {q.dtype}; supported are torch.float16 and torch.bfloat16"
+            + (f", and {E4M3} (the forward's FP8 inputs)" if fp8 else "")
         )
     for name, t in named[1:]:
         if t.dtype != q.dtype:
@@ -205,17 +231,26 @@ def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         raise ValueError(
             f"fmha.{api}: q's {hq} heads must be a multiple of k/v's {hk} heads (MQA/GQA)"
         )
+    e4m3 = q.dtype == E4M3
+    if e4m3 and (dq % E4M3_ROW_PIECE or dv % E4M3_ROW_PIECE or not dq or not dv):
+        raise ValueError(
+            f"fmha.{api}: {E4M3} head dims must be positive multiples of {E4M3_ROW_PIECE} (rows "
+            f"move in 16-byte pieces of {E4M3_ROW_PIECE} elements, and e4m3 inputs are never "
+            f"padded), got {dq} for q and k and {dv} for v"
+        )
     p = Problem(group, b, seqlen_q, seqlen_k, hq, hk, dq, dv)
+    layout = v_layout(v)[0]
     # The layouts of the tensors the kernels read: a tensor the call copies (p.copies) has the
-    # copy's.
-    laid_out = [(name, t) for name, t in named if not p.copies(t)]
+    # copy's; so has an e4m3 V with its head dim contiguous, which fmha.fwd runs on a V^T copy
+    # (e4m3_v_transposed).
+    laid_out = [(name, t) for name, t in named if not p.copies(t)
+                and not (e4m3 and name == "v" and layout == _C.VLAYOUT_ROW_MAJOR)]
     for name, t in laid_out:
         if name != "v" and t.stride(-1) != 1 and t.size(-1) > 1:
             raise ValueError(
                 f"fmha.{api}: {name}'s last (head) dimension must be contiguous, got strides "
                 f"{tuple(t.stride())}; pass {name}.contiguous() or a view of a contiguous tensor"
             )
-    layout = v_layout(v)[0]
     if layout is None and not p.copies(v):
         raise ValueError(
             f"fmha.{api}: v must have its head dimension (last) or its sequence dimension "
@@ -233,8 +268,70 @@ def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         )
     for name, t in laid_out:
         contiguous = -3 if name == "v" and layout == _C.VLAYOUT_COL_MAJOR else -1
-        _check_strides(name, t, contiguous % t.dim(), api)
+        _check_strides(name, t, contiguous % t.dim(), api, row_piece(t.dtype))
     return p
+
+
+def e4m3_v_transposed(v, meta: bool = False):
+    """V as the e4m3 forward reads it: V^T, its keys contiguous (v_layout's column-major), each
+    row of keys starting 16 bytes apart. An e4m3 V with its head dim contiguous (row-major, what
+    models hold) becomes one transposed copy, (..., seqlen_k, nheads_k, headdim_v) with strides
+    (..., 1, headdim_v * pitch, pitch), where pitch is seqlen_k rounded up to a multiple of 16;
+    any other V is returned as it is (V^T already, or what the checks refuse). meta: a meta
+    tensor of the copy's shape and strides instead (select and explain copy nothing)."""
+    if (not isinstance(v, torch.Tensor) or v.dtype != E4M3 or v.dim() not in (3, 4)
+            or v_layout(v)[0] != _C.VLAYOUT_ROW_MAJOR):
+        return v
+    n = v.dim()
+    seqlen_k = v.shape[-3]
+    pitch = max(E4M3_ROW_PIECE, -(-seqlen_k // E4M3_ROW_PIECE) * E4M3_ROW_PIECE)
+    # (..., nheads_k, headdim_v, pitch): the keys last; viewed back as V's shape.
+    to_rows = (*range(n - 3), n - 2, n - 1, n - 3)
+    back = tuple(to_rows.index(d) for d in range(n))
+    shape = tuple(v.shape[d] for d in to_rows[:-1]) + (pitch,)
+    if meta:
+        rows = torch.empty(shape, dtype=E4M3, device="meta")
+    else:
+        rows = v.new_empty(shape)
+        rows[..., :seqlen_k].copy_(v.permute(to_rows))
+    return rows[..., :seqlen_k].permute(back)
+
+
+def _descale_shapes(batch: int, nhead_k: int) -> str:
+    return (f"(batch, nheads_k) = ({batch}, {nhead_k}), FlashAttention-3's, or one that "
+            f"broadcasts to it: (), (1,), ({nhead_k},), (1, 1), ({batch}, 1) or (1, {nhead_k})")
+
+
+def check_descales(descales: dict, dtype: torch.dtype, p: Problem, api: str = "fwd") -> None:
+    """q_descale, k_descale, v_descale (name: tensor or None): what dequantizes e4m3 inputs,
+    fp32 tensors of shape (batch, nheads_k) or one that broadcasts to it (a dimension of 1 is
+    passed with stride 0); None is a factor of 1. Inputs of another dtype take none. Devices are
+    checked with the others, last."""
+    for name, t in descales.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fmha.{api}: {name} must be a torch.Tensor or None, got "
+                            f"{type(t).__name__}")
+        if dtype != E4M3:
+            raise ValueError(
+                f"fmha.{api}: {name} is for {E4M3} inputs (it dequantizes them); q has dtype "
+                f"{dtype}, whose calls take no descale factors"
+            )
+        if t.dtype != torch.float32:
+            raise TypeError(f"fmha.{api}: {name} must be torch.float32, got {t.dtype}")
+        if not _broadcasts(_shape(t), (p.batch, p.nhead_k)):
+            raise ValueError(f"fmha.{api}: {name} must have shape "
+                             f"{_descale_shapes(p.batch, p.nhead_k)}; got {_shape(t)}")
+
+
+def descale_strides(t: Optional[torch.Tensor]) -> tuple[int, int]:
+    """The (batch, K/V head) strides of a checked descale tensor (check_descales), 0 on a
+    dimension it broadcasts over (absent, or of size 1); (0, 0) for None."""
+    if t is None or t.dim() == 0:
+        return 0, 0
+    strides = kernel_strides(t)
+    return (0, strides[0]) if t.dim() == 1 else (strides[0], strides[1])
 
 
 def kernel_strides(t: torch.Tensor) -> tuple:
@@ -254,15 +351,17 @@ def rows_readable(t: torch.Tensor, piece: int = ROW_PIECE) -> bool:
             and all(s % piece == 0 for s in kernel_strides(t)[:-1]))
 
 
-def _check_strides(name: str, t: torch.Tensor, contiguous: int, api: str = "fwd") -> None:
-    """Every stride but the contiguous dimension's a multiple of 8 elements, so that each row
-    starts on a 16-byte boundary: what the C++ checks ask of every stride they are given."""
+def _check_strides(name: str, t: torch.Tensor, contiguous: int, api: str = "fwd",
+                   piece: int = ROW_PIECE) -> None:
+    """Every stride but the contiguous dimension's a multiple of `piece` elements (those of 16
+    bytes: 8 of a 16-bit type, 16 of e4m3), so that each row starts on a 16-byte boundary: what
+    the C++ checks ask of every stride they are given."""
     for dim, stride in enumerate(kernel_strides(t)):
-        if dim == contiguous or stride % ROW_PIECE == 0:
+        if dim == contiguous or stride % piece == 0:
             continue
         raise ValueError(
             f"fmha.{api}: {name} has strides {tuple(t.stride())}; every one but its contiguous "
-            f"dimension's must be a multiple of {ROW_PIECE} elements (the kernels move rows in "
+            f"dimension's must be a multiple of {piece} elements (the kernels move rows in "
             f"16-byte pieces); pass {name}.contiguous()"
         )
 
@@ -289,7 +388,8 @@ def check_alignment(api: str = "fwd", **tensors: torch.Tensor) -> None:
             raise ValueError(
                 f"fmha.{api}: {name} starts {offset} bytes past a 16-byte boundary; the kernels "
                 f"load rows in 16-byte pieces, so it must start on one (a view at an element "
-                f"offset that is not a multiple of {ROW_PIECE} does not); pass {name}.clone()"
+                f"offset that is not a multiple of {row_piece(t.dtype)} does not); pass "
+                f"{name}.clone()"
             )
 
 

@@ -241,7 +241,10 @@ def _build_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache
     place)."""
     _check_tensor("q", q, 4)
     if q.dtype not in DTYPE_CODES:
-        _fail(f"q must be float16 or bfloat16, got {q.dtype}")
+        _fail(f"q must be float16 or bfloat16, got {q.dtype}" + (
+            f"; {E4M3} queries have no KV-cache kernel (an FP8 cache is k_cache and v_cache of "
+            f"{E4M3}, with k_scale and v_scale, beside 16-bit queries)" if q.dtype == E4M3
+            else ""))
     batch, seqlen_q, nhead_q, hdim_q = q.shape
     _check_tensor("k_cache", k_cache, 4)
     _check_tensor("v_cache", v_cache, 4)

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from fmha import _C
-from fmha._checks import INT_LIMIT, OFFSET_LIMIT, SEED_LIMIT
+from fmha._checks import INT_LIMIT, OFFSET_LIMIT, SEED_LIMIT, out_dtype
 
 # Plans kept at once, the oldest dropped first. A model has a handful of call signatures (its
 # attention layers' shapes); the bound keeps a caller whose shapes never repeat from growing the
@@ -40,11 +40,14 @@ class Plan:
     """A checked call signature: everything fwd passes to C++ but the call's own values."""
 
     __slots__ = ("args", "out_shape", "lse_shape", "varlen", "seqused", "bias_from_mask",
-                 "draws_seed", "device", "backward")
+                 "draws_seed", "device", "backward", "out_dtype")
 
     def __init__(self, out_shape: tuple, lse_shape: Optional[tuple], varlen: bool, seqused: bool,
-                 bias_from_mask: bool, draws_seed: bool, device: int, trains: bool = False):
+                 bias_from_mask: bool, draws_seed: bool, device: int, trains: bool = False,
+                 out_dtype: Optional[torch.dtype] = None):
         self.args: Optional["_C.FwdArgs"] = None  # the first call's; fwd sets it
+        # The output's dtype: None for q's; bfloat16 for e4m3 inputs (fmha._checks.out_dtype).
+        self.out_dtype = out_dtype
         # The first call's; in varlen the token count (out's first dim, lse's last) is the call's.
         self.out_shape = out_shape
         self.lse_shape = lse_shape  # None: the call returns no log-sum-exp
@@ -69,19 +72,21 @@ class Plan:
             out_shape = (tokens, *out_shape[1:])
             lse_shape = None if lse_shape is None else (lse_shape[0], tokens)
         if self.seqused:  # the kernel leaves rows past seqused_q alone: an empty row's values
-            out = q.new_zeros(out_shape)
+            out = q.new_zeros(out_shape, dtype=self.out_dtype)
             lse = None if lse_shape is None else q.new_full(lse_shape, float("-inf"),
                                                             dtype=torch.float32)
         else:
-            out = q.new_empty(out_shape)
+            out = q.new_empty(out_shape, dtype=self.out_dtype)
             lse = None if lse_shape is None else q.new_empty(lse_shape, dtype=torch.float32)
         return out, lse
 
     def launch(self, q, k, v, out, lse, bias, attn_mask, alibi_slopes, cu_seqlens_q,
                cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-               dropout_seed: int, dropout_offset: int, instance):
+               dropout_seed: int, dropout_offset: int, instance, q_descale=None, k_descale=None,
+               v_descale=None):
         """Runs the plan on this call's tensors on the current stream of q's device; returns
-        None, or (status code, message) when nothing was launched."""
+        None, or (status code, message) when nothing was launched. The descale factors: an e4m3
+        call's, None for 1 (and for every 16-bit call)."""
         mask = attn_mask if self.bias_from_mask else bias
         sizes = _KEEP_SIZES
         if self.varlen:  # as fmha._api._make_args derives them
@@ -94,7 +99,10 @@ class Plan:
                 0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
                 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
                 0 if seqused_q is None else seqused_q.data_ptr(),
-                0 if seqused_k is None else seqused_k.data_ptr(), dropout_seed, dropout_offset,
+                0 if seqused_k is None else seqused_k.data_ptr(),
+                0 if q_descale is None else q_descale.data_ptr(),
+                0 if k_descale is None else k_descale.data_ptr(),
+                0 if v_descale is None else v_descale.data_ptr(), dropout_seed, dropout_offset,
                 *sizes, torch._C._cuda_getCurrentRawStream(self.device), instance)
         if torch._C._cuda_getDevice() == self.device:
             return self.args.run(*call)
@@ -103,14 +111,15 @@ class Plan:
 
     def run(self, q, k, v, bias, attn_mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
             seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, dropout_seed: int,
-            dropout_offset: int, instance) -> tuple:
+            dropout_offset: int, instance, q_descale=None, k_descale=None,
+            v_descale=None) -> tuple:
         """outputs() and launch() of a later call: (out, lse, None), or (out, lse, (status
         code, message)) when nothing was launched."""
         out, lse = self.outputs(q)
         return out, lse, self.launch(q, k, v, out, lse, bias, attn_mask, alibi_slopes,
                                      cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                      max_seqlen_q, max_seqlen_k, dropout_seed, dropout_offset,
-                                     instance)
+                                     instance, q_descale, k_descale, v_descale)
 
 
 # FwdArgs.run's seqlen_q, seqlen_k, total_q, total_k and lse_head_stride: -1 keeps the plan's.
@@ -163,7 +172,7 @@ def is_real(x) -> bool:
 def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
              alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-             instance) -> Optional[tuple]:
+             instance, descales: tuple = (None, None, None)) -> Optional[tuple]:
     """The signature of a call that may take a plan, or None for a call that takes the
     torch.library op. Options must have their documented types exactly (a bool is no int here),
     so that two calls with one key pass the same checks; any other value takes the op, whose
@@ -199,6 +208,12 @@ def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
     optional = (bias, attn_mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     if not all(t is None or isinstance(t, torch.Tensor) for t in optional):
         return None  # a list where a tensor belongs: the op's checks name it
+    # An e4m3 call's descale factors (16-bit calls have none: no cost on their path).
+    descaled = None
+    if descales[0] is not None or descales[1] is not None or descales[2] is not None:
+        if not all(t is None or isinstance(t, torch.Tensor) for t in descales):
+            return None
+        descaled = tuple(None if t is None else _signature(t) for t in descales)
     if trains and (bias is not None or attn_mask is not None):
         return None  # a bias's gradient, or its absence, is the op's autograd formula's work
     varlen = is_varlen(cu_seqlens_q, bias if bias is not None else attn_mask)
@@ -216,7 +231,7 @@ def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
             None if cu_seqlens_q is None else _signature(cu_seqlens_q),
             None if cu_seqlens_k is None else _signature(cu_seqlens_k),
             None if seqused_q is None else _signature(seqused_q),
-            None if seqused_k is None else _signature(seqused_k))
+            None if seqused_k is None else _signature(seqused_k), descaled)
 
 
 def lse_shape(q: torch.Tensor, group: bool) -> tuple:
@@ -241,7 +256,7 @@ def op_key(ops, *flags) -> tuple:
             _layout(ops.cu_seqlens_k), _layout(ops.seqused_q), _layout(ops.seqused_k),
             ops.dropout_seed is None, ops.softmax_scale, ops.mask, ops.mask_align,
             ops.window_left, ops.window_right, ops.softcap, ops.dropout_p, ops.return_lse,
-            flags)
+            _layout(ops.q_descale), _layout(ops.k_descale), _layout(ops.v_descale), flags)
 
 
 def reusable(ops, bias, attn_mask, alibi_slopes) -> bool:
@@ -253,7 +268,7 @@ def reusable(ops, bias, attn_mask, alibi_slopes) -> bool:
     if any(t.__class__ is not torch.Tensor for t in (ops.q, ops.k, ops.v)):
         return False
     given = (bias, attn_mask, alibi_slopes, ops.cu_seqlens_q, ops.cu_seqlens_k, ops.seqused_q,
-             ops.seqused_k)
+             ops.seqused_k, ops.q_descale, ops.k_descale, ops.v_descale)
     for t in given:
         if t is not None and (t.__class__ is not torch.Tensor or t.requires_grad):
             return False
@@ -269,9 +284,10 @@ def make(ops, bias_from_mask: bool, draws_seed: bool, trains: bool = False) -> P
     call autograd records (its ops ask for the log-sum-exp, which the backward reads)."""
     q, v = ops.q, ops.v
     out_shape = (*q.shape[:-1], v.shape[-1])
+    dtype = out_dtype(q.dtype)
     return Plan(out_shape, lse_shape(q, ops.cu_seqlens_q is not None) if ops.return_lse else None,
                 is_varlen(ops.cu_seqlens_q, ops.bias), ops.seqused_q is not None, bias_from_mask,
-                draws_seed, q.get_device(), trains)
+                draws_seed, q.get_device(), trains, None if dtype == q.dtype else dtype)
 
 
 class PlanTable:

@@ -184,8 +184,10 @@ class _Attention(torch.autograd.Function):
 
 def attend(q, k, v, options: dict, deterministic: bool, return_lse: bool):
     """out, or (out, lse) with return_lse: one fmha.fwd call, differentiable through
-    fmha.bwd with `deterministic` where autograd records it."""
-    q, k, v = maybe_contiguous(q), maybe_contiguous(k), maybe_contiguous(v)
+    fmha.bwd with `deterministic` where autograd records it. An e4m3 v goes as it is: fmha.fwd
+    reads a V^T view in place and transposes a row-major v itself, once."""
+    e4m3_v = isinstance(v, torch.Tensor) and v.dtype == torch.float8_e4m3fn
+    q, k, v = maybe_contiguous(q), maybe_contiguous(k), v if e4m3_v else maybe_contiguous(v)
     records = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     if not records:  # inference: fmha.fwd's planned path, the log-sum-exp only when asked

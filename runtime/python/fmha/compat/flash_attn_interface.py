@@ -7,9 +7,15 @@ as fmha.compat.flash_attn's functions do (fmha.compat._attention): causal and wi
 bottom-right, softcap <= 0 off. FlashAttention-3 has no dropout and no ALiBi, and neither have
 these.
 
-What FlashAttention-3 has and fmha does not raises NotImplementedError: qv, FP8 descaling
-(q_descale, k_descale, v_descale), attention_chunk other than 0, and in flash_attn_with_kvcache
-varlen queries (cu_seqlens_q), varlen appended keys (cu_seqlens_k_new) and rotary_seqlens.
+FP8: flash_attn_func and flash_attn_varlen_func take torch.float8_e4m3fn q, k and v with
+q_descale, k_descale and v_descale (fp32, (batch, nheads_k) or broadcast to it) and return
+bfloat16, as FlashAttention-3's do, through fmha.fwd's e4m3 forward (forward only; descales
+with 16-bit inputs are an error).
+
+What FlashAttention-3 has and fmha does not raises NotImplementedError: qv, attention_chunk
+other than 0, and in flash_attn_with_kvcache FP8 queries (q_descale, k_descale, v_descale: its
+e4m3 caches take 16-bit queries, through fmha.fwd_kvcache's k_scale and v_scale), varlen
+queries (cu_seqlens_q), varlen appended keys (cu_seqlens_k_new) and rotary_seqlens.
 Knobs that only tune FlashAttention-3's kernels (num_splits of flash_attn_func and
 flash_attn_varlen_func, pack_gqa, sm_margin, scheduler_metadata) are accepted and have no
 effect; flash_attn_with_kvcache's num_splits is fmha.fwd_kvcache's. Bad arguments raise
@@ -41,7 +47,7 @@ def _refuse(api: str, **given) -> None:
 
 
 def _attention(api, q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
-               return_attn_probs, **varlen):
+               return_attn_probs, descales, **varlen):
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(api, name, t)
     check_bool(api, "causal", causal)
@@ -49,6 +55,9 @@ def _attention(api, q, k, v, softmax_scale, causal, window_size, softcap, determ
     check_bool(api, "return_attn_probs", return_attn_probs)
     options = fwd_options(causal, softmax_scale, window(api, window_size, causal),
                           softcap=softcap_value(api, softcap), **varlen)
+    # FP8 (e4m3) inputs' descale factors, to fmha.fwd as they are (it checks them); only those
+    # given, so that the options stay fmha.bwd's too.
+    options.update({name: t for name, t in descales.items() if t is not None})
     return attend(q, k, v, options, deterministic, return_lse=return_attn_probs)
 
 
@@ -58,16 +67,18 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                     return_attn_probs=False):
     """Attention of q (batch, seqlen_q, nheads, headdim) against k, v (batch, seqlen_k,
     nheads_k, headdim[_v]), FlashAttention-3's flash_attn_func: causal, window_size, softcap,
-    softmax_scale and deterministic as in FlashAttention-2's (fmha.compat.flash_attn).
+    softmax_scale and deterministic as in FlashAttention-2's (fmha.compat.flash_attn). FP8:
+    q, k, v torch.float8_e4m3fn with q_descale, k_descale, v_descale (fp32 (batch, nheads_k),
+    or broadcast to it; None is 1), out bfloat16, no backward (fmha.fwd's e4m3 forward).
 
-    Returns out (batch, seqlen_q, nheads, headdim_v), differentiable in q, k and v; with
-    return_attn_probs (out, softmax_lse), softmax_lse (batch, nheads, seqlen_q) fp32."""
+    Returns out (batch, seqlen_q, nheads, headdim_v), differentiable in q, k and v (16-bit
+    inputs); with return_attn_probs (out, softmax_lse), softmax_lse (batch, nheads, seqlen_q)
+    fp32."""
     api = "flash_attn_func"
-    _refuse(api, qv=qv is not None, q_descale=q_descale is not None,
-            k_descale=k_descale is not None, v_descale=v_descale is not None,
-            attention_chunk=attention_chunk != 0)
+    _refuse(api, qv=qv is not None, attention_chunk=attention_chunk != 0)
     return _attention(api, q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
-                      return_attn_probs)
+                      return_attn_probs, dict(q_descale=q_descale, k_descale=k_descale,
+                                              v_descale=v_descale))
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -79,16 +90,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """flash_attn_func of sequences packed along the tokens: q (total_q, nheads, headdim), k, v
     (total_k, nheads_k, headdim[_v]), cu_seqlens_q, cu_seqlens_k int32 (batch + 1,),
     max_seqlen_q, max_seqlen_k ints; seqused_q, seqused_k (optional, int32 (batch,)): sequence
-    b uses only its first seqused_q[b] queries and seqused_k[b] keys.
+    b uses only its first seqused_q[b] queries and seqused_k[b] keys. FP8 (e4m3) inputs and
+    their descales as flash_attn_func's, batch being the sequences (len(cu_seqlens_q) - 1).
 
     Returns out (total_q, nheads, headdim_v); with return_attn_probs (out, softmax_lse),
     softmax_lse (nheads, total_q) fp32."""
     api = "flash_attn_varlen_func"
-    _refuse(api, qv=qv is not None, q_descale=q_descale is not None,
-            k_descale=k_descale is not None, v_descale=v_descale is not None,
-            attention_chunk=attention_chunk != 0)
+    _refuse(api, qv=qv is not None, attention_chunk=attention_chunk != 0)
     return _attention(api, q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
-                      return_attn_probs, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      return_attn_probs, dict(q_descale=q_descale, k_descale=k_descale,
+                                              v_descale=v_descale),
+                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
                       seqused_k=seqused_k)
 

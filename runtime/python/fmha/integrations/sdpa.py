@@ -102,7 +102,9 @@ def install(dispatch_key: str = "CUDA") -> Installed:
 
     def forward(keyset, query, key, value, dropout_p=0.0, is_causal=False,
                 return_debug_mask=False, *, scale=None):
-        if dropout_p == 0 and not return_debug_mask:
+        # Not e4m3: fmha's FP8 forward returns bfloat16, where SDPA's operator returns the
+        # query's dtype; torch's kernel answers such a call in its own terms.
+        if dropout_p == 0 and not return_debug_mask and query.dtype != torch.float8_e4m3fn:
             try:
                 out, lse = fmha.fwd(*_kernel_layout(query, key, value), causal=is_causal,
                                     softmax_scale=scale, return_lse=True)

@@ -1,0 +1,525 @@
+"""fmha.fwd on float8 e4m3 inputs (FlashAttention-3's FP8 forward), without a GPU: the checks
+of q, k, v and the descale factors (TypeError/ValueError before anything reaches a GPU, naming
+the argument), the FwdArgs a call builds (dtype, the V^T copy of a row-major v, the descale
+strides of every broadcast shape), the bf16 output of the op's fake implementation, the
+refusals of the entry points without FP8 (backward, KV-cache queries, autograd), the FA3
+compat layer, and the C++ API's checks through a driver built against a rendered table."""
+
+import re
+import subprocess
+
+import pytest
+
+torch = pytest.importorskip("torch")
+fmha = pytest.importorskip("fmha", reason="the fmha module is not built")
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+from conftest import repository  # noqa: E402
+from fmha import _C, _api  # noqa: E402
+from fmha._checks import e4m3_v_transposed  # noqa: E402
+from fmha.compat import flash_attn_interface as fa3  # noqa: E402
+from generator.render import render  # noqa: E402
+from test_generator_render import (CUDA_INCLUDE, CUDA_LIB, REPO_ROOT,  # noqa: E402
+                                   RUNTIME_SOURCES, needs_cpp)
+
+E4M3 = torch.float8_e4m3fn
+
+
+def qkv(b=2, sq=16, sk=16, hq=4, hk=2, d=128, dv=128, dtype=E4M3, device="cpu"):
+    return (torch.randn(b, sq, hq, d, device=device).to(dtype),
+            torch.randn(b, sk, hk, d, device=device).to(dtype),
+            torch.randn(b, sk, hk, dv, device=device).to(dtype))
+
+
+def fake_qkvt(b=2, sq=16, sk=16, hq=4, hk=2, d=128):
+    """Fake CUDA q, k and a V^T view (keys contiguous), for FakeTensorMode: a CPU build of torch
+    cannot trace the copy that transposes a row-major v on fake CUDA tensors (a CUDA build
+    and torch.compile on a GPU can)."""
+    return (torch.empty(b, sq, hq, d, dtype=E4M3, device="cuda"),
+            torch.empty(b, sk, hk, d, dtype=E4M3, device="cuda"),
+            torch.empty(b, hk, d, sk, dtype=E4M3, device="cuda").permute(0, 3, 1, 2))
+
+
+def packed(total_q=40, total_k=48, hq=4, hk=2, d=128, batch=3):
+    cu = torch.tensor([0, 10, 20, 40][:batch + 1], dtype=torch.int32)
+    return (torch.randn(total_q, hq, d).to(E4M3), torch.randn(total_k, hk, d).to(E4M3),
+            torch.randn(total_k, hk, d).to(E4M3),
+            dict(cu_seqlens_q=cu, cu_seqlens_k=cu.clone(), max_seqlen_q=20, max_seqlen_k=20))
+
+
+@pytest.fixture
+def no_device_check(monkeypatch):
+    """Lets CPU tensors through the device check, to read the FwdArgs a call would build."""
+    monkeypatch.setattr(_api, "check_devices", lambda **tensors: None)
+
+
+def build_args(q, k, v, **kwargs) -> "_C.FwdArgs":
+    """The FwdArgs fwd builds for a call, v as fwd runs it (a V^T copy of a row-major v)."""
+    options = {**_api._OPTION_DEFAULTS, **kwargs}
+    ops = _api._prepare(q, k, e4m3_v_transposed(v), options.pop("causal", False),
+                        options.pop("softmax_scale", None), **options, materialize=True,
+                        fp8=True)
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=torch.bfloat16)
+    return _api._make_args(ops, out, None), ops
+
+
+# ---- q, k, v -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("other", ["k", "v"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e5m2])
+def test_mixed_dtypes_are_a_type_error(other, dtype):
+    tensors = dict(zip("qkv", qkv()))
+    tensors[other] = tensors[other].to(dtype)
+    with pytest.raises(TypeError, match=f"fmha.fwd: {other} has dtype {dtype} but q has "
+                                        f"torch.float8_e4m3fn; q, k and v must share one dtype"):
+        fmha.fwd(**tensors)
+
+
+def test_e5m2_is_no_input_dtype():
+    with pytest.raises(TypeError, match=r"q has dtype torch.float8_e5m2; supported are "
+                                        r"torch.float16 and torch.bfloat16, and "
+                                        r"torch.float8_e4m3fn \(the forward's FP8 inputs\)"):
+        fmha.fwd(*qkv(dtype=torch.float8_e5m2))
+
+
+@pytest.mark.parametrize("d, dv", [(72, 72), (128, 120), (8, 8)])
+def test_e4m3_head_dims_are_multiples_of_16_and_never_padded(d, dv):
+    with pytest.raises(ValueError, match=rf"fmha.fwd: torch.float8_e4m3fn head dims must be "
+                                         rf"positive multiples of 16 .* got {d} for q and k and "
+                                         rf"{dv} for v"):
+        fmha.fwd(*qkv(d=d, dv=dv))
+
+
+def test_e4m3_strides_are_multiples_of_16_elements():
+    q, k, v = qkv()
+    wide = torch.randn(2, 16, 4, 136).to(E4M3)[..., :128]  # strides multiples of 8, not 16
+    with pytest.raises(ValueError, match=r"fmha.fwd: q has strides \(8704, 544, 136, 1\); every "
+                                         r"one but its contiguous dimension's must be a multiple "
+                                         r"of 16 elements"):
+        fmha.fwd(wide, k, v)
+    # A V^T view whose rows of keys are 24 apart: given as V^T, it is read as it is.
+    vt = torch.randn(2, 2, 128, 24).to(E4M3)[..., :16].permute(0, 3, 1, 2)
+    with pytest.raises(ValueError, match=r"fmha.fwd: v has strides .*multiple of 16 elements"):
+        fmha.fwd(q, k, vt)
+
+
+def test_e4m3_inputs_that_require_grad_are_refused():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"fmha.fwd: torch.float8_e4m3fn inputs have no backward "
+                                         r".* pass them detached, or call under "
+                                         r"torch.no_grad\(\)"):
+        fmha.fwd(q, k, v.requires_grad_())
+    with torch.no_grad():  # then the checks go on, to the device
+        with pytest.raises(ValueError, match="q is on cpu"):
+            fmha.fwd(q, k, v)
+
+
+# ---- the descale factors -------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale"])
+def test_descales_of_16_bit_inputs_are_a_value_error(name):
+    q, k, v = qkv(dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"fmha.fwd: {name} is for torch.float8_e4m3fn inputs "
+                                         rf"\(it dequantizes them\); q has dtype torch.bfloat16, "
+                                         rf"whose calls take no descale factors"):
+        fmha.fwd(q, k, v, **{name: torch.ones(2, 2)})
+
+
+@pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale"])
+@pytest.mark.parametrize("value, error, message", [
+    ([1.0], TypeError, "must be a torch.Tensor or None, got list"),
+    (torch.ones(2, 2, dtype=torch.float16), TypeError, "must be torch.float32, got torch.float16"),
+    (torch.ones(2, 4), ValueError, r"must have shape \(batch, nheads_k\) = \(2, 2\), "
+                                   r"FlashAttention-3's, or one that broadcasts to it: \(\), "
+                                   r"\(1,\), \(2,\), \(1, 1\), \(2, 1\) or \(1, 2\); got \(2, 4\)"),
+    (torch.ones(3), ValueError, r"must have shape .*; got \(3,\)"),
+    (torch.ones(1, 2, 2), ValueError, r"must have shape .*; got \(1, 2, 2\)"),
+])
+def test_bad_descales_name_the_argument(name, value, error, message):
+    with pytest.raises(error, match=f"fmha.fwd: {name} {message}"):
+        fmha.fwd(*qkv(), **{name: value})
+
+
+@pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale"])
+def test_descales_are_device_checked(name):
+    with FakeTensorMode():
+        q, k, v = fake_qkvt()
+        with pytest.raises(ValueError, match=f"{name} is on cpu but q is on cuda:0; all tensors "
+                                             f"must be on one GPU"):
+            fmha.fwd(q, k, v, **{name: torch.ones(2, 2)})
+
+
+@pytest.mark.parametrize("shape, strides", [
+    ((), (0, 0)), ((1,), (0, 0)), ((2,), (0, 1)), ((1, 1), (0, 0)), ((2, 1), (1, 0)),
+    ((1, 2), (0, 1)), ((2, 2), (2, 1))])
+def test_descale_strides_broadcast_to_batch_and_kv_heads(no_device_check, shape, strides):
+    q, k, v = qkv()
+    scale = torch.ones(shape)
+    a, _ = build_args(q, k, v, q_descale=scale, k_descale=scale, v_descale=scale)
+    for name in ("q", "k", "v"):
+        assert (getattr(a, f"{name}_descale_batch_stride"),
+                getattr(a, f"{name}_descale_head_stride")) == strides
+    # The pointers are the call's: a plan passes them with q's (FwdArgs.run).
+    assert (a.q_descale, a.k_descale, a.v_descale) == (0, 0, 0)
+
+
+def test_a_transposed_descale_view_keeps_its_strides(no_device_check):
+    q, k, v = qkv()
+    a, _ = build_args(q, k, v, v_descale=torch.ones(2, 2).t())
+    assert (a.v_descale_batch_stride, a.v_descale_head_stride) == (1, 2)
+
+
+# ---- the FwdArgs of an e4m3 call, and V^T ---------------------------------------------------
+
+def test_args_of_an_e4m3_call_read_a_v_transposed_copy(no_device_check):
+    b, s, hk, d = 2, 20, 2, 128
+    q, k, v = qkv(sk=s)
+    a, ops = build_args(q, k, v, causal=True)
+    assert a.dtype == _C.DTYPE_E4M3 == 2
+    assert a.traits()["dtype"] == _C.DTYPE_E4M3
+    # One copy with the keys contiguous, each row of keys 32 (20 rounded up to 16s) apart.
+    assert a.vlayout == _C.VLAYOUT_COL_MAJOR
+    assert (a.v_seq_stride, a.v_dim_stride, a.v_head_stride, a.v_batch_stride) == (
+        1, 32, d * 32, hk * d * 32)
+    assert ops.v.shape == v.shape and torch.equal(ops.v.float(), v.float())
+    assert (a.q_seq_stride, a.k_head_stride) == (4 * d, d)
+
+
+def test_a_v_transposed_input_runs_as_it_is(no_device_check):
+    q, k, _ = qkv()
+    vt = torch.randn(2, 2, 128, 16).to(E4M3).permute(0, 3, 1, 2)  # (b, sk, hk, d), keys first
+    assert e4m3_v_transposed(vt) is vt
+    a, ops = build_args(q, k, vt)
+    assert ops.v is vt
+    assert (a.vlayout, a.v_seq_stride, a.v_dim_stride) == (_C.VLAYOUT_COL_MAJOR, 1, 16)
+
+
+def test_group_mode_and_gqa(no_device_check):
+    q, k, v, group = packed()
+    a, ops = build_args(q, k, v, q_descale=torch.ones(3, 2), **group)
+    assert (a.mode, a.batch, a.nhead_q, a.nhead_k) == (_C.MODE_GROUP, 3, 4, 2)
+    assert (a.vlayout, a.v_seq_stride, a.v_dim_stride, a.v_head_stride) == (
+        _C.VLAYOUT_COL_MAJOR, 1, 48, 128 * 48)
+    assert (a.q_descale_batch_stride, a.q_descale_head_stride) == (2, 1)
+    with pytest.raises(ValueError, match=r"q_descale must have shape \(batch, nheads_k\) = "
+                                         r"\(3, 2\)"):
+        fmha.fwd(q, k, v, q_descale=torch.ones(2, 2), **group)
+
+
+def test_the_op_returns_bf16():
+    """The op's fake implementation (torch.compile's view of the call): out in bfloat16, of q's
+    shape with v's head dim, the log-sum-exp fp32."""
+    with FakeTensorMode():
+        q, k, v = fake_qkvt()
+        scale = torch.empty(2, 2, device="cuda")
+        out, lse = fmha.fwd(q, k, v, causal=True, return_lse=True, q_descale=scale,
+                            k_descale=scale, v_descale=torch.empty((), device="cuda"))
+        assert (out.dtype, out.shape, lse.dtype, lse.shape) == (
+            torch.bfloat16, (2, 16, 4, 128), torch.float32, (2, 4, 16))
+        q, k, v, group = packed()
+        q, k = (torch.empty(t.shape, dtype=E4M3, device="cuda") for t in (q, k))
+        v = torch.empty(2, 128, 48, dtype=E4M3, device="cuda").permute(2, 0, 1)
+        group = {**group, **{key: torch.zeros(4, dtype=torch.int32, device="cuda")
+                             for key in ("cu_seqlens_q", "cu_seqlens_k")}}
+        assert fmha.fwd(q, k, v, **group).dtype == torch.bfloat16
+
+
+def test_the_ops_schema_takes_the_descales_and_the_backwards_does_not():
+    schema = str(torch.ops.fmha.fwd.default._schema)
+    assert "Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, str? instance" in schema
+    assert "descale" not in str(torch.ops.fmha.bwd.default._schema)
+
+
+# ---- select and explain --------------------------------------------------------------------
+
+@pytest.mark.parametrize("api", [fmha.select, fmha.explain])
+def test_select_and_explain_describe_the_v_transposed_call(api):
+    q, k, v = (t.to("meta") for t in qkv())
+    a = _api._described(api.__name__, q, k, v, True, None,
+                        dict(q_descale=torch.ones(2, 2, device="meta")), cc=90)
+    assert (a.dtype, a.vlayout, a.v_seq_stride, a.v_dim_stride) == (
+        _C.DTYPE_E4M3, _C.VLAYOUT_COL_MAJOR, 1, 16)
+    assert a.q_descale != 0 and a.k_descale == 0  # marked given, never read
+    assert (a.q_descale_batch_stride, a.q_descale_head_stride) == (2, 1)
+    names = {i["name"] for i in fmha.instances()}
+    if "fwd_e4m3_d128_causal_col_fa3_sm90a_m128n128_pad" in names:
+        return  # a build with the instance: select answers with it
+    with pytest.raises(fmha.MissingInstanceError) as miss:
+        fmha.select(q, k, v, causal=True, capability=(9, 0))
+    message = str(miss.value)
+    assert "dtype=e4m3 hdim_q=128 hdim_v=128 mask=causal" in message
+    assert "FMHA_FILTER='e4m3,hdim128,mask=causal,bias=none,vlayout=col," in message
+    assert ("the e4m3 (FP8) forward has instances on fa3 (sm90a) only, for V^T "
+            "(VLayout::kColMajor) and not every trait: python -m generator --preset all "
+            "--filter e4m3 --list names them") in message
+
+
+def test_select_bwd_takes_no_descales():
+    q, k, v = qkv(dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="fmha.select_bwd: unexpected keyword argument "
+                                        "'q_descale'"):
+        fmha.select_bwd(q, k, v, q_descale=torch.ones(2, 2), capability=(9, 0))
+
+
+# ---- the entry points without FP8 ----------------------------------------------------------
+
+def test_the_backward_refuses_e4m3():
+    q, k, v = qkv()
+    out, lse = torch.empty(2, 16, 4, 128, dtype=torch.bfloat16), torch.empty(2, 4, 16)
+    for call in (lambda: fmha.bwd(out, q, k, v, out, lse),
+                 lambda: fmha.select_bwd(q, k, v, capability=(9, 0))):
+        with pytest.raises(TypeError, match=r"q has dtype torch.float8_e4m3fn, an input type of "
+                                            r"the forward only \(fmha.fwd\): there is no FP8 "
+                                            r"backward"):
+            call()
+
+
+def test_kv_cache_queries_are_16_bit():
+    q = torch.randn(2, 1, 4, 128).to(E4M3)
+    cache = torch.zeros(2, 64, 2, 128).to(E4M3)
+    with pytest.raises(ValueError, match=r"fmha.fwd_kvcache: q must be float16 or bfloat16, got "
+                                         r"torch.float8_e4m3fn; torch.float8_e4m3fn queries have "
+                                         r"no KV-cache kernel"):
+        fmha.fwd_kvcache(q, cache, cache, cache_seqlens=torch.zeros(2, dtype=torch.int32))
+
+
+def test_the_ops_backward_refuses_e4m3():
+    """A direct call of the op on e4m3 tensors that require grad (fmha.fwd refuses them before)
+    fails in its backward, not silently."""
+    from fmha._bwd import _fwd_backward
+
+    class Ctx:
+        saved_tensors = (torch.empty(0), torch.empty(0),
+                         *(t for t in (*qkv(), None, None, None, None, None, None, None, None,
+                                       None)))
+        needs_input_grad = (True,) * 30
+    ops = _api._Operands(*qkv(), None, None, None, None, None, None, 0, 0, 0.1, 0, 0, -1, -1,
+                         0.0, 0.0, None, 0, True)
+    Ctx.ops = ops
+    from fmha._bwd import _TENSOR_OPERANDS
+    Ctx.saved_tensors = (torch.empty(0), torch.empty(0),
+                         *(getattr(ops, name) for name in _TENSOR_OPERANDS))
+    with pytest.raises(RuntimeError, match="fmha::fwd has no backward for torch.float8_e4m3fn"):
+        _fwd_backward(Ctx, torch.empty(0), None)
+
+
+# ---- FlashAttention-3's API ----------------------------------------------------------------
+
+def test_fa3_flash_attn_func_passes_the_descales_on():
+    q, k, v = qkv()
+    # Through fmha.fwd's checks: a bad descale is named, a good one reaches the device check.
+    with pytest.raises(ValueError, match=r"fmha.fwd: k_descale must have shape"):
+        fa3.flash_attn_func(q, k, v, k_descale=torch.ones(5))
+    with pytest.raises(ValueError, match="fmha.fwd: q is on cpu"):
+        fa3.flash_attn_func(q, k, v, q_descale=torch.ones(2, 2), k_descale=torch.ones(2, 2),
+                            v_descale=torch.ones(2, 2), causal=True)
+    q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
+    with pytest.raises(ValueError, match="fmha.fwd: v_descale is for torch.float8_e4m3fn"):
+        fa3.flash_attn_func(q16, k16, v16, v_descale=torch.ones(2, 2))
+    with FakeTensorMode():
+        q, k, v = fake_qkvt()
+        scale = torch.empty(2, 2, device="cuda")
+        out = fa3.flash_attn_func(q, k, v, q_descale=scale, k_descale=scale, v_descale=scale)
+        assert out.dtype == torch.bfloat16 and out.shape == (2, 16, 4, 128)
+
+
+def test_fa3_varlen_passes_the_descales_on():
+    q, k, v, group = packed()
+    with pytest.raises(ValueError, match=r"fmha.fwd: q_descale must have shape \(batch, "
+                                         r"nheads_k\) = \(3, 2\)"):
+        fa3.flash_attn_varlen_func(q, k, v, group["cu_seqlens_q"], group["cu_seqlens_k"], 20, 20,
+                                   q_descale=torch.ones(4, 2))
+
+
+def test_fa3_kvcache_keeps_refusing_fp8_queries():
+    q = torch.randn(1, 1, 4, 128).to(torch.bfloat16)
+    cache = torch.zeros(1, 64, 4, 128, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="q_descale"):
+        fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=1, q_descale=torch.ones(1))
+
+
+# ---- the C++ API's checks ------------------------------------------------------------------
+
+# fmha::fwd's, bwd's and fwd_kvcache's checks of e4m3 calls, and explain_selection() of two on
+# an H100, against a rendered table of the e4m3 d128 instances with stub launchers: no GPU.
+DRIVER = """\
+#include <iostream>
+
+#include "dispatcher.h"
+
+namespace fmha::detail::instances {
+%s
+}  // namespace fmha::detail::instances
+
+alignas(16) static char memory[1 << 16] = {};
+static const float scale = 1.f;
+
+fmha::FwdArgs call(fmha::DataType dtype = fmha::DataType::kE4M3) {
+  fmha::FwdArgs a;
+  a.dtype = dtype;
+  a.batch = 2;
+  a.seqlen_q = a.seqlen_k = 128;
+  a.nhead_q = 4;
+  a.nhead_k = 2;
+  a.hdim_q = a.hdim_v = 128;
+  a.q = a.k = a.v = a.o = memory;
+  a.q_seq_stride = 4 * 128;
+  a.q_head_stride = a.k_head_stride = a.o_head_stride = 128;
+  a.k_seq_stride = 2 * 128;
+  a.o_seq_stride = 4 * 128;
+  a.vlayout = fmha::VLayout::kColMajor;
+  a.v_seq_stride = 1;
+  a.v_dim_stride = 128;
+  a.v_head_stride = 128 * 128;
+  a.softmax_scale = 0.125f;
+  return a;
+}
+
+int main() {
+  fmha::FwdArgs bf16 = call(fmha::DataType::kBF16);
+  bf16.q_descale = &scale;
+  std::cout << fmha::fwd(bf16, nullptr).message << "\\n----\\n";
+  fmha::FwdArgs strides = call(fmha::DataType::kFP16);
+  strides.v_descale_head_stride = 1;
+  std::cout << fmha::fwd(strides, nullptr).message << "\\n----\\n";
+  fmha::FwdArgs negative = call();
+  negative.k_descale = &scale;
+  negative.k_descale_batch_stride = -1;
+  std::cout << fmha::fwd(negative, nullptr).message << "\\n----\\n";
+  fmha::FwdArgs unaligned = call();
+  unaligned.v_descale = reinterpret_cast<const float*>(memory + 2);
+  std::cout << fmha::fwd(unaligned, nullptr).message << "\\n----\\n";
+  fmha::FwdArgs q_stride = call();
+  q_stride.q_head_stride = 136;  // a multiple of 8, not 16
+  std::cout << fmha::fwd(q_stride, nullptr).message << "\\n----\\n";
+  fmha::FwdArgs v_stride = call();
+  v_stride.v_dim_stride = 136;
+  std::cout << fmha::fwd(v_stride, nullptr).message << "\\n----\\n";
+  fmha::FwdArgs o_stride = call();  // O is bf16: multiples of 8
+  o_stride.o_head_stride = 136;
+  o_stride.o_seq_stride = 4 * 136;
+  std::cout << fmha::detail::explain_selection(o_stride, 90) << "----\\n";
+  fmha::FwdArgs unknown = call();
+  unknown.dtype = static_cast<fmha::DataType>(3);
+  std::cout << fmha::fwd(unknown, nullptr).message << "\\n----\\n";
+  fmha::BwdArgs backward;
+  backward.fwd = call();
+  std::cout << fmha::bwd(backward, nullptr).message << "\\n----\\n";
+  fmha::KvcacheArgs cache;
+  cache.dtype = fmha::DataType::kE4M3;
+  std::cout << fmha::fwd_kvcache(cache, nullptr).message << "\\n----\\n";
+  fmha::FwdArgs row = call();
+  row.vlayout = fmha::VLayout::kRowMajor;
+  row.v_seq_stride = 2 * 128;
+  row.v_dim_stride = 1;
+  row.v_head_stride = 128;
+  std::cout << fmha::detail::explain_selection(row, 90) << "----\\n";
+  fmha::FwdArgs d96 = call();
+  d96.hdim_q = d96.hdim_v = 96;
+  std::cout << fmha::detail::explain_selection(d96, 90);
+}
+"""
+
+
+@needs_cpp
+@pytest.mark.skipif(not (CUDA_LIB / "libcudart.so").exists(), reason="needs libcudart")
+def test_cpp_checks_and_explains_e4m3_calls(tmp_path):
+    selection = repository().select("all", "e4m3,hdim128,mode=batch,mask=none|causal")
+    files = render(selection, source="instances.yaml")
+    stubs = "\n".join(f"cudaError_t launch_{i.name}(const FwdArgs&, cudaStream_t) "
+                      f"{{ return cudaSuccess; }}" for i in selection.instances)
+    (tmp_path / "driver.cpp").write_text(DRIVER % stubs)
+    (tmp_path / "dispatch_table.cpp").write_text(files["dispatch_table.cpp"])
+    program = tmp_path / "e4m3"
+    compiled = subprocess.run(
+        ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-o", str(program),
+         "-I", str(REPO_ROOT / "runtime/include"), "-I", str(REPO_ROOT / "runtime/src"),
+         "-I", str(CUDA_INCLUDE), str(tmp_path / "driver.cpp"), *RUNTIME_SOURCES,
+         str(tmp_path / "dispatch_table.cpp"), f"-L{CUDA_LIB}", f"-Wl,-rpath,{CUDA_LIB}",
+         "-lcudart"], capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stderr
+    ran = subprocess.run([str(program)], capture_output=True, text=True, check=True)
+    (bf16, strides, negative, unaligned, q_stride, v_stride, o_stride, unknown, backward, cache,
+     row, d96) = ran.stdout.split("----\n")
+    assert bf16 == ("fmha::fwd: q_descale/k_descale/v_descale are for dtype kE4M3 (they "
+                    "dequantize e4m3 inputs); a kBF16 call takes none\n")
+    assert strides == ("fmha::fwd: v_descale_head_stride is 1; the descale strides are for "
+                       "dtype kE4M3, and a kFP16 call must leave them 0\n")
+    assert negative == "fmha::fwd: k_descale_batch_stride is -1; it must be non-negative\n"
+    assert unaligned == "fmha::fwd: v_descale must be 4-byte aligned (fp32)\n"
+    assert q_stride == ("fmha::fwd: q head stride is 136; it must be a non-negative multiple of "
+                        "16 elements (rows move in 16-byte pieces)\n")
+    assert v_stride == ("fmha::fwd: v_dim_stride is 136; VLayout::kColMajor needs a positive "
+                        "multiple of 16 elements\n")
+    assert "Runs fwd_e4m3_d128_col_fa3_sm90a_m128n128_pad (fa3, sm90a," in o_stride
+    assert unknown == "fmha::fwd: unknown dtype 3; valid: kFP16, kBF16, kE4M3\n"
+    assert backward == ("fmha::bwd: dtype kE4M3 (float8 e4m3) is an input type of the forward "
+                        "only: there is no FP8 backward; differentiate a kFP16 or kBF16 forward\n")
+    assert cache == ("fmha::fwd_kvcache: dtype is the queries' (q, k_new, v_new and o): kFP16 or "
+                     "kBF16; DataType::kE4M3 is an input type of fmha::fwd only. An FP8 cache is "
+                     "kv_dtype KvCacheDtype::kE4M3, with 16-bit queries\n")
+    assert "no instance has these traits" in row
+    assert ("FMHA_FILTER='e4m3,hdim128,mask=none,bias=none,vlayout=row,mode=batch,dropout=false,"
+            "softcap=false,sm90a'") in row
+    assert ("; the e4m3 (FP8) forward has instances on fa3 (sm90a) only, for V^T "
+            "(VLayout::kColMajor) and not every trait: python -m generator --preset all "
+            "--filter e4m3 --list names them.") in row
+    # A head dim of no e4m3 instance: built exactly, never padded.
+    assert "FMHA_FILTER='e4m3,hdim96,mask=none,bias=none,vlayout=col," in d96
+    assert "hpad" not in d96.split("FMHA_FILTER=")[1].split("'")[1]
+
+
+# ---- compile on demand ---------------------------------------------------------------------
+
+LEAN, WITH_LSE = ("fwd_e4m3_d128_causal_col_fa3_sm90a_m128n128_pad",
+                  "fwd_e4m3_d128_causal_col_lse_fa3_sm90a_m128n128_pad")
+
+
+@pytest.mark.parametrize("given, lse, names", [(dict(), False, [LEAN, WITH_LSE]),
+                                               (dict(return_lse=True), True, [WITH_LSE])])
+def test_an_e4m3_miss_compiles_its_fa3_instance(given, lse, names):
+    """The recipe of a miss of an e4m3 call (v row-major: described as the V^T copy fwd runs)
+    selects the fa3 instances that serve it for sm90a (both, without the log-sum-exp), and none
+    for sm80 (nothing is compiled here)."""
+    from fmha import jit
+    q, k, v = (t.to("meta") for t in qkv())
+    args = _api._described("select", q, k, v, True, None, given, cc=90)
+    filter_text, target = _C.instance_recipe(args, 90)
+    assert target == "sm90a"
+    assert {"e4m3", "vlayout=col"} <= set(filter_text.split(","))
+    assert ("lse=true" in filter_text.split(",")) == lse
+    assert [i.name for i in jit._selection(filter_text, target).instances] == names
+    filter_text, target = _C.instance_recipe(args, 80)
+    assert target == "sm80"
+    with pytest.raises(Exception, match="matches none"):
+        jit._selection(filter_text, target)
+
+
+# ---- the C++ checks through the bindings ---------------------------------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(q_descale=4096), "fmha::fwd: q_descale/k_descale/v_descale are for dtype kE4M3 \\(they "
+                           "dequantize e4m3 inputs\\); a kFP16 call takes none"),
+    (dict(k_descale_batch_stride=1), "k_descale_batch_stride is 1; the descale strides are for "
+                                     "dtype kE4M3"),
+    (dict(dtype=_C.DTYPE_E4M3, k_descale=4098), "k_descale must be 4-byte aligned \\(fp32\\)"),
+    (dict(dtype=_C.DTYPE_E4M3, v_descale=4096, v_descale_head_stride=-1),
+     "v_descale_head_stride is -1; it must be non-negative"),
+    (dict(dtype=_C.DTYPE_E4M3, k_seq_stride=136),
+     "k seq stride is 136; it must be a non-negative multiple of 16 elements"),
+    (dict(dtype=3), "unknown dtype 3; valid: kFP16, kBF16, kE4M3"),
+])
+def test_cpp_checks_of_e4m3_calls_through_the_bindings(overrides, message):
+    from test_api_checks import cpp_fwd
+    code, text, chosen = cpp_fwd(**overrides)
+    assert code == _C.STATUS_INVALID_ARGUMENT, text
+    assert re.search(message, text), text
+
+
+def test_cpp_takes_a_well_formed_e4m3_call_to_the_dispatcher():
+    from test_api_checks import cpp_fwd, passes_checks
+    scale = dict(q_descale=4096, k_descale=4100, v_descale=4104, q_descale_batch_stride=2,
+                 q_descale_head_stride=1)
+    # O (bf16) keeps strides of 8 elements; e4m3's are multiples of 16 here.
+    assert passes_checks(*cpp_fwd(dtype=_C.DTYPE_E4M3, o_head_stride=72, o_seq_stride=144,
+                                  o_batch_stride=16 * 144, **scale)[:2])
