@@ -144,6 +144,8 @@ class Machine:
     def detect(cls) -> "Machine":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         fwd, bwd, kvcache = fmha.instances(), fmha.bwd_instances(), fmha.kvcache_instances()
+        # The calls drawn are 16-bit (INSTANCE_DTYPES): not the e4m3 forward's instances.
+        fwd = [i for i in fwd if i["dtype"] in INSTANCE_DTYPES]
 
         def here(instances) -> tuple:
             return tuple(i for i in instances if runs_here(i, device_cc(torch))) if gpus else ()
