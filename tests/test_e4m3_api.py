@@ -242,8 +242,8 @@ def test_select_and_explain_describe_the_v_transposed_call(api):
     assert a.q_descale != 0 and a.k_descale == 0  # marked given, never read
     assert (a.q_descale_batch_stride, a.q_descale_head_stride) == (2, 1)
     names = {i["name"] for i in fmha.instances()}
-    if "fwd_e4m3_d128_causal_col_fa3_sm90a_m128n128_pad" in names:
-        return  # a build with the instance: select answers with it
+    if any(name.startswith("fwd_e4m3_d128_causal_col_") for name in names):
+        return  # a build with an instance that serves it (with or without the LSE) answers
     with pytest.raises(fmha.MissingInstanceError) as miss:
         fmha.select(q, k, v, causal=True, capability=(9, 0))
     message = str(miss.value)

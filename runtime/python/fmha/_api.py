@@ -355,7 +355,8 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     not exist yet; a v with its sequence dim contiguous (a V^T view whose strides are multiples
     of 16) runs as it is. Head dims are multiples of 16 (never padded); the e4m3 instances
     have 64, 128 and 256, no bias, ALiBi, dropout or soft-capping, with every mask, in batch
-    and group mode, with MQA/GQA. No backward: e4m3 inputs that require grad are refused.
+    mode (no group mode yet: packed V^T sequences start at keys TMA cannot copy from), with
+    MQA/GQA. No backward: e4m3 inputs that require grad are refused.
     The descales with inputs of another dtype are an error.
 
     Returns out, or (out, lse) with return_lse=True: the natural-log log-sum-exp of every row's
