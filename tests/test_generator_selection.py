@@ -213,7 +213,7 @@ def test_repository_presets_parse_and_select():
     counts = {name: tuple(sum(i.op.token == op for i in matrix.select(name).instances)
                           for op in ("fwd", "bwd", "kvcache"))
               for name in matrix.config.presets}
-    # The e4m3 forward: 2 instances in default, all 27 in extended and all, 8 in coverage
+    # The e4m3 forward: 2 instances in default, all 18 in extended and all, 4 in coverage
     # (test_generator_e4m3.py says which).
     assert counts == {"default": (10, 5, 13), "extended": (294, 276, 420),
                       "minimal": (4, 4, 6), "flash_attn": (2040, 2040, 1188),
