@@ -917,8 +917,28 @@ def study_inputs(kind: str, batch: int, seqlen_q: int, nhead_q: int, nhead_k: in
 # ---- The cases of one compiled e4m3 forward instance (tests/test_fwd_e4m3_gpu.py) ----------
 
 
+class _MaskedProblem:
+    """What a problem's fields say of its mode and mask (Spec and E4m3Case share them)."""
+
+    @property
+    def group(self) -> bool:
+        return self.seqlens_q is not None
+
+    @property
+    def windowed(self) -> bool:
+        return any(w is not None and w >= 0 for w in self.window)
+
+    @property
+    def mask(self) -> str:
+        return "window" if self.windowed else ("causal" if self.causal else "none")
+
+    def replace(self, **changes):
+        """A copy with `changes` (dataclasses.replace)."""
+        return replace(self, **changes)
+
+
 @dataclass(frozen=True)
-class E4m3Case:
+class E4m3Case(_MaskedProblem):
     """One e4m3 fmha.fwd problem. Batch mode: b, sq, sk; group mode: seqlens_q/seqlens_k
     (sequences packed, cu_seqlens). descale: one of DESCALE_KINDS, for q, k and v alike. kind:
     one of STUDY_KINDS, or "heads" (normal entries times a factor per (sequence, K/V head),
@@ -946,21 +966,6 @@ class E4m3Case:
     kind: str = "heads"
     scale: Optional[float] = None
     layout: str = "bshd"
-
-    @property
-    def group(self) -> bool:
-        return self.seqlens_q is not None
-
-    @property
-    def windowed(self) -> bool:
-        return any(w is not None and w >= 0 for w in self.window)
-
-    @property
-    def mask(self) -> str:
-        return "window" if self.windowed else ("causal" if self.causal else "none")
-
-    def replace(self, **changes) -> "E4m3Case":
-        return replace(self, **changes)
 
     def describe(self) -> str:
         parts = [f"e4m3 d{self.d}/{self.dv}", f"h{self.hq}/{self.hk}"]
@@ -1289,7 +1294,7 @@ LAYOUTS = ("bshd", "bhsd", "poison")
 
 
 @dataclass
-class Spec:
+class Spec(_MaskedProblem):
     """One fmha.fwd problem.
 
     Batch mode: b, sq, sk (used_q / used_k: seqused per sequence). Group mode (seqlens_q set):
@@ -1335,21 +1340,6 @@ class Spec:
     qscale: float = 1.0
     kramp: float = 0.0
     dbias: bool = False
-
-    @property
-    def group(self) -> bool:
-        return self.seqlens_q is not None
-
-    @property
-    def windowed(self) -> bool:
-        return any(w is not None and w >= 0 for w in self.window)
-
-    @property
-    def mask(self) -> str:
-        return "window" if self.windowed else ("causal" if self.causal else "none")
-
-    def replace(self, **changes) -> "Spec":
-        return replace(self, **changes)
 
     def describe(self) -> str:
         dt = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(self.dtype, str(self.dtype))

@@ -21,8 +21,9 @@ from fmha import _C
 
 DTYPE_CODES = {torch.float16: _C.DTYPE_FP16, torch.bfloat16: _C.DTYPE_BF16}
 # float8 e4m3 (torch.float8_e4m3fn: no infinities, largest finite 448): the forward's inputs
-# only (fmha.fwd, select, explain; the e4m3 kernel is fa3's, H100/H200), with fp32 descale
-# factors, and its output in bfloat16. No backward, no KV-cache queries.
+# (fmha.fwd, select, explain; the e4m3 kernel is fa3's, H100/H200), with fp32 descale factors,
+# and its output in bfloat16; and an FP8 KV cache's elements (fmha.fwd_kvcache). No backward,
+# no e4m3 KV-cache queries.
 E4M3 = torch.float8_e4m3fn
 E4M3_OUT_DTYPE = torch.bfloat16
 FWD_DTYPE_CODES = {**DTYPE_CODES, E4M3: _C.DTYPE_E4M3}

@@ -24,6 +24,7 @@ from fmha import _C, _head_dims, _plans
 from fmha._api import _ask, _mark_given, _raise_for, _target_cc
 from fmha._checks import (
     DTYPE_CODES,
+    E4M3,
     E4M3_ROW_PIECE,
     INT_LIMIT,
     ROW_PIECE,
@@ -65,10 +66,6 @@ def _check_rows(name: str, t: torch.Tensor) -> None:
           f"multiple of {piece} elements (its rows move in 16-byte pieces); pass "
           f"{name}.contiguous()")
 
-
-# An FP8 cache's elements (KvCacheDtype::kE4M3): float8 e4m3 without infinities, as torch and
-# FlashAttention-3 store them.
-E4M3 = torch.float8_e4m3fn
 
 
 def _scale_shapes(batch: int, nhead_k: int) -> str:

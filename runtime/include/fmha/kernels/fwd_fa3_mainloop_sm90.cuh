@@ -255,8 +255,8 @@ class Mainloop {
     auto zero_v_tail = [&](int stage) {
       if (last_tile_keys >= kBlockN) return;
       if constexpr (Cfg::kFp8) {
-        // V^T: the tail is the last columns of every row, e4m3 bytes; swizzling moves 16-byte
-        // pieces, so a byte's neighbours within its piece stay its neighbours.
+        // V^T: the tail is the last columns of every row, one e4m3 byte each, addressed
+        // through the swizzled layout (the last tile only).
         const int tail = kBlockN - last_tile_keys;
         for (int idx = wg_.thread; idx < tail * Cfg::kHeadDimV; idx += 128) {
           *reinterpret_cast<uint8_t*>(raw_pointer_cast(
