@@ -113,9 +113,10 @@ def assign_tiles(points: tuple[MatrixPoint, ...], op_config: OperationConfig,
     launch would fail.
 
     Points differ in many axes a tile does not depend on, so the entry is looked up once per
-    (pipeline, arch, hdim_q, hdim_v, dtype, and kv_dtype and paged where the operation has
-    them: config.TILE_TRAIT_SELECTORS), and its shared memory is checked once per such key,
-    with the size of a K/V element that the key's traits give (Traits.kv_element_size)."""
+    (pipeline, arch, hdim_q, hdim_v, and dtype, vlayout, kv_dtype and paged where the operation
+    has them: config.TILE_TRAIT_SELECTORS), and its shared memory is checked once per such key,
+    on the key's first traits: the key holds every trait the formulas read (the head dims,
+    Traits.kv_element_size of the dtypes, Traits.v_rings of dtype and vlayout)."""
     instances = []
     used: dict[tuple, TileEntry] = {}
     traits_of: dict[tuple, Traits] = {}  # the traits of the key's first point
@@ -132,15 +133,13 @@ def assign_tiles(points: tuple[MatrixPoint, ...], op_config: OperationConfig,
                                            f"fix or remove it")
     for key, entry in used.items():
         pipeline, arch = key[:2]
-        smem = op_config.op.kernel(pipeline).shared_memory
-        kv_size = traits_of[key].kv_element_size
+        smem, traits = op_config.op.kernel(pipeline).shared_memory, traits_of[key]
         for what, tile in (("the tile", entry.tile), ("its full-grid tile", entry.tile.full_grid)):
-            needed = smem.bytes(tile, entry.hdim, kv_size) if tile else 0
+            needed = smem.bytes(tile, traits) if tile else 0
             if needed > arch.smem_limit:
                 raise config.error(entry.line, f"{entry.label}: {what} needs {needed} bytes of "
-                                               f"shared memory ({smem.formula_for(kv_size)}), "
-                                               f"more than the "
-                                               f"{arch.smem_limit} a CTA may use on "
+                                               f"shared memory ({smem.formula(traits)}), more "
+                                               f"than the {arch.smem_limit} a CTA may use on "
                                                f"{arch.token}")
     return tuple(instances)
 

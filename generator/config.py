@@ -13,9 +13,9 @@ The file's sections:
                matrix is their cross product
     tiles:     the tile of each (pipeline, arch, hdim_q, hdim_v), and of each value of the
                traits in TILE_TRAIT_SELECTORS that the operation has where an entry names one
-               (dtype; kvcache: kv_dtype, paged), with the reason for it: an entry without a
-               dtype serves the 16-bit dtypes (fp16, bf16), one for e4m3 names it; where the
-               kernel takes one
+               (dtype; fwd: vlayout; kvcache: kv_dtype, paged), with the reason for it: an
+               entry without a dtype serves the 16-bit dtypes (fp16, bf16), one for e4m3 names
+               it; where the kernel takes one
                (Kernel.full_grid_tile), a second tile for the calls whose units alone fill every
                SM (`full_grid`)
     rules:     optional; its pruning rules, `{when: {axis: value, [values] or {not: either}},
@@ -37,7 +37,7 @@ from .errors import ConfigError, GeneratorError
 from .model import Condition, MatrixPoint, Tile
 from .operations import OPERATIONS, Kernel, Operation
 from .schema import (BOOL_AXES, CONDITION_AXES, ENUM_AXES, INT_AXES, MATRIX_AXES, Arch, CacheType,
-                     DataType, EnumAxis, Pipeline)
+                     DataType, EnumAxis, EnumValue, Pipeline)
 from .yamllines import LineList, LineMap
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "instances.yaml"
@@ -49,12 +49,13 @@ _OPERATION_SECTIONS = ("matrix", "tiles", "rules")  # `tiles` is required
 _TILE_MATCH_KEYS = ("pipeline", "hdim_q", "hdim_v")
 _TILE_SHAPE_KEYS = ("block_m", "block_n", "warps", "stages")
 # The traits a tile entry may select its points by, beside arch, in an operation that has them
-# (the inputs' dtype; kvcache: its cache's dtype, and paged or contiguous); an entry without
-# one covers each value, but for dtype: an entry without it covers the dtypes of
+# (the inputs' dtype; fwd: V's layout, as a row-major e4m3 V takes a second ring of shared
+# memory; kvcache: its cache's dtype, and paged or contiguous); an entry without one covers
+# each value, but for dtype: an entry without it covers the dtypes of
 # UNSELECTED_DTYPE_SIZE-byte elements (fp16, bf16), as a tile chosen for 16-bit inputs says
 # nothing of 8-bit ones (other shared-memory bytes, other wgmma k-steps); an e4m3 point takes
 # an entry that names e4m3.
-TILE_TRAIT_SELECTORS = ("dtype", "kv_dtype", "paged")
+TILE_TRAIT_SELECTORS = ("dtype", "vlayout", "kv_dtype", "paged")
 UNSELECTED_DTYPE_SIZE = 2
 
 
@@ -73,9 +74,11 @@ class Matrix:
 class TileEntry:
     """One row of an operation's `tiles:`: the tile of every point with its pipeline and head
     dims, on its arch or, when arch is not given, on every arch; for an operation with the
-    `kv_dtype` and `paged` axes (kvcache), of its points with that cache dtype when `kv_dtype`
-    is given, and of its paged or contiguous points when `paged` is given; of its points of
-    that dtype when `dtype` is given, else of its 16-bit ones (UNSELECTED_DTYPE_SIZE)."""
+    `vlayout` axis (fwd), of its points with that V layout when `vlayout` is given; for one
+    with the `kv_dtype` and `paged` axes (kvcache), of its points with that cache dtype when
+    `kv_dtype` is given, and of its paged or contiguous points when `paged` is given; of its
+    points of that dtype when `dtype` is given, else of its 16-bit ones
+    (UNSELECTED_DTYPE_SIZE)."""
 
     label: str  # its place in the file, operations.fwd.tiles[i], for messages
     pipeline: Pipeline
@@ -87,12 +90,14 @@ class TileEntry:
     paged: bool | None = None
     kv_dtype: CacheType | None = None
     dtype: DataType | None = None
+    vlayout: EnumValue | None = None
 
     def matches(self, point: MatrixPoint) -> bool:
         return (point.pipeline == self.pipeline
                 and (self.arch is None or point.arch == self.arch)
                 and (point.traits.dtype == self.dtype if self.dtype is not None
                      else point.traits.dtype.size == UNSELECTED_DTYPE_SIZE)
+                and (self.vlayout is None or point.traits.vlayout == self.vlayout)
                 and (self.kv_dtype is None or point.traits.kv_dtype == self.kv_dtype)
                 and (self.paged is None or point.traits.paged == self.paged)
                 and (point.traits.hdim_q, point.traits.hdim_v) == self.hdim)
@@ -345,6 +350,7 @@ class _Reader:
         pipeline = axis("pipeline")
         arch = axis("arch") if "arch" in fields else None
         dtype = axis("dtype") if "dtype" in fields else None
+        vlayout = axis("vlayout") if "vlayout" in fields else None
         kv_dtype = axis("kv_dtype") if "kv_dtype" in fields else None
         paged = axis("paged") if "paged" in fields else None
         hdim = (axis("hdim_q"), axis("hdim_v"))
@@ -367,7 +373,7 @@ class _Reader:
         tile = replace(self.tile_shape(kernel, fields, hdim, label, line, fields.line_of),
                        full_grid=full_grid)
         return TileEntry(label, pipeline, arch, hdim, tile, field("why", self.text), line, paged,
-                         kv_dtype, dtype)
+                         kv_dtype, dtype, vlayout)
 
     def tile_shape(self, kernel: Kernel, fields, hdim: tuple[int, int], label: str, line: int,
                    line_of) -> Tile:

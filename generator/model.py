@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields
 from functools import cache, cached_property
 from typing import ClassVar
 
-from .schema import BUILD_AXES, ENUM_AXES, OPERATION, Arch, CacheType, DataType, EnumValue, \
-    OperationKind, Pipeline
+from .schema import BUILD_AXES, ENUM_AXES, OPERATION, VLAYOUT, Arch, CacheType, DataType, \
+    EnumValue, OperationKind, Pipeline
 
 
 class _Absent:
@@ -63,8 +63,15 @@ class Traits:
     @property
     def kv_element_size(self) -> int:
         """The bytes of a K or V element as the kernels hold it in shared memory: the dtype's
-        (a KV cache's may be narrower: KvcacheTraits); operations.SharedMemory takes it."""
+        (a KV cache's may be narrower: KvcacheTraits); operations.SharedMemory reads it."""
         return self.dtype.size
+
+    @property
+    def v_rings(self) -> int:
+        """The rings of V tiles the kernels keep in shared memory: one, V as the kernel reads
+        it, but for the forward's e4m3 inputs with row-major V (FwdTraits);
+        operations.SharedMemory reads it."""
+        return 1
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,14 @@ class FwdTraits(Traits):
     lse: bool  # writes the log-sum-exp of every row
     dropout: bool
     softcap: bool
+
+    @property
+    def v_rings(self) -> int:
+        """2 of 1-byte (e4m3) inputs with row-major V: the 8-bit wgmma reads V only K-major
+        (V^T, keys contiguous), so TMA lands row-major V tiles in a ring of their own and the
+        producer warpgroup transposes each into a V^T ring, the consumers'. 1 otherwise: 16-bit
+        V is read as it lies, and an e4m3 V^T is loaded as the consumers read it."""
+        return 2 if self.dtype.size == 1 and self.vlayout == VLAYOUT.get("row") else 1
 
 
 @dataclass(frozen=True)

@@ -78,18 +78,20 @@ class SharedMemory:
     """How much shared memory a kernel's CTA takes for a tile, checked against each arch's
     limit so that an oversized tile is reported at its line instead of failing at launch."""
 
-    formula: str  # the same in words, for the error message
-    # (model.Tile, (hdim_q, hdim_v), kv_size) -> bytes, where kv_size is the bytes of a K or V
-    # element in shared memory, as the instance's traits give it (Traits.kv_element_size): 2,
-    # or 1 of an e4m3 KV cache, which the decode kernel reads, and of the fa3 forward's e4m3
-    # inputs (Q, K and V share the dtype there; O stays bf16). The other kernels' K and V are
-    # the inputs' 16-bit dtype, so their formulas count 2-byte elements (kv_size is 2).
-    bytes: Callable[[Any, tuple[int, int], int], int]
-    # The formula in words where kv_size is 1, when it reads otherwise than `formula`.
-    narrow_formula: str | None = None
+    # (model.Traits) -> the formula of `bytes` for an instance of these traits, in words, for
+    # the error message
+    formula: Callable[[Traits], str]
+    # (model.Tile, model.Traits) -> bytes, from what the instance's traits say of its tiles:
+    # their head dims; the bytes of a K or V element (Traits.kv_element_size): 2, or 1 of an
+    # e4m3 KV cache, which the decode kernel reads, and of the fa3 forward's e4m3 inputs (Q, K
+    # and V share the dtype there; O stays bf16); and the rings of V tiles (Traits.v_rings: 2
+    # where the fa3 forward transposes an e4m3 V in shared memory). The other kernels' K and V
+    # are the inputs' 16-bit dtype, so their formulas count 2-byte elements and one V ring.
+    bytes: Callable[[Any, Traits], int]
 
-    def formula_for(self, kv_size: int) -> str:
-        return self.narrow_formula if kv_size == 1 and self.narrow_formula else self.formula
+
+def _hdims(traits: Traits) -> tuple[int, int]:
+    return traits.hdim_q, traits.hdim_v
 
 
 @dataclass(frozen=True)
@@ -276,9 +278,10 @@ _FWD_FA2_CONSTRAINTS = (
 _Q_AND_KV_RING = "2 * (block_m * max(hdim_q, hdim_v) + stages * block_n * (hdim_q + hdim_v))"
 
 
-def _q_and_kv_ring_bytes(tile, hdim: tuple[int, int], kv_size: int = 2) -> int:
+def _q_and_kv_ring_bytes(tile, traits: Traits) -> int:
     """The Q region (it also stages O in the epilogue, so it fits the wider head dim) and one K
-    and one V tile per stage, of 2-byte elements (the forward's inputs: kv_size is 2)."""
+    and one V tile per stage, of 2-byte elements (the forward's 16-bit inputs)."""
+    hdim = _hdims(traits)
     return 2 * (tile.block_m * max(hdim) + tile.stages * tile.block_n * (hdim[0] + hdim[1]))
 
 
@@ -306,24 +309,32 @@ _FWD_FA3_CONSTRAINTS = (
 # FwdConfig::kSmemBytes of fwd_fa3_sm90.cuh: fa2's regions, plus the K/V ring's mbarriers and
 # the 1024-byte alignment that 128-byte-swizzled TMA tiles need. kvcache's chunked prefill runs
 # the same kernel, so it takes the same (on caches of the queries' 16-bit dtype: a rule keeps
-# its e4m3 caches off fa3, so its kv_size is 2). e4m3 inputs (kv_size 1: Q, K and V alike)
-# take a byte an element, and O, bf16, a region of its own: it does not fit over Q.
+# its e4m3 caches off fa3). e4m3 inputs (Traits.kv_element_size 1: Q, K and V alike) take a
+# byte an element, and O, bf16, a region of its own: it does not fit over Q; a row-major e4m3
+# V takes a second ring (Traits.v_rings 2): TMA lands its row-major tiles in `stages` stages
+# of their own, and the producer transposes each into the V^T stages the consumers read.
 _FA3_BARRIERS_AND_ALIGNMENT = 1024
-_FWD_FA3_E4M3 = ("block_m * hdim_q + stages * block_n * (hdim_q + hdim_v) + 2 * block_m * "
-                 f"hdim_v (O, bf16, in its own region) + {_FA3_BARRIERS_AND_ALIGNMENT} (barriers "
-                 f"and alignment), of e4m3 inputs")
+_FA3_BARRIERS = f"{_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)"
 
 
-def _fwd_fa3_smem_bytes(tile, hdim: tuple[int, int], kv_size: int = 2) -> int:
-    if kv_size == 2:
-        return _q_and_kv_ring_bytes(tile, hdim) + _FA3_BARRIERS_AND_ALIGNMENT
-    return (kv_size * (tile.block_m * hdim[0] + tile.stages * tile.block_n * (hdim[0] + hdim[1]))
-            + 2 * tile.block_m * hdim[1] + _FA3_BARRIERS_AND_ALIGNMENT)
+def _fwd_fa3_smem_bytes(tile, traits: Traits) -> int:
+    if traits.kv_element_size == 2:
+        return _q_and_kv_ring_bytes(tile, traits) + _FA3_BARRIERS_AND_ALIGNMENT
+    hdim_q, hdim_v = _hdims(traits)
+    return (tile.block_m * hdim_q + tile.stages * tile.block_n * (hdim_q + traits.v_rings * hdim_v)
+            + 2 * tile.block_m * hdim_v + _FA3_BARRIERS_AND_ALIGNMENT)
 
 
-_FWD_FA3_SHARED_MEMORY = SharedMemory(
-    f"{_Q_AND_KV_RING} + {_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
-    _fwd_fa3_smem_bytes, narrow_formula=_FWD_FA3_E4M3)
+def _fwd_fa3_smem_formula(traits: Traits) -> str:
+    if traits.kv_element_size == 2:
+        return f"{_Q_AND_KV_RING} + {_FA3_BARRIERS}"
+    v_tiles, v_layout = (("2 * hdim_v", "row-major V (its tiles and their transposes in rings of "
+                          "their own)") if traits.v_rings == 2 else ("hdim_v", "V^T"))
+    return (f"block_m * hdim_q + stages * block_n * (hdim_q + {v_tiles}) + 2 * block_m * hdim_v "
+            f"(O, bf16, in its own region) + {_FA3_BARRIERS}, of e4m3 inputs with {v_layout}")
+
+
+_FWD_FA3_SHARED_MEMORY = SharedMemory(_fwd_fa3_smem_formula, _fwd_fa3_smem_bytes)
 
 
 def _fwd_fa3_wgmma_n(tile, hdim: tuple[int, int]) -> tuple[int, ...]:
@@ -343,7 +354,8 @@ FWD = Operation(
         Kernel(PIPELINE.get("fa2"), header="fmha/kernels/fwd_fa2_sm80.cuh",
                config_template="fmha::fa2::FwdConfig", launcher="fmha::fa2::launch_fwd",
                tile_constraints=_FWD_FA2_CONSTRAINTS,
-               shared_memory=SharedMemory(_Q_AND_KV_RING, _q_and_kv_ring_bytes),
+               shared_memory=SharedMemory(lambda traits: _Q_AND_KV_RING,
+                                          _q_and_kv_ring_bytes),
                uses_cutlass=False),
     ),
     template="fwd_instance.cu.j2",
@@ -419,9 +431,10 @@ _BWD_FA2_CONSTRAINTS = (
 )
 
 
-def _bwd_fa2_smem_bytes(tile, hdim: tuple[int, int], kv_size: int = 2) -> int:
+def _bwd_fa2_smem_bytes(tile, traits: Traits) -> int:
     """BwdConfig::kSmemBytes: K and V of the CTA; per stage Q, dO and the LSE and D of each
     row; dS^T and, when split_d > 1, P^T."""
+    hdim = _hdims(traits)
     both = hdim[0] + hdim[1]
     return (2 * tile.block_n * both
             + tile.stages * (2 * tile.block_m * both + 8 * tile.block_m)
@@ -469,12 +482,13 @@ _BWD_FA3_CONSTRAINTS = (
 )
 
 
-def _bwd_fa3_smem_bytes(tile, hdim: tuple[int, int], kv_size: int = 2) -> int:
+def _bwd_fa3_smem_bytes(tile, traits: Traits) -> int:
     """BwdConfig::kSmemBytes of bwd_fa3_sm90.cuh: K and V; per stage Q, dO and the LSE and D
     of each row; two dS^T buffers, and with the head-dim split two P^T buffers; one step's fp32
     dQ tile for the writer warp in two slices (of 128 columns each with the products split,
     none with the even head-dim split, whose consumers add dQ with atomics); the barriers and
     the 1024-byte alignment of TMA's tiles."""
+    hdim = _hdims(traits)
     both = hdim[0] + hdim[1]
     split_head_dim = _bwd_fa3_splits_head_dim(tile)
     split_products = split_head_dim and hdim[0] != hdim[1]
@@ -497,11 +511,11 @@ BWD = Operation(
                config_template="fmha::fa3::BwdConfig", launcher="fmha::fa3::launch_bwd",
                tile_constraints=_BWD_FA3_CONSTRAINTS,
                shared_memory=SharedMemory(
+                   lambda traits:
                    "2 * block_n * (hdim_q + hdim_v) + stages * (2 * block_m * (hdim_q + hdim_v) "
                    "+ 8 * block_m) + 4 * block_n * block_m + (block_n 128: 4 * block_m * hdim_q; "
                    "block_n 64: 4 * block_n * block_m, and with hdim_q != hdim_v 1024 * block_m) "
-                   "+ "
-                   f"{_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)",
+                   f"+ {_FA3_BARRIERS}",
                    _bwd_fa3_smem_bytes),
                uses_cutlass=True, workspace="fmha::fa3::bwd_workspace_bytes",
                padded_hdim_step=None, wgmma_n=_bwd_fa3_wgmma_n),
@@ -510,6 +524,7 @@ BWD = Operation(
                config_template="fmha::fa2::BwdConfig", launcher="fmha::fa2::launch_bwd",
                tile_constraints=_BWD_FA2_CONSTRAINTS,
                shared_memory=SharedMemory(
+                   lambda traits:
                    "2 * block_n * (hdim_q + hdim_v) + stages * (2 * block_m * (hdim_q + hdim_v) "
                    "+ 8 * block_m) + 2 * block_n * block_m * (2 if split_d > 1 else 1)",
                    _bwd_fa2_smem_bytes),
@@ -548,12 +563,13 @@ _DECODE_SHARED_MEMORY = ("2 * block_m * hdim_q + kv_size * stages * block_n * (h
                          "+ 4 * (stages + 1) * block_n, kv_size 2, or 1 of an e4m3 cache")
 
 
-def _decode_smem_bytes(tile, hdim: tuple[int, int], kv_size: int) -> int:
+def _decode_smem_bytes(tile, traits: Traits) -> int:
     """decode::Config::kSmemBytes of a paged instance: the Q tile (2-byte elements: the
     queries'), one K and one V tile per stage of the cache's kv_size-byte elements (its
     KTile and VTile are SmemTiles of hdim / kCacheElementsPer16Bit 16-bit columns: hdim *
     kv_size bytes a row), and the block-table entries of stages + 1 key tiles (int32; a
     contiguous instance has none)."""
+    hdim, kv_size = _hdims(traits), traits.kv_element_size
     return (2 * tile.block_m * hdim[0]
             + kv_size * tile.stages * tile.block_n * (hdim[0] + hdim[1])
             + 4 * (tile.stages + 1) * tile.block_n)
@@ -578,7 +594,8 @@ KVCACHE = Operation(
                config_template="fmha::kvcache::decode::Config",
                launcher="fmha::kvcache::decode::launch",
                tile_constraints=_DECODE_CONSTRAINTS,
-               shared_memory=SharedMemory(_DECODE_SHARED_MEMORY, _decode_smem_bytes),
+               shared_memory=SharedMemory(lambda traits: _DECODE_SHARED_MEMORY,
+                                          _decode_smem_bytes),
                uses_cutlass=False, workspace="fmha::kvcache::decode::workspace_bytes",
                padded_hdim_step=1, full_grid_tile=True),
     ),

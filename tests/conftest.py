@@ -28,8 +28,9 @@ from generator.config import DEFAULT_CONFIG, Config, load  # noqa: E402
 from generator.errors import ConfigError  # noqa: E402
 from generator.model import (  # noqa: E402
     BwdTraits, FwdTraits, Instance, KvcacheTraits, MatrixPoint, Tile)
+from generator.operations import OPERATIONS  # noqa: E402
 from generator.schema import (  # noqa: E402
-    ARCH, BIAS, DTYPE, KV_DTYPE, MASK, MODE, PIPELINE, VLAYOUT)
+    ARCH, BIAS, DTYPE, ENUM_AXES, KV_DTYPE, MASK, MODE, PIPELINE, VLAYOUT)
 from generator.selection import Selection, Token, check_presets, select  # noqa: E402
 
 # A configuration independent of the repository's instances.yaml, so the tests keep their
@@ -104,6 +105,23 @@ KVCACHE_OPERATION = ("presets:\n", """\
       - {when: {pad_seqlen: false}, reason: the cache lengths live on the device}
 presets:
 """)
+
+
+def make_traits(op: str, hdim: tuple[int, int], **values):
+    """Traits of operation `op` (fwd, bwd, kvcache) at head dims `hdim`: each enum trait its
+    axis's first value (fp16, no mask, row-major V, ...) and each flag false, but for `values`
+    (tokens of enum traits, booleans of flags), e.g. make_traits("fwd", (128, 128),
+    dtype="e4m3", vlayout="col"): what operations.SharedMemory reads."""
+    cls = OPERATIONS[op].traits
+    fields = {}
+    for axis in cls.axes():
+        if axis in ("hdim_q", "hdim_v"):
+            continue
+        value = values.pop(axis, None)
+        fields[axis] = (ENUM_AXES[axis].get(value or ENUM_AXES[axis].tokens[0])
+                        if axis in ENUM_AXES else bool(value))
+    assert not values, f"{op} has no trait {', '.join(values)}"
+    return cls(hdim_q=hdim[0], hdim_v=hdim[1], **fields)
 
 
 @dataclass(frozen=True)
