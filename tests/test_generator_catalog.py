@@ -13,7 +13,7 @@ from generator.catalog import build_catalog
 from generator.config import DEFAULT_CONFIG, load
 from generator.gaps import fallback_notes
 from generator.model import Tile
-from conftest import BWD_OPERATION, KVCACHE_OPERATION, repository
+from conftest import BWD_OPERATION, KVCACHE_OPERATION, make_traits, repository
 from generator.operations import operation_of
 from generator.schema import ARCH, OPERATION, PIPELINE
 
@@ -41,9 +41,9 @@ def test_repository_matrix():
     # unpadded batch-mode ones on sm90a that fa3 serves (2 dtypes x 4 head dims x 3 masks x
     # lse false/true). fa3: those 24 trait combinations on sm90a, each with 3 instances, all
     # padding sequence lengths only: batch mode with lse false/true, and group mode with lse.
-    # e4m3 (the forward's third dtype, 3 x 32256 points): fa3 on sm90a with V^T only, head dims
-    # 64, 128 and 256 x 3 masks, each in batch mode with lse false/true (no group mode: its
-    # rule): 18.
+    # e4m3 (the forward's third dtype, 3 x 32256 points): fa3 on sm90a, head dims 64, 128 and
+    # 256 x 3 masks, each with row-major V in batch mode with lse false/true and in group mode
+    # with lse, and with V^T in batch mode with lse false/true (no group mode: its rule): 45.
     # This thread's CPU time: neither other jobs nor the CPU that torch's worker threads spend
     # after earlier tests count (process_time did). Every operation's matrix (15348 instances)
     # took 2.9-4.4 s on the 2-core CI-like machine (2026-11-28), 5.4 s beside a compile; the
@@ -52,10 +52,10 @@ def test_repository_matrix():
     catalog = build_catalog(load(DEFAULT_CONFIG))
     assert time.thread_time() - start < 15
     fwd = catalog.of(OPERATION.get("fwd"))
-    assert len(fwd) == 10080 - 48 + 72 + 18 and catalog.instances[:len(fwd)] == fwd
+    assert len(fwd) == 10080 - 48 + 72 + 45 and catalog.instances[:len(fwd)] == fwd
     # Every operation's points less what its rules keep (BWD_POINTS, KVCACHE_POINTS: below).
-    assert catalog.pruned == 3 * 32256 - 10122 + BWD_POINTS - 4056 + KVCACHE_POINTS - 1572
-    assert len(set(names(catalog))) == 10122 + 4056 + 1572
+    assert catalog.pruned == 3 * 32256 - 10149 + BWD_POINTS - 4056 + KVCACHE_POINTS - 1572
+    assert len(set(names(catalog))) == 10149 + 4056 + 1572
     for instance in fwd:
         point, traits = instance.point, instance.point.traits
         assert traits.mode.token == "batch" or (point.pad_seqlen and traits.lse)
@@ -64,10 +64,11 @@ def test_repository_matrix():
             continue
         assert point.arch.token == "sm90a" and point.pad_seqlen and not point.pad_hdim
         assert (traits.hdim_q, traits.hdim_v) in FA3_HDIMS
-        # fa3 reads V^T of e4m3 inputs only (and of them nothing else).
-        vlayout = "col" if traits.dtype.token == "e4m3" else "row"
-        assert (traits.bias.token, traits.vlayout.token, traits.dropout, traits.softcap) == (
-            "none", vlayout, False, False)
+        # fa3 reads V^T of e4m3 inputs only, in batch mode.
+        vlayouts = ({"row", "col"} if traits.dtype.token == "e4m3" and traits.mode.token == "batch"
+                    else {"row"})
+        assert traits.vlayout.token in vlayouts
+        assert (traits.bias.token, traits.dropout, traits.softcap) == ("none", False, False)
 
 
 def test_fa2_keeps_on_sm90a_what_fa3_does_not_serve():
@@ -257,8 +258,7 @@ def test_repository_tiles_fit_the_archs_they_are_used_on():
     # The largest: fa3's d256 128x80 takes 225 KB of H100's 227 (the rules keep fa3 off sm80);
     # fa2's d256 128x64 on sm90a 192 KB, and its 128x32 on sm80 128 KB of A100's 163. The
     # backward's: d256 64x64 on sm90a 209 KB, (192, 192) 64x64 161 KB on both.
-    used = {(operation_of(i).kernel(i.point.pipeline), i.point.arch, i.point.traits.hdim_q,
-             i.point.traits.hdim_v, i.point.traits.kv_element_size, i.tile)
+    used = {(operation_of(i).kernel(i.point.pipeline), i.point.arch, i.point.traits, i.tile)
             for i in repository().catalog.instances}
     assert {(kernel.header, arch.token) for kernel, arch, *_ in used} == {
         ("fmha/kernels/fwd_fa2_sm80.cuh", "sm80"), ("fmha/kernels/fwd_fa2_sm80.cuh", "sm90a"),
@@ -267,9 +267,9 @@ def test_repository_tiles_fit_the_archs_they_are_used_on():
         ("fmha/kernels/kvcache_decode_split_kv.cuh", "sm80"),
         ("fmha/kernels/kvcache_decode_split_kv.cuh", "sm90a"),
         ("fmha/kernels/kvcache_chunked_prefill_sm90.cuh", "sm90a")}
-    for kernel, arch, hdim_q, hdim_v, kv_size, tile in used:
-        needed = kernel.shared_memory.bytes(tile, (hdim_q, hdim_v), kv_size)
-        assert needed <= arch.smem_limit, (kernel.header, arch.token, hdim_q, hdim_v, needed)
+    for kernel, arch, traits, tile in used:
+        needed = kernel.shared_memory.bytes(tile, traits)
+        assert needed <= arch.smem_limit, (kernel.header, arch.token, traits, needed)
 
 
 # -- rules on head-dim pairs, negated conditions, anchors ------------------------------------
@@ -568,12 +568,14 @@ def test_bwd_shared_memory_matches_the_kernels_formula():
     # 32 keys per warp at d128 make 8 warps on 128 keys share them, 16 at d192 on 64).
     kernel = operation_of(repository().catalog.of(OPERATION.get("bwd"))[0]).kernel(
         PIPELINE.get("fa2"))
-    assert kernel.shared_memory.bytes(Tile(64, 128, 8, 2), (128, 128)) == 164864
+    def needed(tile, hdim):
+        return kernel.shared_memory.bytes(tile, make_traits("bwd", hdim))
+    assert needed(Tile(64, 128, 8, 2), (128, 128)) == 164864
     # One warp on its 16 keys (split_d 1): dS^T alone.
-    assert kernel.shared_memory.bytes(Tile(64, 128, 8, 2), (192, 128)) == 181248
-    assert kernel.shared_memory.bytes(Tile(64, 64, 8, 2), (192, 192)) == 164864
-    assert kernel.shared_memory.bytes(Tile(32, 64, 8, 2), (256, 256)) == 139776
-    assert kernel.shared_memory.bytes(Tile(64, 64, 8, 2), (256, 256)) == 214016
+    assert needed(Tile(64, 128, 8, 2), (192, 128)) == 181248
+    assert needed(Tile(64, 64, 8, 2), (192, 192)) == 164864
+    assert needed(Tile(32, 64, 8, 2), (256, 256)) == 139776
+    assert needed(Tile(64, 64, 8, 2), (256, 256)) == 214016
 
 
 # -- the kvcache operation -------------------------------------------------------------------
@@ -621,7 +623,7 @@ def test_repository_kvcache_matrix():
                     else Tile(16, 64, 4, 2 if a100_d256 else 3))
         assert instance.tile == expected
     forward_tiles = {i.point.traits.hdim_q: i.tile for i in catalog.of(OPERATION.get("fwd"))
-                     if i.point.pipeline.token == "fa3"}
+                     if i.point.pipeline.token == "fa3" and i.point.traits.dtype.size == 2}
     for instance in prefill:
         point, traits = instance.point, instance.point.traits
         assert point.arch.token == "sm90a" and traits.hdim_q in (64, 128, 256)
@@ -783,7 +785,7 @@ def test_kv_dtype_selects_no_tile_of_an_operation_without_it(config_error, line_
     assert error.line == line_of(text, "kv_dtype: e4m3")
     assert error.message == ("operations.fwd.tiles[0]: unknown key 'kv_dtype'; valid: pipeline, "
                              "hdim_q, hdim_v, block_m, block_n, warps, stages, why, arch, "
-                             "dtype, full_grid")
+                             "dtype, vlayout, full_grid")
 
 
 FULL_GRID_D128 = D128_TILE.replace("stages: 2,", "stages: 2, full_grid: {block_n: 64, warps: 4, "
@@ -845,11 +847,13 @@ def test_kvcache_shared_memory_matches_the_kernels_formula(config_error, line_of
     # within A100's 163 KB.
     kernel = operation_of(repository().catalog.of(OPERATION.get("kvcache"))[0]
                           ).kernel(PIPELINE.get("fa2"))
-    assert kernel.shared_memory.bytes(Tile(16, 64, 4, 2), (256, 256), 2) == 139264 + 768
+    assert kernel.shared_memory.bytes(Tile(16, 64, 4, 2), make_traits("kvcache", (256, 256))) == (
+        139264 + 768)
     # An e4m3 cache's K and V tiles take a byte an element (SmemTile<kBlockN, kHeadDimQK /
     # kCacheElementsPer16Bit>), Q two: the repository's e4m3 d128 sm90a tile, 128 keys in three
     # stages, 16 * 128 * 2 + 3 * 128 * 256 + 4 * 4 * 128 bytes (32 KB a stage).
-    assert kernel.shared_memory.bytes(Tile(16, 128, 4, 3), (128, 128), 1) == 4096 + 98304 + 2048
+    e4m3_cache = make_traits("kvcache", (128, 128), kv_dtype="e4m3")
+    assert kernel.shared_memory.bytes(Tile(16, 128, 4, 3), e4m3_cache) == 4096 + 98304 + 2048
     # d128 with 256-key steps in three stages: 2 * 16 * 128 + 2 * 3 * 256 * 256 + 4 * 4 * 256 =
     # 401408 bytes.
     error, text = config_error(KVCACHE_OPERATION, ("block_n: 128, warps: 4, stages: 2",

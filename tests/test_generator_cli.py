@@ -15,7 +15,7 @@ BWD_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias",
 KVCACHE_SUMMARY_FIELDS = ("name", "op", "dtype", "kv_dtype", "hdim_q", "hdim_v", "mask", "bias",
                           "paged", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim",
                           "block_m", "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = ("28 of 15750 instances selected (fwd 10, bwd 5, kvcache 13; 129402 "
+DEFAULT_SELECTED = ("28 of 15777 instances selected (fwd 10, bwd 5, kvcache 13; 129375 "
                     "pruned)")
 
 
@@ -26,10 +26,11 @@ def test_default_render(run_cli, tmp_path):
     assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 28 TUs (sm80 12, sm90a 16), "
                              f"31 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
     assert len(list(out.glob("fwd_*.cu"))) == 10 and len(list(out.glob("bwd_*.cu"))) == 5
-    # The e4m3 (FP8) forward at d128, no mask and causal, batch mode, for H100/H200 only.
+    # The e4m3 (FP8) forward at d128, no mask and causal, batch mode, row-major V, for
+    # H100/H200 only.
     assert sorted(p.name for p in out.glob("fwd_e4m3_*.cu")) == [
-        "fwd_e4m3_d128_causal_col_lse_fa3_sm90a_m128n128_pad.cu",
-        "fwd_e4m3_d128_col_lse_fa3_sm90a_m128n128_pad.cu"]
+        "fwd_e4m3_d128_causal_lse_fa3_sm90a_m128n128_pad.cu",
+        "fwd_e4m3_d128_lse_fa3_sm90a_m128n128_pad.cu"]
     assert len(list(out.glob("kvcache_*.cu"))) == 13
     # Decode from an e4m3 cache, for H100/H200 only.
     assert sorted(p.name for p in out.glob("kvcache_*_kve4m3_*.cu")) == sorted(
@@ -55,7 +56,7 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     assert result.returncode == 0, result.stderr
     # minimal's fwd instances leave out the log-sum-exp, extended's write it: none are shared;
     # its two sm90a bwd and three sm90a kvcache ones are extended's.
-    assert "7 of 15750 instances selected (fwd 2, bwd 2, kvcache 3;" in result.stdout
+    assert "7 of 15777 instances selected (fwd 2, bwd 2, kvcache 3;" in result.stdout
     assert "5 unchanged, 79 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
         "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu",
@@ -189,12 +190,12 @@ def test_presets_table(run_cli):
     rows = {line.split()[0]: [int(n) for n in line.split()[1:7]]
             for line in lines[1:] if not line.startswith(" ")}
     assert rows == {"default": [10, 5, 13, 28, 12, 16],
-                    "extended": [294, 276, 420, 990, 444, 546],
+                    "extended": [321, 276, 420, 1017, 444, 573],
                     "minimal": [4, 4, 6, 14, 7, 7],
                     "flash_attn": [2040, 2040, 1188, 5268, 2592, 2676],
                     "pytorch": [448, 672, 0, 1120, 560, 560],
-                    "coverage": [596, 392, 640, 1628, 778, 850],
-                    "all": [10122, 4056, 1572, 15750, 7824, 7926]}
+                    "coverage": [616, 392, 640, 1648, 778, 870],
+                    "all": [10149, 4056, 1572, 15777, 7824, 7953]}
     assert "CI smoke build (14 TUs)" in result.stdout
     assert max(map(len, lines)) <= 100
 
@@ -217,12 +218,12 @@ def test_presets_json_with_targets_and_filter(run_cli):
             "kvcache,fa3,paged,bf16,kv_dtype=same,hdim128,causal",
             "kvcache,fa2,bf16,kv_dtype=e4m3,hdim128,mask=none|causal,bias=none,!softcap,nohpad,"
             "sm90a",
-            "fwd,fa3,e4m3,hdim128,mask=none|causal,mode=batch,lse"],
+            "fwd,fa3,e4m3,hdim128,mask=none|causal,vlayout=row,mode=batch,lse"],
         "instances": 16, "instances_per_op": {"fwd": 5, "bwd": 2, "kvcache": 9}, "tus": 16,
         "tus_per_target": {"sm80": 0, "sm90a": 16}, "why": default["why"]}
     assert default["why"].startswith("What `pip install .` builds")
-    # extended's e4m3 forward on sm90a without windows: 12 of its 18.
-    assert rows[1]["instances_per_op"] == {"fwd": 100 + 12, "bwd": 100, "kvcache": 152}
+    # extended's e4m3 forward on sm90a without windows: 30 of its 45.
+    assert rows[1]["instances_per_op"] == {"fwd": 100 + 30, "bwd": 100, "kvcache": 152}
     assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2, "kvcache": 3}
 
 
@@ -243,7 +244,7 @@ def test_shards_split_the_selection(run_cli, tmp_path):
              for index in range(1, 5)]
     assert sorted(sum(parts, [])) == sorted(whole)
     assert all(part == [name for name in whole if name in part] for part in parts)
-    assert [len(part) for part in parts] == [248, 248, 247, 247]
+    assert [len(part) for part in parts] == [255, 254, 254, 254]
     assert parts[1] == run_cli("--list", "--preset", "extended",
                                "--shard", "2/4").stdout.split()  # deterministic
 
@@ -252,19 +253,19 @@ def test_shard_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out, "--preset", "extended", "--shard", "2/4")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("generator: 990 of 15750 instances selected (fwd 294, "
-                                    "bwd 276, kvcache 420; 129402 pruned); shard 2/4: 248 TUs "
+    assert result.stdout.startswith("generator: 1017 of 15777 instances selected (fwd 321, "
+                                    "bwd 276, kvcache 420; 129375 pruned); shard 2/4: 254 TUs "
                                     "(sm80 ")
-    assert "251 files written" in result.stdout
+    assert "257 files written" in result.stdout
     tus = sorted(p.name for p in out.glob("*.cu"))
     listed = run_cli("--list", "--preset", "extended", "--shard", "2/4").stdout.split()
     assert tus == sorted(f"{name}.cu" for name in listed)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["instances"]) == 990
+    assert len(manifest["instances"]) == 1017
     assert (manifest["shard"]["index"], manifest["shard"]["count"]) == (2, 4)
     assert sorted(manifest["shard"]["tus"]) == tus
     table = (out / "dispatch_table.cpp").read_text()
-    assert table.count("&instances::launch_") == 990
+    assert table.count("&instances::launch_") == 1017
     assert table.count("&instances::workspace_bwd_") == 276
     assert table.count("&instances::workspace_kvcache_") == 420
 
@@ -287,7 +288,7 @@ def test_explain_hit_names_the_rule_and_the_runner_up(run_cli):
                         "seqlen_k=1024,seqused=false,arch=86")
     assert lines[1] == "chosen:  fwd_bf16_d128_causal_lse_fa2_sm80_m128n64_pad_hpad"
     assert lines[2] == (
-        "why:     4 of the 294 selected fwd instances serve it; it goes ahead of the runner-up "
+        "why:     4 of the 321 selected fwd instances serve it; it goes ahead of the runner-up "
         "fwd_bf16_d192x128_causal_lse_fa2_sm80_m128n64_pad_hpad by rule 6 of the dispatch order, "
         "the tightest padded head dims first: head dims 128x128 against head dims 192x128")
     assert lines[3] == "serving, in dispatch order:"
@@ -320,7 +321,7 @@ def test_explain_quotes_every_rule_that_keeps_fa3_away(run_cli):
     result = run_cli("--explain", "dtype=bf16,hdim=96,vlayout=col,softcap=true,arch=90",
                      "--preset", "all")
     notes = [line for line in result.stdout.splitlines() if line.startswith("note:")]
-    # fa3 reads V^T of e4m3 inputs only: the rule names the dtype too.
+    # fa3 reads V^T of e4m3 inputs only: the rule names the 16-bit dtypes too.
     assert [note.partition(" has no instance for ")[2].split(":")[0] for note in notes] == [
         "hdim=96x96", "dtype=bf16, vlayout=col", "softcap=true"]
     assert all(note.endswith("; falling back to fa2") for note in notes)
@@ -343,7 +344,7 @@ def test_explain_miss_lists_the_nearest_and_a_filter_that_fits(run_cli):
                      "--preset", "extended")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[1] == "none of the 294 selected fwd instances serves it; the nearest:"
+    assert lines[1] == "none of the 321 selected fwd instances serves it; the nearest:"
     assert lines[2] == ("  fwd_bf16_d128_lse_fa2_sm80_m128n64: bias=none (the call: alibi); "
                         "vlayout=row (the call: col)")
     assert lines[5] == "the matrix has one that fits: fwd_bf16_d128_alibi_col_fa2_sm80_m128n64"
@@ -404,7 +405,7 @@ def test_filter_names_an_operation(run_cli):
     assert len(bwd) == 276 and all(name.startswith("bwd_") for name in bwd)
     assert listed("--filter", "op=bwd") == bwd
     fwd = listed("--filter", "fwd")
-    assert len(fwd) == 294 and all(name.startswith("fwd_") for name in fwd)
+    assert len(fwd) == 321 and all(name.startswith("fwd_") for name in fwd)
     kvcache = listed("--filter", "kvcache")
     assert len(kvcache) == 420 and all(name.startswith("kvcache_") for name in kvcache)
     assert listed() == fwd + bwd + kvcache
