@@ -1,7 +1,8 @@
 """fmha.fwd on float8 e4m3 inputs (FlashAttention-3's FP8 forward), without a GPU: the checks
 of q, k, v and the descale factors (TypeError/ValueError before anything reaches a GPU, naming
-the argument), the FwdArgs a call builds (dtype, the V^T copy of a row-major v, the descale
-strides of every broadcast shape), the bf16 output of the op's fake implementation, the
+the argument), the FwdArgs a call builds (dtype, v read in place, row-major or V^T, in batch
+and group mode (V^T refused there), the descale strides of every broadcast shape), the bf16
+output of the op's fake implementation, the
 refusals of the entry points without FP8 (backward, KV-cache queries, autograd), the FA3
 compat layer, and the C++ API's checks through a driver built against a rendered table."""
 
@@ -16,7 +17,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from conftest import repository  # noqa: E402
 from fmha import _C, _api  # noqa: E402
-from fmha._checks import e4m3_v_transposed  # noqa: E402
 from fmha.compat import flash_attn_interface as fa3  # noqa: E402
 from generator.render import render  # noqa: E402
 from test_generator_render import (CUDA_INCLUDE, CUDA_LIB, REPO_ROOT,  # noqa: E402
@@ -32,9 +32,7 @@ def qkv(b=2, sq=16, sk=16, hq=4, hk=2, d=128, dv=128, dtype=E4M3, device="cpu"):
 
 
 def fake_qkvt(b=2, sq=16, sk=16, hq=4, hk=2, d=128):
-    """Fake CUDA q, k and a V^T view (keys contiguous), for FakeTensorMode: a CPU build of torch
-    cannot trace the copy that transposes a row-major v on fake CUDA tensors (a CUDA build
-    and torch.compile on a GPU can)."""
+    """Fake CUDA q, k and a V^T view (keys contiguous), for FakeTensorMode."""
     return (torch.empty(b, sq, hq, d, dtype=E4M3, device="cuda"),
             torch.empty(b, sk, hk, d, dtype=E4M3, device="cuda"),
             torch.empty(b, hk, d, sk, dtype=E4M3, device="cuda").permute(0, 3, 1, 2))
@@ -54,9 +52,9 @@ def no_device_check(monkeypatch):
 
 
 def build_args(q, k, v, **kwargs) -> "_C.FwdArgs":
-    """The FwdArgs fwd builds for a call, v as fwd runs it (a V^T copy of a row-major v)."""
+    """The FwdArgs fwd builds for a call."""
     options = {**_api._OPTION_DEFAULTS, **kwargs}
-    ops = _api._prepare(q, k, e4m3_v_transposed(v), options.pop("causal", False),
+    ops = _api._prepare(q, k, v, options.pop("causal", False),
                         options.pop("softmax_scale", None), **options, materialize=True,
                         fp8=True)
     out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=torch.bfloat16)
@@ -169,41 +167,79 @@ def test_a_transposed_descale_view_keeps_its_strides(no_device_check):
     assert (a.v_descale_batch_stride, a.v_descale_head_stride) == (1, 2)
 
 
-# ---- the FwdArgs of an e4m3 call, and V^T ---------------------------------------------------
+# ---- the FwdArgs of an e4m3 call: v row-major or V^T, read in place ------------------------
 
-def test_args_of_an_e4m3_call_read_a_v_transposed_copy(no_device_check):
+def test_a_row_major_v_is_read_as_it_is(no_device_check):
+    """What models hold: no copy, the row-major layout (the kernel transposes V itself)."""
     b, s, hk, d = 2, 20, 2, 128
     q, k, v = qkv(sk=s)
     a, ops = build_args(q, k, v, causal=True)
     assert a.dtype == _C.DTYPE_E4M3 == 2
     assert a.traits()["dtype"] == _C.DTYPE_E4M3
-    # One copy with the keys contiguous, each row of keys 32 (20 rounded up to 16s) apart.
-    assert a.vlayout == _C.VLAYOUT_COL_MAJOR
+    assert ops.v is v
+    assert (a.vlayout, a.traits()["vlayout"]) == (_C.VLAYOUT_ROW_MAJOR, _C.VLAYOUT_ROW_MAJOR)
     assert (a.v_seq_stride, a.v_dim_stride, a.v_head_stride, a.v_batch_stride) == (
-        1, 32, d * 32, hk * d * 32)
-    assert ops.v.shape == v.shape and torch.equal(ops.v.float(), v.float())
+        hk * d, 1, d, s * hk * d)
     assert (a.q_seq_stride, a.k_head_stride) == (4 * d, d)
+
+
+def test_a_row_major_vs_strides_are_multiples_of_16_elements():
+    """Read in place, a row-major v's strides are checked as q's and k's are."""
+    q, k, _ = qkv()
+    v = torch.randn(2, 16, 2, 136).to(E4M3)[..., :128]  # strides multiples of 8, not 16
+    with pytest.raises(ValueError, match=r"fmha.fwd: v has strides \(4352, 272, 136, 1\); every "
+                                         r"one but its contiguous dimension's must be a multiple "
+                                         r"of 16 elements"):
+        fmha.fwd(q, k, v)
 
 
 def test_a_v_transposed_input_runs_as_it_is(no_device_check):
     q, k, _ = qkv()
     vt = torch.randn(2, 2, 128, 16).to(E4M3).permute(0, 3, 1, 2)  # (b, sk, hk, d), keys first
-    assert e4m3_v_transposed(vt) is vt
     a, ops = build_args(q, k, vt)
     assert ops.v is vt
     assert (a.vlayout, a.v_seq_stride, a.v_dim_stride) == (_C.VLAYOUT_COL_MAJOR, 1, 16)
 
 
-def test_group_mode_and_gqa(no_device_check):
+def test_group_mode_gqa_and_descales_per_sequence(no_device_check):
+    """Group mode reads a row-major v in place; the descales' rows are the sequences."""
     q, k, v, group = packed()
-    a, ops = build_args(q, k, v, q_descale=torch.ones(3, 2), **group)
+    scale = torch.ones(3, 2)
+    a, ops = build_args(q, k, v, q_descale=scale, k_descale=scale[:, :1],
+                        v_descale=scale.t().contiguous().t(), **group)
     assert (a.mode, a.batch, a.nhead_q, a.nhead_k) == (_C.MODE_GROUP, 3, 4, 2)
-    assert (a.vlayout, a.v_seq_stride, a.v_dim_stride, a.v_head_stride) == (
-        _C.VLAYOUT_COL_MAJOR, 1, 48, 128 * 48)
+    assert ops.v is v
+    assert (a.vlayout, a.v_seq_stride, a.v_dim_stride, a.v_head_stride, a.v_batch_stride) == (
+        _C.VLAYOUT_ROW_MAJOR, 2 * 128, 1, 128, 0)
     assert (a.q_descale_batch_stride, a.q_descale_head_stride) == (2, 1)
+    assert (a.k_descale_batch_stride, a.k_descale_head_stride) == (2, 0)
+    assert (a.v_descale_batch_stride, a.v_descale_head_stride) == (1, 3)
     with pytest.raises(ValueError, match=r"q_descale must have shape \(batch, nheads_k\) = "
                                          r"\(3, 2\)"):
         fmha.fwd(q, k, v, q_descale=torch.ones(2, 2), **group)
+
+
+def packed_vt(total_k=48, hk=2, d=128):
+    """A V^T view of a packed v: (total_k, hk, d) with the keys contiguous."""
+    return torch.randn(hk, d, total_k).to(E4M3).permute(2, 0, 1)
+
+
+def test_v_transposed_in_group_mode_is_refused_naming_why():
+    q, k, _, group = packed()
+    message = (r"fmha.fwd: in group mode \(varlen\) a torch.float8_e4m3fn v must have its head "
+               r"dimension contiguous \(row-major, which the kernel transposes\), got a V\^T "
+               r"view \(strides \(1, 6144, 48\)\): TMA copies V\^T tiles with the keys innermost "
+               r"and cannot copy one of a packed sequence whose first key is not a multiple of "
+               r"16; pass v.contiguous\(\), or call batch mode")
+    with pytest.raises(ValueError, match=message):
+        fmha.fwd(q, k, packed_vt(), **group)
+    meta = {**group, **{key: group[key].to("meta") for key in ("cu_seqlens_q", "cu_seqlens_k")}}
+    with pytest.raises(ValueError, match=message):  # select checks as fwd does
+        fmha.select(q.to("meta"), k.to("meta"), packed_vt().to("meta"), capability=(9, 0),
+                    **meta)
+    with pytest.raises(ValueError, match=message):  # FlashAttention-3's varlen: through fmha.fwd
+        fa3.flash_attn_varlen_func(q, k, packed_vt(), group["cu_seqlens_q"],
+                                   group["cu_seqlens_k"], 20, 20)
 
 
 def test_the_op_returns_bf16():
@@ -217,8 +253,7 @@ def test_the_op_returns_bf16():
         assert (out.dtype, out.shape, lse.dtype, lse.shape) == (
             torch.bfloat16, (2, 16, 4, 128), torch.float32, (2, 4, 16))
         q, k, v, group = packed()
-        q, k = (torch.empty(t.shape, dtype=E4M3, device="cuda") for t in (q, k))
-        v = torch.empty(2, 128, 48, dtype=E4M3, device="cuda").permute(2, 0, 1)
+        q, k, v = (torch.empty(t.shape, dtype=E4M3, device="cuda") for t in (q, k, v))
         group = {**group, **{key: torch.zeros(4, dtype=torch.int32, device="cuda")
                              for key in ("cu_seqlens_q", "cu_seqlens_k")}}
         assert fmha.fwd(q, k, v, **group).dtype == torch.bfloat16
@@ -232,26 +267,35 @@ def test_the_ops_schema_takes_the_descales_and_the_backwards_does_not():
 
 # ---- select and explain --------------------------------------------------------------------
 
+TRAITS_NOTE = ("the e4m3 (FP8) forward has instances on fa3 (sm90a) only, for row-major V in "
+               "batch and group mode and V^T (VLayout::kColMajor) in batch mode, and not every "
+               "trait: python -m generator --preset all --filter e4m3 --list names them")
+
+
 @pytest.mark.parametrize("api", [fmha.select, fmha.explain])
-def test_select_and_explain_describe_the_v_transposed_call(api):
+@pytest.mark.parametrize("vlayout", ["row", "col"])
+def test_select_and_explain_describe_the_call_as_given(api, vlayout):
     q, k, v = (t.to("meta") for t in qkv())
+    if vlayout == "col":
+        v = torch.empty(2, 2, 128, 16, dtype=E4M3, device="meta").permute(0, 3, 1, 2)
     a = _api._described(api.__name__, q, k, v, True, None,
                         dict(q_descale=torch.ones(2, 2, device="meta")), cc=90)
     assert (a.dtype, a.vlayout, a.v_seq_stride, a.v_dim_stride) == (
-        _C.DTYPE_E4M3, _C.VLAYOUT_COL_MAJOR, 1, 16)
+        (_C.DTYPE_E4M3, _C.VLAYOUT_ROW_MAJOR, 2 * 128, 1) if vlayout == "row"
+        else (_C.DTYPE_E4M3, _C.VLAYOUT_COL_MAJOR, 1, 16))
     assert a.q_descale != 0 and a.k_descale == 0  # marked given, never read
     assert (a.q_descale_batch_stride, a.q_descale_head_stride) == (2, 1)
     names = {i["name"] for i in fmha.instances()}
-    if any(name.startswith("fwd_e4m3_d128_causal_col_") for name in names):
+    spelled = "col_" if vlayout == "col" else ""
+    if any(name.startswith(f"fwd_e4m3_d128_causal_{spelled}") and
+           ("_col_" in name) == (vlayout == "col") for name in names):
         return  # a build with an instance that serves it (with or without the LSE) answers
     with pytest.raises(fmha.MissingInstanceError) as miss:
         fmha.select(q, k, v, causal=True, capability=(9, 0))
     message = str(miss.value)
     assert "dtype=e4m3 hdim_q=128 hdim_v=128 mask=causal" in message
-    assert "FMHA_FILTER='e4m3,hdim128,mask=causal,bias=none,vlayout=col," in message
-    assert ("the e4m3 (FP8) forward has instances on fa3 (sm90a) only, for V^T "
-            "(VLayout::kColMajor) and not every trait: python -m generator --preset all "
-            "--filter e4m3 --list names them") in message
+    assert f"FMHA_FILTER='e4m3,hdim128,mask=causal,bias=none,vlayout={vlayout}," in message
+    assert TRAITS_NOTE in message
 
 
 def test_select_bwd_takes_no_descales():
@@ -416,7 +460,20 @@ int main() {
   std::cout << fmha::detail::explain_selection(row, 90) << "----\\n";
   fmha::FwdArgs d96 = call();
   d96.hdim_q = d96.hdim_v = 96;
-  std::cout << fmha::detail::explain_selection(d96, 90);
+  std::cout << fmha::detail::explain_selection(d96, 90) << "----\\n";
+  fmha::FwdArgs group_vt = call();
+  group_vt.mode = fmha::Mode::kGroup;
+  group_vt.cu_seqlens_q = group_vt.cu_seqlens_k = reinterpret_cast<const int32_t*>(memory);
+  group_vt.total_q = group_vt.total_k = 256;
+  std::cout << fmha::fwd(group_vt, nullptr).message << "\\n----\\n";
+  std::cout << fmha::detail::explain_selection(group_vt, 90) << "----\\n";
+  fmha::FwdArgs group_row = row;
+  group_row.mode = fmha::Mode::kGroup;
+  group_row.cu_seqlens_q = group_row.cu_seqlens_k = reinterpret_cast<const int32_t*>(memory);
+  group_row.total_q = group_row.total_k = 256;
+  group_row.lse = reinterpret_cast<float*>(memory);
+  group_row.lse_head_stride = 256;
+  std::cout << fmha::detail::explain_selection(group_row, 90);
 }
 """
 
@@ -440,7 +497,7 @@ def test_cpp_checks_and_explains_e4m3_calls(tmp_path):
     assert compiled.returncode == 0, compiled.stderr
     ran = subprocess.run([str(program)], capture_output=True, text=True, check=True)
     (bf16, strides, negative, unaligned, q_stride, v_stride, o_stride, unknown, backward, cache,
-     row, d96) = ran.stdout.split("----\n")
+     row, d96, group_vt, group_vt_explained, group_row) = ran.stdout.split("----\n")
     assert bf16 == ("fmha::fwd: q_descale/k_descale/v_descale are for dtype kE4M3 (they "
                     "dequantize e4m3 inputs); a kBF16 call takes none\n")
     assert strides == ("fmha::fwd: v_descale_head_stride is 1; the descale strides are for "
@@ -458,35 +515,43 @@ def test_cpp_checks_and_explains_e4m3_calls(tmp_path):
     assert cache == ("fmha::fwd_kvcache: dtype is the queries' (q, k_new, v_new and o): kFP16 or "
                      "kBF16; DataType::kE4M3 is an input type of fmha::fwd only. An FP8 cache is "
                      "kv_dtype KvCacheDtype::kE4M3, with 16-bit queries\n")
-    assert "no instance has these traits" in row
-    assert ("FMHA_FILTER='e4m3,hdim128,mask=none,bias=none,vlayout=row,mode=batch,dropout=false,"
-            "softcap=false,sm90a'") in row
-    assert ("; the e4m3 (FP8) forward has instances on fa3 (sm90a) only, for V^T "
-            "(VLayout::kColMajor) and not every trait: python -m generator --preset all "
-            "--filter e4m3 --list names them.") in row
+    # Row-major V: the kernel transposes it (batch mode here, group mode below).
+    assert "Runs fwd_e4m3_d128_fa3_sm90a_m128n128_pad (fa3, sm90a," in row
     # A head dim of no e4m3 instance: built exactly, never padded.
     assert "FMHA_FILTER='e4m3,hdim96,mask=none,bias=none,vlayout=col," in d96
     assert "hpad" not in d96.split("FMHA_FILTER=")[1].split("'")[1]
+    assert f"; {TRAITS_NOTE}." in d96
+    # V^T in group mode: refused before any launch (the copy would trap), and in explain too.
+    why = ("dtype kE4M3 takes V^T (VLayout::kColMajor) in Mode::kBatch only: TMA copies V^T tiles "
+           "with the keys innermost, and a packed sequence whose first key (cu_seqlens_k) is not "
+           "a multiple of 16 cannot be copied; in Mode::kGroup pass V row-major "
+           "(VLayout::kRowMajor), which the kernel transposes")
+    assert group_vt == f"fmha::fwd: {why}\n"
+    assert f"; {TRAITS_NOTE}." in group_vt_explained
+    # The table holds batch-mode instances only: group mode with a row-major V is a miss of
+    # its traits, whose filter builds the group instance.
+    assert "no instance has these traits" in group_row
+    assert "FMHA_FILTER='e4m3,hdim128,mask=none,bias=none,vlayout=row,mode=group," in group_row
 
 
 # ---- compile on demand ---------------------------------------------------------------------
 
-LEAN, WITH_LSE = ("fwd_e4m3_d128_causal_col_fa3_sm90a_m128n128_pad",
-                  "fwd_e4m3_d128_causal_col_lse_fa3_sm90a_m128n128_pad")
+LEAN, WITH_LSE = ("fwd_e4m3_d128_causal_fa3_sm90a_m128n128_pad",
+                  "fwd_e4m3_d128_causal_lse_fa3_sm90a_m128n128_pad")
 
 
 @pytest.mark.parametrize("given, lse, names", [(dict(), False, [LEAN, WITH_LSE]),
                                                (dict(return_lse=True), True, [WITH_LSE])])
 def test_an_e4m3_miss_compiles_its_fa3_instance(given, lse, names):
-    """The recipe of a miss of an e4m3 call (v row-major: described as the V^T copy fwd runs)
-    selects the fa3 instances that serve it for sm90a (both, without the log-sum-exp), and none
-    for sm80 (nothing is compiled here)."""
+    """The recipe of a miss of an e4m3 call (v row-major, as models hold it) selects the fa3
+    instances that serve it for sm90a (both, without the log-sum-exp), and none for sm80
+    (nothing is compiled here)."""
     from fmha import jit
     q, k, v = (t.to("meta") for t in qkv())
     args = _api._described("select", q, k, v, True, None, given, cc=90)
     filter_text, target = _C.instance_recipe(args, 90)
     assert target == "sm90a"
-    assert {"e4m3", "vlayout=col"} <= set(filter_text.split(","))
+    assert {"e4m3", "vlayout=row"} <= set(filter_text.split(","))
     assert ("lse=true" in filter_text.split(",")) == lse
     assert [i.name for i in jit._selection(filter_text, target).instances] == names
     filter_text, target = _C.instance_recipe(args, 80)
@@ -508,6 +573,8 @@ def test_an_e4m3_miss_compiles_its_fa3_instance(given, lse, names):
     (dict(dtype=_C.DTYPE_E4M3, k_seq_stride=136),
      "k seq stride is 136; it must be a non-negative multiple of 16 elements"),
     (dict(dtype=3), "unknown dtype 3; valid: kFP16, kBF16, kE4M3"),
+    (dict(dtype=_C.DTYPE_E4M3, mode=_C.MODE_GROUP, vlayout=_C.VLAYOUT_COL_MAJOR),
+     "dtype kE4M3 takes V\\^T \\(VLayout::kColMajor\\) in Mode::kBatch only: TMA copies"),
 ])
 def test_cpp_checks_of_e4m3_calls_through_the_bindings(overrides, message):
     from test_api_checks import cpp_fwd

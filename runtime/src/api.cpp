@@ -342,6 +342,13 @@ Status check_fwd_args(const FwdArgs& a, bool check_memory) {
     return invalid("alibi_slopes is set but the bias type is not BiasType::kAlibi");
   }
   if (Status st = check_descales(a, check_memory); !st.ok()) return st;
+  // Refused before any launch, as the copy would trap on the device (fmha.h's VLayout).
+  if (a.dtype == DataType::kE4M3 && a.vlayout == VLayout::kColMajor && a.mode == Mode::kGroup) {
+    return invalid("dtype kE4M3 takes V^T (VLayout::kColMajor) in Mode::kBatch only: TMA copies "
+                   "V^T tiles with the keys innermost, and a packed sequence whose first key "
+                   "(cu_seqlens_k) is not a multiple of 16 cannot be copied; in Mode::kGroup pass "
+                   "V row-major (VLayout::kRowMajor), which the kernel transposes");
+  }
   if (is_empty(a) || !check_memory) return Status::Ok();
 
   // Group mode ignores the batch strides: a sequence starts at its cu_seqlens entry.

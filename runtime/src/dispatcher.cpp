@@ -463,9 +463,9 @@ const char* traits_note(const Traits&) {
 }
 const char* traits_note(const FwdTraits& w) {
   return w.dtype == DataType::kE4M3
-             ? "the e4m3 (FP8) forward has instances on fa3 (sm90a) only, for V^T "
-               "(VLayout::kColMajor) and not every trait: python -m generator --preset all "
-               "--filter e4m3 --list names them"
+             ? "the e4m3 (FP8) forward has instances on fa3 (sm90a) only, for row-major V in "
+               "batch and group mode and V^T (VLayout::kColMajor) in batch mode, and not every "
+               "trait: python -m generator --preset all --filter e4m3 --list names them"
              : nullptr;
 }
 

@@ -22,7 +22,8 @@ using Stream = CUstream_st*;  // a cudaStream_t; nullptr is the legacy default s
 
 // kE4M3 is float8 e4m3 (OCP, torch.float8_e4m3fn: no infinities, largest finite 448), a forward
 // input type only (fa3, sm90a): Q, K and V are e4m3 with descale factors (FwdArgs::q_descale and
-// the like) and O is bf16.
+// the like) and O is bf16. V is row-major (transposed in the kernel) in either mode, or V^T
+// (VLayout::kColMajor) in batch mode only.
 enum class DataType : int { kFP16 = 0, kBF16 = 1, kE4M3 = 2 };
 
 // Which keys a query row sees. Query row i is aligned with key row i + offset, where the
@@ -43,7 +44,10 @@ enum class MaskAlign : int { kTopLeft = 0, kBottomRight = 1 };
 enum class BiasType : int { kNone = 0, kElementwise = 1, kAlibi = 2 };
 
 // V per (batch, head): kRowMajor is (seqlen_k, hdim_v) with hdim contiguous, like K;
-// kColMajor is (hdim_v, seqlen_k) with seqlen contiguous (V^T stored).
+// kColMajor is (hdim_v, seqlen_k) with seqlen contiguous (V^T stored). DataType::kE4M3 takes
+// kColMajor in Mode::kBatch only: TMA copies its tiles with the keys innermost, and a packed
+// sequence whose first key (cu_seqlens_k) is not a multiple of 16 cannot be copied (the copy
+// traps); a row-major e4m3 V serves both modes.
 enum class VLayout : int { kRowMajor = 0, kColMajor = 1 };
 
 // kBatch: every sequence of the batch has seqlen_q / seqlen_k rows (fewer when seqused_*

@@ -34,7 +34,6 @@ from fmha._checks import (
     check_options,
     check_seqused,
     descale_strides,
-    e4m3_v_transposed,
     kernel_strides,
     out_dtype,
     v_layout,
@@ -349,14 +348,14 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     CUDA tensors of shape (batch, nheads_k), FlashAttention-3's, or one that broadcasts to it
     ((), (1,), (nheads_k,), (1, 1), (batch, 1), (1, nheads_k)); None is 1. The logits are
     q k^T * q_descale * k_descale * softmax_scale (query head h takes K/V head h // (nheads /
-    nheads_k)'s factors), out is softmax(...) v * v_descale. The e4m3 kernels read V^T: a v
-    with its head dim contiguous (what models hold) is copied once per call into V^T (keys
-    contiguous, each row of keys padded to a multiple of 16), as the in-kernel transpose does
-    not exist yet; a v with its sequence dim contiguous (a V^T view whose strides are multiples
-    of 16) runs as it is. Head dims are multiples of 16 (never padded); the e4m3 instances
-    have 64, 128 and 256, no bias, ALiBi, dropout or soft-capping, with every mask, in batch
-    mode (no group mode yet: packed V^T sequences start at keys TMA cannot copy from), with
-    MQA/GQA. No backward: e4m3 inputs that require grad are refused.
+    nheads_k)'s factors), out is softmax(...) v * v_descale; in group mode row b of a descale
+    is sequence b's. v is read as it is given, never copied: with its head dim contiguous (what
+    models hold; the kernel transposes it in shared memory), in batch and group mode, or with
+    its sequence dim contiguous (a V^T view), in batch mode only (a ValueError in group mode:
+    TMA cannot copy V^T tiles of packed sequences that start at a key not a multiple of 16).
+    Strides are multiples of 16 elements and head dims multiples of 16 (never padded); the
+    e4m3 instances have 64, 128 and 256, no bias, ALiBi, dropout or soft-capping, with every
+    mask and MQA/GQA. No backward: e4m3 inputs that require grad are refused.
     The descales with inputs of another dtype are an error.
 
     Returns out, or (out, lse) with return_lse=True: the natural-log log-sum-exp of every row's
@@ -370,8 +369,6 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     """
     if instance is not None:
         check_instance(instance)
-    if isinstance(q, torch.Tensor) and q.dtype == E4M3:
-        v = e4m3_v_transposed(v)  # the e4m3 kernels read V^T: a row-major v is copied
     descales = (q_descale, k_descale, v_descale)
     key = _plans.call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias,
                           attn_mask, alibi_slopes, softcap, dropout_p, dropout_seed,
@@ -552,8 +549,6 @@ def _described(api: str, q, k, v, causal, softmax_scale, options: dict,
                         f"fmha.fwd's, without instance, and capability")
     ops = _prepare(q, k, v, causal, softmax_scale, **{**_OPTION_DEFAULTS, **options},
                    materialize=False, check_device=not cc, fp8=True)
-    # An e4m3 call runs on a V^T copy of a row-major v (fwd): described by the copy's layout.
-    ops = ops._replace(v=e4m3_v_transposed(ops.v, meta=True))
     args = _make_args(_padded_as_described(ops), out=None, lse=None)
     if ops.return_lse:
         args.lse = _PLACEHOLDER_POINTER

@@ -242,16 +242,22 @@ def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     p = Problem(group, b, seqlen_q, seqlen_k, hq, hk, dq, dv)
     layout = v_layout(v)[0]
     # The layouts of the tensors the kernels read: a tensor the call copies (p.copies) has the
-    # copy's; so has an e4m3 V with its head dim contiguous, which fmha.fwd runs on a V^T copy
-    # (e4m3_v_transposed).
-    laid_out = [(name, t) for name, t in named if not p.copies(t)
-                and not (e4m3 and name == "v" and layout == _C.VLAYOUT_ROW_MAJOR)]
+    # copy's. (An e4m3 V is read as it is given, row-major or V^T.)
+    laid_out = [(name, t) for name, t in named if not p.copies(t)]
     for name, t in laid_out:
         if name != "v" and t.stride(-1) != 1 and t.size(-1) > 1:
             raise ValueError(
                 f"fmha.{api}: {name}'s last (head) dimension must be contiguous, got strides "
                 f"{tuple(t.stride())}; pass {name}.contiguous() or a view of a contiguous tensor"
             )
+    if e4m3 and group and layout == _C.VLAYOUT_COL_MAJOR:
+        raise ValueError(
+            f"fmha.{api}: in group mode (varlen) a {E4M3} v must have its head dimension "
+            "contiguous (row-major, which the kernel transposes), got a V^T view (strides "
+            f"{tuple(v.stride())}): TMA copies V^T tiles with the keys innermost and cannot copy "
+            "one of a packed sequence whose first key is not a multiple of 16; pass "
+            "v.contiguous(), or call batch mode"
+        )
     if layout is None and not p.copies(v):
         raise ValueError(
             f"fmha.{api}: v must have its head dimension (last) or its sequence dimension "
@@ -271,31 +277,6 @@ def check_inputs(q, k, v, group: bool, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         contiguous = -3 if name == "v" and layout == _C.VLAYOUT_COL_MAJOR else -1
         _check_strides(name, t, contiguous % t.dim(), api, row_piece(t.dtype))
     return p
-
-
-def e4m3_v_transposed(v, meta: bool = False):
-    """V as the e4m3 forward reads it: V^T, its keys contiguous (v_layout's column-major), each
-    row of keys starting 16 bytes apart. An e4m3 V with its head dim contiguous (row-major, what
-    models hold) becomes one transposed copy, (..., seqlen_k, nheads_k, headdim_v) with strides
-    (..., 1, headdim_v * pitch, pitch), where pitch is seqlen_k rounded up to a multiple of 16;
-    any other V is returned as it is (V^T already, or what the checks refuse). meta: a meta
-    tensor of the copy's shape and strides instead (select and explain copy nothing)."""
-    if (not isinstance(v, torch.Tensor) or v.dtype != E4M3 or v.dim() not in (3, 4)
-            or v_layout(v)[0] != _C.VLAYOUT_ROW_MAJOR):
-        return v
-    n = v.dim()
-    seqlen_k = v.shape[-3]
-    pitch = max(E4M3_ROW_PIECE, -(-seqlen_k // E4M3_ROW_PIECE) * E4M3_ROW_PIECE)
-    # (..., nheads_k, headdim_v, pitch): the keys last; viewed back as V's shape.
-    to_rows = (*range(n - 3), n - 2, n - 1, n - 3)
-    back = tuple(to_rows.index(d) for d in range(n))
-    shape = tuple(v.shape[d] for d in to_rows[:-1]) + (pitch,)
-    if meta:
-        rows = torch.empty(shape, dtype=E4M3, device="meta")
-    else:
-        rows = v.new_empty(shape)
-        rows[..., :seqlen_k].copy_(v.permute(to_rows))
-    return rows[..., :seqlen_k].permute(back)
 
 
 def _descale_shapes(batch: int, nhead_k: int) -> str:

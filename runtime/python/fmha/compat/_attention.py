@@ -185,7 +185,8 @@ class _Attention(torch.autograd.Function):
 def attend(q, k, v, options: dict, deterministic: bool, return_lse: bool):
     """out, or (out, lse) with return_lse: one fmha.fwd call, differentiable through
     fmha.bwd with `deterministic` where autograd records it. An e4m3 v goes as it is: fmha.fwd
-    reads a V^T view in place and transposes a row-major v itself, once."""
+    reads a row-major v and a V^T view alike in place (the kernel transposes a row-major one),
+    so a V^T view is not copied to row-major."""
     e4m3_v = isinstance(v, torch.Tensor) and v.dtype == torch.float8_e4m3fn
     q, k, v = maybe_contiguous(q), maybe_contiguous(k), v if e4m3_v else maybe_contiguous(v)
     records = torch.is_grad_enabled() and any(

@@ -91,7 +91,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (total_k, nheads_k, headdim[_v]), cu_seqlens_q, cu_seqlens_k int32 (batch + 1,),
     max_seqlen_q, max_seqlen_k ints; seqused_q, seqused_k (optional, int32 (batch,)): sequence
     b uses only its first seqused_q[b] queries and seqused_k[b] keys. FP8 (e4m3) inputs and
-    their descales as flash_attn_func's, batch being the sequences (len(cu_seqlens_q) - 1).
+    their descales as flash_attn_func's, batch being the sequences (len(cu_seqlens_q) - 1):
+    a descale's row b is sequence b's; v row-major (fmha.fwd's e4m3 V^T runs batch mode only).
 
     Returns out (total_q, nheads, headdim_v); with return_attn_probs (out, softmax_lse),
     softmax_lse (nheads, total_q) fp32."""
