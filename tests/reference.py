@@ -943,10 +943,10 @@ class E4m3Case(_MaskedProblem):
     (sequences packed, cu_seqlens). descale: one of DESCALE_KINDS, for q, k and v alike. kind:
     one of STUDY_KINDS, or "heads" (normal entries times a factor per (sequence, K/V head),
     log-uniform in [1/4, 4] for q and k and [1/16, 16] for v, so that per-head descales
-    matter). vcol: V given as V^T (the
-    sequence dim contiguous, what the kernel reads) in a buffer whose padding is NaN; else
-    row-major (the API transposes a copy). layout "poison": q and k are views into buffers
-    wider in the head dim, NaN there."""
+    matter). vcol: V given as V^T (the sequence dim contiguous, what a vlayout-col kernel reads)
+    in a buffer whose padding is NaN; else row-major (read in place by a vlayout-row kernel,
+    which transposes it). layout "poison": q and k are views into buffers wider in the head
+    dim, NaN there."""
 
     d: int
     dv: int
@@ -1135,7 +1135,9 @@ def check_fwd_e4m3(fwd, case: E4m3Case, *, instance=None, device="cuda", seed: i
 
 
 # Lengths of the e4m3 cases: ragged (1, 127, 200, 1000 keys or queries), seqlen_q != seqlen_k
-# both ways, GQA 4:1 and MHA; group mode with an empty sequence of keys and one of queries.
+# both ways, GQA 4:1 and MHA; group mode with an empty sequence of keys and one of queries, and
+# packed sequences starting at keys that are not multiples of 16 (0, 1, 18, 154: what TMA
+# cannot copy from a V^T, and the row-major V's transpose must handle).
 E4M3_BATCH_SHAPES = (
     ("q1_k1000_gqa4", dict(b=2, sq=1, sk=1000, hq=8, hk=2)),
     ("q127_k200_gqa4", dict(b=2, sq=127, sk=200, hq=4, hk=1)),
@@ -1147,15 +1149,17 @@ E4M3_GROUP_SHAPES = (
                          hk=2)),
     ("varlen_empty", dict(seqlens_q=(200, 0, 1), seqlens_k=(0, 127, 1000), hq=4, hk=1)),
     ("varlen_one", dict(seqlens_q=(1000,), seqlens_k=(127,), hq=4, hk=1)),
+    ("varlen_unaligned_gqa4", dict(seqlens_q=(1, 17, 136, 300), seqlens_k=(1, 17, 136, 300),
+                                   hq=8, hk=2)),
 )
 
 
 def e4m3_instance_cases(inst: dict) -> list[tuple[str, E4m3Case]]:
-    """The cases of one e4m3 forward instance: its head dims, mode and mask (causal of both
-    alignments, windows from WINDOW_CASES), each shape with V row-major and as V^T, descales
-    none, per tensor and per (batch, K/V head) in turn, per-head magnitudes, the log-sum-exp
-    where the instance writes it (but in one shape), q and k in NaN-padded views in one shape,
-    a softmax_scale of 0.8 / sqrt(d) in one."""
+    """The cases of one e4m3 forward instance: its head dims, mode, mask (causal of both
+    alignments, windows from WINDOW_CASES) and V layout (row-major, or V^T), each shape with two
+    of the descales none, per tensor and per (batch, K/V head) in turn, per-head magnitudes, the
+    log-sum-exp where the instance writes it (but in one shape), q and k in NaN-padded views in
+    one shape, a softmax_scale of 0.8 / sqrt(d) in one."""
     shapes = E4M3_GROUP_SHAPES if trait(inst, "mode") == "group" else E4M3_BATCH_SHAPES
     cases = []
     for idx, (name, shape) in enumerate(shapes):
@@ -1180,8 +1184,9 @@ def e4m3_instance_cases(inst: dict) -> list[tuple[str, E4m3Case]]:
         if idx == 2:
             base = base.replace(scale=0.8 / math.sqrt(base.d))
             label.append("scale0.8")
-        for vcol in (False, True):
-            descale = DESCALE_KINDS[(idx + 2 * vcol) % len(DESCALE_KINDS)]
+        vcol = trait(inst, "vlayout") == "col"
+        for turn in (0, 1):
+            descale = DESCALE_KINDS[(idx + 2 * turn) % len(DESCALE_KINDS)]
             case = base.replace(vcol=vcol, descale=descale)
             parts = [name, *label, f"descale_{descale or 'none'}", "vcol" if vcol else "vrow"]
             cases.append(("-".join(parts), case))
@@ -1190,7 +1195,8 @@ def e4m3_instance_cases(inst: dict) -> list[tuple[str, E4m3Case]]:
 
 def e4m3_fits(case: E4m3Case, inst: dict) -> str:
     """Why the e4m3 instance `inst` cannot run `case` ("" when it can): dtype, head dims, mask,
-    mode, lse (V's layout is the API's to arrange: it transposes a row-major V)."""
+    mode, V's layout (read as given: row-major by vlayout-row instances, V^T by vlayout-col
+    ones), lse."""
     if inst.get("dtype") != "e4m3":
         return "dtype"
     if (case.d, case.dv) != (inst["hdim_q"], inst["hdim_v"]):
@@ -1199,6 +1205,8 @@ def e4m3_fits(case: E4m3Case, inst: dict) -> str:
         return "mask"
     if ("group" if case.group else "batch") != trait(inst, "mode"):
         return "mode"
+    if ("col" if case.vcol else "row") != trait(inst, "vlayout"):
+        return "vlayout"
     if case.lse and not trait(inst, "lse"):
         return "lse"
     return ""
@@ -1211,7 +1219,7 @@ def e4m3_study_cases(inst: dict, seqlen: int = 1000) -> list[tuple[str, E4m3Case
     shape = (dict(seqlens_q=(seqlen,), seqlens_k=(seqlen,)) if trait(inst, "mode") == "group"
              else dict(b=1, sq=seqlen, sk=seqlen))
     base = E4m3Case(d=inst["hdim_q"], dv=inst["hdim_v"], hq=4, hk=4, lse=bool(trait(inst, "lse")),
-                    **shape)
+                    vcol=trait(inst, "vlayout") == "col", **shape)
     mask = trait(inst, "mask")
     if mask == "causal":
         base = base.replace(causal=True, align="bottom_right")

@@ -2,13 +2,14 @@
 q/k/v_descale, against tests/reference.py's fwd_reference_e4m3.
 
 The cases come from the build's e4m3 instances (fmha.instances() rows of dtype "e4m3"), each
-forced by name: its head dim, mode and mask (causal of both alignments, windows that empty
-rows), lengths 1, 127, 200 and 1000 with seqlen_q != seqlen_k both ways, GQA 4:1 and MHA,
-group mode with empty sequences, descales none, per tensor ((1, 1)) and per (batch, K/V head)
-over heads of magnitudes 2^-2 to 2^2 (q, k) and 2^-4 to 2^4 (v), V row-major (the API
-transposes a copy) and given as V^T (a view of a NaN-padded buffer, sequence stride 1: what the
-kernel reads), q and k as views of NaN-padded buffers, the log-sum-exp where the instance
-writes it. The output goes to a NaN-filled out= where fmha.fwd takes one, else the allocator
+forced by name: its head dim, mode, mask (causal of both alignments, windows that empty rows)
+and V layout, lengths 1, 127, 200 and 1000 with seqlen_q != seqlen_k both ways, GQA 4:1 and
+MHA, group mode with empty sequences and with sequences starting at keys that are not
+multiples of 16, descales none, per tensor ((1, 1)) and per (batch or sequence, K/V head) over
+heads of magnitudes 2^-2 to 2^2 (q, k) and 2^-4 to 2^4 (v), V row-major (read in place: the
+kernel transposes it) for vlayout-row instances and given as V^T (a view of a NaN-padded
+buffer, sequence stride 1) for vlayout-col ones, q and k as views of NaN-padded buffers, the
+log-sum-exp where the instance writes it. The output goes to a NaN-filled out= where fmha.fwd takes one, else the allocator
 is poisoned with NaN blocks of its size. A few cases go through the dispatcher; the accuracy
 study's input kinds (FlashAttention-3's outliers, outlier channels, attention sinks) run on one
 instance of each head dim and mask.
@@ -20,8 +21,8 @@ for the bf16 output's rounding; rows that see no key exactly 0 with lse -inf; ls
 x max(1, |lse|).
 
 Also the API: mixed dtypes are a TypeError, a descale of a shape that does not broadcast to
-(batch, nhead_k) a ValueError, e4m3 inputs that require grad an error (no backward), all before
-any launch.
+(batch, nhead_k) a ValueError, e4m3 inputs that require grad an error (no backward), a V^T in
+group mode a ValueError, all before any launch; a row-major v is not copied.
 """
 
 from __future__ import annotations
@@ -142,20 +143,79 @@ def test_dispatched_within_twice_the_quantizing_reference(name, case):
     check(case, instance=None, inputs=inputs)
 
 
+def _v_transposed_twin(inst: dict):
+    """The built vlayout-col instance of a vlayout-row one's traits and tile, or None."""
+    same = ("hdim_q", "hdim_v", "mask", "mode", "lse", "block_m", "block_n", "warps", "stages")
+    return next((i for i in INSTANCES if R.trait(i, "vlayout") == "col"
+                 and all(i.get(key) == inst.get(key) for key in same)), None)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,case", _params(
-    lambda inst: [c for c in R.e4m3_instance_cases(inst) if not c[1].vcol][:1]))
+    lambda inst: R.e4m3_instance_cases(inst)[:1] if R.trait(inst, "vlayout") == "row" else []))
 def test_v_layouts_give_the_same_output(name, case):
-    """V row-major (the API's transposed copy) and V^T (read in place) run the same kernel on
-    the same values: the same output, bit for bit."""
+    """V row-major (transposed by the kernel's producer warpgroup) and V^T (copied as it is)
+    fill the same V^T stages: an instance of each layout with the same tile gives the same
+    output, bit for bit."""
+    twin = _v_transposed_twin(_instance(name))
+    if twin is None:
+        pytest.skip(f"no vlayout-col instance with {name}'s traits and tile in this build")
     row = R.make_e4m3_inputs(case, "cuda", seed=2)
     col = R.make_e4m3_inputs(case.replace(vcol=True), "cuda", seed=2)
     assert torch.equal(row.v.float(), col.v.float()) and col.v.stride(-3) == 1
     a = fmha.fwd(row.q, row.k, row.v, **row.fwd_kwargs, instance=name)
-    b = fmha.fwd(col.q, col.k, col.v, **col.fwd_kwargs, instance=name)
+    b = fmha.fwd(col.q, col.k, col.v, **col.fwd_kwargs, instance=twin["name"])
     torch.cuda.synchronize()
     a, b = (r[0] if isinstance(r, tuple) else r for r in (a, b))
     assert torch.equal(a, b)
+
+
+def _row_major(mode: str) -> list:
+    return [i for i in INSTANCES if R.trait(i, "vlayout") == "row" and R.trait(i, "mode") == mode]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,case", _params(
+    lambda inst: [("unaligned", None)], _row_major("group")))
+def test_group_mode_row_major_v_at_unaligned_sequence_starts(name, case):
+    """Packed sequences of 1, 17, 136 and 300 keys (starting at keys 0, 1, 18, 154, which TMA
+    cannot copy V^T tiles from: the row-major V is copied by rows and transposed), the same
+    query lengths and the keys' in another order, GQA 4:1, the instance's mask (causal and
+    windows bottom-right), descales per (sequence, K/V head)."""
+    inst = _instance(name)
+    for seqlens_k in ((1, 17, 136, 300), (300, 1, 136, 17)):
+        case = R.E4m3Case(d=inst["hdim_q"], dv=inst["hdim_v"], hq=8, hk=2,
+                          seqlens_q=(1, 17, 136, 300), seqlens_k=seqlens_k, lse=True,
+                          descale="head", align="bottom_right")
+        mask = R.trait(inst, "mask")
+        if mask == "causal":
+            case = case.replace(causal=True)
+        elif mask == "window":
+            case = case.replace(window=(64, 0))
+        assert not R.e4m3_fits(case, inst), R.e4m3_fits(case, inst)
+        check(case, instance=name, seed=_seed(name + case.describe()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,case", _params(lambda inst: [("no_copy", None)],
+                                              _row_major("batch")))
+def test_a_row_major_v_is_not_copied(name, case):
+    """One query on 32768 keys: v (32 MiB) dwarfs the output and the log-sum-exp, so a copy of
+    it would show in the call's peak memory; the kernel reads it in place."""
+    inst = _instance(name)
+    case = R.E4m3Case(d=inst["hdim_q"], dv=inst["hdim_v"], hq=8, hk=8, b=1, sq=1, sk=32768,
+                      descale="tensor")
+    inputs = R.make_e4m3_inputs(case, "cuda", seed=5)
+    assert inputs.v.stride(-1) == 1
+    fmha.fwd(inputs.q, inputs.k, inputs.v, **inputs.fwd_kwargs, instance=name)  # a plan first
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fmha.fwd(inputs.q, inputs.k, inputs.v, **inputs.fwd_kwargs, instance=name)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra < inputs.v.numel() // 4, (
+        f"{name}: the call allocated {extra} bytes beside v's {inputs.v.numel()}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -204,8 +264,8 @@ def test_descale_shapes_that_broadcast_are_taken(shape):
     """Each descale shape that broadcasts to (batch, nhead_k) gives the output of its
     expanded (batch, nhead_k) table."""
     if not any(i["mask"] == "none" and i["mode"] == "batch" and i["hdim_q"] == 128
-               for i in INSTANCES):
-        pytest.skip("no e4m3 d128 batch instance without a mask runs here")
+               and R.trait(i, "vlayout") == "row" for i in INSTANCES):
+        pytest.skip("no e4m3 d128 batch instance without a mask on row-major V runs here")
     q, k, v = _api_problem()
     gen = torch.Generator(device="cuda").manual_seed(3)
     d = torch.rand(shape, generator=gen, device="cuda") + 0.5
@@ -230,11 +290,26 @@ def test_e4m3_inputs_that_require_grad_are_refused(which):
 
 
 @pytest.mark.gpu
+def test_v_transposed_in_group_mode_is_refused_before_any_launch():
+    """TMA would trap on V^T tiles of a packed sequence starting at key 1: the call is refused
+    with the reason (a ValueError, not a miss), and the device stays usable."""
+    hk, d = 2, 128
+    q, k = _e4m3(18, 4, d), _e4m3(18, hk, d)
+    vt = _e4m3(hk, d, 32)[..., :18].permute(2, 0, 1)  # (total_k, hk, d), keys contiguous
+    cu = torch.tensor([0, 1, 18], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="in group mode") as caught:
+        fmha.fwd(q, k, vt, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=17, max_seqlen_k=17)
+    assert not isinstance(caught.value, fmha.MissingInstanceError), str(caught.value)
+    assert "multiple of 16" in str(caught.value)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
 def test_output_is_bf16_and_rows_that_see_no_key_are_zero():
     """1000 queries on 127 keys, causal bottom-right: the first 873 rows of every head see no
     key; their output is exactly 0 and their log-sum-exp -inf (compare_e4m3 checks both)."""
     causal = [i for i in INSTANCES if i["mask"] == "causal" and i["mode"] == "batch"
-              and i["lse"]]
+              and i["lse"] and R.trait(i, "vlayout") == "row"]
     if not causal:
         pytest.skip("no e4m3 causal batch instance with the log-sum-exp runs here")
     inst = causal[0]

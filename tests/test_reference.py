@@ -1601,12 +1601,15 @@ def e4m3_stand_in(q, k, v, *, return_lse=False, out=None, instance=None, p_max="
 
 
 def e4m3_manifest():
-    return [dict(name=f"fwd_e4m3_d{d}_{mask}_{mode}{'_lse' if lse else ''}", dtype="e4m3",
-                 hdim_q=d, hdim_v=d, mask=mask, mode=mode, lse=lse, bias="none", vlayout="col",
-                 dropout=False, softcap=False, pipeline="fa3", arch="sm90a", block_m=128,
-                 block_n=128, pad_seqlen=True, pad_hdim=False)
+    """Rows of e4m3 instances as fmha.instances() lists them: V^T (vlayout col) in batch mode,
+    row-major V in batch and group mode."""
+    return [dict(name=f"fwd_e4m3_d{d}_{mask}_{mode}_{vlayout}{'_lse' if lse else ''}",
+                 dtype="e4m3", hdim_q=d, hdim_v=d, mask=mask, mode=mode, lse=lse, bias="none",
+                 vlayout=vlayout, dropout=False, softcap=False, pipeline="fa3", arch="sm90a",
+                 block_m=128, block_n=128, pad_seqlen=True, pad_hdim=False)
             for d in (64, 128, 256) for mask in ("none", "causal", "window")
-            for mode in ("batch", "group") for lse in (False, True)]
+            for mode, vlayout in (("batch", "col"), ("batch", "row"), ("group", "row"))
+            for lse in (False, True)]
 
 
 @pytest.mark.parametrize("inst", e4m3_manifest(), ids=lambda i: i["name"])
@@ -1620,13 +1623,18 @@ def test_e4m3_instance_cases_fit_and_cover_the_issue(inst):
         other = dict(inst, mask={"none": "causal", "causal": "window", "window": "none"}[
             inst["mask"]])
         assert R.e4m3_fits(case, other) == "mask"
+        other = dict(inst, vlayout={"row": "col", "col": "row"}[inst["vlayout"]])
+        assert R.e4m3_fits(case, other) == "vlayout"
     assert {c.descale for c in specs} == set(R.DESCALE_KINDS)
-    assert {c.vcol for c in specs} == {False, True}
+    assert {c.vcol for c in specs} == {inst["vlayout"] == "col"}
     assert any(c.hq == 4 * c.hk for c in specs), "GQA 4:1"
     lengths = ([(q, k) for c in specs for q, k in zip(c.seqlens_q, c.seqlens_k)] if
                inst["mode"] == "group" else [(c.sq, c.sk) for c in specs])
     assert any(q < k for q, k in lengths) and any(q > k for q, k in lengths)
     assert {1, 127, 200, 1000} <= {n for pair in lengths for n in pair}
+    if inst["mode"] == "group":  # packed sequences starting at keys not multiples of 16
+        starts = {sum(c.seqlens_k[:i]) for c in specs for i in range(len(c.seqlens_k))}
+        assert {1, 18, 154} <= starts
     if inst["lse"]:
         assert any(c.lse for c in specs) and any(not c.lse for c in specs)
     if inst["mask"] != "none":
@@ -1648,7 +1656,7 @@ def test_e4m3_cases_have_rows_that_see_no_key():
         assert any(sees_no_key_somewhere(case) for _, case in R.e4m3_instance_cases(inst)), (
             f"{inst['name']}: no case whose mask or lengths empty a row")
     # The structural test above agrees with the reference's lse on one case.
-    inst = e4m3_manifest()[-1]  # d256, window, group, lse
+    inst = e4m3_manifest()[-1]  # d256, window, group, row-major V, lse
     _, case = next((i, c) for i, c in R.e4m3_instance_cases(inst) if sees_no_key_somewhere(c))
     inputs = R.make_e4m3_inputs(case.replace(d=16, dv=16), "cpu")
     ref = R.fwd_reference_e4m3(inputs.q, inputs.k, inputs.v, **inputs.ref_kwargs)
@@ -1660,8 +1668,8 @@ def test_check_fwd_e4m3_accepts_the_kernels_algorithm(case_index):
     """The whole GPU check on the CPU stand-in: inputs in their layouts (V^T views into
     NaN-padded buffers, q and k in NaN-padded views), descales, the returned out= tensor, the
     pass rule. Cases of a causal batch instance and a window group one, at head dim 64."""
-    batch = [i for i in e4m3_manifest() if i["name"] == "fwd_e4m3_d64_causal_batch_lse"][0]
-    group = [i for i in e4m3_manifest() if i["name"] == "fwd_e4m3_d64_window_group_lse"][0]
+    batch = [i for i in e4m3_manifest() if i["name"] == "fwd_e4m3_d64_causal_batch_col_lse"][0]
+    group = [i for i in e4m3_manifest() if i["name"] == "fwd_e4m3_d64_window_group_row_lse"][0]
     cases = R.e4m3_instance_cases(batch) + R.e4m3_instance_cases(group)
     case_id, case = cases[case_index % len(cases)]
     for out_param in (False, True):
@@ -1693,7 +1701,7 @@ def test_check_fwd_e4m3_rejects_a_faulty_kernel(spoil, match):
     error), a NaN, lse off by 0.05, rows that see no key not 0
     or their lse not -inf: each fails check_fwd_e4m3 with its own message. (1000 queries on
     127 keys, causal bottom-right: the first 873 rows see no key.)"""
-    inst = [i for i in e4m3_manifest() if i["name"] == "fwd_e4m3_d64_causal_batch_lse"][0]
+    inst = [i for i in e4m3_manifest() if i["name"] == "fwd_e4m3_d64_causal_batch_row_lse"][0]
     _, case = R.e4m3_instance_cases(inst)[4]
     assert (case.sq, case.sk) == (1000, 127)
     case = case.replace(align="bottom_right", lse=True)
