@@ -6,8 +6,8 @@ nheads * headdim = --hidden, 4 * b * h * s^2 * d, halved for causal) times, in t
 (fmha.timing.interleaved_medians, so that clock and heat fall on all alike):
 - fmha_vcol: fmha.fwd on float8_e4m3fn q, k and V^T (v given with the sequence dim contiguous,
   what the kernel reads: the kernel's own rate), descales per (batch, K/V head);
-- fmha: the same with v row-major, the layout models hold: the rate a model sees, the API's
-  transposed copy of v included;
+- fmha: the same with v row-major, the layout models hold, read in place and transposed in
+  the kernel's producer warpgroup: the rate a model sees;
 - fmha_bf16: fmha's bf16 forward on the same shapes;
 - scaled_mm: torch._scaled_mm of two e4m3 8192 x 8192 matrices into bf16 (the second operand
   column-major, as cuBLASLt's FP8 GEMM takes it: b = x.t() of a row-major x; fp32 scalar scales

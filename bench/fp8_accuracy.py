@@ -11,8 +11,8 @@ and 1024) and input kind (--kinds, tests/reference.py's study_inputs):
 the float32 inputs are quantized to e4m3 with a descale per tensor, and again per
 (batch, head), mapping the largest magnitude to 448, and the table gives root mean squared
 errors (RMSE over all output elements):
-- e4m3: fmha.fwd on the per-tensor e4m3 inputs (v row-major: the API's V^T copy), against the
-  float64 attention of the dequantized inputs (the truth of the kernel's own error);
+- e4m3: fmha.fwd on the per-tensor e4m3 inputs (v row-major, transposed in the kernel),
+  against the float64 attention of the dequantized inputs (the truth of the kernel's own error);
 - qref: the quantizing reference (P x 256 rounded to e4m3 relative to the final row max,
   float64 otherwise; the tests' 2x yardstick), against the same truth;
 - qref_run: the same with the kernel's running max over 128-key tiles visited last to first;
