@@ -28,10 +28,15 @@ template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int 
           bool kPadHdim_, int kSmemLimit_>
 struct FwdConfig {
   using Element = typename CuteElement<Element_>::type;  // Q, K and V
-  // e4m3 inputs: wgmma reads 8-bit operands K-major only, so V arrives transposed (vlayout=col,
-  // keys contiguous), P is cast to e4m3 and moved into the k32 A-operand layout before P V
-  // (convert_p_e4m3), and O leaves in bf16.
+  // e4m3 inputs: wgmma reads 8-bit operands K-major only, so the PV product reads V^T (keys
+  // contiguous), P is cast to e4m3 and moved into the k32 A-operand layout before P V
+  // (convert_p_e4m3), and O leaves in bf16. V^T either arrives so (vlayout=col: TMA copies it
+  // into the consumers' stages) or is made from a row-major V (vlayout=row, what models hold):
+  // TMA lands the row-major tiles in a ring of their own and the producer warpgroup's other
+  // three warps transpose each into the consumers' V^T stages (fwd_fa3_v_transpose_sm90.cuh).
   static constexpr bool kFp8 = sizeof(Element) == 1;
+  static constexpr bool kVtInGlobal = kVLayout_ == VLayout::kColMajor;
+  static constexpr bool kTransposeV = kFp8 && !kVtInGlobal;
   using OutElement = std::conditional_t<kFp8, cutlass::bfloat16_t, Element>;
   static constexpr int kHeadDimQK = kHeadDimQK_;
   static constexpr int kHeadDimV = kHeadDimV_;
@@ -48,8 +53,7 @@ struct FwdConfig {
 
   static_assert(kBias_ == BiasType::kNone && !kDropout_ && !kSoftcap_,
                 "fa3 has no bias, dropout or soft-cap yet: those instances are fa2");
-  static_assert(kVLayout_ == (kFp8 ? VLayout::kColMajor : VLayout::kRowMajor),
-                "fa3 reads 16-bit V row-major (V^T is fa2) and e4m3 V transposed");
+  static_assert(kFp8 || !kVtInGlobal, "fa3 reads 16-bit V row-major (V^T is fa2)");
   static_assert(kPadSeqlen_ && !kPadHdim_,
                 "fa3 serves every sequence length (pad_seqlen) and exact head dims only");
   static_assert(kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0 && kHeadDimV <= kHeadDimQK,
@@ -69,10 +73,14 @@ struct FwdConfig {
   // __launch_bounds__(kThreads, 1) caps at 65536 / kThreads (168 for 384 threads, 128 for
   // 512): what the producer gives up must cover what the consumers take, or their
   // setmaxnreg.inc waits forever. Two consumers: 168 -> 24 frees 144 x 128, and 168 -> 240
-  // takes 72 x 256; three: 128 -> 32 frees 96 x 128, and 128 -> 160 takes 32 x 384.
+  // takes 72 x 256; three: 128 -> 32 frees 96 x 128, and 128 -> 160 takes 32 x 384. The
+  // transposing warps want 40 (their loop spilled 56 bytes at 24 and 12 at 32, e4m3 d128), so
+  // those consumers get 232 or 152.
   static constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;
-  static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 24 : 32;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
+  static constexpr int kProducerRegisters =
+      kTransposeV ? 56 : (kConsumerWarpgroups == 2 ? 24 : 32);
+  static constexpr int kConsumerRegisters =
+      kConsumerWarpgroups == 2 ? (kTransposeV ? 224 : 240) : (kTransposeV ? 152 : 160);
   static_assert((kLaunchRegisters - kProducerRegisters) * 128 >=
                     (kConsumerRegisters - kLaunchRegisters) * kConsumerThreads,
                 "the consumers' registers must come from the producer's");
@@ -115,19 +123,25 @@ struct FwdConfig {
         V{}, cute::make_ordered_layout(cute::Shape<DimV, BlockN, cute::Int<kStages>>{},
                                        cute::Step<cute::_2, cute::_1, cute::_3>{})));
   };
-  // e4m3 V stages hold V^T, (d, keys, stage) with the keys contiguous, as TMA copies them from
-  // a column-major V and the PV product reads them (K-major).
+  // e4m3 V^T stages, (d, keys, stage) with the keys contiguous, as the PV product reads them
+  // (K-major): what TMA copies from a column-major V, or what the transposing warps write.
   using SmemLayoutVtFp8 = decltype(cute::tile_to_shape(
       KMajorSwizzleAtom<Element, kBlockN>{}, cute::Shape<DimV, BlockN, cute::Int<kStages>>{}));
   using SmemLayoutK = typename KvStageLayouts<false>::K;
-  using SmemLayoutV =
-      std::conditional_t<kFp8, SmemLayoutVtFp8, typename KvStageLayouts<false>::V>;
+  // Where V's TMA copies land (VBox tiles), and V as the PV product reads it.
+  using SmemLayoutV = std::conditional_t<kFp8 && kVtInGlobal, SmemLayoutVtFp8,
+                                         typename KvStageLayouts<false>::V>;
   using SmemLayoutVt =
       std::conditional_t<kFp8, SmemLayoutVtFp8, typename KvStageLayouts<false>::Vt>;
   using SmemLayoutO = decltype(cute::tile_to_shape(KMajorSwizzleAtom<OutElement, kHeadDimV>{},
                                                    cute::Shape<cute::_64, DimV>{}));
 
+  // K and V's TMA rings. Transposing, the V^T stages are a second ring between the transposing
+  // warps and the consumers, its stages full when all kTransposeThreads have written theirs.
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  static constexpr int kTransposeThreads = 64;  // warps 1 and 2 of the producer warpgroup
+  using VtPipeline = cutlass::PipelineAsync<kStages>;
+  using ConsumerVPipeline = std::conditional_t<kTransposeV, VtPipeline, Pipeline>;
 
   // Shared memory one CTA may opt into on the target (generator/schema.py's smem_limit: 227 KB
   // on H100/H200).
@@ -136,7 +150,8 @@ struct FwdConfig {
   // while it finishes its last PV product and stores O. Otherwise (d256) each warpgroup stages
   // O over its own Q rows, and its next Q waits for the store.
   static constexpr int kTileBytes = static_cast<int>(
-      sizeof(Element) * (kBlockM * kHeadDimQK + kStages * kBlockN * (kHeadDimQK + kHeadDimV)));
+      sizeof(Element) * (kBlockM * kHeadDimQK +
+                         kStages * kBlockN * (kHeadDimQK + (kTransposeV ? 2 : 1) * kHeadDimV)));
   static constexpr bool kSeparateO =
       kTileBytes + static_cast<int>(sizeof(OutElement)) * kBlockM * kHeadDimV + 1024 <= kSmemLimit;
   static_assert(kSeparateO || sizeof(OutElement) <= sizeof(Element),
@@ -147,8 +162,14 @@ struct FwdConfig {
   using ORegion = std::conditional_t<
       kSeparateO, cute::array_aligned<OutElement, kConsumerWarpgroups * kORegion, 1024>,
       NoRegion>;
+  // Transposing, the consumers' V^T stages and their ring (v holds the row-major tiles); a base
+  // of SharedStorage, so that it takes no bytes and moves no member where it is empty.
+  struct TransposeStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutVt>, 1024> vt;
+    typename VtPipeline::SharedStorage vt_pipe;
+  };
 
-  struct SharedStorage {
+  struct SharedStorage : std::conditional_t<kTransposeV, TransposeStorage, NoRegion> {
     cute::array_aligned<Element, kConsumerWarpgroups * kQRegion, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
@@ -177,8 +198,9 @@ struct FwdConfig {
       cute::SM90_TMA_LOAD{},
       cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
       cute::take<0, 2>(SmemLayoutK{}), cute::Shape<BlockN, DimQK>{}, cute::_1{}));
-  // V's box: a (keys, d) tile, or for e4m3 a (d, keys) tile of V^T.
-  using VBox = std::conditional_t<kFp8, cute::Shape<DimV, BlockN>, cute::Shape<BlockN, DimV>>;
+  // V's box: a (keys, d) tile, or a (d, keys) tile of a V^T.
+  using VBox =
+      std::conditional_t<kVtInGlobal, cute::Shape<DimV, BlockN>, cute::Shape<BlockN, DimV>>;
   using TmaLoadV = decltype(cute::make_tma_copy(
       cute::SM90_TMA_LOAD{},
       cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
@@ -257,7 +279,8 @@ __device__ auto output_rows(typename Cfg::SharedStorage& shared, int w) {
   }
   return cute::make_tensor(cute::make_smem_ptr(region), typename Cfg::SmemLayoutO{});
 }
-// The K and V rings' stages, (keys, d, stage), and V as the PV product reads it, (d, keys, stage).
+// The K and V rings' stages, (keys, d, stage) (an e4m3 V^T's: (d, keys, stage)), and V as the
+// PV product reads it, (d, keys, stage).
 template <class Cfg>
 __device__ __forceinline__ auto k_stages(typename Cfg::SharedStorage& shared) {
   return cute::make_tensor(cute::make_smem_ptr(shared.k.data()), typename Cfg::SmemLayoutK{});
@@ -268,7 +291,11 @@ __device__ __forceinline__ auto v_stages(typename Cfg::SharedStorage& shared) {
 }
 template <class Cfg>
 __device__ __forceinline__ auto vt_stages(typename Cfg::SharedStorage& shared) {
-  return cute::make_tensor(cute::make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutVt{});
+  if constexpr (Cfg::kTransposeV) {
+    return cute::make_tensor(cute::make_smem_ptr(shared.vt.data()), typename Cfg::SmemLayoutVt{});
+  } else {
+    return cute::make_tensor(cute::make_smem_ptr(shared.v.data()), typename Cfg::SmemLayoutVt{});
+  }
 }
 
 }  // namespace fmha::fa3

@@ -121,6 +121,7 @@ class Mainloop {
   using Element = typename Cfg::Element;
   using SharedStorage = typename Cfg::SharedStorage;
   using Pipeline = typename Cfg::Pipeline;
+  using VPipeline = typename Cfg::ConsumerVPipeline;  // V^T's ring where V is transposed
   using TiledMmaS = typename Cfg::TiledMmaS;
   using TiledMmaO = typename Cfg::TiledMmaO;
 
@@ -153,7 +154,7 @@ class Mainloop {
   }
 
  public:
-  __device__ __forceinline__ Mainloop(SharedStorage& shared, Pipeline& k_pipe, Pipeline& v_pipe,
+  __device__ __forceinline__ Mainloop(SharedStorage& shared, Pipeline& k_pipe, VPipeline& v_pipe,
                                       const ConsumerWarpgroup& wg)
       : shared_(shared),
         k_pipe_(k_pipe),
@@ -251,10 +252,11 @@ class Mainloop {
     // Keys past the sequence's end get probability 0, but their V rows are whatever follows
     // in memory (the next sequence, or NaN-poisoned padding), and 0 * NaN is NaN: each
     // consumer warpgroup zeroes them before its own PV product reads them.
+    // (A transposed V's are zeros already: VTranspose writes them so.)
     const int last_tile_keys = work.seq.seqlen_k - (n_end - 1) * kBlockN;
     auto zero_v_tail = [&](int stage) {
       if (last_tile_keys >= kBlockN) return;
-      if constexpr (Cfg::kFp8) {
+      if constexpr (Cfg::kVtInGlobal) {
         // V^T: the tail is the last columns of every row, one e4m3 byte each, addressed
         // through the swizzled layout (the last tile only).
         const int tail = kBlockN - last_tile_keys;
@@ -299,7 +301,7 @@ class Mainloop {
     }
     // The first V tile its PV products read is the query tile's last, ragged one unless it
     // idled past that.
-    bool v_tail_pending = wg_n_end == n_end;
+    bool v_tail_pending = !Cfg::kTransposeV && wg_n_end == n_end;
     for (int n_block = wg_n_end - 2; n_block >= n_begin; --n_block) {
       Tensor tSrS = partition_fragment_C(mma_s_, Shape<_64, typename Cfg::BlockN>{});
       k_pipe_.consumer_wait(read_k_);
@@ -344,7 +346,7 @@ class Mainloop {
  private:
   SharedStorage& shared_;
   Pipeline& k_pipe_;
-  Pipeline& v_pipe_;
+  VPipeline& v_pipe_;
   const ConsumerWarpgroup wg_;
   SmemV sV_;
   TiledMmaS mma_s_;

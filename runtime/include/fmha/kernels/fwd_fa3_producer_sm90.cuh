@@ -83,7 +83,7 @@ class TmaKvLoad {
                            make_coord(_, _0{}));
     Tensor mV = kp_.tma_v.get_tma_tensor(kp_.v_shape)(_, _, kv_head, batch_coord);
     auto gV = [&] {
-      if constexpr (Cfg::kFp8) {  // V^T: (d, keys), key tiles along the columns
+      if constexpr (Cfg::kVtInGlobal) {  // V^T: (d, keys), key tiles along the columns
         return local_tile(domain_offset(make_coord(_0{}, k_start), mV), typename Cfg::VBox{},
                           make_coord(_0{}, _));
       } else {
@@ -99,17 +99,17 @@ class TmaKvLoad {
   }
 
   // Host: the K and V tensor maps, (rows, head dim, head, batch) as make_kernel_params shapes
-  // and strides them; e4m3's V^T is (head dim, keys, head, batch), the keys contiguous.
+  // and strides them; an e4m3 V^T is (head dim, keys, head, batch), the keys contiguous.
   template <class MakeShape, class MakeStride, class MakeGmem>
   static void make_params(const FwdArgs& args, int64_t rows_k, KernelParams& kp,
                           MakeShape shape, MakeStride stride, MakeGmem gmem) {
     using namespace cute;
     kp.k_shape = shape(rows_k, args.hdim_q, args.nhead_k);
-    kp.v_shape = Cfg::kFp8 ? shape(args.hdim_v, static_cast<int>(rows_k), args.nhead_k)
+    kp.v_shape = Cfg::kVtInGlobal ? shape(args.hdim_v, static_cast<int>(rows_k), args.nhead_k)
                            : shape(rows_k, args.hdim_v, args.nhead_k);
     const auto k_stride = stride(args.k_seq_stride, args.k_head_stride, args.k_batch_stride);
     const auto v_stride =
-        stride(Cfg::kFp8 ? args.v_dim_stride : args.v_seq_stride, args.v_head_stride,
+        stride(Cfg::kVtInGlobal ? args.v_dim_stride : args.v_seq_stride, args.v_head_stride,
                args.v_batch_stride);
     kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(args.k, kp.k_shape, k_stride),
                              take<0, 2>(typename Cfg::SmemLayoutK{}),

@@ -10,6 +10,8 @@
 //                  K and V come from is the config's load policy (fwd_fa3_producer_sm90.cuh).
 //                  Its warpgroup gives its registers up (setmaxnreg) so the consumers can hold O
 //                  and two S.
+//   VTranspose     e4m3 with a row-major V: the warpgroup's other three warps turn each V tile
+//                  into V^T for the 8-bit PV product (fwd_fa3_v_transpose_sm90.cuh)
 //   Mainloop       consumer warpgroup w owns query rows [64 w, 64 w + 64) of the tile, with its
 //                  own Q and O regions in shared memory, its own Q barrier and its own epilogue,
 //                  so no consumer ever waits for another except to take turns on the tensor
@@ -18,8 +20,8 @@
 //   Epilogue       O / rowsum and the log-sum-exp out (fwd_fa3_epilogue_sm90.cuh)
 // The config (tile, register split, shared memory, TMA types) is fwd_fa3_config_sm90.cuh's.
 //
-// Traits on this pipeline: fp16/bf16, and e4m3 with V^T (bf16 out, descales per tensor or per
-// sequence and K/V head); head dims that are multiples of 64; no mask, causal and sliding
+// Traits on this pipeline: fp16/bf16, and e4m3 with V row-major or V^T (bf16 out, descales per
+// tensor or per sequence and K/V head); head dims that are multiples of 64; no mask, causal and sliding
 // windows (both alignments); MQA/GQA; batch and group mode with seqused; LSE. Every sequence
 // length is served (TMA zero-fills ragged tiles; the last key tile is masked), so the instances
 // are pad_seqlen=true. Bias, dropout, soft-capping, 16-bit V^T and padded head dims run on the
@@ -48,6 +50,7 @@
 #include "fmha/kernels/fwd_fa3_mainloop_sm90.cuh"
 #include "fmha/kernels/fwd_fa3_producer_sm90.cuh"
 #include "fmha/kernels/fwd_fa3_scheduler_sm90.cuh"
+#include "fmha/kernels/fwd_fa3_v_transpose_sm90.cuh"
 #include "fmha/kernels/fwd_params.cuh"
 #include "fmha/kernels/tile_order.cuh"
 
@@ -62,7 +65,8 @@ class Consumer {
   using Pipeline = typename Cfg::Pipeline;
 
   __device__ __forceinline__ Consumer(const KernelParams& kp, SharedStorage& shared,
-                                      Pipeline& k_pipe, Pipeline& v_pipe, int warpgroup, int lane,
+                                      Pipeline& k_pipe, typename Cfg::ConsumerVPipeline& v_pipe,
+                                      int warpgroup, int lane,
                                       StagedO<Cfg>& staged_o)
       : wg_(warpgroup, lane),
         epilogue_(kp, shared, wg_, staged_o),
@@ -158,14 +162,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   k_params.num_consumers = Cfg::kConsumerThreads;
   typename Pipeline::Params v_params = k_params;
   v_params.transaction_bytes = Cfg::kVBytes;
+  if constexpr (Cfg::kTransposeV) {  // the V ring feeds the transposing warps
+    v_params.role = threadIdx.x < 32                           ? Pipeline::ThreadCategory::Producer
+                    : threadIdx.x < 32 + Cfg::kTransposeThreads ? Pipeline::ThreadCategory::Consumer
+                                                               : Pipeline::ThreadCategory::NonParticipant;
+    v_params.num_consumers = Cfg::kTransposeThreads;
+  }
   Pipeline k_pipe(shared.k_pipe, k_params, Shape<_1, _1, _1>{});
   Pipeline v_pipe(shared.v_pipe, v_params, Shape<_1, _1, _1>{});
+  auto vt_pipe = make_vt_pipeline<Cfg>(shared, warpgroup);
+  auto& consumer_v_pipe = consumer_v_pipeline<Cfg>(v_pipe, vt_pipe);
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegisters>();
-    if (threadIdx.x >= 32) return;  // one warp issues
+    if (threadIdx.x >= 32) {  // one warp issues; the next two transpose V where it needs it
+      if constexpr (Cfg::kTransposeV) {
+        if (threadIdx.x < 32 + Cfg::kTransposeThreads) {
+          VTranspose<Cfg> transpose(shared, v_pipe, vt_pipe, threadIdx.x - 32);
+          scheduler.for_each_tile(transpose);
+        }
+      }
+      return;
+    }
     Producer<Cfg> producer(kp, shared, k_pipe, v_pipe, lane);
     scheduler.for_each_tile(producer);
     return;
@@ -173,7 +193,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegisters>();
   StagedO<Cfg> staged_o;  // the epilogue's, held here (fwd_fa3_epilogue_sm90.cuh says why)
-  Consumer<Cfg> consumer(kp, shared, k_pipe, v_pipe, warpgroup, lane, staged_o);
+  Consumer<Cfg> consumer(kp, shared, k_pipe, consumer_v_pipe, warpgroup, lane, staged_o);
   scheduler.for_each_tile(consumer);
   consumer.finish();
 }
