@@ -32,8 +32,8 @@ struct FwdConfig {
   // contiguous), P is cast to e4m3 and moved into the k32 A-operand layout before P V
   // (convert_p_e4m3), and O leaves in bf16. V^T either arrives so (vlayout=col: TMA copies it
   // into the consumers' stages) or is made from a row-major V (vlayout=row, what models hold):
-  // TMA lands the row-major tiles in a ring of their own and the producer warpgroup's other
-  // three warps transpose each into the consumers' V^T stages (fwd_fa3_v_transpose_sm90.cuh).
+  // TMA lands the row-major tiles in a ring of their own and two more warps of the producer
+  // warpgroup transpose each into the consumers' V^T stages (fwd_fa3_v_transpose_sm90.cuh).
   static constexpr bool kFp8 = sizeof(Element) == 1;
   static constexpr bool kVtInGlobal = kVLayout_ == VLayout::kColMajor;
   static constexpr bool kTransposeV = kFp8 && !kVtInGlobal;
@@ -74,8 +74,9 @@ struct FwdConfig {
   // 512): what the producer gives up must cover what the consumers take, or their
   // setmaxnreg.inc waits forever. Two consumers: 168 -> 24 frees 144 x 128, and 168 -> 240
   // takes 72 x 256; three: 128 -> 32 frees 96 x 128, and 128 -> 160 takes 32 x 384. The
-  // transposing warps want 40 (their loop spilled 56 bytes at 24 and 12 at 32, e4m3 d128), so
-  // those consumers get 232 or 152.
+  // transposing warps want 56 (two key groups' loads in flight spilled 44 bytes at 40, e4m3
+  // d128), so those consumers get 224 or 152 (224 read the same as 240 on the V^T instances:
+  // 807-817 TFLOP/s at d128, H200).
   static constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;
   static constexpr int kProducerRegisters =
       kTransposeV ? 56 : (kConsumerWarpgroups == 2 ? 24 : 32);

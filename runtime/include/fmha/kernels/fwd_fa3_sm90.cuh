@@ -10,7 +10,7 @@
 //                  K and V come from is the config's load policy (fwd_fa3_producer_sm90.cuh).
 //                  Its warpgroup gives its registers up (setmaxnreg) so the consumers can hold O
 //                  and two S.
-//   VTranspose     e4m3 with a row-major V: the warpgroup's other three warps turn each V tile
+//   VTranspose     e4m3 with a row-major V: two more warps of its warpgroup turn each V tile
 //                  into V^T for the 8-bit PV product (fwd_fa3_v_transpose_sm90.cuh)
 //   Mainloop       consumer warpgroup w owns query rows [64 w, 64 w + 64) of the tile, with its
 //                  own Q and O regions in shared memory, its own Q barrier and its own epilogue,

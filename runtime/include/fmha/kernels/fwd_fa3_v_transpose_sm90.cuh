@@ -24,7 +24,6 @@
 #include "fmha/kernels/fwd_fa3_scheduler_sm90.cuh"
 #include "fmha/kernels/sm90_primitives.cuh"
 
-
 namespace fmha::fa3 {
 
 // The V^T ring of a transposing config (every thread makes it; warp 0 initializes its
