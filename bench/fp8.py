@@ -40,10 +40,11 @@ def ratio(row: dict, column: str):
 
 
 def bar_cell(row: dict) -> str:
-    """The issue's bar for the row's head dim and whether V^T's rate meets it: "0.75 met",
-    "0.85 below", "-" for a head dim without one or a row without both rates."""
+    """The issue's bar for the row's head dim and whether the rate a model sees (row-major v)
+    meets it: "0.75 met", "0.85 below", "-" for a head dim without one or a row without both
+    rates."""
     target = BAR.get(row.get("hdim"))
-    achieved = ratio(row, "vcol/mm")
+    achieved = ratio(row, "row/mm")
     if target is None or achieved is None:
         return "-"
     return f"{target:.2f} {'met' if achieved >= target else 'below'}"
