@@ -26,7 +26,8 @@ constexpr int64_t kAlignElements = 8;
 constexpr int64_t kE4m3AlignElements = 16;
 
 // The elements of 16 bytes of a forward input of `dtype` (Q, K, V, an elementwise bias). The
-// output is never e4m3: O of an e4m3 call is bf16, 8 elements of 16 bytes (kAlignElements).
+// output is never e4m3: O of an e4m3 call is bf16 or fp16, 8 elements of 16 bytes
+// (kAlignElements).
 int64_t align_elements(DataType dtype) {
   return dtype == DataType::kE4M3 ? kE4m3AlignElements : kAlignElements;
 }
@@ -292,6 +293,34 @@ Status check_descales(const FwdArgs& a, bool check_memory) {
   return Status::Ok();
 }
 
+// FwdArgs::o_dtype: unset, or a 16-bit call's own dtype, or kBF16 or kFP16 for kE4M3 (the
+// instance is the same; the kernel's fp32 -> 16-bit rounding follows the choice). O's dtype is
+// no trait, so no dispatcher miss would say it: checked here, before any launch.
+Status check_o_dtype(const FwdArgs& a) {
+  if (!a.o_dtype) return Status::Ok();
+  const DataType o = *a.o_dtype;
+  if (a.dtype == DataType::kE4M3) {
+    if (o == DataType::kBF16 || o == DataType::kFP16) return Status::Ok();
+  } else if (o == a.dtype) {
+    return Status::Ok();
+  }
+  // An int cast into the enum (as the bindings do) may name no enumerator.
+  auto name = [](DataType t) {
+    switch (t) {
+      case DataType::kFP16: return std::string("kFP16");
+      case DataType::kBF16: return std::string("kBF16");
+      case DataType::kE4M3: return std::string("kE4M3");
+    }
+    return std::to_string(static_cast<int>(t));
+  };
+  if (a.dtype == DataType::kE4M3) {
+    return invalid("o_dtype " + name(o) +
+                   " for dtype kE4M3: valid: kBF16 (unset means it) or kFP16");
+  }
+  return invalid("o_dtype " + name(o) + " for dtype " + name(a.dtype) + ": valid: " +
+                 name(a.dtype) + " (unset means it); kBF16 or kFP16 are for dtype kE4M3 only");
+}
+
 // Shapes, traits and options always; pointers, alignment and strides only when `check_memory`
 // (select() and explain() describe a problem without tensors). The window sizes are read only
 // for MaskType::kWindow: the other masks ignore them, as fmha.h says.
@@ -306,6 +335,7 @@ Status check_fwd_args(const FwdArgs& a, bool check_memory) {
         check_enum("V layout", a.vlayout, VLayout::kColMajor, "kRowMajor, kColMajor")}) {
     if (!st.ok()) return st;
   }
+  if (Status st = check_o_dtype(a); !st.ok()) return st;
   if (a.batch < 0 || a.seqlen_q < 0 || a.seqlen_k < 0 || a.nhead_q < 0 || a.nhead_k < 0) {
     return invalid("batch, seqlen_q, seqlen_k, nhead_q and nhead_k must be non-negative");
   }
@@ -354,7 +384,7 @@ Status check_fwd_args(const FwdArgs& a, bool check_memory) {
   // Group mode ignores the batch strides: a sequence starts at its cu_seqlens entry.
   const bool batch_mode = a.mode == Mode::kBatch;
   auto batch_stride = [&](int64_t stride) { return batch_mode ? stride : 0; };
-  // Q, K and V in the dtype's 16-byte pieces; O is 16-bit whatever the dtype (bf16 for e4m3).
+  // Q, K and V in the dtype's 16-byte pieces; O is 16-bit whatever the dtype (o_dtype).
   const int64_t input_align = align_elements(a.dtype);
   if (Status st = check_operand("q", a.q, {{"batch", batch_stride(a.q_batch_stride)},
                                            {"seq", a.q_seq_stride},

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,8 +23,8 @@ using Stream = CUstream_st*;  // a cudaStream_t; nullptr is the legacy default s
 
 // kE4M3 is float8 e4m3 (OCP, torch.float8_e4m3fn: no infinities, largest finite 448), a forward
 // input type only (fa3, sm90a): Q, K and V are e4m3 with descale factors (FwdArgs::q_descale and
-// the like) and O is bf16. V is row-major (transposed in the kernel) in either mode, or V^T
-// (VLayout::kColMajor) in batch mode only.
+// the like) and O is bf16, or fp16 (FwdArgs::o_dtype). V is row-major (transposed in the
+// kernel) in either mode, or V^T (VLayout::kColMajor) in batch mode only.
 enum class DataType : int { kFP16 = 0, kBF16 = 1, kE4M3 = 2 };
 
 // Which keys a query row sees. Query row i is aligned with key row i + offset, where the
@@ -74,7 +75,7 @@ struct FwdTraits {
 // hdim dimension is contiguous (V: see VLayout); strides are in elements. Pointers must be
 // 16-byte aligned and every stride of Q, K, V and O (other than the contiguous one) a multiple
 // of 8 elements, so that each row moves in 16-byte pieces: of 16 elements for the e4m3 inputs
-// of DataType::kE4M3 (Q, K, V), whose O is bf16 (8). Offsets are 64-bit, so tensors may
+// of DataType::kE4M3 (Q, K, V), whose O is 16-bit (8). Offsets are 64-bit, so tensors may
 // hold more than 2^31 elements; the limits are batch and nhead_q <= 65535, seqlen_q + seqlen_k
 // < 2^30 (the kernels' row and key arithmetic), and for a causal mask at most 2^31 - 1 query
 // tiles in all (ceil(seqlen_q / block_m) * batch * nhead_q).
@@ -85,7 +86,11 @@ struct FMHA_API FwdArgs {
   const void* q = nullptr;  // (batch, seqlen_q, nhead_q, hdim_q)
   const void* k = nullptr;  // (batch, seqlen_k, nhead_k, hdim_q)
   const void* v = nullptr;  // (batch, seqlen_k, nhead_k, hdim_v), in vlayout
-  void* o = nullptr;        // (batch, seqlen_q, nhead_q, hdim_v)
+  void* o = nullptr;        // (batch, seqlen_q, nhead_q, hdim_v), in o_dtype
+  // O's elements. Unset: dtype's for kFP16 and kBF16 (the only choice there), kBF16 for kE4M3,
+  // which also takes kFP16: one e4m3 instance serves both (only its fp32 -> 16-bit rounding
+  // differs).
+  std::optional<DataType> o_dtype;
 
   int batch = 0;
   int seqlen_q = 0;  // group mode: the longest sequence's length (it sizes the grid)

@@ -30,10 +30,12 @@ struct FwdConfig {
   using Element = typename CuteElement<Element_>::type;  // Q, K and V
   // e4m3 inputs: wgmma reads 8-bit operands K-major only, so the PV product reads V^T (keys
   // contiguous), P is cast to e4m3 and moved into the k32 A-operand layout before P V
-  // (convert_p_e4m3), and O leaves in bf16. V^T either arrives so (vlayout=col: TMA copies it
-  // into the consumers' stages) or is made from a row-major V (vlayout=row, what models hold):
-  // TMA lands the row-major tiles in a ring of their own and two more warps of the producer
-  // warpgroup transpose each into the consumers' V^T stages (fwd_fa3_v_transpose_sm90.cuh).
+  // (convert_p_e4m3), and O leaves in bf16 or fp16 (the call's, FwdParams::o_fp16: OutElement
+  // is bf16, and an fp16 O its bits, since only the epilogue's rounding differs). V^T either
+  // arrives so (vlayout=col: TMA copies it into the consumers' stages) or is made from a
+  // row-major V (vlayout=row, what models hold): TMA lands the row-major tiles in a ring of their
+  // own and two more warps of the producer warpgroup transpose each into the consumers' V^T
+  // stages (fwd_fa3_v_transpose_sm90.cuh).
   static constexpr bool kFp8 = sizeof(Element) == 1;
   static constexpr bool kVtInGlobal = kVLayout_ == VLayout::kColMajor;
   static constexpr bool kTransposeV = kFp8 && !kVtInGlobal;

@@ -16,7 +16,7 @@
 
 namespace fmha::fa3 {
 
-// A finished tile's O in 16 bits (bf16 for e4m3 inputs), in registers until it is stored. With O in its own region the
+// A finished tile's O in 16 bits, in registers until it is stored. With O in its own region the
 // store waits until the next tile's first QK^T is on the tensor cores and runs under it. A
 // clock64 trace of d128 at S = 2k on an H200 put the store at 730-1770 of a tile's 43k cycles,
 // all of it at the tile boundary, where this warpgroup issues no GEMM; deferring it gained 1-7%
@@ -33,7 +33,9 @@ using StagedO = decltype(cute::make_tensor<typename Cfg::OutElement>(cute::parti
 template <class Cfg>
 class Epilogue {
  public:
-  using Element = typename Cfg::OutElement;  // O's
+  // O's: for e4m3 inputs the bits of O's 16-bit type, bf16 or fp16 (FwdParams::o_fp16), held
+  // as bf16 in registers, shared memory and the TMA store's tensor map, which copy bits.
+  using Element = typename Cfg::OutElement;
   using KernelParams = typename Cfg::KernelParams;
   using SharedStorage = typename Cfg::SharedStorage;
 
@@ -129,8 +131,22 @@ class Epilogue {
                                              const WorkTile<Cfg>& work, Element* o,
                                              int wg_rows_valid) {
     scale_rows(tOrO, inv);
+    if constexpr (Cfg::kFp8) {
+      // The call's choice, one for the whole grid: a uniform branch. One instance serves both
+      // 16-bit outputs, and only this rounding differs.
+      if (kp_.p.o_fp16) {
 #pragma unroll
-    for (int v = 0; v < cute::size(tOrO); ++v) tOrO_out_(v) = static_cast<Element>(tOrO(v));
+        for (int v = 0; v < cute::size(tOrO); ++v) {
+          tOrO_out_(v) = Element::bitcast(cutlass::half_t(tOrO(v)).raw());
+        }
+      } else {
+#pragma unroll
+        for (int v = 0; v < cute::size(tOrO); ++v) tOrO_out_(v) = static_cast<Element>(tOrO(v));
+      }
+    } else {
+#pragma unroll
+      for (int v = 0; v < cute::size(tOrO); ++v) tOrO_out_(v) = static_cast<Element>(tOrO(v));
+    }
     pending_ = {work.tile, work.seq.q_start,
                 o + static_cast<int64_t>(64 * wg_.index) * kp_.p.o_seq_stride,
                 wg_rows_valid};

@@ -38,6 +38,9 @@ struct FwdParams {
   int keys_appended;
 
   bool bottom_right;
+  // e4m3 inputs: O in fp16 rather than bf16 (FwdArgs::o_dtype); the fa3 epilogue reads it. In
+  // bottom_right's padding, so that no field moves and the 16-bit kernels' code is unchanged.
+  bool o_fp16;
   int window_left;
   int window_right;
 
@@ -104,6 +107,7 @@ inline FwdParams make_fwd_params(const FwdArgs& a, bool logits_in_scores) {
   p.seqused_q = a.seqused_q;
   p.seqused_k = a.seqused_k;
   p.bottom_right = a.mask_align == MaskAlign::kBottomRight;
+  p.o_fp16 = a.dtype == DataType::kE4M3 && a.o_dtype == DataType::kFP16;
   p.window_left = a.window_left;
   p.window_right = a.window_right;
   p.scale = a.softmax_scale;
