@@ -590,6 +590,17 @@ void bind_args(py::module_& m) {
   pointer_property(cls, "k", &fmha::FwdArgs::k);
   pointer_property(cls, "v", &fmha::FwdArgs::v);
   pointer_property(cls, "o", &fmha::FwdArgs::o);
+  // None (unset: the dtype's default O) or a DTYPE_* int; the C++ checks say which are valid.
+  cls.def_property(
+      "o_dtype",
+      [](const fmha::FwdArgs& a) -> std::optional<int> {
+        if (!a.o_dtype) return std::nullopt;
+        return static_cast<int>(*a.o_dtype);
+      },
+      [](fmha::FwdArgs& a, std::optional<int> value) {
+        a.o_dtype.reset();
+        if (value) a.o_dtype = static_cast<fmha::DataType>(*value);
+      });
   cls.def_readwrite("batch", &fmha::FwdArgs::batch)
       .def_readwrite("seqlen_q", &fmha::FwdArgs::seqlen_q)
       .def_readwrite("seqlen_k", &fmha::FwdArgs::seqlen_k)

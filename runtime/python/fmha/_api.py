@@ -16,6 +16,7 @@ import torch
 from fmha import _C, _head_dims, _plans
 from fmha._checks import (
     DESCALES,
+    DTYPE_CODES,
     E4M3,
     FWD_DTYPE_CODES,
     INT_LIMIT,
@@ -32,6 +33,7 @@ from fmha._checks import (
     check_instance,
     check_mode,
     check_options,
+    check_out_dtype,
     check_seqused,
     descale_strides,
     kernel_strides,
@@ -92,6 +94,9 @@ class _Operands(NamedTuple):
     q_descale: Optional[torch.Tensor] = None
     k_descale: Optional[torch.Tensor] = None
     v_descale: Optional[torch.Tensor] = None
+    # The output's dtype where it is not the default (fmha._checks.check_out_dtype): float16 of
+    # e4m3 inputs; None otherwise.
+    out_dtype: Optional[torch.dtype] = None
 
 
 # The fields of a forward call that fmha::bwd's arguments repeat: _Operands' up to return_lse.
@@ -129,13 +134,14 @@ def _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
              materialize: bool, api: str = "fwd", more_checks=None,
              check_device: bool = True, fp8: bool = False, q_descale=None, k_descale=None,
-             v_descale=None) -> _Operands:
+             v_descale=None, out_dtype=None) -> _Operands:
     """Every check of a call, then its operands: what fwd, select and explain share, and bwd,
     select_bwd and explain_bwd (`api` names the caller in messages). more_checks(p, o): the
     caller's own checks of the Problem and Options, run before the device check; it returns
     the further tensors (by name) whose device to check. Without check_device (select and
     explain for a named GPU), tensors may be on any device, meta tensors included. fp8: the
-    forward's, whose inputs may be float8_e4m3fn with q_descale, k_descale and v_descale."""
+    forward's, whose inputs may be float8_e4m3fn with q_descale, k_descale and v_descale, and
+    whose out_dtype may ask for a float16 output of them."""
     group = check_mode(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, api)
     p = check_inputs(q, k, v, group, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      api, fp8)
@@ -146,6 +152,7 @@ def _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
     check_seqused(seqused_q, seqused_k, p, api)
     descales = dict(zip(DESCALES, (q_descale, k_descale, v_descale)))
     check_descales(descales, q.dtype, p, api)
+    out_dtype = check_out_dtype(out_dtype, q.dtype, api)
     if q.dtype == E4M3 and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError(
             f"fmha.{api}: {E4M3} inputs have no backward (there is no FP8 training here), but "
@@ -165,6 +172,7 @@ def _prepare(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
         max_seqlen_q if group else 0, max_seqlen_k if group else 0,
         o.softmax_scale, o.mask, o.mask_align, o.window_left, o.window_right, o.softcap,
         o.dropout_p, seed, o.dropout_offset, o.return_lse, q_descale, k_descale, v_descale,
+        out_dtype,
     )
 
 
@@ -202,6 +210,8 @@ def _make_args(ops: _Operands, out: Optional[torch.Tensor],
         a.o = out.data_ptr()
         a.o_seq_stride, a.o_head_stride = outs[-3], outs[-2]
         a.o_batch_stride = 0 if group else outs[0]
+    if ops.out_dtype is not None:
+        a.o_dtype = DTYPE_CODES[ops.out_dtype]
     if ops.seqused_q is not None:
         a.seqused_q = ops.seqused_q.data_ptr()
     if ops.seqused_k is not None:
@@ -240,7 +250,8 @@ def _make_args(ops: _Operands, out: Optional[torch.Tensor],
 
 # The schema types of the annotations the ops' argument records use.
 _SCHEMA_TYPES = {torch.Tensor: "Tensor", Optional[torch.Tensor]: "Tensor?", int: "SymInt",
-                 float: "float", bool: "bool", Optional[str]: "str?"}
+                 float: "float", bool: "bool", Optional[str]: "str?",
+                 Optional[torch.dtype]: "ScalarType?"}
 
 
 def _schema(name: str, arguments: dict, returns: str) -> str:
@@ -292,7 +303,7 @@ _OP_PLANS = _plans.PlanTable()
 def _fwd_fake(*arguments):
     ops = _Operands(*arguments[:-1])
     q = ops.q
-    out = q.new_empty((*q.shape[:-1], ops.v.shape[-1]), dtype=out_dtype(q.dtype))
+    out = q.new_empty((*q.shape[:-1], ops.v.shape[-1]), dtype=out_dtype(q.dtype, ops.out_dtype))
     lse_shape = _plans.lse_shape(q, ops.cu_seqlens_q is not None) if ops.return_lse else (0,)
     lse = q.new_empty(lse_shape, dtype=torch.float32)
     return out, lse
@@ -307,7 +318,7 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
         mask_align="top_left", bias=None, attn_mask=None, alibi_slopes=None, softcap=0.0,
         dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False, cu_seqlens_q=None,
         cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
-        q_descale=None, k_descale=None, v_descale=None, instance=None):
+        q_descale=None, k_descale=None, v_descale=None, out_dtype=None, instance=None):
     """Attention forward: softmax(q k^T * softmax_scale + bias, masked) v, per head.
 
     Batch mode: q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim),
@@ -344,19 +355,21 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     fmha.instances()) instead of the dispatcher's choice.
 
     FP8: q, k and v all torch.float8_e4m3fn (FlashAttention-3's FP8 forward; H100/H200, fa3),
-    out bfloat16 (of the same shape as otherwise). q_descale, k_descale, v_descale: float32
-    CUDA tensors of shape (batch, nheads_k), FlashAttention-3's, or one that broadcasts to it
-    ((), (1,), (nheads_k,), (1, 1), (batch, 1), (1, nheads_k)); None is 1. The logits are
-    q k^T * q_descale * k_descale * softmax_scale (query head h takes K/V head h // (nheads /
-    nheads_k)'s factors), out is softmax(...) v * v_descale; in group mode row b of a descale
-    is sequence b's. v is read as it is given, never copied: with its head dim contiguous (what
-    models hold; the kernel transposes it in shared memory), in batch and group mode, or with
-    its sequence dim contiguous (a V^T view), in batch mode only (a ValueError in group mode:
-    TMA cannot copy V^T tiles of packed sequences that start at a key not a multiple of 16).
-    Strides are multiples of 16 elements and head dims multiples of 16 (never padded); the
-    e4m3 instances have 64, 128 and 256, no bias, ALiBi, dropout or soft-capping, with every
+    out bfloat16, or float16 with out_dtype=torch.float16 (of the same shape as otherwise; one
+    kernel writes either, rounding its fp32 result to the dtype asked). q_descale, k_descale,
+    v_descale: float32 CUDA tensors of shape (batch, nheads_k), FlashAttention-3's, or one that
+    broadcasts to it ((), (1,), (nheads_k,), (1, 1), (batch, 1), (1, nheads_k)); None is 1. The
+    logits are q k^T * q_descale * k_descale * softmax_scale (query head h takes K/V head
+    h // (nheads / nheads_k)'s factors), out is softmax(...) v * v_descale; in group mode row b
+    of a descale is sequence b's. v is read as it is given, never copied: with its head dim
+    contiguous (what models hold; the kernel transposes it in shared memory), in batch and group
+    mode, or with its sequence dim contiguous (a V^T view), in batch mode only (a ValueError in
+    group mode: TMA cannot copy V^T tiles of packed sequences that start at a key not a multiple
+    of 16). Strides are multiples of 16 elements and head dims multiples of 16 (never padded);
+    the e4m3 instances have 64, 128 and 256, no bias, ALiBi, dropout or soft-capping, with every
     mask and MQA/GQA. No backward: e4m3 inputs that require grad are refused.
-    The descales with inputs of another dtype are an error.
+    The descales with inputs of another dtype are an error, and so is an out_dtype other than
+    q's dtype for them (None means q's).
 
     Returns out, or (out, lse) with return_lse=True: the natural-log log-sum-exp of every row's
     logits, float32 (batch, nheads, seqlen_q), or (nheads, total_q) in group mode.
@@ -373,7 +386,7 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
     key = _plans.call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias,
                           attn_mask, alibi_slopes, softcap, dropout_p, dropout_seed,
                           dropout_offset, return_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, seqused_q, seqused_k, instance, descales)
+                          max_seqlen_k, seqused_q, seqused_k, instance, descales, out_dtype)
     plan = None if key is None else _PLANS.get(key)
     if plan is not None:  # a signature seen before: its checks passed then
         if plan.draws_seed:
@@ -399,7 +412,7 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
                  alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                  materialize=False, fp8=True, q_descale=q_descale, k_descale=k_descale,
-                 v_descale=v_descale)
+                 v_descale=v_descale, out_dtype=out_dtype)
         result = fwd(_head_dims.pad(q), _head_dims.pad(k), _head_dims.pad(v), causal,
                      _head_dims.default_scale(q, softmax_scale), window_size=window_size,
                      mask_align=mask_align, bias=bias, attn_mask=attn_mask,
@@ -407,7 +420,7 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
                      dropout_seed=dropout_seed, dropout_offset=dropout_offset,
                      return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
-                     seqused_k=seqused_k, instance=instance)
+                     seqused_k=seqused_k, out_dtype=out_dtype, instance=instance)
         head_dim_v = v.shape[-1]
         return (result[0][..., :head_dim_v], result[1]) if return_lse else \
             result[..., :head_dim_v]
@@ -416,7 +429,7 @@ def fwd(q, k, v, causal=False, softmax_scale=None, *, window_size=(-1, -1),
                    alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                    materialize=True, fp8=True, q_descale=q_descale, k_descale=k_descale,
-                   v_descale=v_descale)
+                   v_descale=v_descale, out_dtype=out_dtype)
     if dropout_p and dropout_seed is None and not torch.compiler.is_compiling():
         _refuse_drawn_seed_in_capture()
     if key is None or not _plans.reusable(ops, bias, attn_mask, alibi_slopes):
@@ -496,7 +509,7 @@ _OPTION_DEFAULTS = dict(
     window_size=(-1, -1), mask_align="top_left", bias=None, attn_mask=None, alibi_slopes=None,
     softcap=0.0, dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False,
     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
-    seqused_k=None, q_descale=None, k_descale=None, v_descale=None,
+    seqused_k=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
 )
 
 # The one stand-in pointer of select(), explain() and their bwd and kvcache counterparts

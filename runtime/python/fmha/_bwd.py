@@ -440,11 +440,11 @@ _BWD_PLANS = _plans.PlanTable()
 
 
 # The keyword options of bwd that select_bwd and explain_bwd take: fwd's, less return_lse (the
-# backward always reads the log-sum-exp) and the descale factors of e4m3 inputs (which have no
-# backward), plus the backward's own.
+# backward always reads the log-sum-exp) and the descale factors and output dtype of e4m3
+# inputs (which have no backward), plus the backward's own.
 _BWD_OPTION_DEFAULTS = {
     **{name: value for name, value in _OPTION_DEFAULTS.items()
-       if name != "return_lse" and name not in DESCALES},
+       if name not in ("return_lse", "out_dtype") and name not in DESCALES},
     "deterministic": False,
     "return_dbias": False,
 }

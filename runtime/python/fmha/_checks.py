@@ -22,10 +22,12 @@ from fmha import _C
 DTYPE_CODES = {torch.float16: _C.DTYPE_FP16, torch.bfloat16: _C.DTYPE_BF16}
 # float8 e4m3 (torch.float8_e4m3fn: no infinities, largest finite 448): the forward's inputs
 # (fmha.fwd, select, explain; the e4m3 kernel is fa3's, H100/H200), with fp32 descale factors,
-# and its output in bfloat16; and an FP8 KV cache's elements (fmha.fwd_kvcache). No backward,
-# no e4m3 KV-cache queries.
+# and its output in bfloat16 (float16 with out_dtype); and an FP8 KV cache's elements
+# (fmha.fwd_kvcache). No backward, no e4m3 KV-cache queries.
 E4M3 = torch.float8_e4m3fn
 E4M3_OUT_DTYPE = torch.bfloat16
+# What out_dtype may ask of e4m3 inputs: one instance writes either (only its rounding differs).
+E4M3_OUT_DTYPES = (torch.bfloat16, torch.float16)
 FWD_DTYPE_CODES = {**DTYPE_CODES, E4M3: _C.DTYPE_E4M3}
 DESCALES = ("q_descale", "k_descale", "v_descale")
 MASK_ALIGNS = {"top_left": _C.ALIGN_TOP_LEFT, "bottom_right": _C.ALIGN_BOTTOM_RIGHT}
@@ -108,9 +110,31 @@ def row_piece(dtype: torch.dtype) -> int:
     return E4M3_ROW_PIECE if dtype == E4M3 else ROW_PIECE
 
 
-def out_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The output's dtype of a forward of inputs of `dtype`: theirs, bfloat16 of e4m3."""
+def out_dtype(dtype: torch.dtype, requested: Optional[torch.dtype] = None) -> torch.dtype:
+    """The output's dtype of a forward of inputs of `dtype`: `requested` (a checked out_dtype,
+    check_out_dtype), else theirs, bfloat16 of e4m3."""
+    if requested is not None:
+        return requested
     return E4M3_OUT_DTYPE if dtype == E4M3 else dtype
+
+
+def check_out_dtype(requested, dtype: torch.dtype, api: str = "fwd") -> Optional[torch.dtype]:
+    """fwd's out_dtype for inputs of `dtype`: None or the default (q's dtype; bfloat16 of e4m3)
+    gives None, and e4m3's float16 itself, what the FwdArgs' o_dtype then names."""
+    if requested is None:
+        return None
+    if not isinstance(requested, torch.dtype):
+        raise TypeError(f"fmha.{api}: out_dtype must be a torch.dtype or None, got "
+                        f"{type(requested).__name__}")
+    if dtype == E4M3:
+        if requested not in E4M3_OUT_DTYPES:
+            raise ValueError(f"fmha.{api}: out_dtype of {E4M3} inputs must be torch.bfloat16 "
+                             f"(None means it) or torch.float16, got {requested}")
+    elif requested != dtype:
+        raise ValueError(f"fmha.{api}: out_dtype of {dtype} inputs must be {dtype} (None means "
+                         f"it): the output is q's dtype, and only {E4M3} inputs choose theirs; "
+                         f"got {requested}")
+    return None if requested == out_dtype(dtype) else requested
 
 
 def v_layout(v: torch.Tensor) -> tuple[int, int, int]:

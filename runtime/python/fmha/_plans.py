@@ -46,7 +46,8 @@ class Plan:
                  bias_from_mask: bool, draws_seed: bool, device: int, trains: bool = False,
                  out_dtype: Optional[torch.dtype] = None):
         self.args: Optional["_C.FwdArgs"] = None  # the first call's; fwd sets it
-        # The output's dtype: None for q's; bfloat16 for e4m3 inputs (fmha._checks.out_dtype).
+        # The output's dtype: None for q's; bfloat16 for e4m3 inputs, or the float16 out_dtype
+        # asked (fmha._checks.out_dtype).
         self.out_dtype = out_dtype
         # The first call's; in varlen the token count (out's first dim, lse's last) is the call's.
         self.out_shape = out_shape
@@ -172,7 +173,8 @@ def is_real(x) -> bool:
 def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn_mask,
              alibi_slopes, softcap, dropout_p, dropout_seed, dropout_offset, return_lse,
              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-             instance, descales: tuple = (None, None, None)) -> Optional[tuple]:
+             instance, descales: tuple = (None, None, None),
+             out_dtype=None) -> Optional[tuple]:
     """The signature of a call that may take a plan, or None for a call that takes the
     torch.library op. Options must have their documented types exactly (a bool is no int here),
     so that two calls with one key pass the same checks; any other value takes the op, whose
@@ -214,6 +216,8 @@ def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
         if not all(t is None or isinstance(t, torch.Tensor) for t in descales):
             return None
         descaled = tuple(None if t is None else _signature(t) for t in descales)
+    if not (out_dtype is None or out_dtype.__class__ is torch.dtype):
+        return None  # the op's checks name it
     if trains and (bias is not None or attn_mask is not None):
         return None  # a bias's gradient, or its absence, is the op's autograd formula's work
     varlen = is_varlen(cu_seqlens_q, bias if bias is not None else attn_mask)
@@ -231,7 +235,7 @@ def call_key(q, k, v, causal, softmax_scale, window_size, mask_align, bias, attn
             None if cu_seqlens_q is None else _signature(cu_seqlens_q),
             None if cu_seqlens_k is None else _signature(cu_seqlens_k),
             None if seqused_q is None else _signature(seqused_q),
-            None if seqused_k is None else _signature(seqused_k), descaled)
+            None if seqused_k is None else _signature(seqused_k), descaled, out_dtype)
 
 
 def lse_shape(q: torch.Tensor, group: bool) -> tuple:
@@ -256,7 +260,8 @@ def op_key(ops, *flags) -> tuple:
             _layout(ops.cu_seqlens_k), _layout(ops.seqused_q), _layout(ops.seqused_k),
             ops.dropout_seed is None, ops.softmax_scale, ops.mask, ops.mask_align,
             ops.window_left, ops.window_right, ops.softcap, ops.dropout_p, ops.return_lse,
-            _layout(ops.q_descale), _layout(ops.k_descale), _layout(ops.v_descale), flags)
+            _layout(ops.q_descale), _layout(ops.k_descale), _layout(ops.v_descale),
+            ops.out_dtype, flags)
 
 
 def reusable(ops, bias, attn_mask, alibi_slopes) -> bool:
@@ -284,7 +289,7 @@ def make(ops, bias_from_mask: bool, draws_seed: bool, trains: bool = False) -> P
     call autograd records (its ops ask for the log-sum-exp, which the backward reads)."""
     q, v = ops.q, ops.v
     out_shape = (*q.shape[:-1], v.shape[-1])
-    dtype = out_dtype(q.dtype)
+    dtype = out_dtype(q.dtype, ops.out_dtype)
     return Plan(out_shape, lse_shape(q, ops.cu_seqlens_q is not None) if ops.return_lse else None,
                 is_varlen(ops.cu_seqlens_q, ops.bias), ops.seqused_q is not None, bias_from_mask,
                 draws_seed, q.get_device(), trains, None if dtype == q.dtype else dtype)
