@@ -488,7 +488,7 @@ def kvcache_reference_e4m3(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
 
 # What the fa3 e4m3 forward does with P (docs/design/fp8.md): the probabilities times 2^8,
 # relative to the running row max, rounded to e4m3 before P V, over key tiles of 128 visited
-# last to first; the row sum stays fp32 and unrounded. Its output is bf16.
+# last to first; the row sum stays fp32 and unrounded. Its output is bf16 (fp16 when asked).
 E4M3_P_SCALE = 256.0
 E4M3_KEY_TILE = 128
 # The orders the running max may visit the key tiles in: the kernel's first.
@@ -746,7 +746,7 @@ class E4m3Comparison:
     lse_err: float = 0.0  # max |lse - truth's| over rows that see keys
 
 
-def _errors(o, truth, quantized, factor, floor_ulps) -> dict:
+def _errors(o, truth, quantized, factor, floor_ulps, out_dtype) -> dict:
     defined = ~torch.isnan(truth)
     diff, ref_diff = (o - truth)[defined], (quantized - truth)[defined]
     if not diff.numel():
@@ -755,11 +755,16 @@ def _errors(o, truth, quantized, factor, floor_ulps) -> dict:
     e = dict(err_max=diff.abs().max().item(), err_rms=rms(diff),
              ref_err_max=ref_diff.abs().max().item(), ref_err_rms=rms(ref_diff),
              out_max=truth[defined].abs().max().item())
-    # The output's rounding to bf16: floor_ulps ulps of the largest element for the max error,
-    # floor_ulps half-ulps of each element (the rounding's bound) in RMS for the RMS error.
-    floor_max = floor_ulps * ulp(e["out_max"], torch.bfloat16)
+    # The output's rounding to its dtype (bf16, or fp16 when asked): floor_ulps ulps of the
+    # largest element for the max error, floor_ulps half-ulps of each element (the rounding's
+    # bound; at least a subnormal's) in RMS for the RMS error.
+    floor_max = floor_ulps * ulp(e["out_max"], out_dtype)
     magnitude = truth[defined].abs()
-    half_ulps = torch.where(magnitude > 0, torch.exp2(torch.frexp(magnitude)[1] - 9.0),
+    finfo = torch.finfo(out_dtype)
+    mantissa = {torch.bfloat16: 7, torch.float16: 10}[out_dtype]
+    half_ulps = torch.where(magnitude > 0,
+                            torch.exp2(torch.frexp(magnitude)[1] - (mantissa + 2.0)).clamp_min(
+                                finfo.smallest_normal * finfo.eps / 2),
                             torch.zeros_like(magnitude))
     floor_rms = floor_ulps * rms(half_ulps)
     e.update(floor_max=floor_max, floor_rms=floor_rms,
@@ -784,8 +789,9 @@ def compare_e4m3(out: torch.Tensor, ref: E4m3Reference, *, lse=None, what: str =
                  lse_rtol: float = 1e-3) -> E4m3Comparison:
     """The e4m3 forward's pass rule (the FP8 issue's bar): the max and the RMS error of `out`
     against the float64 truth each at most `factor` times the quantizing reference's, plus a
-    floor for the output's own rounding to bf16, which is all there is where the reference's
-    error is tiny (one key): floor_ulps bf16 ulps of the largest output for the max error,
+    floor for the output's own rounding to its dtype (bf16, or fp16), which is all there is
+    where the reference's error is tiny (one key): floor_ulps ulps of the largest output for the
+    max error,
     floor_ulps times the RMS of each element's half ulp for the RMS error. The rule holds for each
     (sequence, query head) of the output on its own (cu_seqlens: group mode's sequences), so
     that a head of small values, whose descale the kernel misreads, cannot hide behind a head
@@ -807,10 +813,10 @@ def compare_e4m3(out: torch.Tensor, ref: E4m3Reference, *, lse=None, what: str =
         f"{what}: {int(bad.sum())} NaN output elements in rows the kernel must write "
         f"(first at {tuple(bad.nonzero()[0].tolist())})")
     quantized = ref.quantized.double()
-    whole = _errors(o, truth, quantized, factor, floor_ulps)
+    whole = _errors(o, truth, quantized, factor, floor_ulps, out.dtype)
     ratio, worst = 0.0, ""
     for label, index in _slices(out, cu_seqlens):
-        e = _errors(o[index], truth[index], quantized[index], factor, floor_ulps)
+        e = _errors(o[index], truth[index], quantized[index], factor, floor_ulps, out.dtype)
         for kind in ("max", "rms"):
             err, tol = e[f"err_{kind}"], e[f"tol_{kind}"]
             if tol > 0 and err / tol > ratio:
@@ -1094,11 +1100,13 @@ def e4m3_lse_shape(case: E4m3Case) -> tuple:
 
 def check_fwd_e4m3(fwd, case: E4m3Case, *, instance=None, device="cuda", seed: int = 0,
                    what: str = "", out_param: bool = False,
-                   inputs: Optional[E4m3Inputs] = None) -> E4m3Comparison:
+                   inputs: Optional[E4m3Inputs] = None,
+                   out_dtype: Optional[torch.dtype] = None) -> E4m3Comparison:
     """Runs `case` through `fwd` (fmha.fwd; forced to `instance` when given) and applies
     compare_e4m3 against fwd_reference_e4m3. out_param: the API takes out=, which gets a
-    NaN-filled bf16 tensor the result must be; without it the allocator is poisoned with NaN
-    blocks of the output's and lse's sizes (poison_allocator)."""
+    NaN-filled tensor of the output's dtype the result must be; without it the allocator is
+    poisoned with NaN blocks of the output's and lse's sizes (poison_allocator). out_dtype:
+    passed to fwd (torch.float16 asks for an fp16 output); None passes nothing (bf16)."""
     inputs = inputs if inputs is not None else make_e4m3_inputs(case, device, seed)
     q, k, v = inputs.q, inputs.k, inputs.v
     what = f"{what or instance or 'dispatcher'} [{case.describe()}]"
@@ -1106,13 +1114,15 @@ def check_fwd_e4m3(fwd, case: E4m3Case, *, instance=None, device="cuda", seed: i
     kwargs = dict(inputs.fwd_kwargs)
     if instance is not None:
         kwargs["instance"] = instance
+    want = E4M3_OUT_DTYPE if out_dtype is None else out_dtype
+    if out_dtype is not None:
+        kwargs["out_dtype"] = out_dtype
     given = None
     if out_param:
-        given = torch.full(out_shape, float("nan"), dtype=E4M3_OUT_DTYPE, device=q.device)
+        given = torch.full(out_shape, float("nan"), dtype=want, device=q.device)
         kwargs["out"] = given
     else:
-        poison_allocator([(out_shape, E4M3_OUT_DTYPE), (e4m3_lse_shape(case), torch.float32)],
-                         q.device)
+        poison_allocator([(out_shape, want), (e4m3_lse_shape(case), torch.float32)], q.device)
     result = fwd(q, k, v, **kwargs)
     if q.is_cuda:
         torch.cuda.synchronize()  # surfaces asynchronous CUDA errors here
@@ -1125,8 +1135,8 @@ def check_fwd_e4m3(fwd, case: E4m3Case, *, instance=None, device="cuda", seed: i
         out, lse = result, None
     assert tuple(out.shape) == out_shape, (
         f"{what}: output shape {tuple(out.shape)}, want {out_shape}")
-    assert out.dtype == E4M3_OUT_DTYPE and out.device == q.device, (
-        f"{what}: output {out.dtype} on {out.device}, want {E4M3_OUT_DTYPE} on {q.device}")
+    assert out.dtype == want and out.device == q.device, (
+        f"{what}: output {out.dtype} on {out.device}, want {want} on {q.device}")
     if given is not None:
         assert out.data_ptr() == given.data_ptr(), f"{what}: out= given, another tensor returned"
     ref = fwd_reference_e4m3(q, k, v, **inputs.ref_kwargs)

@@ -443,8 +443,9 @@ def test_torch_compile_traces_forward_and_backward_fullgraph(no_device_check):
         out.sum().backward()
         assert (q.grad.shape, k.grad.shape, bias.grad.shape) == (q.shape, k.shape, bias.shape)
     fw_call = re.search(r"torch\.ops\.fmha\.fwd\.default\((.*)\)", graphs["fw"]).group(1)
-    # return_lse=True, no descale factors (e4m3 inputs only), instance=None
-    assert fw_call.endswith("True, None, None, None, None")
+    # return_lse=True, no descale factors and the default out_dtype (e4m3 inputs only),
+    # instance=None
+    assert fw_call.endswith("True, None, None, None, None, None")
     assert "torch.ops.aten.randint" in graphs["fw"]
     bw_call = re.search(r"torch\.ops\.fmha\.bwd\.default\((.*)\)", graphs["bw"]).group(1)
     assert "randint" in bw_call and bw_call.endswith("False, True, None")  # dbias wanted

@@ -2,7 +2,7 @@
 of q, k, v and the descale factors (TypeError/ValueError before anything reaches a GPU, naming
 the argument), the FwdArgs a call builds (dtype, v read in place, row-major or V^T, in batch
 and group mode (V^T refused there), the descale strides of every broadcast shape), the bf16
-output of the op's fake implementation, the
+output of the op's fake implementation (fp16 with out_dtype, and out_dtype's checks), the
 refusals of the entry points without FP8 (backward, KV-cache queries, autograd), the FA3
 compat layer, and the C++ API's checks through a driver built against a rendered table."""
 
@@ -167,6 +167,78 @@ def test_a_transposed_descale_view_keeps_its_strides(no_device_check):
     assert (a.v_descale_batch_stride, a.v_descale_head_stride) == (1, 2)
 
 
+# ---- out_dtype: bf16 or fp16 from one e4m3 instance ----------------------------------------
+
+@pytest.mark.parametrize("out_dtype, o_dtype", [(None, None), (torch.bfloat16, None),
+                                                (torch.float16, _C.DTYPE_FP16)])
+def test_out_dtype_sets_o_dtype_of_the_fwd_args(no_device_check, out_dtype, o_dtype):
+    """FwdArgs.o_dtype: unset for the default (bf16), DTYPE_FP16 when fp16 is asked."""
+    a, ops = build_args(*qkv(), out_dtype=out_dtype)
+    assert a.o_dtype == o_dtype
+    assert ops.out_dtype == (torch.float16 if o_dtype is not None else None)
+    assert a.traits() == build_args(*qkv())[0].traits()  # one instance serves both
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_inputs_out_dtype_is_theirs(no_device_check, dtype):
+    a, ops = build_args(*qkv(dtype=dtype), out_dtype=dtype)
+    assert (a.o_dtype, ops.out_dtype) == (None, None)
+    other = torch.bfloat16 if dtype == torch.float16 else torch.float16
+    with pytest.raises(ValueError, match=rf"fmha.fwd: out_dtype of {dtype} inputs must be "
+                                         rf"{dtype} \(None means it\): the output is q's dtype, "
+                                         rf"and only torch.float8_e4m3fn inputs choose theirs; "
+                                         rf"got {other}"):
+        fmha.fwd(*qkv(dtype=dtype), out_dtype=other)
+
+
+@pytest.mark.parametrize("value, error, message", [
+    (torch.float32, ValueError, r"out_dtype of torch.float8_e4m3fn inputs must be torch.bfloat16 "
+                                r"\(None means it\) or torch.float16, got torch.float32"),
+    (E4M3, ValueError, r"out_dtype of torch.float8_e4m3fn inputs must be torch.bfloat16 "
+                       r"\(None means it\) or torch.float16, got torch.float8_e4m3fn"),
+    ("float16", TypeError, "out_dtype must be a torch.dtype or None, got str"),
+])
+def test_bad_out_dtypes_name_the_argument(value, error, message):
+    with pytest.raises(error, match=f"fmha.fwd: {message}"):
+        fmha.fwd(*qkv(), out_dtype=value)
+    with pytest.raises(error, match=f"fmha.fwd: {message}"):  # select checks as fwd does
+        fmha.select(*(t.to("meta") for t in qkv()), out_dtype=value, capability=(9, 0))
+
+
+def test_the_op_returns_fp16_when_asked():
+    """The fake implementation (torch.compile's view) follows out_dtype, in both modes."""
+    with FakeTensorMode():
+        q, k, v = fake_qkvt()
+        scale = torch.empty(2, 2, device="cuda")
+        out, lse = fmha.fwd(q, k, v, causal=True, return_lse=True, q_descale=scale,
+                            out_dtype=torch.float16)
+        assert (out.dtype, out.shape, lse.dtype) == (torch.float16, (2, 16, 4, 128),
+                                                     torch.float32)
+        assert fmha.fwd(q, k, v, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+        q, k, v, group = packed()
+        q, k, v = (torch.empty(t.shape, dtype=E4M3, device="cuda") for t in (q, k, v))
+        group = {**group, **{key: torch.zeros(4, dtype=torch.int32, device="cuda")
+                             for key in ("cu_seqlens_q", "cu_seqlens_k")}}
+        assert fmha.fwd(q, k, v, out_dtype=torch.float16, **group).dtype == torch.float16
+
+
+def test_the_op_traces_out_dtype_under_torch_compile():
+    """The op's schema takes out_dtype, and a compiled graph's fake run gives its dtype."""
+    assert "ScalarType? out_dtype" in str(torch.ops.fmha.fwd.default._schema)
+    with FakeTensorMode():
+        q, k, v = fake_qkvt()
+        out = torch.compile(lambda q, k, v: fmha.fwd(q, k, v, out_dtype=torch.float16),
+                            fullgraph=True, backend="eager")(q, k, v)
+        assert out.dtype == torch.float16
+
+
+def test_select_bwd_takes_no_out_dtype():
+    q, k, v = qkv(dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="fmha.select_bwd: unexpected keyword argument "
+                                        "'out_dtype'"):
+        fmha.select_bwd(q, k, v, out_dtype=torch.bfloat16, capability=(9, 0))
+
+
 # ---- the FwdArgs of an e4m3 call: v row-major or V^T, read in place ------------------------
 
 def test_a_row_major_v_is_read_as_it_is(no_device_check):
@@ -261,7 +333,8 @@ def test_the_op_returns_bf16():
 
 def test_the_ops_schema_takes_the_descales_and_the_backwards_does_not():
     schema = str(torch.ops.fmha.fwd.default._schema)
-    assert "Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, str? instance" in schema
+    assert ("Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, ScalarType? out_dtype, "
+            "str? instance") in schema
     assert "descale" not in str(torch.ops.fmha.bwd.default._schema)
 
 
@@ -473,7 +546,23 @@ int main() {
   group_row.total_q = group_row.total_k = 256;
   group_row.lse = reinterpret_cast<float*>(memory);
   group_row.lse_head_stride = 256;
-  std::cout << fmha::detail::explain_selection(group_row, 90);
+  std::cout << fmha::detail::explain_selection(group_row, 90) << "----\\n";
+  fmha::FwdArgs fp16_out = call();
+  fp16_out.o_dtype = fmha::DataType::kFP16;
+  std::cout << fmha::fwd(fp16_out, nullptr).message << "\\n----\\n";
+  std::cout << fmha::detail::explain_selection(fp16_out, 90) << "----\\n";
+  fmha::FwdArgs e4m3_out = call();
+  e4m3_out.o_dtype = fmha::DataType::kE4M3;
+  std::cout << fmha::fwd(e4m3_out, nullptr).message << "\\n----\\n";
+  fmha::FwdArgs unknown_out = call();
+  unknown_out.o_dtype = static_cast<fmha::DataType>(7);
+  std::cout << fmha::fwd(unknown_out, nullptr).message << "\\n----\\n";
+  fmha::FwdArgs bf16_fp16_out = call(fmha::DataType::kBF16);
+  bf16_fp16_out.o_dtype = fmha::DataType::kFP16;
+  std::cout << fmha::fwd(bf16_fp16_out, nullptr).message << "\\n----\\n";
+  fmha::FwdArgs bf16_out = call(fmha::DataType::kBF16);
+  bf16_out.o_dtype = fmha::DataType::kBF16;  // its own dtype: valid
+  std::cout << fmha::fwd(bf16_out, nullptr).message;
 }
 """
 
@@ -497,7 +586,8 @@ def test_cpp_checks_and_explains_e4m3_calls(tmp_path):
     assert compiled.returncode == 0, compiled.stderr
     ran = subprocess.run([str(program)], capture_output=True, text=True, check=True)
     (bf16, strides, negative, unaligned, q_stride, v_stride, o_stride, unknown, backward, cache,
-     row, d96, group_vt, group_vt_explained, group_row) = ran.stdout.split("----\n")
+     row, d96, group_vt, group_vt_explained, group_row, fp16_out, fp16_out_explained, e4m3_out,
+     unknown_out, bf16_fp16_out, bf16_out) = ran.stdout.split("----\n")
     assert bf16 == ("fmha::fwd: q_descale/k_descale/v_descale are for dtype kE4M3 (they "
                     "dequantize e4m3 inputs); a kBF16 call takes none\n")
     assert strides == ("fmha::fwd: v_descale_head_stride is 1; the descale strides are for "
@@ -532,6 +622,18 @@ def test_cpp_checks_and_explains_e4m3_calls(tmp_path):
     # its traits, whose filter builds the group instance.
     assert "no instance has these traits" in group_row
     assert "FMHA_FILTER='e4m3,hdim128,mask=none,bias=none,vlayout=row,mode=group," in group_row
+    # O's dtype: fp16 of e4m3 inputs passes the checks of it (what may stop it here is the want
+    # of a GPU) and runs the bf16 output's instance; a 16-bit call may name its own dtype; the
+    # others are refused.
+    assert "o_dtype" not in fp16_out, fp16_out
+    assert "Runs fwd_e4m3_d128_col_fa3_sm90a_m128n128_pad (fa3, sm90a," in fp16_out_explained
+    assert e4m3_out == ("fmha::fwd: o_dtype kE4M3 for dtype kE4M3: valid: kBF16 (unset means it) "
+                        "or kFP16\n")
+    assert unknown_out == ("fmha::fwd: o_dtype 7 for dtype kE4M3: valid: kBF16 (unset means it) "
+                           "or kFP16\n")
+    assert bf16_fp16_out == ("fmha::fwd: o_dtype kFP16 for dtype kBF16: valid: kBF16 (unset "
+                             "means it); kBF16 or kFP16 are for dtype kE4M3 only\n")
+    assert "o_dtype" not in bf16_out, bf16_out
 
 
 # ---- compile on demand ---------------------------------------------------------------------
@@ -575,6 +677,11 @@ def test_an_e4m3_miss_compiles_its_fa3_instance(given, lse, names):
     (dict(dtype=3), "unknown dtype 3; valid: kFP16, kBF16, kE4M3"),
     (dict(dtype=_C.DTYPE_E4M3, mode=_C.MODE_GROUP, vlayout=_C.VLAYOUT_COL_MAJOR),
      "dtype kE4M3 takes V\\^T \\(VLayout::kColMajor\\) in Mode::kBatch only: TMA copies"),
+    (dict(dtype=_C.DTYPE_E4M3, o_dtype=_C.DTYPE_E4M3),
+     "o_dtype kE4M3 for dtype kE4M3: valid: kBF16 \\(unset means it\\) or kFP16"),
+    (dict(o_dtype=_C.DTYPE_BF16),
+     "o_dtype kBF16 for dtype kFP16: valid: kFP16 \\(unset means it\\); kBF16 or kFP16 are "
+     "for dtype kE4M3 only"),
 ])
 def test_cpp_checks_of_e4m3_calls_through_the_bindings(overrides, message):
     from test_api_checks import cpp_fwd
@@ -590,3 +697,9 @@ def test_cpp_takes_a_well_formed_e4m3_call_to_the_dispatcher():
     # O (bf16) keeps strides of 8 elements; e4m3's are multiples of 16 here.
     assert passes_checks(*cpp_fwd(dtype=_C.DTYPE_E4M3, o_head_stride=72, o_seq_stride=144,
                                   o_batch_stride=16 * 144, **scale)[:2])
+    # O in fp16 (FwdArgs.o_dtype), or bf16 named: the same checks and instance as unset.
+    for o_dtype in (_C.DTYPE_FP16, _C.DTYPE_BF16):
+        assert passes_checks(*cpp_fwd(dtype=_C.DTYPE_E4M3, o_dtype=o_dtype, **scale)[:2])
+    # A 16-bit call may name its own dtype.
+    assert passes_checks(*cpp_fwd(o_dtype=_C.DTYPE_FP16)[:2])
+    assert _C.FwdArgs().o_dtype is None

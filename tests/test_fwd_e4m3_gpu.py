@@ -20,6 +20,11 @@ the quantizing reference's (P rounded to e4m3 x 256 relative to the final row ma
 for the bf16 output's rounding; rows that see no key exactly 0 with lse -inf; lse within 1e-3
 x max(1, |lse|).
 
+O in fp16 (out_dtype=torch.float16; the same instance rounds its fp32 result to fp16 instead of
+bf16): forced instances of each mode and V layout, and planned eager calls alternating the two
+dtypes, against the same reference at fp16's rounding; the fp16 and bf16 outputs of one call are
+two roundings of one result (not bit-equal).
+
 Also the API: mixed dtypes are a TypeError, a descale of a shape that does not broadcast to
 (batch, nhead_k) a ValueError, e4m3 inputs that require grad an error (no backward), a V^T in
 group mode a ValueError, all before any launch; a row-major v is not copied.
@@ -216,6 +221,63 @@ def test_a_row_major_v_is_not_copied(name, case):
     extra = torch.cuda.max_memory_allocated() - before
     assert extra < inputs.v.numel() // 4, (
         f"{name}: the call allocated {extra} bytes beside v's {inputs.v.numel()}")
+
+
+# ------------------------------------------------------------------------------------------
+# O in fp16 when asked (out_dtype=torch.float16): the same instances, another rounding
+# ------------------------------------------------------------------------------------------
+
+
+def _one_per_mode_and_v_layout() -> list:
+    """One instance of each (mode, V layout), the log-sum-exp where built."""
+    chosen: dict = {}
+    for inst in sorted(INSTANCES, key=lambda i: not i["lse"]):
+        chosen.setdefault((R.trait(inst, "mode"), R.trait(inst, "vlayout")), inst)
+    return list(chosen.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,case", _params(lambda inst: R.e4m3_instance_cases(inst)[:3],
+                                              _one_per_mode_and_v_layout()))
+def test_fp16_output_within_twice_the_quantizing_reference(name, case):
+    """The pass rule with the floor of fp16's rounding (8x tighter than bf16's); the output
+    float16 (check_fwd_e4m3 asserts its dtype)."""
+    check(case, instance=name, seed=_seed(name + case.describe()), out_dtype=torch.float16)
+
+
+@pytest.mark.gpu
+def test_out_dtype_is_part_of_a_planned_calls_signature():
+    """Eager calls keep a plan per signature (fmha._plans): fp16 and bf16 outputs of one problem
+    in turn, each call its own dtype, every output within the pass rule of its dtype; the two
+    are roundings of one fp32 result, within a bf16 and an fp16 half-ulp of each other (not
+    bit-equal: they round differently)."""
+    rows = [i for i in INSTANCES if R.trait(i, "vlayout") == "row" and i["mode"] == "batch"]
+    if not rows:
+        pytest.skip("no e4m3 batch instance with a row-major V runs here")
+    inst = rows[0]
+    case = R.E4m3Case(d=inst["hdim_q"], dv=inst["hdim_v"], b=2, sq=200, sk=300, hq=4, hk=2,
+                      causal=inst["mask"] == "causal", descale="head")
+    if inst["mask"] == "window":
+        case = case.replace(window=(64, 0))
+    inputs = R.make_e4m3_inputs(case, "cuda", seed=6)
+    ref = R.fwd_reference_e4m3(inputs.q, inputs.k, inputs.v, **inputs.ref_kwargs)
+    outs = {}
+    for out_dtype in (torch.float16, None, torch.float16, torch.bfloat16, None):
+        kwargs = dict(inputs.fwd_kwargs, instance=inst["name"])
+        if out_dtype is not None:
+            kwargs["out_dtype"] = out_dtype
+        out = fmha.fwd(inputs.q, inputs.k, inputs.v, **kwargs)
+        torch.cuda.synchronize()
+        want = out_dtype or torch.bfloat16
+        assert out.dtype == want, f"out_dtype={out_dtype}: output {out.dtype}, want {want}"
+        R.compare_e4m3(out, ref, what=f"{inst['name']} out_dtype={out_dtype}")
+        if want in outs:
+            assert torch.equal(out, outs[want]), f"{want}: two calls of one plan differ"
+        outs[want] = out
+    fp16, bf16 = outs[torch.float16].double(), outs[torch.bfloat16].double()
+    apart = (fp16 - bf16).abs()
+    bound = (2.0 ** -8 + 2.0 ** -11) / (1 - 2.0 ** -8) * bf16.abs() + 2.0 ** -25
+    assert (apart <= bound).all(), f"fp16 and bf16 outputs {apart.max().item():.3g} apart"
 
 
 # ------------------------------------------------------------------------------------------

@@ -1587,11 +1587,12 @@ def test_study_inputs_are_what_they_say():
 
 
 def e4m3_stand_in(q, k, v, *, return_lse=False, out=None, instance=None, p_max="running",
-                  spoil=None, **kw):
+                  spoil=None, out_dtype=None, **kw):
     """A CPU stand-in for fmha.fwd's e4m3 forward: the quantizing reference with the kernel's
-    running max, rounded to bf16 (spoil(out, lse) breaks it in a chosen way)."""
+    running max, rounded to bf16 or out_dtype (spoil(out, lse) breaks it in a chosen way)."""
     ref = R.fwd_reference_e4m3(q, k, v, p_max=p_max, **kw)
-    o, lse = ref.quantized.to(torch.bfloat16), ref.lse.float()
+    o = ref.quantized.to(torch.bfloat16 if out_dtype is None else out_dtype)
+    lse = ref.lse.float()
     if spoil is not None:
         o, lse = spoil(o, lse, ref)
     if out is not None:
@@ -1676,6 +1677,33 @@ def test_check_fwd_e4m3_accepts_the_kernels_algorithm(case_index):
         result = R.check_fwd_e4m3(e4m3_stand_in, case, device="cpu", seed=case_index,
                                   out_param=out_param, what=case_id)
         assert result.ratio <= 1
+
+
+@pytest.mark.parametrize("case_index", [0, 5])
+def test_check_fwd_e4m3_takes_an_fp16_output(case_index):
+    """out_dtype=torch.float16 (passed to fwd): the output must be fp16, and the pass rule's
+    floor is fp16's rounding; a bf16 output where fp16 was asked fails."""
+    group = [i for i in e4m3_manifest() if i["name"] == "fwd_e4m3_d64_window_group_row_lse"][0]
+    case_id, case = R.e4m3_instance_cases(group)[case_index]
+    for out_param in (False, True):
+        result = R.check_fwd_e4m3(e4m3_stand_in, case, device="cpu", seed=case_index,
+                                  out_param=out_param, what=case_id, out_dtype=torch.float16)
+        assert result.ratio <= 1
+    ignores = lambda *a, out_dtype=None, **kw: e4m3_stand_in(*a, **kw)  # noqa: E731
+    with pytest.raises(AssertionError, match="output torch.bfloat16 on cpu, want torch.float16"):
+        R.check_fwd_e4m3(ignores, case, device="cpu", out_dtype=torch.float16)
+
+
+def test_the_output_rounding_floor_follows_the_output_dtype():
+    """compare_e4m3's floor stands for the output's own rounding: fp16's is an eighth of
+    bf16's (3 more mantissa bits) in the normal range, and a subnormal's spacing below it."""
+    truth = torch.tensor([[0.75, -3.0, 40.0, 2.0 ** -20]], dtype=torch.float64)
+    floors = {dtype: R._errors(truth.to(dtype).double(), truth, truth, 2.0, 2.0, dtype)
+              for dtype in (torch.bfloat16, torch.float16)}
+    assert floors[torch.bfloat16]["floor_max"] == 8 * floors[torch.float16]["floor_max"]
+    assert floors[torch.float16]["floor_max"] == 2 * 2.0 ** (5 - 10)
+    half_ulps = torch.tensor([2.0 ** -12, 2.0 ** -10, 2.0 ** -6, 2.0 ** -25])  # fp16's
+    assert floors[torch.float16]["floor_rms"] == pytest.approx(2 * R.rms(half_ulps))
 
 
 def spoiled(spoil, p_max="running"):
