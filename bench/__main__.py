@@ -541,10 +541,10 @@ def main(argv=None):
     if rows or not e4m3_rows:
         print(format_table(rows, "case"))
     if e4m3_rows:
-        print(f"e4m3 forward (bench/fp8.py): fmha_vcol V^T given, fmha v row-major (the API's "
-              f"copy included), fmha_bf16 the bf16 forward, scaled_mm torch._scaled_mm e4m3 "
+        print(f"e4m3 forward (bench/fp8.py): fmha_vcol V^T given, fmha v row-major (transposed "
+              f"in the kernel), fmha_bf16 the bf16 forward, scaled_mm torch._scaled_mm e4m3 "
               f"{fp8.GEMM_N}^3 -> bf16 (fast accumulation; _exact without), SDPA bf16; "
-              f"bar: the FP8 issue's share of scaled_mm for V^T")
+              f"bar: the FP8 issue's share of scaled_mm, for the row-major rate")
         print(fp8.format_rows(e4m3_rows))
     print("host time per call, us (not in the TFLOP/s above; bf16, sdpa: its default backend):")
     for shape, costs in host.items():
