@@ -49,7 +49,7 @@ PROBLEM_HELP = f"""\
 PROBLEM (--explain) is comma-separated key=value:
   op               {', '.join(OPERATION.tokens)}: the forward or the backward pass, or KV-cache
                    attention (default: {DEFAULT_OP.token})
-  dtype            {', '.join(ENUM_AXES['dtype'].tokens)} (required)
+  dtype            {', '.join(ENUM_AXES['dtype'].tokens)} (required; e4m3 is the forward's only)
   kv_dtype         kvcache only: {', '.join(ENUM_AXES['kv_dtype'].tokens)}, what the cache holds
                    (default: {ENUM_AXES['kv_dtype'].name_default}: the dtype)
   hdim             N or QxV, or hdim_q=N and hdim_v=N (required; hdim_v defaults to hdim_q)
