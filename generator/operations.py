@@ -441,9 +441,11 @@ def _bwd_fa2_smem_bytes(tile, traits: Traits) -> int:
             + 2 * tile.block_n * tile.block_m * (2 if _split_d(tile, hdim) > 1 else 1))
 
 
-# What fmha/kernels/bwd_fa3_sm90.cuh static_asserts: one producer warpgroup feeds two consumer
-# warpgroups through TMA. block_n 128 splits the keys between them (64 each: wgmma's M), block_n
-# 64 splits the head dim (both take the same 64 keys, each half of dK's and dV's columns).
+# What fmha/kernels/bwd_fa3_config_sm90.cuh static_asserts: one producer warpgroup feeds two
+# consumer warpgroups through TMA. block_n 128 splits the keys between them (64 each: wgmma's
+# M), block_n 64 splits the head dim (both take the same 64 keys, each half of dK's and dV's
+# columns; with unequal head dims, the products instead): the config's work_split, WorkSplit::kKeys,
+# kHeadDim or kProducts.
 def _bwd_fa3_splits_head_dim(tile) -> bool:
     return tile.block_n == 64
 
@@ -483,7 +485,7 @@ _BWD_FA3_CONSTRAINTS = (
 
 
 def _bwd_fa3_smem_bytes(tile, traits: Traits) -> int:
-    """BwdConfig::kSmemBytes of bwd_fa3_sm90.cuh: K and V; per stage Q, dO and the LSE and D
+    """BwdConfig::kSmemBytes of bwd_fa3_config_sm90.cuh: K and V; per stage Q, dO and the LSE and D
     of each row; two dS^T buffers, and with the head-dim split two P^T buffers; one step's fp32
     dQ tile for the writer warp in two slices (of 128 columns each with the products split,
     none with the even head-dim split, whose consumers add dQ with atomics); the barriers and
