@@ -44,7 +44,9 @@
 // key tile, and the writer lets each key tile's reduces complete before the next key tile's);
 // kernel 3 sums the accumulators in order, as fa2's backward does.
 // The config (the work split, WorkSplit: the key split, the head-dim split or the products
-// split; the GEMMs, shared memory and TMA types) is bwd_fa3_config_sm90.cuh's.
+// split; the GEMMs, shared memory and TMA types) is bwd_fa3_config_sm90.cuh's; the key tiles a
+// CTA walks and each one's steps are bwd_fa3_scheduler_sm90.cuh's; the dQ writer warp and the
+// consumers' side of it are bwd_fa3_dq_writer_sm90.cuh's.
 //
 // Traits on this pipeline: fp16/bf16; head dims 64, 128, (192, 128) and 256; no mask, causal
 // and sliding windows (both alignments); MQA/GQA; batch and group (varlen) mode with seqused;
@@ -72,6 +74,8 @@
 #include "fmha/fmha.h"
 #include "fmha/kernels/bwd_common.cuh"
 #include "fmha/kernels/bwd_fa3_config_sm90.cuh"
+#include "fmha/kernels/bwd_fa3_dq_writer_sm90.cuh"
+#include "fmha/kernels/bwd_fa3_scheduler_sm90.cuh"
 #include "fmha/kernels/device_facts.cuh"
 #include "fmha/kernels/fwd_params.cuh"
 #include "fmha/kernels/mask.cuh"
@@ -79,56 +83,6 @@
 #include "fmha/kernels/tile_order.cuh"
 
 namespace fmha::fa3 {
-
-// The CTA's first key tile, K/V head and sequence; it walks key tiles n_block, n_block +
-// n_stride, ... (one, but in deterministic mode, where CTA `split` walks every splits-th). Without
-// a causal mask the grid is (key tile, K/V head, sequence): a head's key tiles run at once and
-// share its Q and dO in L2. Under a causal mask key tile n sees the query tiles from about n on,
-// so tile 0 costs the most: the grid is 1-D, heads in groups whose Q and dO fit L2, each group's
-// longest key tiles first (tile_order.cuh), so the last wave holds only short tiles.
-struct KeyTileWalk {
-  int n_block;
-  int n_stride;
-  int kv_head;
-  int batch;
-};
-
-template <class Cfg>
-__device__ __forceinline__ KeyTileWalk cta_key_tiles(const typename Cfg::KernelParams& kp) {
-  const BwdParams& p = kp.p;
-  if (Cfg::kMask == MaskType::kCausal && !p.deterministic) {
-    const TileCoord t = longest_first_in_head_groups(blockIdx.x, p.n_blocks, p.nhead_k,
-                                                     p.nhead_k * p.batch, kp.group_heads);
-    return {p.n_blocks - 1 - t.m_block, p.n_blocks, t.head, t.batch};
-  }
-  return {static_cast<int>(blockIdx.x), p.deterministic ? static_cast<int>(gridDim.x) : p.n_blocks,
-          static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
-}
-
-// One key tile's work as the producer and the consumers both derive it: the query tiles
-// [m_begin, m_end) of each query head that see some of its keys.
-template <class Cfg>
-struct KeyTileWork {
-  using Mask = TileMask<Cfg::kMask, /*kPadSeqlen=*/true, Cfg::kBlockM, Cfg::kBlockN>;
-  SequenceExtent seq;
-  Mask mask;
-  int key0;
-  int m_begin;
-  int m_end;
-
-  __device__ KeyTileWork(const FwdParams& f, int batch, int n_block)
-      : seq(sequence_extent<Cfg::kMode>(f, batch)),
-        mask(seq.seqlen_q, seq.seqlen_k, f.bottom_right, f.window_left, f.window_right),
-        key0(n_block * Cfg::kBlockN) {
-    const bool has_keys = key0 < seq.seqlen_k;
-    const int last_key = min(key0 + Cfg::kBlockN, seq.seqlen_k) - 1;
-    const int m_tiles = (seq.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
-    m_begin = has_keys ? mask.m_block_begin(key0) : 0;
-    m_end = has_keys ? min(mask.m_block_end(last_key, seq.seqlen_q), m_tiles) : 0;
-  }
-
-  __device__ bool has_steps() const { return m_end > m_begin; }
-};
 
 // Kernel 1: per (head, sequence, row) of the padded layout, D = rowsum(dO * O) and the
 // log-sum-exp in log2 units (+inf for rows that see no key, whose forward LSE is -inf, so that
@@ -184,23 +138,6 @@ __global__ void __launch_bounds__(256)
     }
   }
   zero_dq_accumulators(p);
-}
-
-// Adds `bytes` (a multiple of 16) of fp32 from shared memory into global memory, both 16-byte
-// aligned, as one asynchronous bulk operation of the issuing thread's current bulk group
-// (commit it with cute::tma_store_arrive; cute::tma_store_wait waits until it has been read).
-__device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
-  const auto smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-               :
-               : "l"(gmem), "r"(smem_addr), "r"(bytes)
-               : "memory");
-}
-
-// Waits until every committed bulk group of this thread has completed, its writes to global
-// memory included (tma_store_wait waits only until shared memory has been read).
-__device__ __forceinline__ void bulk_wait_all() {
-  asm volatile("cp.async.bulk.wait_group 0;" : : : "memory");
 }
 
 // `x`, as a value the compiler knows nothing about: computations from it stay where they are
@@ -301,45 +238,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // ------------------------------------------------------------ dQ writer
       // (the head-dim split has none: its consumers add dQ with atomics)
       if constexpr (Cfg::kDqWriterWarp) {
-        for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
-          barrier_arrive(BwdBarrier::kDqEmptyFirst + w, kDqBarrierThreads);
-        }
+        BwdDqWriter<Cfg> writer(kp, shared, walk, split, lane);
         for (int n_block = walk.n_block; n_block < p.n_blocks; n_block += walk.n_stride) {
-          const KeyTileWork<Cfg> work(f, batch, n_block);
-          if (!work.has_steps()) continue;
-          for (int g = 0; g < f.kv_group; ++g) {
-            const int head = kv_head * f.kv_group + g;
-            for (int m_block = work.m_begin; m_block < work.m_end; ++m_block) {
-              float* tile = dq_tile<Cfg>(kp, split, head, batch, m_block);
-#pragma unroll
-              for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
-                barrier_sync(BwdBarrier::kDqFullFirst + w, kDqBarrierThreads);
-                if (lane == 0) {
-                  bulk_reduce_add(tile + w * Cfg::kDQSliceFloats, shared.dq.slice[w],
-                                  Cfg::dq_slice_floats(w) * sizeof(float));
-                  tma_store_arrive();
-                }
-              }
-              // The slices are free once read; warpgroup 0's was issued first.
-#pragma unroll
-              for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
-                if (lane == 0) {
-                  if (w == 0) {
-                    tma_store_wait<Cfg::kConsumerWarpgroups - 1>();
-                  } else {
-                    tma_store_wait<0>();
-                  }
-                }
-                __syncwarp();
-                barrier_arrive(BwdBarrier::kDqEmptyFirst + w, kDqBarrierThreads);
-              }
-            }
-          }
-          // Deterministic: a query tile's chunk gets one add per key tile; the next key tile's
-          // adds start after this one's have landed, so each chunk sums in key-tile order.
-          if (p.deterministic && lane == 0) bulk_wait_all();
+          writer.key_tile(KeyTileWork<Cfg>(f, batch, n_block));
         }
-        if (lane == 0) tma_store_wait<0>();  // shared memory outlives the last reads of it
+        writer.finish();
       }
       return;
     }
@@ -469,6 +372,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kSValues = decltype(size(tScS))::value;
 
   auto consumers_sync = [&](uint32_t barrier) { barrier_sync(barrier, kConsumerThreads); };
+  const BwdDqOut<Cfg> dq_out(kp, shared, split, batch, wg_thread);
   // Every key the sequence owns gets dK and dV (past seqused_k too).
   const int keys_owned = rows_owned<Cfg::kMode>(f.cu_seqlens_k, batch, f.seqlen_k);
 
@@ -577,34 +481,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           }
           cutlass::arch::fence_view_async_shared();
 
-          // dQ slice `slice` of the step's query tile straight into the accumulator, float4s in
-          // its register order (the even head-dim split; the other splits' writer warp does this
-          // with one bulk reduce a slice). Deterministic mode: each float4 of a split's
-          // accumulator has one writer thread, whose adds land in program order.
           const int head = kv_head * f.kv_group + g;
-          auto add_dq = [&](const auto& acc, int slice) {
-            float4* dq_slice = reinterpret_cast<float4*>(
-                dq_tile<Cfg>(kp, split, head, batch, m_block) + slice * Cfg::kDQSliceFloats);
-#pragma unroll
-            for (int j = 0; j < decltype(size(acc))::value / 4; ++j) {
-              atomicAdd(dq_slice + 128 * j + wg_thread,
-                        make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3)));
-            }
-          };
-          // dQ slice `slice` to the writer warp through shared memory, in the same order.
-          auto stage_dq = [&](const auto& acc, int slice) {
-            if constexpr (Cfg::kDqWriterWarp) {  // the even head-dim split has no dQ slices
-              barrier_sync(BwdBarrier::kDqEmptyFirst + slice, kDqBarrierThreads);
-              float4* dq_slice = reinterpret_cast<float4*>(shared.dq.slice[slice]);
-#pragma unroll
-              for (int j = 0; j < decltype(size(acc))::value / 4; ++j) {
-                dq_slice[128 * j + wg_thread] =
-                    make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
-              }
-              cutlass::arch::fence_view_async_shared();  // the bulk reduce reads it
-              barrier_arrive(BwdBarrier::kDqFullFirst + slice, kDqBarrierThreads);
-            }
-          };
           Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BlockM, Int<Cfg::kDQSliceCols>>{});
           if constexpr (Cfg::kSplitProducts) {
             consumers_sync(BwdBarrier::kDsWritten);
@@ -643,11 +520,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                        tdQrdQTail);
               warpgroup_wait<1>();  // dK's and the first dQ slice's GEMMs
               warpgroup_fence_operand(tdQrdQ);
-              stage_dq(tdQrdQ, 0);
+              dq_out.put(tdQrdQ, 0, head, m_block);
               warpgroup_wait<0>();
               warpgroup_fence_operand(tdQrdQTail);
               warpgroup_fence_operand(tdKrdKTail);
-              stage_dq(tdQrdQTail, 1);
+              dq_out.put(tdQrdQTail, 1, head, m_block);
             }
             do_pipe.consumer_release(read_do);
             ++read_do;
@@ -676,11 +553,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             ++read_do;
           }
           if constexpr (!Cfg::kSplitProducts) {
-            if constexpr (Cfg::kDqWriterWarp) {
-              stage_dq(tdQrdQ, consumer_wg);
-            } else {
-              add_dq(tdQrdQ, consumer_wg);
-            }
+            dq_out.put(tdQrdQ, consumer_wg, head, m_block);
           }
           warpgroup_wait<0>();
           warpgroup_fence_operand(tdKrdK);
