@@ -131,17 +131,12 @@ class Epilogue {
                                              const WorkTile<Cfg>& work, Element* o,
                                              int wg_rows_valid) {
     scale_rows(tOrO, inv);
-    if constexpr (Cfg::kFp8) {
-      // The call's choice, one for the whole grid: a uniform branch. One instance serves both
-      // 16-bit outputs, and only this rounding differs.
-      if (kp_.p.o_fp16) {
+    // e4m3 inputs: the call's choice, one for the whole grid (a uniform branch). One instance
+    // serves both 16-bit outputs, and only this rounding differs.
+    if (Cfg::kFp8 && kp_.p.o_fp16) {
 #pragma unroll
-        for (int v = 0; v < cute::size(tOrO); ++v) {
-          tOrO_out_(v) = Element::bitcast(cutlass::half_t(tOrO(v)).raw());
-        }
-      } else {
-#pragma unroll
-        for (int v = 0; v < cute::size(tOrO); ++v) tOrO_out_(v) = static_cast<Element>(tOrO(v));
+      for (int v = 0; v < cute::size(tOrO); ++v) {
+        tOrO_out_(v) = Element::bitcast(cutlass::half_t(tOrO(v)).raw());
       }
     } else {
 #pragma unroll

@@ -20,11 +20,11 @@
 //   Epilogue       O / rowsum and the log-sum-exp out (fwd_fa3_epilogue_sm90.cuh)
 // The config (tile, register split, shared memory, TMA types) is fwd_fa3_config_sm90.cuh's.
 //
-// Traits on this pipeline: fp16/bf16, and e4m3 with V row-major or V^T (bf16 out, descales per
-// tensor or per sequence and K/V head); head dims that are multiples of 64; no mask, causal and sliding
-// windows (both alignments); MQA/GQA; batch and group mode with seqused; LSE. Every sequence
-// length is served (TMA zero-fills ragged tiles; the last key tile is masked), so the instances
-// are pad_seqlen=true. Bias, dropout, soft-capping, 16-bit V^T and padded head dims run on the
+// Traits on this pipeline: fp16/bf16, and e4m3 with V row-major or V^T (bf16 or fp16 out,
+// descales per tensor or per sequence and K/V head); head dims that are multiples of 64; no mask,
+// causal and sliding windows (both alignments); MQA/GQA; batch and group mode with seqused; LSE.
+// Every sequence length is served (TMA zero-fills ragged tiles; the last key tile is masked), so
+// the instances are pad_seqlen=true. Bias, dropout, soft-capping, 16-bit V^T and padded head dims run on the
 // fa2 pipeline (instances.yaml's rules say so, and the dispatcher's explain quotes them).
 #pragma once
 
@@ -163,9 +163,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   typename Pipeline::Params v_params = k_params;
   v_params.transaction_bytes = Cfg::kVBytes;
   if constexpr (Cfg::kTransposeV) {  // the V ring feeds the transposing warps
-    v_params.role = threadIdx.x < 32                           ? Pipeline::ThreadCategory::Producer
-                    : threadIdx.x < 32 + Cfg::kTransposeThreads ? Pipeline::ThreadCategory::Consumer
-                                                               : Pipeline::ThreadCategory::NonParticipant;
+    using Role = typename Pipeline::ThreadCategory;
+    v_params.role = threadIdx.x < 32                            ? Role::Producer
+                    : threadIdx.x < 32 + Cfg::kTransposeThreads ? Role::Consumer
+                                                                : Role::NonParticipant;
     v_params.num_consumers = Cfg::kTransposeThreads;
   }
   Pipeline k_pipe(shared.k_pipe, k_params, Shape<_1, _1, _1>{});
