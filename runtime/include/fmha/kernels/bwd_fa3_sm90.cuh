@@ -45,8 +45,9 @@
 // kernel 3 sums the accumulators in order, as fa2's backward does.
 // The config (the work split, WorkSplit: the key split, the head-dim split or the products
 // split; the GEMMs, shared memory and TMA types) is bwd_fa3_config_sm90.cuh's; the key tiles a
-// CTA walks and each one's steps are bwd_fa3_scheduler_sm90.cuh's; the dQ writer warp and the
-// consumers' side of it are bwd_fa3_dq_writer_sm90.cuh's.
+// CTA walks and each one's steps are bwd_fa3_scheduler_sm90.cuh's; the loads
+// bwd_fa3_producer_sm90.cuh's; the dQ writer warp and the consumers' side of it are
+// bwd_fa3_dq_writer_sm90.cuh's.
 //
 // Traits on this pipeline: fp16/bf16; head dims 64, 128, (192, 128) and 256; no mask, causal
 // and sliding windows (both alignments); MQA/GQA; batch and group (varlen) mode with seqused;
@@ -75,6 +76,7 @@
 #include "fmha/kernels/bwd_common.cuh"
 #include "fmha/kernels/bwd_fa3_config_sm90.cuh"
 #include "fmha/kernels/bwd_fa3_dq_writer_sm90.cuh"
+#include "fmha/kernels/bwd_fa3_producer_sm90.cuh"
 #include "fmha/kernels/bwd_fa3_scheduler_sm90.cuh"
 #include "fmha/kernels/device_facts.cuh"
 #include "fmha/kernels/fwd_params.cuh"
@@ -198,12 +200,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor sDsT = make_tensor(make_smem_ptr(shared.ds.data()), typename Cfg::SmemLayoutDsT{});
   Tensor sDs = make_tensor(make_smem_ptr(shared.ds.data()), typename Cfg::SmemLayoutDs{});
 
-  if (threadIdx.x == 0) {
-    cute::prefetch_tma_descriptor(kp.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(kp.tma_do.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
-  }
+  if (threadIdx.x == 0) BwdProducer<Cfg>::prefetch_descriptors(kp);
   const auto role = warpgroup == 0 ? RingPipeline::ThreadCategory::Producer
                                    : RingPipeline::ThreadCategory::Consumer;
   typename RingPipeline::Params q_params;
@@ -225,11 +222,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
-  // The row statistics of (head, query tile m) in kernel 1's padded layout.
-  auto row_stats = [&](const float* base, int head, int m_block) {
-    return base + head * kp.padded_rows + padded_row0<Cfg>(kp, batch) + m_block * kBlockM;
-  };
-
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegisters>();
@@ -247,68 +239,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       return;
     }
     // ------------------------------------------------------------ loads (lane 0 issues)
-    auto write_q = cutlass::make_producer_start_state<RingPipeline>();
-    auto write_do = cutlass::make_producer_start_state<RingPipeline>();
-    auto write_kv = cutlass::make_producer_start_state<KVPipeline>();
-    // Group mode packs the sequences along the rows of one batch: a sequence's tiles start at
-    // its first row (rows past its end are the next sequence's, zeroed by the consumers).
-    const int batch_coord = kGroup ? 0 : batch;
+    BwdProducer<Cfg> producer(kp, shared, q_pipe, do_pipe, kv_pipe, walk, lane);
     for (int n_block = walk.n_block; n_block < p.n_blocks; n_block += walk.n_stride) {
-      const KeyTileWork<Cfg> work(f, batch, n_block);
-      if (!work.has_steps()) continue;
-      const auto k_start = make_coord(static_cast<int>(work.seq.k_start), _0{});
-      const auto q_start = make_coord(static_cast<int>(work.seq.q_start), _0{});
-      Tensor mK = domain_offset(k_start, kp.tma_k.get_tma_tensor(kp.k_shape)(_, _, kv_head,
-                                                                             batch_coord));
-      Tensor mV = domain_offset(k_start, kp.tma_v.get_tma_tensor(kp.v_shape)(_, _, kv_head,
-                                                                             batch_coord));
-      kv_pipe.producer_acquire(write_kv);
-      if (lane == 0) {
-        auto* bar = kv_pipe.producer_get_barrier(write_kv);
-        auto k_part = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                    group_modes<0, 2>(local_tile(mK, Shape<BlockN, DimQK>{},
-                                                                 make_coord(n_block, _0{}))));
-        auto v_part = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                    group_modes<0, 2>(local_tile(mV, Shape<BlockN, DimV>{},
-                                                                 make_coord(n_block, _0{}))));
-        copy(kp.tma_k.with(*bar, 0), get<0>(k_part), get<1>(k_part));
-        copy(kp.tma_v.with(*bar, 0), get<0>(v_part), get<1>(v_part));
-      }
-      ++write_kv;
-      for (int g = 0; g < f.kv_group; ++g) {
-        const int head = kv_head * f.kv_group + g;
-        Tensor mQ = domain_offset(q_start,
-                                  kp.tma_q.get_tma_tensor(kp.q_shape)(_, _, head, batch_coord));
-        Tensor mDo = domain_offset(
-            q_start, kp.tma_do.get_tma_tensor(kp.do_shape)(_, _, head, batch_coord));
-        Tensor gQ = local_tile(mQ, Shape<BlockM, DimQK>{}, make_coord(_, _0{}));
-        Tensor gDo = local_tile(mDo, Shape<BlockM, DimV>{}, make_coord(_, _0{}));
-        // (TMA, query tile) and (TMA, stage)
-        auto q_part = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                    group_modes<0, 2>(gQ));
-        auto do_part = tma_partition(kp.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sDo),
-                                     group_modes<0, 2>(gDo));
-        for (int m_block = work.m_begin; m_block < work.m_end; ++m_block) {
-          q_pipe.producer_acquire(write_q);
-          if (lane == 0) {
-            auto* bar = q_pipe.producer_get_barrier(write_q);
-            copy(kp.tma_q.with(*bar, 0), get<0>(q_part)(_, m_block),
-                 get<1>(q_part)(_, write_q.index()));
-            SM90_BULK_COPY_G2S::copy(row_stats(kp.lse_log2, head, m_block), bar,
-                                     shared.lse[write_q.index()], Cfg::kRowStatBytes);
-          }
-          ++write_q;
-          do_pipe.producer_acquire(write_do);
-          if (lane == 0) {
-            auto* bar = do_pipe.producer_get_barrier(write_do);
-            copy(kp.tma_do.with(*bar, 0), get<0>(do_part)(_, m_block),
-                 get<1>(do_part)(_, write_do.index()));
-            SM90_BULK_COPY_G2S::copy(row_stats(kp.dpsum, head, m_block), bar,
-                                     shared.dpsum[write_do.index()], Cfg::kRowStatBytes);
-          }
-          ++write_do;
-        }
-      }
+      producer.key_tile(KeyTileWork<Cfg>(f, batch, n_block), n_block);
     }
     return;
   }
