@@ -311,6 +311,17 @@ __host__ __device__ __forceinline__ int64_t padded_row0(const typename Cfg::Kern
   }
 }
 
+// The products split's warpgroup 1 holds dK's last columns in the first registers of dK's
+// accumulator: the same registers in the narrower GEMM's layout. (It computes no dV; its dV
+// registers hold each step's second dQ slice.)
+template <class Cfg, class Acc>
+__device__ __forceinline__ auto dk_tail_of(Acc& acc) {
+  return cute::make_tensor(
+      acc.data(), cute::partition_fragment_C(typename Cfg::TiledMmaDKTail{},
+                                             cute::Shape<cute::_64, cute::Int<Cfg::kDKTailCols>>{})
+                      .layout());
+}
+
 // Query tile m_block's chunk of kBlockM x kHeadDimQK floats, for query head `head` of sequence
 // `batch`, in the dQ accumulator of deterministic split `split` (0 otherwise).
 template <class Cfg>

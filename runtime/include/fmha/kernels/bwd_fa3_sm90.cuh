@@ -46,8 +46,8 @@
 // The config (the work split, WorkSplit: the key split, the head-dim split or the products
 // split; the GEMMs, shared memory and TMA types) is bwd_fa3_config_sm90.cuh's; the key tiles a
 // CTA walks and each one's steps are bwd_fa3_scheduler_sm90.cuh's; the loads
-// bwd_fa3_producer_sm90.cuh's; the dQ writer warp and the consumers' side of it are
-// bwd_fa3_dq_writer_sm90.cuh's.
+// bwd_fa3_producer_sm90.cuh's; the dQ writer warp and the consumers' side of it
+// bwd_fa3_dq_writer_sm90.cuh's; dK's and dV's stores bwd_fa3_epilogue_sm90.cuh's.
 //
 // Traits on this pipeline: fp16/bf16; head dims 64, 128, (192, 128) and 256; no mask, causal
 // and sliding windows (both alignments); MQA/GQA; batch and group (varlen) mode with seqused;
@@ -76,6 +76,7 @@
 #include "fmha/kernels/bwd_common.cuh"
 #include "fmha/kernels/bwd_fa3_config_sm90.cuh"
 #include "fmha/kernels/bwd_fa3_dq_writer_sm90.cuh"
+#include "fmha/kernels/bwd_fa3_epilogue_sm90.cuh"
 #include "fmha/kernels/bwd_fa3_producer_sm90.cuh"
 #include "fmha/kernels/bwd_fa3_scheduler_sm90.cuh"
 #include "fmha/kernels/device_facts.cuh"
@@ -177,7 +178,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kBlockM = Cfg::kBlockM;
   constexpr int kBlockN = Cfg::kBlockN;
   constexpr int kConsumerThreads = Cfg::kConsumerThreads;
-  constexpr bool kGroup = Cfg::kMode == Mode::kGroup;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& shared = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
@@ -265,14 +265,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   typename Cfg::TiledMmaDQ mma_dq;
   typename Cfg::TiledMmaDKTail mma_dk_tail;  // the products split's warpgroup 1
   typename Cfg::TiledMmaDQTail mma_dq_tail;
-  // The products split's warpgroup 1 holds dK's last columns in the first registers of dK's
-  // accumulator: the same registers in the narrower GEMM's layout. (It computes no dV; its dV
-  // registers hold each step's second dQ slice.)
-  auto dk_tail_of = [&](auto& acc) {
-    return make_tensor(acc.data(),
-                       partition_fragment_C(mma_dk_tail,
-                                            Shape<_64, Int<Cfg::kDKTailCols>>{}).layout());
-  };
   auto thr_sdp = mma_sdp.get_thread_slice(wg_thread);
   auto thr_dv = mma_dv.get_thread_slice(wg_thread);
   auto thr_dk = mma_dk.get_thread_slice(wg_thread);
@@ -308,6 +300,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const BwdDqOut<Cfg> dq_out(kp, shared, split, batch, wg_thread);
   // Every key the sequence owns gets dK and dV (past seqused_k too).
   const int keys_owned = rows_owned<Cfg::kMode>(f.cu_seqlens_k, batch, f.seqlen_k);
+  const BwdEpilogue<Cfg> epilogue(kp, shared, kv_head, batch, keys_owned, consumer_wg, wg_thread);
 
   cutlass::PipelineState<Cfg::kStages> read_q;
   cutlass::PipelineState<Cfg::kStages> read_do;
@@ -437,7 +430,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               Tensor tdKrQtTail = thr_dk_tail.partition_fragment_B(local_tile(
                   sQt, Shape<Int<Cfg::kDKTailCols>, BlockM, typename Cfg::Stages>{},
                   make_coord(kTailTile, _0{}, _0{})));
-              Tensor tdKrdKTail = dk_tail_of(tdKrdK);
+              Tensor tdKrdKTail = dk_tail_of<Cfg>(tdKrdK);
               constexpr int kDQTailCols = Cfg::kHeadDimQK - Cfg::kDQSliceCols;
               Tensor tdQrdQTail = make_tensor(
                   tdVrdV.data(),
@@ -499,56 +492,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ++read_kv;
     }
 
-    // dK (times softmax_scale: the GEMMs used unscaled dS) and dV of the keys this sequence
-    // owns, zero for those that no row sees. Each warpgroup stages its 64 rows (of its columns,
-    // with the head-dim split) in 16 bits in the dS^T buffers' bytes (stmatrix), so they leave
-    // in whole 16-byte row chunks rather than as 4-byte pieces of 8 rows per warp; the other
-    // warpgroup's last GEMMs must have read those bytes first.
-    consumers_sync(BwdBarrier::kDsWritten);
-    auto store_keys = [&](const auto& acc, const auto& mma, auto cols, float scale,
-                          Element* out, int64_t seq_stride) {
-      using Cols = decltype(cols);
-      constexpr int kStagedCols = cute::max(Cfg::kDKCols, Cfg::kDVCols);  // per warpgroup
-      static_assert(Cols::value <= kStagedCols &&
-                    2 * 64 * kStagedCols <= cosize_v<typename Cfg::SmemLayoutDsT>);
-      Tensor staged_wg = make_tensor(
-          make_smem_ptr(shared.ds.data() + consumer_wg * 64 * kStagedCols),
-          tile_to_shape(typename Cfg::SwizzleAtom{}, Shape<_64, Cols>{}));
-      auto copy_op = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma);
-      auto thr_copy = copy_op.get_thread_slice(wg_thread);
-      Tensor rows = make_tensor_like<Element>(acc);
-#pragma unroll
-      for (int v = 0; v < size(acc); ++v) rows(v) = static_cast<Element>(acc(v) * scale);
-      copy(copy_op, thr_copy.retile_S(rows), thr_copy.partition_D(staged_wg));
-      barrier_sync(BwdBarrier::kWarpgroupFirst + consumer_wg, 128);
-      constexpr int kChunks = Cols::value / 8;
-      for (int idx = wg_thread; idx < 64 * kChunks; idx += 128) {
-        const int row = idx / kChunks;
-        const int col = (idx % kChunks) * 8;
-        if (wg_key0 + row >= keys_owned) continue;
-        *reinterpret_cast<uint4*>(out + (wg_key0 + row) * seq_stride + col) =
-            *reinterpret_cast<const uint4*>(raw_pointer_cast(&staged_wg(row, col)));
-      }
-      barrier_sync(BwdBarrier::kWarpgroupFirst + consumer_wg, 128);  // read before rewritten
-    };
-    Element* const dv_out = static_cast<Element*>(p.dv) + kv_head * p.dv_head_stride +
-                            (kGroup ? seq.k_start * p.dv_seq_stride : batch * p.dv_batch_stride);
-    Element* const dk_out = static_cast<Element*>(p.dk) + kv_head * p.dk_head_stride +
-                            (kGroup ? seq.k_start * p.dk_seq_stride : batch * p.dk_batch_stride);
-    if constexpr (Cfg::kSplitProducts) {
-      if (consumer_wg == 0) {
-        store_keys(tdVrdV, mma_dv, DVCols{}, 1.f, dv_out, p.dv_seq_stride);
-        store_keys(tdKrdK, mma_dk, DKCols{}, f.scale, dk_out, p.dk_seq_stride);
-      } else {
-        store_keys(dk_tail_of(tdKrdK), mma_dk_tail, Int<Cfg::kDKTailCols>{}, f.scale,
-                   dk_out + Cfg::kDKCols, p.dk_seq_stride);
-      }
-    } else {
-      store_keys(tdVrdV, mma_dv, DVCols{}, 1.f, dv_out + wg_split * Cfg::kDVCols,
-                 p.dv_seq_stride);
-      store_keys(tdKrdK, mma_dk, DKCols{}, f.scale, dk_out + wg_split * Cfg::kDKCols,
-                 p.dk_seq_stride);
-    }
+    epilogue.store(seq, wg_key0, tdVrdV, tdKrdK);
   }
 }
 
