@@ -48,62 +48,59 @@ class BwdDqWriter {
   // Every slice starts free. `split`: whose dQ accumulator (deterministic mode).
   __device__ __forceinline__ BwdDqWriter(const KernelParams& kp, SharedStorage& shared,
                                          const KeyTileWalk& walk, int split, int lane)
-      : kp_(kp), shared_(shared), split_(split), kv_head_(walk.kv_head), batch_(walk.batch),
-        lane_(lane) {
+      : kp_(kp), shared_(shared), walk_(walk), split_(split), lane_(lane) {
     for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
       barrier_arrive(BwdBarrier::kDqEmptyFirst + w, kDqBarrierThreads);
     }
   }
 
-  // One key tile's steps.
-  __device__ __forceinline__ void key_tile(const KeyTileWork<Cfg>& work) {
+  // The steps of every key tile of the CTA's walk.
+  __device__ __forceinline__ void run() {
     using namespace cute;
     const FwdParams& f = kp_.p.fwd;
-    if (!work.has_steps()) return;
-    for (int g = 0; g < f.kv_group; ++g) {
-      const int head = kv_head_ * f.kv_group + g;
-      for (int m_block = work.m_begin; m_block < work.m_end; ++m_block) {
-        float* tile = dq_tile<Cfg>(kp_, split_, head, batch_, m_block);
+    for (int n_block = walk_.n_block; n_block < kp_.p.n_blocks; n_block += walk_.n_stride) {
+      const KeyTileWork<Cfg> work(f, walk_.batch, n_block);
+      if (!work.has_steps()) continue;
+      for (int g = 0; g < f.kv_group; ++g) {
+        const int head = walk_.kv_head * f.kv_group + g;
+        for (int m_block = work.m_begin; m_block < work.m_end; ++m_block) {
+          float* tile = dq_tile<Cfg>(kp_, split_, head, walk_.batch, m_block);
 #pragma unroll
-        for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
-          barrier_sync(BwdBarrier::kDqFullFirst + w, kDqBarrierThreads);
-          if (lane_ == 0) {
-            bulk_reduce_add(tile + w * Cfg::kDQSliceFloats, shared_.dq.slice[w],
-                            Cfg::dq_slice_floats(w) * sizeof(float));
-            tma_store_arrive();
-          }
-        }
-        // The slices are free once read; warpgroup 0's was issued first.
-#pragma unroll
-        for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
-          if (lane_ == 0) {
-            if (w == 0) {
-              tma_store_wait<Cfg::kConsumerWarpgroups - 1>();
-            } else {
-              tma_store_wait<0>();
+          for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
+            barrier_sync(BwdBarrier::kDqFullFirst + w, kDqBarrierThreads);
+            if (lane_ == 0) {
+              bulk_reduce_add(tile + w * Cfg::kDQSliceFloats, shared_.dq.slice[w],
+                              Cfg::dq_slice_floats(w) * sizeof(float));
+              tma_store_arrive();
             }
           }
-          __syncwarp();
-          barrier_arrive(BwdBarrier::kDqEmptyFirst + w, kDqBarrierThreads);
+          // The slices are free once read; warpgroup 0's was issued first.
+#pragma unroll
+          for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) {
+            if (lane_ == 0) {
+              if (w == 0) {
+                tma_store_wait<Cfg::kConsumerWarpgroups - 1>();
+              } else {
+                tma_store_wait<0>();
+              }
+            }
+            __syncwarp();
+            barrier_arrive(BwdBarrier::kDqEmptyFirst + w, kDqBarrierThreads);
+          }
         }
       }
+      // Deterministic: a query tile's chunk gets one add per key tile; the next key tile's
+      // adds start after this one's have landed, so each chunk sums in key-tile order.
+      if (kp_.p.deterministic && lane_ == 0) bulk_wait_all();
     }
-    // Deterministic: a query tile's chunk gets one add per key tile; the next key tile's
-    // adds start after this one's have landed, so each chunk sums in key-tile order.
-    if (kp_.p.deterministic && lane_ == 0) bulk_wait_all();
-  }
-
-  // After the last key tile: shared memory outlives the last reads of it.
-  __device__ __forceinline__ void finish() const {
-    if (lane_ == 0) cute::tma_store_wait<0>();
+    if (lane_ == 0) tma_store_wait<0>();  // shared memory outlives the last reads of it
   }
 
  private:
   const KernelParams& kp_;
   SharedStorage& shared_;
+  const KeyTileWalk walk_;
   const int split_;
-  const int kv_head_;
-  const int batch_;
   const int lane_;
 };
 

@@ -30,10 +30,10 @@ class BwdProducer {
                                          RingPipeline& q_pipe, RingPipeline& do_pipe,
                                          KVPipeline& kv_pipe, const KeyTileWalk& walk, int lane)
       : kp_(kp), shared_(shared), q_pipe_(q_pipe), do_pipe_(do_pipe), kv_pipe_(kv_pipe),
-        kv_head_(walk.kv_head), batch_(walk.batch), lane_(lane) {}
+        walk_(walk), lane_(lane) {}
 
-  // Key tile n_block's loads.
-  __device__ __forceinline__ void key_tile(const KeyTileWork<Cfg>& work, int n_block) {
+  // The loads of every key tile of the CTA's walk.
+  __device__ __forceinline__ void run() {
     using namespace cute;
     using BlockM = typename Cfg::BlockM;
     using BlockN = typename Cfg::BlockN;
@@ -44,61 +44,67 @@ class BwdProducer {
     Tensor sDo = make_tensor(make_smem_ptr(shared_.dout.data()), typename Cfg::SmemLayoutDo{});
     Tensor sK = make_tensor(make_smem_ptr(shared_.k.data()), typename Cfg::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(shared_.v.data()), typename Cfg::SmemLayoutV{});
+    auto write_q = cutlass::make_producer_start_state<RingPipeline>();
+    auto write_do = cutlass::make_producer_start_state<RingPipeline>();
+    auto write_kv = cutlass::make_producer_start_state<KVPipeline>();
     // Group mode packs the sequences along the rows of one batch: a sequence's tiles start at
     // its first row (rows past its end are the next sequence's, zeroed by the consumers).
-    const int batch_coord = Cfg::kMode == Mode::kGroup ? 0 : batch_;
-    if (!work.has_steps()) return;
-    const auto k_start = make_coord(static_cast<int>(work.seq.k_start), _0{});
-    const auto q_start = make_coord(static_cast<int>(work.seq.q_start), _0{});
-    Tensor mK = domain_offset(k_start, kp_.tma_k.get_tma_tensor(kp_.k_shape)(_, _, kv_head_,
-                                                                             batch_coord));
-    Tensor mV = domain_offset(k_start, kp_.tma_v.get_tma_tensor(kp_.v_shape)(_, _, kv_head_,
-                                                                             batch_coord));
-    kv_pipe_.producer_acquire(write_kv_);
-    if (lane_ == 0) {
-      auto* bar = kv_pipe_.producer_get_barrier(write_kv_);
-      auto k_part = tma_partition(kp_.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                  group_modes<0, 2>(local_tile(mK, Shape<BlockN, DimQK>{},
-                                                               make_coord(n_block, _0{}))));
-      auto v_part = tma_partition(kp_.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                  group_modes<0, 2>(local_tile(mV, Shape<BlockN, DimV>{},
-                                                               make_coord(n_block, _0{}))));
-      copy(kp_.tma_k.with(*bar, 0), get<0>(k_part), get<1>(k_part));
-      copy(kp_.tma_v.with(*bar, 0), get<0>(v_part), get<1>(v_part));
-    }
-    ++write_kv_;
-    for (int g = 0; g < f.kv_group; ++g) {
-      const int head = kv_head_ * f.kv_group + g;
-      Tensor mQ = domain_offset(q_start,
-                                kp_.tma_q.get_tma_tensor(kp_.q_shape)(_, _, head, batch_coord));
-      Tensor mDo = domain_offset(
-          q_start, kp_.tma_do.get_tma_tensor(kp_.do_shape)(_, _, head, batch_coord));
-      Tensor gQ = local_tile(mQ, Shape<BlockM, DimQK>{}, make_coord(_, _0{}));
-      Tensor gDo = local_tile(mDo, Shape<BlockM, DimV>{}, make_coord(_, _0{}));
-      // (TMA, query tile) and (TMA, stage)
-      auto q_part = tma_partition(kp_.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                  group_modes<0, 2>(gQ));
-      auto do_part = tma_partition(kp_.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sDo),
-                                   group_modes<0, 2>(gDo));
-      for (int m_block = work.m_begin; m_block < work.m_end; ++m_block) {
-        q_pipe_.producer_acquire(write_q_);
-        if (lane_ == 0) {
-          auto* bar = q_pipe_.producer_get_barrier(write_q_);
-          copy(kp_.tma_q.with(*bar, 0), get<0>(q_part)(_, m_block),
-               get<1>(q_part)(_, write_q_.index()));
-          SM90_BULK_COPY_G2S::copy(row_stats(kp_.lse_log2, head, m_block), bar,
-                                   shared_.lse[write_q_.index()], Cfg::kRowStatBytes);
+    const int batch_coord = Cfg::kMode == Mode::kGroup ? 0 : walk_.batch;
+    for (int n_block = walk_.n_block; n_block < kp_.p.n_blocks; n_block += walk_.n_stride) {
+      const KeyTileWork<Cfg> work(f, walk_.batch, n_block);
+      if (!work.has_steps()) continue;
+      const auto k_start = make_coord(static_cast<int>(work.seq.k_start), _0{});
+      const auto q_start = make_coord(static_cast<int>(work.seq.q_start), _0{});
+      Tensor mK = domain_offset(k_start, kp_.tma_k.get_tma_tensor(kp_.k_shape)(_, _, walk_.kv_head,
+                                                                               batch_coord));
+      Tensor mV = domain_offset(k_start, kp_.tma_v.get_tma_tensor(kp_.v_shape)(_, _, walk_.kv_head,
+                                                                               batch_coord));
+      kv_pipe_.producer_acquire(write_kv);
+      if (lane_ == 0) {
+        auto* bar = kv_pipe_.producer_get_barrier(write_kv);
+        auto k_part = tma_partition(kp_.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(local_tile(mK, Shape<BlockN, DimQK>{},
+                                                                 make_coord(n_block, _0{}))));
+        auto v_part = tma_partition(kp_.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(local_tile(mV, Shape<BlockN, DimV>{},
+                                                                 make_coord(n_block, _0{}))));
+        copy(kp_.tma_k.with(*bar, 0), get<0>(k_part), get<1>(k_part));
+        copy(kp_.tma_v.with(*bar, 0), get<0>(v_part), get<1>(v_part));
+      }
+      ++write_kv;
+      for (int g = 0; g < f.kv_group; ++g) {
+        const int head = walk_.kv_head * f.kv_group + g;
+        Tensor mQ = domain_offset(q_start,
+                                  kp_.tma_q.get_tma_tensor(kp_.q_shape)(_, _, head, batch_coord));
+        Tensor mDo = domain_offset(
+            q_start, kp_.tma_do.get_tma_tensor(kp_.do_shape)(_, _, head, batch_coord));
+        Tensor gQ = local_tile(mQ, Shape<BlockM, DimQK>{}, make_coord(_, _0{}));
+        Tensor gDo = local_tile(mDo, Shape<BlockM, DimV>{}, make_coord(_, _0{}));
+        // (TMA, query tile) and (TMA, stage)
+        auto q_part = tma_partition(kp_.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                    group_modes<0, 2>(gQ));
+        auto do_part = tma_partition(kp_.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sDo),
+                                     group_modes<0, 2>(gDo));
+        for (int m_block = work.m_begin; m_block < work.m_end; ++m_block) {
+          q_pipe_.producer_acquire(write_q);
+          if (lane_ == 0) {
+            auto* bar = q_pipe_.producer_get_barrier(write_q);
+            copy(kp_.tma_q.with(*bar, 0), get<0>(q_part)(_, m_block),
+                 get<1>(q_part)(_, write_q.index()));
+            SM90_BULK_COPY_G2S::copy(row_stats(kp_.lse_log2, head, m_block), bar,
+                                     shared_.lse[write_q.index()], Cfg::kRowStatBytes);
+          }
+          ++write_q;
+          do_pipe_.producer_acquire(write_do);
+          if (lane_ == 0) {
+            auto* bar = do_pipe_.producer_get_barrier(write_do);
+            copy(kp_.tma_do.with(*bar, 0), get<0>(do_part)(_, m_block),
+                 get<1>(do_part)(_, write_do.index()));
+            SM90_BULK_COPY_G2S::copy(row_stats(kp_.dpsum, head, m_block), bar,
+                                     shared_.dpsum[write_do.index()], Cfg::kRowStatBytes);
+          }
+          ++write_do;
         }
-        ++write_q_;
-        do_pipe_.producer_acquire(write_do_);
-        if (lane_ == 0) {
-          auto* bar = do_pipe_.producer_get_barrier(write_do_);
-          copy(kp_.tma_do.with(*bar, 0), get<0>(do_part)(_, m_block),
-               get<1>(do_part)(_, write_do_.index()));
-          SM90_BULK_COPY_G2S::copy(row_stats(kp_.dpsum, head, m_block), bar,
-                                   shared_.dpsum[write_do_.index()], Cfg::kRowStatBytes);
-        }
-        ++write_do_;
       }
     }
   }
@@ -107,7 +113,7 @@ class BwdProducer {
   // The row statistics of (head, query tile m) in kernel 1's padded layout.
   __device__ __forceinline__ const float* row_stats(const float* base, int head,
                                                     int m_block) const {
-    return base + head * kp_.padded_rows + padded_row0<Cfg>(kp_, batch_) +
+    return base + head * kp_.padded_rows + padded_row0<Cfg>(kp_, walk_.batch) +
            m_block * Cfg::kBlockM;
   }
 
@@ -116,16 +122,8 @@ class BwdProducer {
   RingPipeline& q_pipe_;
   RingPipeline& do_pipe_;
   KVPipeline& kv_pipe_;
-  const int kv_head_;
-  const int batch_;
+  const KeyTileWalk walk_;
   const int lane_;
-  // In the reverse of their first use: so the PTX numbers their registers as it did when the
-  // loads were the kernel's own code (the order is otherwise free; scripts/ptx_identity.py).
-  typename KVPipeline::PipelineState write_kv_ = cutlass::make_producer_start_state<KVPipeline>();
-  typename RingPipeline::PipelineState write_do_ =
-      cutlass::make_producer_start_state<RingPipeline>();
-  typename RingPipeline::PipelineState write_q_ =
-      cutlass::make_producer_start_state<RingPipeline>();
 };
 
 }  // namespace fmha::fa3
