@@ -110,9 +110,10 @@ def fwd_options(causal, softmax_scale, window_size, alibi_slopes=None, softcap=0
 def attend_kvcache(api, q, k_cache, v_cache, k, v, *, cache_seqlens, block_table,
                    cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
-                   return_lse):
+                   return_lse, **scales):
     """The body of FlashAttention-2's and -3's flash_attn_with_kvcache (FlashAttention-3 calls
-    block_table page_table and has no ALiBi): their checks, then one fmha.fwd_kvcache call."""
+    block_table page_table and has no ALiBi): their checks, then one fmha.fwd_kvcache call.
+    scales: an e4m3 cache's k_scale and v_scale (FlashAttention-3's FP8 call), or none."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(api, name, t)
     if k_cache.dim() != 4:
@@ -128,7 +129,7 @@ def attend_kvcache(api, q, k_cache, v_cache, k, v, *, cache_seqlens, block_table
         rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
         causal=causal, window_size=window(api, window_size, causal),
         softcap=softcap_value(api, softcap), alibi_slopes=alibi_slopes,
-        softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse)
+        softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse, **scales)
 
 
 def _cache_lengths(api, cache_seqlens, q, k_cache, k, block_table):

@@ -12,10 +12,13 @@ q_descale, k_descale and v_descale (fp32, (batch, nheads_k) or broadcast to it) 
 bfloat16, as FlashAttention-3's do, through fmha.fwd's e4m3 forward (forward only; descales
 with 16-bit inputs are an error).
 
+flash_attn_with_kvcache takes FlashAttention-3's FP8 call too (e4m3 q, caches and new tokens,
+descales, bfloat16 out) on fmha.fwd_kvcache's e4m3 cache, whose queries are 16-bit (its kernel
+dequantizes the cache): q is dequantized to bfloat16 here, one small elementwise op per call.
+
 What FlashAttention-3 has and fmha does not raises NotImplementedError: qv, attention_chunk
-other than 0, and in flash_attn_with_kvcache FP8 queries (q_descale, k_descale, v_descale: its
-e4m3 caches take 16-bit queries, through fmha.fwd_kvcache's k_scale and v_scale), varlen
-queries (cu_seqlens_q), varlen appended keys (cu_seqlens_k_new) and rotary_seqlens.
+other than 0, and in flash_attn_with_kvcache varlen queries (cu_seqlens_q), varlen appended
+keys (cu_seqlens_k_new) and rotary_seqlens.
 Knobs that only tune FlashAttention-3's kernels (num_splits of flash_attn_func and
 flash_attn_varlen_func, pack_gqa, sm_margin, scheduler_metadata) are accepted and have no
 effect; flash_attn_with_kvcache's num_splits is fmha.fwd_kvcache's. Bad arguments raise
@@ -26,6 +29,7 @@ from typing import Optional, Union
 
 import torch
 
+from fmha._checks import E4M3, _broadcasts, _descale_shapes
 from fmha.compat._attention import (
     attend,
     attend_kvcache,
@@ -162,17 +166,85 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     fmha.fwd_kvcache: the arguments of FlashAttention-2's (fmha.compat.flash_attn), with the
     paged cache's table named page_table (any page size). No backward.
 
-    Returns out (batch, seqlen_q, nheads, headdim_v), with return_softmax_lse (out,
-    softmax_lse), softmax_lse (batch, nheads, seqlen_q) fp32."""
+    FP8: q, k_cache, v_cache (and k, v if given) torch.float8_e4m3fn, with q_descale,
+    k_descale, v_descale fp32 of shape (batch, nheads_k) or one that broadcasts to it (None is
+    1): a key is k_cache * k_descale. fmha.fwd_kvcache's e4m3 cache takes bfloat16 queries, so
+    q is dequantized to bfloat16 (q * q_descale, rounded) before the call, and k, v likewise
+    (fwd_kvcache quantizes them back with k_descale, v_descale as it appends: the codes
+    appended are k's and v's own for every descale in [2**-117, 2**119], rotary aside).
+    Descales without e4m3 inputs, and an e4m3 q with 16-bit caches or new tokens, are a
+    ValueError.
+
+    Returns out (batch, seqlen_q, nheads, headdim_v) (bfloat16 for FP8), with
+    return_softmax_lse (out, softmax_lse), softmax_lse (batch, nheads, seqlen_q) fp32."""
     api = "flash_attn_with_kvcache"
     _refuse(api, qv=qv is not None, cu_seqlens_q=cu_seqlens_q is not None,
             cu_seqlens_k_new=cu_seqlens_k_new is not None,
-            rotary_seqlens=rotary_seqlens is not None, q_descale=q_descale is not None,
-            k_descale=k_descale is not None, v_descale=v_descale is not None,
-            attention_chunk=attention_chunk != 0)
+            rotary_seqlens=rotary_seqlens is not None, attention_chunk=attention_chunk != 0)
+    q, k, v, scales = _fp8_kvcache(api, q, k_cache, v_cache, k, v, q_descale, k_descale,
+                                   v_descale)
     return attend_kvcache(
         api, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=page_table,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
         rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=None, num_splits=num_splits, return_lse=return_softmax_lse)
+        alibi_slopes=None, num_splits=num_splits, return_lse=return_softmax_lse, **scales)
+
+
+def _fp8_kvcache(api, q, k_cache, v_cache, k, v, q_descale, k_descale, v_descale):
+    """FlashAttention-3's FP8 KV-cache call as fmha.fwd_kvcache takes it: (q, k, v, scales),
+    q (and k, v) dequantized to bfloat16 and scales fwd_kvcache's k_scale and v_scale, each
+    descale expanded to (batch, nheads_k) (None: 1). A 16-bit call passes unchanged, with no
+    scales."""
+    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    for name, t in descales.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{api}: {name} must be a torch.Tensor or None, got "
+                            f"{type(t).__name__}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(api, name, t)
+    if q.dtype != E4M3:
+        for name, t in descales.items():
+            if t is not None:
+                raise ValueError(f"{api}: {name} dequantizes FP8 ({E4M3}) inputs; q has dtype "
+                                 f"{q.dtype}, whose calls take no descale factors")
+        return q, k, v, {}
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != E4M3):
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{api}: {name} must be {E4M3} with a {E4M3} q "
+                             f"(FlashAttention-3's FP8 call), got {got}")
+    if q.dim() != 4 or k_cache.dim() != 4 or k_cache.shape[2] == 0 \
+            or q.shape[2] % k_cache.shape[2]:
+        raise ValueError(f"{api}: q must be (batch, seqlen_q, nheads, headdim) and k_cache (..., "
+                         f"nheads_k, headdim) with nheads a multiple of nheads_k, got "
+                         f"{tuple(q.shape)} and {tuple(k_cache.shape)}")
+    batch, heads_k = q.shape[0], k_cache.shape[2]
+    for name, t in (("k", k), ("v", v)):
+        if t is not None and (t.dim() != 4 or (t.shape[0], t.shape[2]) != (batch, heads_k)):
+            raise ValueError(f"{api}: {name} must be (batch, seqlen_new, nheads_k, headdim) "
+                             f"with batch {batch} and nheads_k {heads_k}, got {tuple(t.shape)}")
+    table = {}
+    for name, t in descales.items():
+        if t is None:
+            t = torch.ones((), dtype=torch.float32, device=k_cache.device)
+        if t.dtype != torch.float32:
+            raise TypeError(f"{api}: {name} must be torch.float32, got {t.dtype}")
+        if not _broadcasts(tuple(t.shape), (batch, heads_k)):
+            raise ValueError(f"{api}: {name} must have shape "
+                             f"{_descale_shapes(batch, heads_k)}; got {tuple(t.shape)}")
+        table[name] = t.expand(batch, heads_k)
+
+    def dequantized(x, descale):  # (batch, seqlen, heads, headdim) e4m3 -> bfloat16
+        per_head = descale.repeat_interleave(x.shape[2] // heads_k, dim=1)
+        return (x.float() * per_head[:, None, :, None]).to(torch.bfloat16)
+
+    q = dequantized(q, table["q_descale"])
+    # fwd_kvcache divides k and v by the same scales and rounds to e4m3 as it appends: with each
+    # code x descale a normal bf16 (descales in [2**-117, 2**119]) that returns the codes given
+    # (tests/test_compat_flash_attn.py checks all 254 finite codes).
+    if k is not None:
+        k = dequantized(k, table["k_descale"])
+    if v is not None:
+        v = dequantized(v, table["v_descale"])
+    return q, k, v, dict(k_scale=table["k_descale"], v_scale=table["v_descale"])
