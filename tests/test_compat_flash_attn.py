@@ -688,6 +688,127 @@ def test_flash_attn_combine_merges_splits_by_their_lse():
     assert torch.isfinite(out.float()).all()
 
 
+# ---- FlashAttention-3's FP8 flash_attn_with_kvcache on fmha.fwd_kvcache's e4m3 cache ---------
+
+E4M3 = torch.float8_e4m3fn
+
+
+def e4m3(*shape, seed=0):
+    return (4 * randn(*shape, seed=seed)).to(E4M3)
+
+
+def fp8_call(batch=2, heads=4, heads_k=2, dim=16, new=True):
+    """An FP8 call's tensors: e4m3 q, caches and (with `new`) new tokens, GQA heads:heads_k."""
+    kw = dict(q=e4m3(batch, 1, heads, dim, seed=1), k_cache=e4m3(batch, 8, heads_k, dim, seed=2),
+              v_cache=e4m3(batch, 8, heads_k, dim, seed=3),
+              cache_seqlens=torch.tensor([3, 5], dtype=torch.int32)[:batch])
+    if new:
+        kw.update(k=e4m3(batch, 1, heads_k, dim, seed=4), v=e4m3(batch, 1, heads_k, dim, seed=5))
+    return kw
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """fmha.fwd_kvcache recording its arguments and returning zeros of q's dtype."""
+    calls = []
+
+    def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, **options):
+        calls.append(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, **options))
+        return torch.zeros(q.shape, dtype=q.dtype)
+
+    monkeypatch.setattr(fmha, "fwd_kvcache", fwd_kvcache)
+    return calls
+
+
+def test_fp8_kvcache_dequantizes_q_and_new_tokens_and_passes_the_descales_as_scales(captured):
+    kw = fp8_call()
+    q_descale = torch.tensor([[0.5, 3.0], [0.25, 7.0]])
+    k_descale = torch.tensor([[0.125, 2.0], [1.5, 0.0625]])
+    v_descale = torch.tensor([[0.75], [4.0]])  # (batch, 1): one per sequence
+    out = fa3.flash_attn_with_kvcache(**kw, q_descale=q_descale, k_descale=k_descale,
+                                      v_descale=v_descale)
+    assert out.dtype == torch.bfloat16
+    call = captured[-1]
+    assert call["k_cache"] is kw["k_cache"] and call["v_cache"] is kw["v_cache"]
+    # Query head h takes K/V head h // 2's descale (GQA 4:2).
+    per_query_head = q_descale.repeat_interleave(2, dim=1)
+    expected_q = (kw["q"].float() * per_query_head[:, None, :, None]).to(torch.bfloat16)
+    assert call["q"].dtype == torch.bfloat16 and torch.equal(call["q"], expected_q)
+    assert torch.equal(call["k"], (kw["k"].float() * k_descale[:, None, :, None]).bfloat16())
+    assert torch.equal(call["v"], (kw["v"].float() * v_descale[:, None, :, None]).bfloat16())
+    assert torch.equal(call["k_scale"], k_descale)
+    assert call["v_scale"].shape == (2, 2)
+    assert torch.equal(call["v_scale"], v_descale.expand(2, 2))
+    # What fwd_kvcache appends (tests/reference.py's quantize_e4m3, the kernel's arithmetic):
+    # the codes FlashAttention-3's caller gave.
+    for name, scale in (("k", call["k_scale"]), ("v", call["v_scale"])):
+        appended = R.quantize_e4m3(call[name], scale)
+        assert torch.equal(appended.view(torch.uint8), kw[name].view(torch.uint8))
+
+
+def test_fp8_kvcache_descales_default_to_one(captured):
+    kw = fp8_call(new=False)
+    fa3.flash_attn_with_kvcache(**kw, k_descale=torch.full((2,), 0.5))
+    call = captured[-1]
+    assert torch.equal(call["q"], kw["q"].to(torch.bfloat16))  # exact: e4m3 is in bf16
+    assert call["k"] is None and call["v"] is None
+    assert torch.equal(call["k_scale"], torch.full((2, 2), 0.5))
+    assert torch.equal(call["v_scale"], torch.ones(2, 2))
+    for name in ("k_scale", "v_scale"):
+        assert call[name].dtype == torch.float32
+
+
+def test_sixteen_bit_kvcache_calls_take_no_scales(captured):
+    q = randn(2, 1, 4, 16, dtype=torch.bfloat16)
+    k_cache = randn(2, 8, 2, 16, dtype=torch.bfloat16)
+    fa3.flash_attn_with_kvcache(q, k_cache, k_cache.clone(), cache_seqlens=3)
+    call = captured[-1]
+    assert call["q"] is q and "k_scale" not in call and "v_scale" not in call
+
+
+@pytest.mark.parametrize("overrides,error,words", [
+    (dict(q_descale=torch.ones(2, 2), q=randn(2, 1, 4, 16, dtype=torch.bfloat16),
+          k_cache=randn(2, 8, 2, 16, dtype=torch.bfloat16),
+          v_cache=randn(2, 8, 2, 16, dtype=torch.bfloat16), k=None, v=None), ValueError,
+     "q_descale dequantizes FP8"),
+    (dict(k_descale=torch.ones(2, 2), q=randn(2, 1, 4, 16, dtype=torch.bfloat16), k=None,
+          v=None), ValueError, "k_descale dequantizes FP8"),
+    (dict(k_cache=randn(2, 8, 2, 16, dtype=torch.bfloat16)), ValueError,
+     "k_cache must be torch.float8_e4m3fn with a torch.float8_e4m3fn q"),
+    (dict(v_cache=randn(2, 8, 2, 16, dtype=torch.bfloat16)), ValueError, "v_cache must be"),
+    (dict(k=randn(2, 1, 2, 16, dtype=torch.bfloat16)), ValueError, "k must be"),
+    (dict(v=randn(2, 1, 2, 16, dtype=torch.bfloat16)), ValueError, "v must be"),
+    (dict(k=e4m3(2, 1, 4, 16)), ValueError, "k must be \\(batch, seqlen_new, nheads_k"),
+    (dict(q_descale=torch.ones(2, 2, dtype=torch.float16)), TypeError,
+     "q_descale must be torch.float32"),
+    (dict(v_descale=[[1.0, 1.0]] * 2), TypeError, "v_descale must be a torch.Tensor"),
+    (dict(k_descale=torch.ones(3)), ValueError,
+     "k_descale must have shape \\(batch, nheads_k\\) = \\(2, 2\\)"),
+    (dict(q=e4m3(2, 1, 3, 16)), ValueError, "nheads a multiple of nheads_k"),
+], ids=["q_descale, bf16", "k_descale, bf16 q", "bf16 k_cache", "bf16 v_cache", "bf16 k",
+        "bf16 v", "k heads", "fp16 descale", "list descale", "descale shape", "heads"])
+def test_fp8_kvcache_refusals(captured, overrides, error, words):
+    with pytest.raises(error, match=words):
+        fa3.flash_attn_with_kvcache(**{**fp8_call(), **overrides})
+    assert not captured
+
+
+@pytest.mark.parametrize("scale", [1.0, 1 / 448, 0.0123, 3.7, 100.0, 1e-6, 1e6, 2.0**-117,
+                                   2.0**119])
+def test_e4m3_codes_survive_the_bf16_round_trip(scale):
+    """An e4m3 code times an fp32 descale, rounded to bf16, then divided by the descale and
+    rounded to e4m3 (what fwd_kvcache does as it appends) is the code again, for every finite
+    code, where each product is a normal bf16 (descales in [2**-117, 2**119])."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = torch.isfinite(codes.view(E4M3).float())
+    codes = codes[finite].view(E4M3)
+    assert codes.numel() == 254  # all but the two NaN codes
+    descale = torch.full((1, 1), scale)
+    dequantized = (codes.float() * descale[0, 0]).to(torch.bfloat16)
+    back = R.quantize_e4m3(dequantized.view(1, -1, 1, 1), descale).flatten()
+    assert torch.equal(back.view(torch.uint8), codes.view(torch.uint8))
+
+
 def test_register_points_flash_attn_imports_here(monkeypatch):
     import fmha.compat
     for name in fmha.compat.ALIASES:  # put back (or removed) after the test, whatever it sets

@@ -12,7 +12,7 @@ import functools
 import pytest
 
 import reference as R
-from gpu_support import import_fmha
+from gpu_support import device_cc, import_fmha, runs_here
 
 torch, fmha = import_fmha()
 import fmha.compat.flash_attn as fa2  # noqa: E402
@@ -144,3 +144,44 @@ def test_flash_attention_3_api_runs_the_same_kernels():
     out3, lse3 = fa3.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     out2, lse2, _ = fa2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert torch.equal(out3, out2) and torch.equal(lse3, lse2)
+
+
+@skips_missing_instances
+def test_flash_attention_3_fp8_kvcache_is_fwd_kvcache_on_the_dequantized_queries():
+    if not any(i["kv_dtype"] == "e4m3" and runs_here(i, device_cc(torch))
+               for i in fmha.kvcache_instances()):
+        pytest.skip("no e4m3-cache kvcache instance in this build runs on this GPU")
+    e4m3 = torch.float8_e4m3fn
+    batch, heads, heads_k = 2, 8, 2
+    q8 = (4 * randn(batch, 1, heads, 128, seed=1)).to(e4m3)
+    k_cache = (4 * randn(batch, 512, heads_k, 128, seed=2)).to(e4m3)
+    v_cache = (4 * randn(batch, 512, heads_k, 128, seed=3)).to(e4m3)
+    k8, v8 = ((4 * randn(batch, 1, heads_k, 128, seed=s)).to(e4m3) for s in (4, 5))
+    q_descale = torch.tensor([[0.02, 0.05], [0.03, 0.01]], device="cuda")
+    k_descale = torch.tensor([[0.1, 0.2], [0.05, 0.3]], device="cuda")
+    v_descale = torch.tensor([[0.5, 0.25], [1.5, 0.75]], device="cuda")
+    lengths = torch.tensor([300, 511], dtype=torch.int32, device="cuda")
+
+    def dequantized(x, descale, exact=False):  # bf16 as the compat layer rounds it, or fp64
+        per_head = descale.repeat_interleave(x.shape[2] // heads_k, dim=1)[:, None, :, None]
+        return x.double() * per_head.double() if exact else (x.float() * per_head).to(DTYPE)
+
+    caches = (k_cache.clone(), v_cache.clone())
+    expected = fmha.fwd_kvcache(dequantized(q8, q_descale), *caches, dequantized(k8, k_descale),
+                                dequantized(v8, v_descale), cache_seqlens=lengths,
+                                causal=True, k_scale=k_descale, v_scale=v_descale)
+    out = fa3.flash_attn_with_kvcache(q8, k_cache, v_cache, k8, v8, cache_seqlens=lengths,
+                                      causal=True, q_descale=q_descale, k_descale=k_descale,
+                                      v_descale=v_descale)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    # The new tokens' codes went into the cache as given, at each sequence's length.
+    assert torch.equal(k_cache.view(torch.uint8), caches[0].view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), caches[1].view(torch.uint8))
+    for b in range(batch):
+        row = int(lengths[b])
+        assert torch.equal(k_cache[b, row].view(torch.uint8), k8[b, 0].view(torch.uint8))
+        assert torch.equal(v_cache[b, row].view(torch.uint8), v8[b, 0].view(torch.uint8))
+    exact, _, _, _ = R.kvcache_reference_e4m3(
+        dequantized(q8, q_descale, exact=True), caches[0], caches[1], cache_seqlens=lengths + 1,
+        k_scale=k_descale, v_scale=v_descale, causal=True)
+    torch.testing.assert_close(out.double(), exact.double(), rtol=2e-2, atol=2e-2)
