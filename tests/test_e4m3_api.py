@@ -7,7 +7,6 @@ refusals of the entry points without FP8 (backward, KV-cache queries, autograd),
 compat layer, and the C++ API's checks through a driver built against a rendered table."""
 
 import re
-import subprocess
 
 import pytest
 
@@ -18,9 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from conftest import repository  # noqa: E402
 from fmha import _C, _api  # noqa: E402
 from fmha.compat import flash_attn_interface as fa3  # noqa: E402
-from generator.render import render  # noqa: E402
-from test_generator_render import (CUDA_INCLUDE, CUDA_LIB, REPO_ROOT,  # noqa: E402
-                                   RUNTIME_SOURCES, needs_cpp)
+from test_generator_render import (CUDA_LIB, fwd_stub, needs_cpp,  # noqa: E402
+                                   run_runtime_driver)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -243,7 +241,7 @@ def test_select_bwd_takes_no_out_dtype():
 
 def test_a_row_major_v_is_read_as_it_is(no_device_check):
     """What models hold: no copy, the row-major layout (the kernel transposes V itself)."""
-    b, s, hk, d = 2, 20, 2, 128
+    s, hk, d = 20, 2, 128
     q, k, v = qkv(sk=s)
     a, ops = build_args(q, k, v, causal=True)
     assert a.dtype == _C.DTYPE_E4M3 == 2
@@ -573,23 +571,10 @@ int main() {
 @pytest.mark.skipif(not (CUDA_LIB / "libcudart.so").exists(), reason="needs libcudart")
 def test_cpp_checks_and_explains_e4m3_calls(tmp_path):
     selection = repository().select("all", "e4m3,hdim128,mode=batch,mask=none|causal")
-    files = render(selection, source="instances.yaml")
-    stubs = "\n".join(f"cudaError_t launch_{i.name}(const FwdArgs&, cudaStream_t) "
-                      f"{{ return cudaSuccess; }}" for i in selection.instances)
-    (tmp_path / "driver.cpp").write_text(DRIVER % stubs)
-    (tmp_path / "dispatch_table.cpp").write_text(files["dispatch_table.cpp"])
-    program = tmp_path / "e4m3"
-    compiled = subprocess.run(
-        ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-o", str(program),
-         "-I", str(REPO_ROOT / "runtime/include"), "-I", str(REPO_ROOT / "runtime/src"),
-         "-I", str(CUDA_INCLUDE), str(tmp_path / "driver.cpp"), *RUNTIME_SOURCES,
-         str(tmp_path / "dispatch_table.cpp"), f"-L{CUDA_LIB}", f"-Wl,-rpath,{CUDA_LIB}",
-         "-lcudart"], capture_output=True, text=True)
-    assert compiled.returncode == 0, compiled.stderr
-    ran = subprocess.run([str(program)], capture_output=True, text=True, check=True)
+    stdout = run_runtime_driver(tmp_path, "e4m3", DRIVER, selection, fwd_stub)
     (bf16, strides, negative, unaligned, q_stride, v_stride, o_stride, unknown, backward, cache,
      row, d96, group_vt, group_vt_explained, group_row, fp16_out, fp16_out_explained, e4m3_out,
-     unknown_out, bf16_fp16_out, bf16_out) = ran.stdout.split("----\n")
+     unknown_out, bf16_fp16_out, bf16_out) = stdout.split("----\n")
     assert bf16 == ("fmha::fwd: q_descale/k_descale/v_descale are for dtype kE4M3 (they "
                     "dequantize e4m3 inputs); a kBF16 call takes none\n")
     assert strides == ("fmha::fwd: v_descale_head_stride is 1; the descale strides are for "

@@ -584,26 +584,38 @@ int main() {
 CUDA_LIB = CUDA_INCLUDE.parent / "lib64"
 
 
+def run_runtime_driver(tmp_path, name: str, driver: str, selection, stub) -> str:
+    """`driver` (a C++ main, with %s where the instances' stubs go) built with g++ against the
+    runtime's sources and the dispatch table rendered for `selection`, each instance's launcher
+    a stub (stub(instance) -> its C++), then run: its stdout. No GPU is needed: nothing
+    launches."""
+    files = render(selection, source="instances.yaml")
+    stubs = "\n".join(stub(i) for i in selection.instances)
+    (tmp_path / "driver.cpp").write_text(driver % stubs)
+    (tmp_path / "dispatch_table.cpp").write_text(files["dispatch_table.cpp"])
+    program = tmp_path / name
+    compiled = subprocess.run(
+        ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-o", str(program),
+         "-I", str(REPO_ROOT / "runtime/include"), "-I", str(REPO_ROOT / "runtime/src"),
+         "-I", str(CUDA_INCLUDE), str(tmp_path / "driver.cpp"), *RUNTIME_SOURCES,
+         str(tmp_path / "dispatch_table.cpp"), f"-L{CUDA_LIB}", f"-Wl,-rpath,{CUDA_LIB}",
+         "-lcudart"], capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stderr
+    return subprocess.run([str(program)], capture_output=True, text=True, check=True).stdout
+
+
+def fwd_stub(instance) -> str:
+    """A forward instance's launcher that launches nothing."""
+    return (f"cudaError_t launch_{instance.name}(const FwdArgs&, cudaStream_t) "
+            f"{{ return cudaSuccess; }}")
+
+
 @needs_cpp
 @pytest.mark.skipif(not (CUDA_LIB / "libcudart.so").exists(), reason="needs libcudart")
 def test_runtime_explain_says_why_fa3_did_not_run(tmp_path):
     selection = repository().select("all", "fp16,hdim64|hdim96,mask=none,mode=batch,lse=false")
-    files = render(selection, source="instances.yaml")
-    stubs = "\n".join(f"cudaError_t launch_{i.name}(const FwdArgs&, cudaStream_t) "
-                      f"{{ return cudaSuccess; }}" for i in selection.instances)
-    (tmp_path / "driver.cpp").write_text(EXPLAIN_DRIVER % stubs)
-    (tmp_path / "dispatch_table.cpp").write_text(files["dispatch_table.cpp"])
-    program = tmp_path / "explain"
-    compiled = subprocess.run(
-        ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-o", str(program),
-         "-I", str(REPO_ROOT / "runtime/include"), "-I", str(REPO_ROOT / "runtime/src"),
-         "-I", str(CUDA_INCLUDE), str(tmp_path / "driver.cpp"),
-         *RUNTIME_SOURCES,
-         str(tmp_path / "dispatch_table.cpp"), f"-L{CUDA_LIB}", f"-Wl,-rpath,{CUDA_LIB}",
-         "-lcudart"], capture_output=True, text=True)
-    assert compiled.returncode == 0, compiled.stderr
-    ran = subprocess.run([str(program)], capture_output=True, text=True, check=True)
-    fa3, bias, dropout_d96, bias_a100 = ran.stdout.split("----\n")[:4]
+    stdout = run_runtime_driver(tmp_path, "explain", EXPLAIN_DRIVER, selection, fwd_stub)
+    fa3, bias, dropout_d96, bias_a100 = stdout.split("----\n")[:4]
     assert "Runs fwd_fp16_d64_fa3_sm90a_m192n128_pad (fa3, sm90a," in fa3
     assert ("  fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad: fa3 before fa2: the newer pipeline\n"
             in fa3)
@@ -987,25 +999,13 @@ def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
     # Head-dim-padded instances for sm90a only, so that sm80 misses a head dim of 80.
     selection = repository().select("all", "kvcache,fp16,hdim64|hdim128,mask=none,bias=none,"
                                            "!softcap,sm90a|nohpad")
-    files = render(selection, source="instances.yaml")
-    stubs = "\n".join(f"cudaError_t launch_{i.name}(const KvcacheArgs&, cudaStream_t) "
-                      f"{{ return cudaSuccess; }}\n"
-                      f"size_t workspace_{i.name}(const KvcacheArgs&) {{ return 0; }}"
-                      for i in selection.instances)
-    (tmp_path / "driver.cpp").write_text(KVCACHE_DRIVER % stubs)
-    (tmp_path / "dispatch_table.cpp").write_text(files["dispatch_table.cpp"])
-    program = tmp_path / "kvcache"
-    compiled = subprocess.run(
-        ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-o", str(program),
-         "-I", str(REPO_ROOT / "runtime/include"), "-I", str(REPO_ROOT / "runtime/src"),
-         "-I", str(CUDA_INCLUDE), str(tmp_path / "driver.cpp"),
-         *RUNTIME_SOURCES,
-         str(tmp_path / "dispatch_table.cpp"), f"-L{CUDA_LIB}", f"-Wl,-rpath,{CUDA_LIB}",
-         "-lcudart"], capture_output=True, text=True)
-    assert compiled.returncode == 0, compiled.stderr
-    ran = subprocess.run([str(program)], capture_output=True, text=True, check=True)
+    stdout = run_runtime_driver(
+        tmp_path, "kvcache", KVCACHE_DRIVER, selection,
+        lambda i: (f"cudaError_t launch_{i.name}(const KvcacheArgs&, cudaStream_t) "
+                   f"{{ return cudaSuccess; }}\n"
+                   f"size_t workspace_{i.name}(const KvcacheArgs&) {{ return 0; }}"))
     (hit, padded, miss, unaligned, both, chunk, e4m3_miss, e4m3_exact, unscaled, pitch, odd,
-     scaled) = ran.stdout.split("----\n")
+     scaled) = stdout.split("----\n")
     assert hit.startswith(
         "KV-cache problem: dtype=fp16 kv_dtype=same hdim_q=64 hdim_v=64 mask=none bias=none "
         "paged=true "
