@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cuda.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -157,6 +158,27 @@ struct CachedKv {
   }
 };
 
+// Where a key tile's boxes land: the consumers' K and V stages, or an e4m3 cache's staging
+// stages, which the widening warps turn into those (fwd_fa3_kv_widen_sm90.cuh).
+template <class Cfg>
+__device__ __forceinline__ auto k_landing_stages(typename Cfg::SharedStorage& shared) {
+  if constexpr (Cfg::kWidenKv) {
+    return cute::make_tensor(cute::make_smem_ptr(shared.k_staged.data()),
+                             typename Cfg::StagedLayoutK{});
+  } else {
+    return k_stages<Cfg>(shared);
+  }
+}
+template <class Cfg>
+__device__ __forceinline__ auto v_landing_stages(typename Cfg::SharedStorage& shared) {
+  if constexpr (Cfg::kWidenKv) {
+    return cute::make_tensor(cute::make_smem_ptr(shared.v_staged.data()),
+                             typename Cfg::StagedLayoutV{});
+  } else {
+    return v_stages<Cfg>(shared);
+  }
+}
+
 // The forward producer's load policy for a KV cache (fwd_fa3_producer_sm90.cuh): the config's
 // KernelParams carry the CachedKv as `cache`, and its K/V stages are laid out as the boxes
 // write them (KvStageLayouts<true>, kvcache_chunked_prefill_sm90.cuh).
@@ -195,10 +217,11 @@ class CachedKvLoad {
       const int2 source = next_k_;
       if (n_block > n_begin_) next_k_ = sources_of(n_block - 1);
       (n_block % 2 == 0 ? load_.v_even_ : load_.v_odd_) = source;
-      issue<Cfg::kHeadDimQK>(pipe, state, load_.kp_.cache.k, k_stages<Cfg>(load_.shared_), source);
+      issue<Cfg::kHeadDimQK>(pipe, state, load_.kp_.cache.k, k_landing_stages<Cfg>(load_.shared_),
+                             source);
     }
     __device__ void load_v(Pipeline& pipe, PipelineState& state, int n_block) {
-      issue<Cfg::kHeadDimV>(pipe, state, load_.kp_.cache.v, v_stages<Cfg>(load_.shared_),
+      issue<Cfg::kHeadDimV>(pipe, state, load_.kp_.cache.v, v_landing_stages<Cfg>(load_.shared_),
                             n_block % 2 == 0 ? load_.v_even_ : load_.v_odd_);
     }
 
@@ -274,20 +297,26 @@ int cache_box_rows(int page_size, CacheFold k_fold, CacheFold v_fold) {
 }
 
 // The tensor map of one cache in `map->fold`: `rows` keys a page, boxes of box_rows keys by
-// every column. false where the driver refuses it (a stride TMA cannot take).
+// every column. false where the driver refuses it (a stride TMA cannot take). A 16-bit cache's
+// boxes are the consumers' stages (128-byte swizzle); an e4m3 cache's land unswizzled in the
+// staging stages (rows of 64 bytes: fwd_fa3_kv_widen_sm90.cuh).
 template <typename Element>
 bool encode_cache_map(CacheMap* map, const CacheTensor& t, int rows, int heads, int pages,
                       int box_rows) {
-  static_assert(sizeof(Element) == 2, "fa3 reads 16-bit caches");
-  const CUtensorMapDataType type = std::is_same_v<Element, cutlass::bfloat16_t>
+  constexpr bool kE4m3 = std::is_same_v<Element, __nv_fp8_e4m3>;
+  static_assert(sizeof(Element) == 2 || kE4m3, "fa3 reads 16-bit and e4m3 caches");
+  const CUtensorMapDataType type = kE4m3 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : std::is_same_v<Element, cutlass::bfloat16_t>
                                        ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  auto bytes = [](int64_t stride) { return static_cast<cuuint64_t>(tma_stride(stride)) * 2; };
+  auto bytes = [](int64_t stride) {
+    return static_cast<cuuint64_t>(tma_stride<Element>(stride)) * sizeof(Element);
+  };
   const cuuint64_t column_blocks = t.hdim / 64;
   const cuuint64_t row_bytes = bytes(t.row_stride);
   cuuint64_t dims[5] = {64, 8, column_blocks, static_cast<cuuint64_t>(rows / 8),
                         static_cast<cuuint64_t>(pages)};
-  cuuint64_t strides[4] = {row_bytes, 128, 8 * row_bytes, bytes(t.page_stride)};
+  cuuint64_t strides[4] = {row_bytes, 64 * sizeof(Element), 8 * row_bytes, bytes(t.page_stride)};
   cuuint32_t box[5] = {64, 8, static_cast<cuuint32_t>(column_blocks),
                        static_cast<cuuint32_t>(box_rows / 8), 1};
   switch (map->fold) {
@@ -308,7 +337,8 @@ bool encode_cache_map(CacheMap* map, const CacheTensor& t, int rows, int heads, 
   const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
   const CUresult result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
       &map->tma, type, 5, const_cast<void*>(t.data), dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_INTERLEAVE_NONE,
+      kE4m3 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS;
 }

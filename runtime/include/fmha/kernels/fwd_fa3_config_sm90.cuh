@@ -145,6 +145,11 @@ struct FwdConfig {
   static constexpr int kTransposeThreads = 64;  // warps 1 and 2 of the producer warpgroup
   using VtPipeline = cutlass::PipelineAsync<kStages>;
   using ConsumerVPipeline = std::conditional_t<kTransposeV, VtPipeline, Pipeline>;
+  // Chunked prefill from an e4m3 cache (kvcache_chunked_prefill_sm90.cuh) lands the cache's
+  // tiles in staging stages and widens them into K and V stages of rings of their own
+  // (fwd_fa3_kv_widen_sm90.cuh): its config says so and names the consumers' K ring.
+  static constexpr bool kWidenKv = false;
+  using ConsumerKPipeline = Pipeline;
 
   // Shared memory one CTA may opt into on the target (generator/schema.py's smem_limit: 227 KB
   // on H100/H200).
@@ -277,8 +282,8 @@ __device__ auto output_rows(typename Cfg::SharedStorage& shared, int w) {
   typename Cfg::OutElement* region;
   if constexpr (Cfg::kSeparateO) {
     region = shared.o.data() + w * Cfg::kORegion;
-  } else {
-    region = shared.q.data() + w * Cfg::kQRegion;  // same type: the config asserts it
+  } else {  // the same 16-bit size (the config asserts it), if not the same type
+    region = reinterpret_cast<typename Cfg::OutElement*>(shared.q.data() + w * Cfg::kQRegion);
   }
   return cute::make_tensor(cute::make_smem_ptr(region), typename Cfg::SmemLayoutO{});
 }

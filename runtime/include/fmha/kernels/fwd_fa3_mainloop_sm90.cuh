@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "fmha/kernels/fwd_fa3_config_sm90.cuh"
+#include "fmha/kernels/fwd_fa3_kv_widen_sm90.cuh"
 #include "fmha/kernels/fwd_fa3_scheduler_sm90.cuh"
 #include "fmha/kernels/sm80_primitives.cuh"
 #include "fmha/kernels/sm90_primitives.cuh"
@@ -120,7 +121,7 @@ class Mainloop {
  public:
   using Element = typename Cfg::Element;
   using SharedStorage = typename Cfg::SharedStorage;
-  using Pipeline = typename Cfg::Pipeline;
+  using KPipeline = typename Cfg::ConsumerKPipeline;  // the widened K's ring of an e4m3 cache
   using VPipeline = typename Cfg::ConsumerVPipeline;  // V^T's ring where V is transposed
   using TiledMmaS = typename Cfg::TiledMmaS;
   using TiledMmaO = typename Cfg::TiledMmaO;
@@ -154,7 +155,7 @@ class Mainloop {
   }
 
  public:
-  __device__ __forceinline__ Mainloop(SharedStorage& shared, Pipeline& k_pipe, VPipeline& v_pipe,
+  __device__ __forceinline__ Mainloop(SharedStorage& shared, KPipeline& k_pipe, VPipeline& v_pipe,
                                       const ConsumerWarpgroup& wg)
       : shared_(shared),
         k_pipe_(k_pipe),
@@ -282,6 +283,7 @@ class Mainloop {
 
     shared_.q_full[wg_.index].wait(q_phase_);
     q_phase_ ^= 1;
+    if constexpr (Cfg::kWidenKv) softmax_mul *= widen_query<Cfg>(shared_, wg_);
 
     {  // The last key tile it sees (often the masked one) alone: nothing to overlap yet.
       Tensor tSrS = partition_fragment_C(mma_s_, Shape<_64, typename Cfg::BlockN>{});
@@ -345,7 +347,7 @@ class Mainloop {
 
  private:
   SharedStorage& shared_;
-  Pipeline& k_pipe_;
+  KPipeline& k_pipe_;
   VPipeline& v_pipe_;
   const ConsumerWarpgroup wg_;
   SmemV sV_;

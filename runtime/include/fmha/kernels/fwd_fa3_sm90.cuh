@@ -12,6 +12,8 @@
 //                  and two S.
 //   VTranspose     e4m3 with a row-major V: two more warps of its warpgroup turn each V tile
 //                  into V^T for the 8-bit PV product (fwd_fa3_v_transpose_sm90.cuh)
+//   KvWiden        chunked prefill from an e4m3 cache: two more warps widen each staged K and V
+//                  tile to fp16 (fwd_fa3_kv_widen_sm90.cuh)
 //   Mainloop       consumer warpgroup w owns query rows [64 w, 64 w + 64) of the tile, with its
 //                  own Q and O regions in shared memory, its own Q barrier and its own epilogue,
 //                  so no consumer ever waits for another except to take turns on the tensor
@@ -47,6 +49,7 @@
 #include "fmha/kernels/device_facts.cuh"
 #include "fmha/kernels/fwd_fa3_config_sm90.cuh"
 #include "fmha/kernels/fwd_fa3_epilogue_sm90.cuh"
+#include "fmha/kernels/fwd_fa3_kv_widen_sm90.cuh"
 #include "fmha/kernels/fwd_fa3_mainloop_sm90.cuh"
 #include "fmha/kernels/fwd_fa3_producer_sm90.cuh"
 #include "fmha/kernels/fwd_fa3_scheduler_sm90.cuh"
@@ -65,7 +68,8 @@ class Consumer {
   using Pipeline = typename Cfg::Pipeline;
 
   __device__ __forceinline__ Consumer(const KernelParams& kp, SharedStorage& shared,
-                                      Pipeline& k_pipe, typename Cfg::ConsumerVPipeline& v_pipe,
+                                      typename Cfg::ConsumerKPipeline& k_pipe,
+                                      typename Cfg::ConsumerVPipeline& v_pipe,
                                       int warpgroup, int lane,
                                       StagedO<Cfg>& staged_o)
       : wg_(warpgroup, lane),
@@ -100,7 +104,7 @@ class Consumer {
     RowStats<Cfg::kFp8> stats;
     float softmax_mul = p_.softmax_mul;
     float out_scale = 1.f;
-    if constexpr (Cfg::kFp8) {
+    if constexpr (Cfg::kFp8 || Cfg::kWidenKv) {
       const Descales descales(p_, work.tile.batch, work.tile.head / p_.kv_group);
       softmax_mul *= descales.q * descales.k;
       out_scale = descales.v;
@@ -117,7 +121,8 @@ class Consumer {
 
  private:
   // e4m3: the factors that dequantize a work tile's Q, K and V (FwdArgs::q_descale says how
-  // they are indexed), one scalar each per (sequence, K/V head).
+  // they are indexed), one scalar each per (sequence, K/V head); an e4m3 cache's k_scale and
+  // v_scale are K's and V's.
   struct Descales {
     float q, k, v;
     __device__ __forceinline__ Descales(const FwdParams& p, int batch, int kv_head)
@@ -169,20 +174,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                                                 : Role::NonParticipant;
     v_params.num_consumers = Cfg::kTransposeThreads;
   }
+  if constexpr (Cfg::kWidenKv) {  // the K and V rings are staging, for the widening warps
+    using Role = typename Pipeline::ThreadCategory;
+    k_params.role = threadIdx.x < 32                        ? Role::Producer
+                    : threadIdx.x < 32 + Cfg::kWidenThreads ? Role::Consumer
+                                                            : Role::NonParticipant;
+    k_params.num_consumers = Cfg::kWidenThreads;
+    v_params.role = k_params.role;
+    v_params.num_consumers = Cfg::kWidenThreads;
+  }
   Pipeline k_pipe(shared.k_pipe, k_params, Shape<_1, _1, _1>{});
   Pipeline v_pipe(shared.v_pipe, v_params, Shape<_1, _1, _1>{});
   auto vt_pipe = make_vt_pipeline<Cfg>(shared, warpgroup);
-  auto& consumer_v_pipe = consumer_v_pipeline<Cfg>(v_pipe, vt_pipe);
+  auto widened = make_widened_pipelines<Cfg>(shared, warpgroup);
+  auto& consumer_k_pipe = consumer_k_pipeline<Cfg>(k_pipe, widened);
+  auto& consumer_v_pipe = consumer_v_pipeline<Cfg>(v_pipe, vt_pipe, widened);
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegisters>();
-    if (threadIdx.x >= 32) {  // one warp issues; the next two transpose V where it needs it
+    if (threadIdx.x >= 32) {  // one warp issues; the next two transpose V or widen K and V
       if constexpr (Cfg::kTransposeV) {
         if (threadIdx.x < 32 + Cfg::kTransposeThreads) {
           VTranspose<Cfg> transpose(shared, v_pipe, vt_pipe, threadIdx.x - 32);
           scheduler.for_each_tile(transpose);
+        }
+      }
+      if constexpr (Cfg::kWidenKv) {
+        if (threadIdx.x < 32 + Cfg::kWidenThreads) {
+          KvWiden<Cfg> widen(shared, k_pipe, v_pipe, widened.k, widened.v, threadIdx.x - 32);
+          scheduler.for_each_tile(widen);
         }
       }
       return;
@@ -194,7 +216,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegisters>();
   StagedO<Cfg> staged_o;  // the epilogue's, held here (fwd_fa3_epilogue_sm90.cuh says why)
-  Consumer<Cfg> consumer(kp, shared, k_pipe, consumer_v_pipe, warpgroup, lane, staged_o);
+  Consumer<Cfg> consumer(kp, shared, consumer_k_pipe, consumer_v_pipe, warpgroup, lane, staged_o);
   scheduler.for_each_tile(consumer);
   consumer.finish();
 }

@@ -47,12 +47,15 @@ __device__ __forceinline__ auto make_vt_pipeline(typename Cfg::SharedStorage& sh
   }
 }
 
-// The ring the consumers read V from: V^T's where V is transposed, else V's own.
-template <class Cfg, class VtPipe>
+// The ring the consumers read V from: V^T's where V is transposed, the widened V's where an
+// e4m3 cache is widened (fwd_fa3_kv_widen_sm90.cuh), else V's own.
+template <class Cfg, class VtPipe, class Widened>
 __device__ __forceinline__ typename Cfg::ConsumerVPipeline& consumer_v_pipeline(
-    typename Cfg::Pipeline& v_pipe, VtPipe& vt_pipe) {
+    typename Cfg::Pipeline& v_pipe, VtPipe& vt_pipe, Widened& widened) {
   if constexpr (Cfg::kTransposeV) {
     return vt_pipe;
+  } else if constexpr (Cfg::kWidenKv) {
+    return widened.v;
   } else {
     return v_pipe;
   }

@@ -13,8 +13,14 @@
 //     cache_seqlens plus the appended tokens, and the causal mask (or window) aligned
 //     bottom-right, so query token i sits at key cache_seqlens[b] + seqlen_new - seqlen_q + i.
 // Traits: what the fa3 forward has (no mask, causal, sliding windows; fp16/bf16; head dims of
-// whole swizzle atoms) on a cache of the queries' dtype; ALiBi, soft-capping and e4m3 caches
-// run the decode pipeline (instances.yaml).
+// whole swizzle atoms) on a cache of the queries' dtype or an e4m3 one (head dims 64 and 128:
+// its staging stages do not fit beside d256's); ALiBi and soft-capping run the decode pipeline
+// (instances.yaml).
+//
+// An e4m3 cache (the Config specialization below): the cache's tiles land in staging stages, a
+// byte an element, and two producer warps widen them to fp16 (fwd_fa3_kv_widen_sm90.cuh); the
+// products run in fp16, bf16 queries converted in the kernel, and O leaves in the queries'
+// dtype. k_scale folds into the logits' scale and v_scale into O's, as the decode kernel's do.
 #pragma once
 
 #include <type_traits>
@@ -27,8 +33,7 @@
 namespace fmha::kvcache::chunked_prefill {
 
 // KvElement_: the cache's element type, the generator's kv_element (the decode Config's
-// parameter too); the same as Element_ here, as instances.yaml builds no chunked prefill from an
-// e4m3 cache yet.
+// parameter too): Element_ here; __nv_fp8_e4m3 takes the specialization below.
 template <typename Element_, typename KvElement_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_,
           int kBlockN_, int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_,
           bool kPaged_, bool kSoftcap_, bool kPadSeqlen_, bool kPadHdim_, int kSmemLimit_>
@@ -37,8 +42,7 @@ struct Config
                      kStages_, kMask_, kBias_, VLayout::kRowMajor, Mode::kBatch, /*kLse=*/true,
                      /*kDropout=*/false, kSoftcap_, kPadSeqlen_, kPadHdim_, kSmemLimit_> {
   static_assert(std::is_same_v<KvElement_, Element_>,
-                "chunked prefill reads a cache of the queries' dtype only: an e4m3 cache runs "
-                "the decode kernel (instances.yaml prunes kv_dtype=e4m3 on pipeline fa3)");
+                "chunked prefill reads a cache of the queries' dtype or an e4m3 one");
   using Base = typename Config::FwdConfig;  // the base above, by its injected name
   using KvElement = KvElement_;
   static constexpr bool kPaged = kPaged_;
@@ -67,6 +71,107 @@ struct Config
     FwdParams p;
     typename Base::TmaLoadQ tma_q;
     typename Base::TmaStoreO tma_o;
+    typename Base::GmemShape q_shape, o_shape;
+    int total_tiles;
+    bool spread_heads;
+    fa3::CachedKv cache;
+  };
+};
+
+// Chunked prefill from an e4m3 cache: the forward's kernel in fp16 (its Element), with staging
+// stages for the cache's tiles and widened rings between the widening warps and the consumers.
+template <typename Element_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_, int kBlockN_,
+          int kNumWarps_, int kStages_, MaskType kMask_, BiasType kBias_, bool kPaged_,
+          bool kSoftcap_, bool kPadSeqlen_, bool kPadHdim_, int kSmemLimit_>
+struct Config<Element_, __nv_fp8_e4m3, kHeadDimQK_, kHeadDimV_, kBlockM_, kBlockN_, kNumWarps_,
+              kStages_, kMask_, kBias_, kPaged_, kSoftcap_, kPadSeqlen_, kPadHdim_, kSmemLimit_>
+    : fa3::FwdConfig<__half, kHeadDimQK_, kHeadDimV_, kBlockM_, kBlockN_, kNumWarps_, kStages_,
+                     kMask_, kBias_, VLayout::kRowMajor, Mode::kBatch, /*kLse=*/true,
+                     /*kDropout=*/false, kSoftcap_, kPadSeqlen_, kPadHdim_, kSmemLimit_> {
+  using Base = typename Config::FwdConfig;
+  using Element = typename Base::Element;  // the products': fp16
+  using QueryElement = typename fa3::CuteElement<Element_>::type;
+  using OutElement = QueryElement;
+  using KvElement = __nv_fp8_e4m3;
+  static constexpr bool kQueryBf16 = std::is_same_v<QueryElement, cutlass::bfloat16_t>;
+  static constexpr bool kPaged = kPaged_;
+  static constexpr bool kWidenKv = true;
+  static_assert(kHeadDimQK_ == kHeadDimV_, "the widening warps take one head dim");
+  using KvLoad = fa3::CachedKvLoad<Config>;
+  using SmemLayoutK = typename Base::template KvStageLayouts<true>::K;
+  using SmemLayoutV = typename Base::template KvStageLayouts<true>::V;
+  using SmemLayoutVt = typename Base::template KvStageLayouts<true>::Vt;
+  // The staging stages, (keys, d, stage) a byte an element: only their stage bases are taken
+  // as tensors (CachedKvLoad's boxes); the widening warps address them by their order.
+  using StagedLayoutK = cute::Layout<
+      cute::Shape<typename Base::BlockN, typename Base::DimQK, cute::Int<kStages_>>,
+      cute::Stride<typename Base::DimQK, cute::_1, cute::Int<kBlockN_ * kHeadDimQK_>>>;
+  using StagedLayoutV = cute::Layout<
+      cute::Shape<typename Base::BlockN, typename Base::DimV, cute::Int<kStages_>>,
+      cute::Stride<typename Base::DimV, cute::_1, cute::Int<kBlockN_ * kHeadDimV_>>>;
+
+  // Warps 1 and 2 of the producer warpgroup widen. Their registers are the transposing
+  // warps' (fwd_fa3_config_sm90.cuh), 56, and the consumers' 224 (three: 152): at d128 with
+  // 40 and 232 the kernel spilled 28 bytes, with 24 and 240 252 bytes (ptxas).
+  static constexpr int kWidenThreads = 64;
+  using ConsumerKPipeline = cutlass::PipelineAsync<kStages_>;
+  using ConsumerVPipeline = ConsumerKPipeline;
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = Base::kConsumerWarpgroups == 2 ? 224 : 152;
+  static_assert((Base::kLaunchRegisters - kProducerRegisters) * 128 >=
+                    (kConsumerRegisters - Base::kLaunchRegisters) * Base::kConsumerThreads,
+                "the consumers' registers must come from the producer's");
+
+  // Q and the K/V stages in 16 bits, the staging stages a byte an element; O over Q where its
+  // own region does not fit (d128: 32 + 2 x 64 + 2 x 32 KB = 224 KB).
+  static constexpr int kStagedBytes = kStages_ * kBlockN_ * (kHeadDimQK_ + kHeadDimV_);
+  static constexpr int kTileBytes =
+      2 * (kBlockM_ * kHeadDimQK_ + kStages_ * kBlockN_ * (kHeadDimQK_ + kHeadDimV_)) +
+      kStagedBytes;
+  static constexpr bool kSeparateO = kTileBytes + 2 * kBlockM_ * kHeadDimV_ + 1024 <= kSmemLimit_;
+  using ORegion = std::conditional_t<
+      kSeparateO,
+      cute::array_aligned<OutElement, Base::kConsumerWarpgroups * Base::kORegion, 1024>,
+      typename Base::NoRegion>;
+  struct SharedStorage {
+    cute::array_aligned<Element, Base::kConsumerWarpgroups * Base::kQRegion, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
+    cute::array_aligned<uint8_t, cute::cosize_v<StagedLayoutK>, 1024> k_staged;
+    cute::array_aligned<uint8_t, cute::cosize_v<StagedLayoutV>, 1024> v_staged;
+    ORegion o;
+    cutlass::arch::ClusterTransactionBarrier q_full[Base::kConsumerWarpgroups];
+    typename Base::Pipeline::SharedStorage k_pipe;  // the staging rings
+    typename Base::Pipeline::SharedStorage v_pipe;
+    typename ConsumerKPipeline::SharedStorage widened_k_pipe;
+    typename ConsumerVPipeline::SharedStorage widened_v_pipe;
+    uint32_t query_amax[Base::kConsumerWarpgroups][4];  // widen_query's, a warp's largest
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= kSmemLimit_, "the tile does not fit the target's shared memory");
+  // What TMA writes a staging stage with.
+  static constexpr uint32_t kKBytes = kBlockN_ * kHeadDimQK_;
+  static constexpr uint32_t kVBytes = kBlockN_ * kHeadDimV_;
+
+  using TmaStoreO = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_STORE{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<OutElement*>(nullptr)),
+                        typename Base::GmemLayout{}),
+      typename Base::SmemLayoutO{}, cute::Shape<cute::_64, typename Base::DimV>{}, cute::_1{}));
+
+  struct Append {
+    using Element = Element_;
+    using KvElement = __nv_fp8_e4m3;
+    static constexpr int kHeadDimQK = kHeadDimQK_;
+    static constexpr int kHeadDimV = kHeadDimV_;
+    static constexpr bool kPaged = kPaged_;
+    static constexpr bool kPadHdim = kPadHdim_;
+  };
+
+  struct KernelParams {
+    FwdParams p;
+    typename Base::TmaLoadQ tma_q;
+    TmaStoreO tma_o;
     typename Base::GmemShape q_shape, o_shape;
     int total_tiles;
     bool spread_heads;
@@ -133,6 +238,14 @@ cudaError_t launch(const KvcacheArgs& a, cudaStream_t stream) {
   f.window_left = a.window_left;
   f.window_right = a.window_right;
   f.softmax_scale = a.softmax_scale;
+  if constexpr (Cfg::kWidenKv) {  // the consumers' descales (fwd_fa3_sm90.cuh's Descales)
+    f.k_descale = a.k_scale;
+    f.v_descale = a.v_scale;
+    f.k_descale_batch_stride = a.k_scale_batch_stride;
+    f.k_descale_head_stride = a.k_scale_head_stride;
+    f.v_descale_batch_stride = a.v_scale_batch_stride;
+    f.v_descale_head_stride = a.v_scale_head_stride;
+  }
 
   typename Cfg::KernelParams kp;
   if (const cudaError_t err = fa3::make_kernel_params<Cfg>(f, kp); err != cudaSuccess) {
@@ -152,11 +265,12 @@ cudaError_t launch(const KvcacheArgs& a, cudaStream_t stream) {
   cache.pages_per_seq = paged ? a.seqlen_cache / a.page_size : 1;
   cache.heads = a.nhead_k;
   cache.absent_page = a.batch_cache;
+  using CacheElement = std::conditional_t<Cfg::kWidenKv, __nv_fp8_e4m3, Element>;
   const bool maps_made =
-      fa3::encode_cache_map<Element>(&cache.k, k_cache, page_size, a.nhead_k, a.batch_cache,
-                                     cache.box_rows) &&
-      fa3::encode_cache_map<Element>(&cache.v, v_cache, page_size, a.nhead_k, a.batch_cache,
-                                     cache.box_rows);
+      fa3::encode_cache_map<CacheElement>(&cache.k, k_cache, page_size, a.nhead_k, a.batch_cache,
+                                          cache.box_rows) &&
+      fa3::encode_cache_map<CacheElement>(&cache.v, v_cache, page_size, a.nhead_k, a.batch_cache,
+                                          cache.box_rows);
   if (!maps_made) return cudaErrorInvalidValue;
   kp.cache = cache;
   return fa3::launch_fwd_kernel<Cfg>(kp, static_cast<int64_t>(a.batch) * a.nhead_q, stream);
