@@ -118,10 +118,10 @@ def parse_args(argv):
                    help="with --decode: query heads per K/V head")
     p.add_argument("--kv-heads", type=int, default=8, help="with --decode: K/V heads")
     p.add_argument("--kv-dtypes", type=csv(str), default=["same"],
-                   help="with --decode: the caches' dtypes, 'same' (the queries') and 'e4m3' "
-                        "(float8, per-head scales)")
+                   help="with --decode and --prefill: the caches' dtypes, 'same' (the "
+                        "queries') and 'e4m3' (float8, per-head scales)")
     p.add_argument("--pages", type=csv(int), default=[16, 64, 256],
-                   help="with --decode: page sizes of the paged caches (0: none)")
+                   help="with --decode and --prefill: page sizes of the paged caches (0: none)")
     p.add_argument("--prefill", action="store_true",
                    help="chunked prefill: fmha.fwd_kvcache on contiguous and paged caches "
                         "against fmha.fwd on the same shapes (bench/prefill.py)")
@@ -163,7 +163,7 @@ def parse_args(argv):
                                                or args.generate or args.host):
         p.error("--dtypes e4m3 times the e4m3 forward on the grid only (no --bwd, --decode, "
                 "--prefill, --generate or --host); decode from an e4m3 cache is --decode "
-                "--kv-dtypes e4m3")
+                "--kv-dtypes e4m3, chunked prefill from one --prefill --kv-dtypes e4m3")
     unknown = set(args.kv_dtypes) - {"same", "e4m3"}
     if unknown:
         p.error(f"unknown --kv-dtypes {sorted(unknown)}; valid: same, e4m3")
@@ -631,8 +631,8 @@ def main_decode(args):
 
 def main_prefill(args):
     """python -m bench --prefill: TFLOP/s of causal chunks, head dims --hdims, on the grid of
-    --batches x --chunks x --contexts x --gqa (--kv-heads K/V heads); chunks longer than their
-    context are skipped."""
+    --batches x --chunks x --contexts x --gqa (--kv-heads K/V heads), on caches of each of
+    --kv-dtypes; chunks longer than their context are skipped."""
     rows = []
     for dt in args.dtypes:
         for d in args.hdims:
@@ -650,8 +650,11 @@ def main_prefill(args):
             "targets": fmha.compiled_targets()}
     save(args, {"info": info, "prefill_rows": rows})
     print(f"{info['gpu']}, torch {info['torch']}; chunked prefill TFLOP/s (causal, "
-          f"bottom-right), medians")
+          f"bottom-right), medians" + ("; e4m3_*: float8 e4m3 caches, per-head scales"
+                                       if "e4m3" in args.kv_dtypes else ""))
     print(prefill.format_rows(rows))
+    for instance in sorted({r["e4m3_instance"] for r in rows if r.get("e4m3_instance")}):
+        print(f"e4m3 chunks, contiguous cache: ran {instance}")
 
 
 def main_generate(args):

@@ -48,16 +48,23 @@ def copy_bandwidth_gbs(args) -> float:
     return 2 * src.numel() / ms * 1e-6
 
 
-def _cache(batch, cache_len, nhead_k, d, dtype, page_size):
+def make_cache(batch, cache_len, nhead_k, d, dtype, page_size):
     """(k_cache, v_cache, block_table) of full caches of `dtype` (float8_e4m3fn: codes of
-    randn * 32): contiguous without page_size, else pages in shuffled order (a real
-    allocator's pages are anywhere)."""
+    randn * 32, which e4m3_scales() dequantize): contiguous without page_size, else pages in
+    shuffled order (a real allocator's pages are anywhere). bench/prefill.py builds its e4m3
+    caches with it too."""
     shape = (batch, cache_len) if not page_size else (batch * (cache_len // page_size), page_size)
     k, v = (torch.randn(*shape, nhead_k, d, device="cuda").mul_(32).to(dtype) for _ in range(2))
     if not page_size:
         return k, v, None
     table = torch.randperm(shape[0], device="cuda").view(batch, -1).to(torch.int32)
     return k, v, table
+
+
+def e4m3_scales(nhead_k) -> dict:
+    """fmha.fwd_kvcache's k_scale and v_scale of make_cache()'s e4m3 caches: per K/V head, as a
+    serving stack's calibration gives them."""
+    return {name: torch.full((nhead_k,), 1 / 32, device="cuda") for name in ("k_scale", "v_scale")}
 
 
 def _sdpa_calls(row, q, caches):
@@ -100,14 +107,11 @@ def run_decode_case(dtype, d, nhead_q, nhead_k, batch, cache_len, args):
         if copies * cache_bytes * len(layouts) > 0.8 * torch.cuda.mem_get_info()[0]:
             row["paged_skipped"] = "memory"
             layouts = [0]
-        scales = {}
-        if e4m3:  # per K/V head, as a serving stack's calibration gives them
-            scales = {name: torch.full((nhead_k,), 1 / 32, device="cuda")
-                      for name in ("k_scale", "v_scale")}
+        scales = e4m3_scales(nhead_k) if e4m3 else {}
         for page_size in layouts:
             if page_size and cache_len % page_size:
                 continue
-            caches = [_cache(batch, cache_len, nhead_k, d, cache_dtype, page_size)
+            caches = [make_cache(batch, cache_len, nhead_k, d, cache_dtype, page_size)
                       for _ in range(copies)]
             name = "fmha" + ("_e4m3" if e4m3 else "") + (f"_paged{page_size}" if page_size else "")
             try:

@@ -58,7 +58,10 @@ TABLES = {
         "chunk", "query tokens per chunk", ("context", "dtype", "hdim", "heads", "batch"),
         {"fwd": "fmha.fwd, contiguous", "kvcache": "fwd_kvcache, contiguous cache",
          "paged16": "fwd_kvcache, pages of 16", "paged64": "fwd_kvcache, pages of 64",
-         "paged256": "fwd_kvcache, pages of 256", "append16": "fwd_kvcache appending, pages of 16"},
+         "paged256": "fwd_kvcache, pages of 256", "append16": "fwd_kvcache appending, pages of 16",
+         "e4m3_kvcache": "fwd_kvcache, e4m3 contiguous cache",
+         "e4m3_paged16": "fwd_kvcache, e4m3, pages of 16",
+         "e4m3_paged64": "fwd_kvcache, e4m3, pages of 64"},
         "TFLOP/s", "chunked prefill"),
 }
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "e4m3": "e4m3"}

@@ -116,7 +116,9 @@ def assign_tiles(points: tuple[MatrixPoint, ...], op_config: OperationConfig,
     (pipeline, arch, hdim_q, hdim_v, and dtype, vlayout, kv_dtype and paged where the operation
     has them: config.TILE_TRAIT_SELECTORS), and its shared memory is checked once per such key,
     on the key's first traits: the key holds every trait the formulas read (the head dims,
-    Traits.kv_element_size of the dtypes, Traits.v_rings of dtype and vlayout)."""
+    Traits.kv_element_size of the dtypes, Traits.v_rings of dtype and vlayout), and its arch
+    the limit a region that gets space of its own only where it fits is weighed against
+    (SharedMemory.needed)."""
     instances = []
     used: dict[tuple, TileEntry] = {}
     traits_of: dict[tuple, Traits] = {}  # the traits of the key's first point
@@ -135,7 +137,7 @@ def assign_tiles(points: tuple[MatrixPoint, ...], op_config: OperationConfig,
         pipeline, arch = key[:2]
         smem, traits = op_config.op.kernel(pipeline).shared_memory, traits_of[key]
         for what, tile in (("the tile", entry.tile), ("its full-grid tile", entry.tile.full_grid)):
-            needed = smem.bytes(tile, traits) if tile else 0
+            needed = smem.needed(tile, traits, arch.smem_limit) if tile else 0
             if needed > arch.smem_limit:
                 raise config.error(entry.line, f"{entry.label}: {what} needs {needed} bytes of "
                                                f"shared memory ({smem.formula(traits)}), more "

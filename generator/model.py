@@ -137,7 +137,8 @@ class KvcacheTraits(Traits):
     @property
     def kv_element_size(self) -> int:
         """The cache's: 1 of an e4m3 cache, whose tiles the decode kernel keeps in e4m3
-        (decode::Config's kCacheElementsPer16Bit = 2 / sizeof(KvElement))."""
+        (decode::Config's kCacheElementsPer16Bit = 2 / sizeof(KvElement)) and the
+        chunked-prefill kernel stages in e4m3 before widening them to fp16."""
         return self.kv_dtype.size_for(self.dtype)
 
 

@@ -28,9 +28,10 @@ what they do):
                 fmha/kernels/bwd_fa3_sm90.cuh
            fa2  the FlashAttention-2 backward: mma.sync (sm80 and built natively for sm90a),
                 fmha/kernels/bwd_fa2_sm80.cuh
-  kvcache  fa3  chunked prefill: the fa3 forward's kernel reading K and V from the cache by TMA,
-                for calls of many query tokens (sm90a only),
-                fmha/kernels/kvcache_chunked_prefill_sm90.cuh
+  kvcache  fa3  chunked prefill: the fa3 forward's kernel reading K and V from the cache by TMA
+                (an e4m3 cache's tiles widened to fp16 in shared memory,
+                fmha/kernels/fwd_fa3_kv_widen_sm90.cuh), for calls of many query tokens (sm90a
+                only), fmha/kernels/kvcache_chunked_prefill_sm90.cuh
            fa2  split-KV decode (Flash-Decoding): a CTA per key split on mma.sync, its splits
                 combined by their log-sum-exp, for calls of few query tokens (sm80 and built
                 natively for sm90a), fmha/kernels/kvcache_decode_split_kv.cuh
@@ -83,11 +84,25 @@ class SharedMemory:
     formula: Callable[[Traits], str]
     # (model.Tile, model.Traits) -> bytes, from what the instance's traits say of its tiles:
     # their head dims; the bytes of a K or V element (Traits.kv_element_size): 2, or 1 of an
-    # e4m3 KV cache, which the decode kernel reads, and of the fa3 forward's e4m3 inputs (Q, K
-    # and V share the dtype there; O stays bf16); and the rings of V tiles (Traits.v_rings: 2
-    # where the fa3 forward transposes an e4m3 V in shared memory). The other kernels' K and V
-    # are the inputs' 16-bit dtype, so their formulas count 2-byte elements and one V ring.
+    # e4m3 KV cache, which the decode kernel reads and the chunked-prefill kernel stages before
+    # widening it to fp16, and of the fa3 forward's e4m3 inputs (Q, K and V share the dtype
+    # there; O stays bf16); and the rings of V tiles (Traits.v_rings: 2 where the fa3 forward
+    # transposes an e4m3 V in shared memory). The other kernels' K and V are the inputs'
+    # 16-bit dtype, so their formulas count 2-byte elements and one V ring.
     bytes: Callable[[Any, Traits], int]
+    # (model.Tile, model.Traits) -> the bytes of a region the kernel gives space of its own
+    # only where `bytes` and it fit under the arch's limit together, and stages over another
+    # region otherwise (chunked prefill from an e4m3 cache: O, over Q; its config's
+    # kSeparateO); None: the formula has no such region.
+    region_if_it_fits: Callable[[Any, Traits], int] | None = None
+
+    def needed(self, tile, traits: Traits, smem_limit: int) -> int:
+        """The bytes a CTA of this tile takes on an arch that lets it use smem_limit (the
+        config's kSmemLimit, schema.Arch.smem_limit): `bytes`, plus region_if_it_fits's where
+        both fit."""
+        needed = self.bytes(tile, traits)
+        region = self.region_if_it_fits(tile, traits) if self.region_if_it_fits else 0
+        return needed + region if needed + region <= smem_limit else needed
 
 
 def _hdims(traits: Traits) -> tuple[int, int]:
@@ -308,11 +323,12 @@ _FWD_FA3_CONSTRAINTS = (
 
 # FwdConfig::kSmemBytes of fwd_fa3_sm90.cuh: fa2's regions, plus the K/V ring's mbarriers and
 # the 1024-byte alignment that 128-byte-swizzled TMA tiles need. kvcache's chunked prefill runs
-# the same kernel, so it takes the same (on caches of the queries' 16-bit dtype: a rule keeps
-# its e4m3 caches off fa3). e4m3 inputs (Traits.kv_element_size 1: Q, K and V alike) take a
-# byte an element, and O, bf16, a region of its own: it does not fit over Q; a row-major e4m3
-# V takes a second ring (Traits.v_rings 2): TMA lands its row-major tiles in `stages` stages
-# of their own, and the producer transposes each into the V^T stages the consumers read.
+# the same kernel, so on a cache of the queries' 16-bit dtype it takes the same (an e4m3 cache
+# takes its own: _CHUNKED_PREFILL_SHARED_MEMORY below). e4m3 inputs (Traits.kv_element_size 1:
+# Q, K and V alike) take a byte an element, and O, bf16, a region of its own: it does not fit
+# over Q; a row-major e4m3 V takes a second ring (Traits.v_rings 2): TMA lands its row-major
+# tiles in `stages` stages of their own, and the producer transposes each into the V^T stages
+# the consumers read.
 _FA3_BARRIERS_AND_ALIGNMENT = 1024
 _FA3_BARRIERS = f"{_FA3_BARRIERS_AND_ALIGNMENT} (barriers and alignment)"
 
@@ -561,6 +577,45 @@ _DECODE_CONSTRAINTS = (
 )
 
 
+# chunked_prefill::Config's SharedStorage (kvcache_chunked_prefill_sm90.cuh). A cache of the
+# queries' 16-bit dtype: the fa3 forward's (_FWD_FA3_SHARED_MEMORY). An e4m3 cache
+# (Traits.kv_element_size 1): the kernel computes in fp16, so Q (bf16 queries converted in the
+# kernel) and the K and V stages the consumers read take 2 bytes an element; TMA lands the
+# cache's tiles in staging stages of their own, a byte an element, which two producer warps
+# widen into those (fmha/kernels/fwd_fa3_kv_widen_sm90.cuh): 3 bytes a K or V element a stage.
+# O (the queries' dtype) takes a region of its own where it fits beside them under the arch's
+# limit (the config's kSeparateO: SharedMemory.region_if_it_fits) and is staged over Q
+# otherwise: d64 (192x128, 2 stages) 24 + 96 + 24 (O) + 1 KB; d128 (128x128, 2 stages) 32 +
+# 192 + 1 KB, O over Q; d256's 128x80 tile, 64 + 240 KB, does not fit (instances.yaml prunes
+# it).
+def _chunked_prefill_smem_bytes(tile, traits: Traits) -> int:
+    if traits.kv_element_size == 2:
+        return _fwd_fa3_smem_bytes(tile, traits)
+    hdim_q, hdim_v = _hdims(traits)
+    return (2 * tile.block_m * hdim_q + 3 * tile.stages * tile.block_n * (hdim_q + hdim_v)
+            + _FA3_BARRIERS_AND_ALIGNMENT)
+
+
+def _chunked_prefill_o_region(tile, traits: Traits) -> int:
+    """O's own region (16-bit elements) of an e4m3 cache's instances; none of a 16-bit cache's,
+    whose formula is the forward's."""
+    return 0 if traits.kv_element_size == 2 else 2 * tile.block_m * traits.hdim_v
+
+
+def _chunked_prefill_smem_formula(traits: Traits) -> str:
+    if traits.kv_element_size == 2:
+        return _fwd_fa3_smem_formula(traits)
+    return ("2 * block_m * hdim_q + 3 * stages * block_n * (hdim_q + hdim_v) (Q and the K/V "
+            "stages in fp16, the e4m3 cache's staging stages a byte an element) + 2 * block_m * "
+            "hdim_v (O in its own region where it fits under the arch's limit, else over Q: 0) "
+            f"+ {_FA3_BARRIERS}, of an e4m3 cache widened to fp16")
+
+
+_CHUNKED_PREFILL_SHARED_MEMORY = SharedMemory(_chunked_prefill_smem_formula,
+                                              _chunked_prefill_smem_bytes,
+                                              region_if_it_fits=_chunked_prefill_o_region)
+
+
 _DECODE_SHARED_MEMORY = ("2 * block_m * hdim_q + kv_size * stages * block_n * (hdim_q + hdim_v) "
                          "+ 4 * (stages + 1) * block_n, kv_size 2, or 1 of an e4m3 cache")
 
@@ -581,12 +636,14 @@ KVCACHE = Operation(
     kind=OPERATION.get("kvcache"),
     traits=KvcacheTraits,
     kernels=(
-        # The fa3 forward's kernel with K and V read from the cache by TMA, after the append
-        # kernel the decode pipeline runs too; the forward's tiles and limits.
+        # The fa3 forward's kernel with K and V read from the cache by TMA (an e4m3 cache's
+        # tiles widened to fp16 in shared memory), after the append kernel the decode pipeline
+        # runs too; the forward's tiles and limits, and shared memory of its own for e4m3 caches.
         Kernel(PIPELINE.get("fa3"), header="fmha/kernels/kvcache_chunked_prefill_sm90.cuh",
                config_template="fmha::kvcache::chunked_prefill::Config",
                launcher="fmha::kvcache::chunked_prefill::launch",
-               tile_constraints=_FWD_FA3_CONSTRAINTS, shared_memory=_FWD_FA3_SHARED_MEMORY,
+               tile_constraints=_FWD_FA3_CONSTRAINTS,
+               shared_memory=_CHUNKED_PREFILL_SHARED_MEMORY,
                uses_cutlass=True, workspace="fmha::kvcache::chunked_prefill::workspace_bytes",
                prefill=True, padded_hdim_step=None, wgmma_n=_fwd_fa3_wgmma_n),
         # An instance appends k_new/v_new to the cache (rotated, when asked), attends with a

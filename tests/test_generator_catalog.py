@@ -54,8 +54,8 @@ def test_repository_matrix():
     fwd = catalog.of(OPERATION.get("fwd"))
     assert len(fwd) == 10080 - 48 + 72 + 45 and catalog.instances[:len(fwd)] == fwd
     # Every operation's points less what its rules keep (BWD_POINTS, KVCACHE_POINTS: below).
-    assert catalog.pruned == 3 * 32256 - 10149 + BWD_POINTS - 4056 + KVCACHE_POINTS - 1572
-    assert len(set(names(catalog))) == 10149 + 4056 + 1572
+    assert catalog.pruned == 3 * 32256 - 10149 + BWD_POINTS - 4056 + KVCACHE_POINTS - 1596
+    assert len(set(names(catalog))) == 10149 + 4056 + 1596
     for instance in fwd:
         point, traits = instance.point, instance.point.traits
         assert traits.mode.token == "batch" or (point.pad_seqlen and traits.lse)
@@ -268,7 +268,7 @@ def test_repository_tiles_fit_the_archs_they_are_used_on():
         ("fmha/kernels/kvcache_decode_split_kv.cuh", "sm90a"),
         ("fmha/kernels/kvcache_chunked_prefill_sm90.cuh", "sm90a")}
     for kernel, arch, traits, tile in used:
-        needed = kernel.shared_memory.bytes(tile, traits)
+        needed = kernel.shared_memory.needed(tile, traits, arch.smem_limit)
         assert needed <= arch.smem_limit, (kernel.header, arch.token, traits, needed)
 
 
@@ -588,10 +588,10 @@ def test_repository_kvcache_matrix():
     # fa2 (decode), on a cache of the queries' dtype: 2 dtypes x 6 head dims (hdim_q ==
     # hdim_v) x 3 masks x 2 biases (none, ALiBi) x 2 (contiguous, paged) x 2 softcap on 2 archs
     # x exact and padded head dims: 1152; on an e4m3 cache the same at exact head dims only,
-    # of 64, 128, 192 and 256: 384. fa3 (chunked prefill): 2 dtypes x head dims 64, 128 and 256 x 3 masks x 2
-    # (contiguous, paged) on sm90a, without ALiBi or soft-cap, exact head dims, on a cache of
-    # the queries' dtype only: 36. Each pads sequence lengths; kvcache's is the last table of
-    # the catalog.
+    # of 64, 128, 192 and 256: 384. fa3 (chunked prefill): 2 dtypes x head dims 64, 128 and
+    # 256 x 3 masks x 2 (contiguous, paged) on sm90a, without ALiBi or soft-cap, exact head
+    # dims, on a cache of the queries' dtype: 36; on an e4m3 cache the same at head dims 64 and
+    # 128: 24. Each pads sequence lengths; kvcache's is the last table of the catalog.
     catalog = repository().catalog
     kvcache = catalog.of(OPERATION.get("kvcache"))
     assert catalog.instances[-len(kvcache):] == kvcache
@@ -599,12 +599,13 @@ def test_repository_kvcache_matrix():
     decode = [i for i in kvcache if i.point.pipeline.token == "fa2"]
     prefill = [i for i in kvcache if i.point.pipeline.token == "fa3"]
     e4m3 = [i for i in decode if i.point.traits.kv_dtype.token == "e4m3"]
-    assert (len(decode), len(e4m3), len(prefill)) == (1152 + 384, 384, 36)
+    assert (len(decode), len(e4m3), len(prefill)) == (1152 + 384, 384, 36 + 24)
     assert {i.point.traits.hdim_q for i in e4m3} == {64, 128, 192, 256}
     assert sum(i.point.pad_hdim for i in decode) == 576
     assert not any(i.point.pad_hdim for i in (*prefill, *e4m3))
     assert all(i.name.startswith(f"kvcache_{i.point.traits.dtype.token}_kve4m3_d") for i in e4m3)
-    assert {i.point.traits.kv_dtype.token for i in prefill} == {"same"}
+    assert {(i.point.traits.kv_dtype.token, i.point.traits.hdim_q) for i in prefill} == {
+        ("same", 64), ("same", 128), ("same", 256), ("e4m3", 64), ("e4m3", 128)}
     assert {(i.point.traits.hdim_q, i.point.traits.hdim_v) for i in decode} == {
         (d, d) for d in (32, 64, 96, 128, 192, 256)}
     assert {i.point.traits.bias.token for i in decode} == {"none", "alibi"}
@@ -630,13 +631,18 @@ def test_repository_kvcache_matrix():
         assert traits.bias.token == "none" and not traits.softcap
         assert instance.tile == forward_tiles[traits.hdim_q]
     # The calls fa3 leaves to the decode kernel on sm90a: other head dims, ALiBi, soft-cap, an
-    # e4m3 cache.
-    assert sorted(gap.reason.split(";")[0] for gap in catalog.gaps
-                  if gap.op.token == "kvcache") == [
-        "chunked prefill from an e4m3 cache is not built yet",
+    # e4m3 cache at d256.
+    gaps = {gap.reason.split(";")[0].split(":")[0]: gap for gap in catalog.gaps
+            if gap.op.token == "kvcache"}
+    assert sorted(gaps) == [
+        "chunked prefill from an e4m3 cache holds each K and V stage twice, in e4m3 as TMA lands "
+        "it and in fp16 as the consumers read it (3 bytes an element)",
         "chunked prefill runs on the fa3 forward's tiles, which it has for head dims 64, 128 "
         "and 256 here", "the fa3 forward has no ALiBi yet", "the fa3 forward has no "
         "soft-capping yet"]
+    e4m3_gap = gaps[min(gaps)]
+    assert [c.axis for c in e4m3_gap.conditions] == ["kv_dtype", "hdim"]
+    assert e4m3_gap.reason.endswith("d256 e4m3 calls run the decode kernel at every chunk size")
 
 
 @pytest.mark.parametrize("fields, name", [
@@ -884,3 +890,65 @@ def test_kvcache_shared_memory_is_checked_per_cache_dtype(config_error, line_of,
     assert error.line == line_of(text, "why: big d128")
     assert error.message.startswith("operations.kvcache.tiles[1]: the tile needs 268800 bytes "
                                     "of shared memory")
+
+
+SM90A_SMEM = ARCH.get("sm90a").smem_limit  # 232448: 227 KB
+
+
+def chunked_prefill_smem():
+    return operation_of(repository().catalog.of(OPERATION.get("kvcache"))[0]).kernel(
+        PIPELINE.get("fa3")).shared_memory
+
+
+def test_chunked_prefill_from_an_e4m3_cache_takes_shared_memory_of_its_own():
+    # chunked_prefill::Config of an e4m3 cache: Q and the K/V stages in fp16, the cache's
+    # staging stages a byte an element (3 bytes a K or V element a stage), O in its own region
+    # where it fits under the limit (kSeparateO), 1 KB of barriers and alignment.
+    smem = chunked_prefill_smem()
+    e4m3 = {d: make_traits("kvcache", (d, d), kv_dtype="e4m3") for d in (64, 128, 256)}
+    # d64, 192x128 in 2 stages: 24 + 96 + 24 (O) + 1 KB.
+    assert smem.needed(Tile(192, 128, 16, 2), e4m3[64], SM90A_SMEM) == (
+        2 * 192 * 64 + 3 * 2 * 128 * 128 + 2 * 192 * 64 + 1024) == 148480
+    # d128, 128x128 in 2 stages: 32 + 192 + 1 KB = 225 KB; O's 32 KB more would pass 227 KB,
+    # so O is staged over Q. Under a larger limit it would take its own region.
+    assert smem.needed(Tile(128, 128, 12, 2), e4m3[128], SM90A_SMEM) == (
+        2 * 128 * 128 + 3 * 2 * 128 * 256 + 1024) == 230400
+    assert smem.needed(Tile(128, 128, 12, 2), e4m3[128], 1 << 20) == 230400 + 32768
+    # d256's 128x80 tile: 64 + 240 KB, past the limit with or without O (instances.yaml prunes it).
+    assert smem.needed(Tile(128, 80, 12, 2), e4m3[256], SM90A_SMEM) == 65536 + 245760 + 1024
+    # A 16-bit cache takes the forward's count (O over Q), whatever the limit.
+    fwd_fa3 = operation_of(repository().catalog.of(OPERATION.get("fwd"))[0]).kernel(
+        PIPELINE.get("fa3")).shared_memory
+    for d, tile in ((64, Tile(192, 128, 16, 2)), (128, Tile(128, 128, 12, 2)),
+                    (256, Tile(128, 80, 12, 2))):
+        same = make_traits("kvcache", (d, d))
+        assert smem.needed(tile, same, SM90A_SMEM) == smem.needed(tile, same, 1 << 20) == (
+            fwd_fa3.bytes(tile, make_traits("fwd", (d, d)))) == (
+            2 * (tile.block_m * d + 2 * tile.block_n * 2 * d) + 1024)
+        assert smem.formula(same) == fwd_fa3.formula(make_traits("fwd", (d, d)))
+    assert smem.formula(e4m3[128]) == (
+        "2 * block_m * hdim_q + 3 * stages * block_n * (hdim_q + hdim_v) (Q and the K/V stages "
+        "in fp16, the e4m3 cache's staging stages a byte an element) + 2 * block_m * hdim_v (O "
+        "in its own region where it fits under the arch's limit, else over Q: 0) + 1024 "
+        "(barriers and alignment), of an e4m3 cache widened to fp16")
+
+
+def test_chunked_prefill_from_an_e4m3_cache_at_d256_would_pass_sm90as_shared_memory(
+        make_config, line_of):
+    # Without the rule that prunes it, d256's e4m3 chunked prefill fails the shared-memory check
+    # at the fa3 d256 tile's line: 2 * 128 * 256 + 3 * 2 * 80 * 512 + 1024 bytes.
+    from generator.errors import ConfigError
+    text = DEFAULT_CONFIG.read_text()
+    rule = re.search(r"      - when: \{pipeline: fa3, kv_dtype: e4m3, hdim: \[\[256, 256\]\]\}\n"
+                     r"        reason: >-\n(          .*\n)+?(?=      - when)", text)
+    assert rule and "the decode kernel at every chunk size" in rule.group(0)
+    path = make_config(text=text.replace(rule.group(0), ""))
+    with pytest.raises(ConfigError) as caught:
+        build_catalog(load(path))
+    assert caught.value.line == line_of(path.read_text(), "{pipeline: fa3, hdim_q: 256")
+    assert caught.value.message.endswith(
+        "the tile needs 312320 bytes of shared memory (2 * block_m * hdim_q + 3 * stages * "
+        "block_n * (hdim_q + hdim_v) (Q and the K/V stages in fp16, the e4m3 cache's staging "
+        "stages a byte an element) + 2 * block_m * hdim_v (O in its own region where it fits "
+        "under the arch's limit, else over Q: 0) + 1024 (barriers and alignment), of an e4m3 "
+        "cache widened to fp16), more than the 232448 a CTA may use on sm90a")

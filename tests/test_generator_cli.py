@@ -15,7 +15,7 @@ BWD_SUMMARY_FIELDS = ("name", "op", "dtype", "hdim_q", "hdim_v", "mask", "bias",
 KVCACHE_SUMMARY_FIELDS = ("name", "op", "dtype", "kv_dtype", "hdim_q", "hdim_v", "mask", "bias",
                           "paged", "softcap", "pipeline", "arch", "pad_seqlen", "pad_hdim",
                           "block_m", "block_n", "warps", "stages", "tu")
-DEFAULT_SELECTED = ("28 of 15777 instances selected (fwd 10, bwd 5, kvcache 13; 129375 "
+DEFAULT_SELECTED = ("29 of 15801 instances selected (fwd 10, bwd 5, kvcache 14; 129351 "
                     "pruned)")
 
 
@@ -23,19 +23,21 @@ def test_default_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 28 TUs (sm80 12, sm90a 16), "
-                             f"31 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
+    assert result.stdout == (f"generator: {DEFAULT_SELECTED}, 29 TUs (sm80 12, sm90a 17), "
+                             f"32 files written, 0 unchanged, 0 removed -> {out.as_posix()}\n")
     assert len(list(out.glob("fwd_*.cu"))) == 10 and len(list(out.glob("bwd_*.cu"))) == 5
     # The e4m3 (FP8) forward at d128, no mask and causal, batch mode, row-major V, for
     # H100/H200 only.
     assert sorted(p.name for p in out.glob("fwd_e4m3_*.cu")) == [
         "fwd_e4m3_d128_causal_lse_fa3_sm90a_m128n128_pad.cu",
         "fwd_e4m3_d128_lse_fa3_sm90a_m128n128_pad.cu"]
-    assert len(list(out.glob("kvcache_*.cu"))) == 13
-    # Decode from an e4m3 cache, for H100/H200 only.
+    assert len(list(out.glob("kvcache_*.cu"))) == 14
+    # Decode from an e4m3 cache, and chunked prefill from it on a paged cache, causal, as from
+    # the 16-bit cache, for H100/H200 only.
     assert sorted(p.name for p in out.glob("kvcache_*_kve4m3_*.cu")) == sorted(
-        f"kvcache_bf16_kve4m3_d128_{traits}fa2_sm90a_m16n128_pad.cu"
-        for traits in ("", "causal_", "causal_paged_", "paged_"))
+        [f"kvcache_bf16_kve4m3_d128_{traits}fa2_sm90a_m16n128_pad.cu"
+         for traits in ("", "causal_", "causal_paged_", "paged_")]
+        + ["kvcache_bf16_kve4m3_d128_causal_paged_fa3_sm90a_m128n128_pad.cu"])
     assert {"dispatch_table.cpp", "instances.cmake", "manifest.json"} <= {
         p.name for p in out.iterdir()}
 
@@ -45,7 +47,7 @@ def test_second_run_writes_nothing(run_cli, tmp_path):
     run_cli("--out", out)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     result = run_cli("--out", out)
-    assert "0 files written, 31 unchanged, 0 removed" in result.stdout
+    assert "0 files written, 32 unchanged, 0 removed" in result.stdout
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
 
 
@@ -56,8 +58,8 @@ def test_narrowing_removes_stale_tus(run_cli, tmp_path):
     assert result.returncode == 0, result.stderr
     # minimal's fwd instances leave out the log-sum-exp, extended's write it: none are shared;
     # its two sm90a bwd and three sm90a kvcache ones are extended's.
-    assert "7 of 15777 instances selected (fwd 2, bwd 2, kvcache 3;" in result.stdout
-    assert "5 unchanged, 79 removed" in result.stdout
+    assert "7 of 15801 instances selected (fwd 2, bwd 2, kvcache 3;" in result.stdout
+    assert "5 unchanged, 85 removed" in result.stdout
     assert sorted(p.name for p in out.glob("*.cu")) == [
         "bwd_fp16_d64_fa2_sm90a_m128n128_pad_hpad.cu", "bwd_fp16_d64_fa3_sm90a_m128n128_pad.cu",
         "fwd_fp16_d64_fa2_sm90a_m128n64_pad_hpad.cu", "fwd_fp16_d64_fa3_sm90a_m192n128_pad.cu",
@@ -189,13 +191,13 @@ def test_presets_table(run_cli):
     assert lines[0].split() == ["preset", "fwd", "bwd", "kvcache", "TUs", "sm80", "sm90a", "why"]
     rows = {line.split()[0]: [int(n) for n in line.split()[1:7]]
             for line in lines[1:] if not line.startswith(" ")}
-    assert rows == {"default": [10, 5, 13, 28, 12, 16],
-                    "extended": [321, 276, 420, 1017, 444, 573],
+    assert rows == {"default": [10, 5, 14, 29, 12, 17],
+                    "extended": [321, 276, 444, 1041, 444, 597],
                     "minimal": [4, 4, 6, 14, 7, 7],
                     "flash_attn": [2040, 2040, 1188, 5268, 2592, 2676],
                     "pytorch": [448, 672, 0, 1120, 560, 560],
-                    "coverage": [616, 392, 640, 1648, 778, 870],
-                    "all": [10149, 4056, 1572, 15777, 7824, 7953]}
+                    "coverage": [616, 392, 664, 1672, 778, 894],
+                    "all": [10149, 4056, 1596, 15801, 7824, 7977]}
     assert "CI smoke build (14 TUs)" in result.stdout
     assert max(map(len, lines)) <= 100
 
@@ -218,12 +220,15 @@ def test_presets_json_with_targets_and_filter(run_cli):
             "kvcache,fa3,paged,bf16,kv_dtype=same,hdim128,causal",
             "kvcache,fa2,bf16,kv_dtype=e4m3,hdim128,mask=none|causal,bias=none,!softcap,nohpad,"
             "sm90a",
+            "kvcache,fa3,paged,bf16,kv_dtype=e4m3,hdim128,causal",
             "fwd,fa3,e4m3,hdim128,mask=none|causal,vlayout=row,mode=batch,lse"],
-        "instances": 16, "instances_per_op": {"fwd": 5, "bwd": 2, "kvcache": 9}, "tus": 16,
-        "tus_per_target": {"sm80": 0, "sm90a": 16}, "why": default["why"]}
+        "instances": 17, "instances_per_op": {"fwd": 5, "bwd": 2, "kvcache": 10}, "tus": 17,
+        "tus_per_target": {"sm80": 0, "sm90a": 17}, "why": default["why"]}
     assert default["why"].startswith("What `pip install .` builds")
-    # extended's e4m3 forward on sm90a without windows: 30 of its 45.
-    assert rows[1]["instances_per_op"] == {"fwd": 100 + 30, "bwd": 100, "kvcache": 152}
+    # extended's e4m3 forward on sm90a without windows: 30 of its 45; its chunked prefill from an
+    # e4m3 cache without windows: 16 of its 24 (fp16 and bf16, d64 and d128, contiguous and
+    # paged, no mask and causal).
+    assert rows[1]["instances_per_op"] == {"fwd": 100 + 30, "bwd": 100, "kvcache": 152 + 16}
     assert rows[2]["instances_per_op"] == {"fwd": 2, "bwd": 2, "kvcache": 3}
 
 
@@ -244,7 +249,7 @@ def test_shards_split_the_selection(run_cli, tmp_path):
              for index in range(1, 5)]
     assert sorted(sum(parts, [])) == sorted(whole)
     assert all(part == [name for name in whole if name in part] for part in parts)
-    assert [len(part) for part in parts] == [255, 254, 254, 254]
+    assert [len(part) for part in parts] == [261, 260, 260, 260]
     assert parts[1] == run_cli("--list", "--preset", "extended",
                                "--shard", "2/4").stdout.split()  # deterministic
 
@@ -253,21 +258,21 @@ def test_shard_render(run_cli, tmp_path):
     out = tmp_path / "gen"
     result = run_cli("--out", out, "--preset", "extended", "--shard", "2/4")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("generator: 1017 of 15777 instances selected (fwd 321, "
-                                    "bwd 276, kvcache 420; 129375 pruned); shard 2/4: 254 TUs "
+    assert result.stdout.startswith("generator: 1041 of 15801 instances selected (fwd 321, "
+                                    "bwd 276, kvcache 444; 129351 pruned); shard 2/4: 260 TUs "
                                     "(sm80 ")
-    assert "257 files written" in result.stdout
+    assert "263 files written" in result.stdout
     tus = sorted(p.name for p in out.glob("*.cu"))
     listed = run_cli("--list", "--preset", "extended", "--shard", "2/4").stdout.split()
     assert tus == sorted(f"{name}.cu" for name in listed)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["instances"]) == 1017
+    assert len(manifest["instances"]) == 1041
     assert (manifest["shard"]["index"], manifest["shard"]["count"]) == (2, 4)
     assert sorted(manifest["shard"]["tus"]) == tus
     table = (out / "dispatch_table.cpp").read_text()
-    assert table.count("&instances::launch_") == 1017
+    assert table.count("&instances::launch_") == 1041
     assert table.count("&instances::workspace_bwd_") == 276
-    assert table.count("&instances::workspace_kvcache_") == 420
+    assert table.count("&instances::workspace_kvcache_") == 444
 
 
 def test_bad_shard_message(run_cli):
@@ -407,7 +412,7 @@ def test_filter_names_an_operation(run_cli):
     fwd = listed("--filter", "fwd")
     assert len(fwd) == 321 and all(name.startswith("fwd_") for name in fwd)
     kvcache = listed("--filter", "kvcache")
-    assert len(kvcache) == 420 and all(name.startswith("kvcache_") for name in kvcache)
+    assert len(kvcache) == 444 and all(name.startswith("kvcache_") for name in kvcache)
     assert listed() == fwd + bwd + kvcache
     # An axis of the other operation selects nothing of it: lse and vlayout are fwd's.
     result = run_cli("--list", "--preset", "extended", "--filter", "bwd,lse")
@@ -521,11 +526,14 @@ def test_explain_bwd_problem_errors(run_cli, problem, message):
 def test_list_and_json_of_kvcache_instances(run_cli):
     result = run_cli("--list", "--preset", "extended", "--filter", "kvcache,bf16,hdim128,causal",
                      "--targets", "sm90a")
-    # An e4m3 cache's instances come with their dtype's, on the decode kernel at exact head
-    # dims only; their 128-key tile puts them first among the decode instances (larger tile
-    # first: the two caches' instances never serve the same call).
+    # An e4m3 cache's instances come with their dtype's, at exact head dims only: chunked
+    # prefill on the 16-bit cache's tile, and decode, whose 128-key tile puts them first among
+    # the decode instances (larger tile first: the two caches' instances never serve the same
+    # call).
     assert result.stdout.split() == ["kvcache_bf16_d128_causal_fa3_sm90a_m128n128_pad",
                                      "kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
+                                     "kvcache_bf16_kve4m3_d128_causal_fa3_sm90a_m128n128_pad",
+                                     "kvcache_bf16_kve4m3_d128_causal_paged_fa3_sm90a_m128n128_pad",
                                      "kvcache_bf16_kve4m3_d128_causal_fa2_sm90a_m16n128_pad",
                                      "kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n128_pad",
                                      "kvcache_bf16_d128_causal_fa2_sm90a_m16n64_pad",
@@ -576,7 +584,7 @@ def test_explain_kvcache_hit(run_cli):
         "problem: op=kvcache,dtype=bf16,kv_dtype=same,hdim=128x128,mask=causal,bias=none,"
         "paged=true,softcap=false,seqlen_q=1,seqlen_k=4000,seqused=false,arch=90",
         "chosen:  kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad",
-        "why:     8 of the 420 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "why:     8 of the 444 selected kvcache instances serve it; it goes ahead of the runner-up "
         "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad_hpad by rule 5 of the dispatch "
         "order, exact head dims first: pad_hdim=false against pad_hdim=true",
         "serving, in dispatch order:",
@@ -591,7 +599,7 @@ def test_explain_kvcache_chunk_runs_the_prefill_instance(run_cli):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1:] == [
         "chosen:  kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad",
-        "why:     9 of the 420 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "why:     9 of the 444 selected kvcache instances serve it; it goes ahead of the runner-up "
         "kvcache_bf16_d128_causal_paged_fa2_sm90a_m16n64_pad by rule 3 of the dispatch order, "
         "newer pipeline first: pipeline fa3 against pipeline fa2",
         "serving, in dispatch order:",
@@ -606,20 +614,39 @@ def test_explain_kvcache_chunk_runs_the_prefill_instance(run_cli):
         "  kvcache_bf16_d256_causal_paged_fa2_sm80_m16n64_pad_hpad"]
 
 
-def test_explain_an_e4m3_chunk_says_why_it_runs_the_decode_kernel(run_cli):
-    # Chunked prefill (fa3) reads no e4m3 cache yet: the rule's reason, as a note.
-    result = run_cli("--explain", "op=kvcache,dtype=bf16,kv_dtype=e4m3,hdim=128,mask=causal,"
-                                  "paged=true,seqlen_q=512,seqlen_k=4000,arch=90",
-                     "--preset", "extended")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[1:5] == [
-        "chosen:  kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n128_pad",
-        "why:     2 of the 420 selected kvcache instances serve it; it goes ahead of the runner-up "
-        "kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm80_m16n64_pad by rule 1 of the dispatch "
+def test_explain_an_e4m3_chunk_runs_the_prefill_instance_but_at_d256(run_cli):
+    # A chunk from an e4m3 cache at d128: the fa3 prefill instance (the cache widened to fp16 in
+    # shared memory), ahead of the decode ones; a decode step takes those.
+    def explain(hdim: int, seqlen_q: int) -> list[str]:
+        result = run_cli("--explain", f"op=kvcache,dtype=bf16,kv_dtype=e4m3,hdim={hdim},"
+                                      f"mask=causal,paged=true,seqlen_q={seqlen_q},seqlen_k=4000,"
+                                      "arch=90", "--preset", "extended")
+        assert result.returncode == 0, result.stderr
+        return result.stdout.splitlines()[1:]
+
+    assert explain(128, 512) == [
+        "chosen:  kvcache_bf16_kve4m3_d128_causal_paged_fa3_sm90a_m128n128_pad",
+        "why:     3 of the 444 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n128_pad by rule 3 of the dispatch "
+        "order, newer pipeline first: pipeline fa3 against pipeline fa2",
+        "serving, in dispatch order:",
+        "  kvcache_bf16_kve4m3_d128_causal_paged_fa3_sm90a_m128n128_pad",
+        "  kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n128_pad",
+        "  kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm80_m16n64_pad"]
+    assert explain(128, 1)[0] == (
+        "chosen:  kvcache_bf16_kve4m3_d128_causal_paged_fa2_sm90a_m16n128_pad")
+    # d256: its staging stages do not fit beside the tile; the rule's reason, as a note.
+    assert explain(256, 512)[:4] == [
+        "chosen:  kvcache_bf16_kve4m3_d256_causal_paged_fa2_sm90a_m16n64_pad",
+        "why:     2 of the 444 selected kvcache instances serve it; it goes ahead of the runner-up "
+        "kvcache_bf16_kve4m3_d256_causal_paged_fa2_sm80_m16n64_pad by rule 1 of the dispatch "
         "order, higher compute capability first: sm90a (cc 90) against sm80 (cc 80)",
-        "note:    fa3 (sm90a) has no instance for kv_dtype=e4m3: chunked prefill from an e4m3 "
-        "cache is not built yet; such calls run the decode kernel at every chunk size; falling "
-        "back to fa2",
+        "note:    fa3 (sm90a) has no instance for kv_dtype=e4m3, hdim=256x256: chunked prefill "
+        "from an e4m3 cache holds each K and V stage twice, in e4m3 as TMA lands it and in fp16 "
+        "as the consumers read it (3 bytes an element): the d256 tile (128x80, 2 stages) would "
+        "take 64 KB of Q + 240 KB of stages + 1 KB, past H100's 227 KB (a 2-stage tile of 48 "
+        "keys a step would fit, 209 KB, but is not built). d256 e4m3 calls run the decode kernel "
+        "at every chunk size; falling back to fa2",
         "serving, in dispatch order:"]
     # Exact head dims only, of 64, 128, 192 and 256: no padded instance runs 120 from an e4m3
     # cache, and none has 96.
@@ -638,7 +665,7 @@ def test_explain_an_e4m3_chunk_says_why_it_runs_the_decode_kernel(run_cli):
 def test_explain_kvcache_miss_suggests_a_filter_that_fits(run_cli):
     problem = "op=kvcache,dtype=fp16,hdim=96,bias=alibi,softcap=true,arch=80"
     lines = run_cli("--explain", problem, "--preset", "extended").stdout.splitlines()
-    assert lines[1] == "none of the 420 selected kvcache instances serves it; the nearest:"
+    assert lines[1] == "none of the 444 selected kvcache instances serves it; the nearest:"
     # The preset that builds least and has an instance serving it: coverage's head-dim-padded
     # d128 (every trait at d128), where flash_attn has the exact d96 one.
     assert lines[5] == ("the matrix has one that fits: "

@@ -529,11 +529,13 @@ def test_repository_kvcache_matrix_serves_every_call_on_its_newest_arch(dtype, m
        bias=st.sampled_from(["none", "alibi"]), flags=st.tuples(st.booleans(), st.booleans()),
        hdim=st.sampled_from(sorted(KVCACHE_HDIMS | {(120, 120), (80, 80), (57, 57)})),
        seqlen_q=st.sampled_from([1, 16, 128, 512, 4096]), cc=st.sampled_from([80, 89, 90]))
-def test_repository_kvcache_matrix_runs_e4m3_caches_on_the_decode_kernel_at_exact_head_dims(
+def test_repository_kvcache_matrix_runs_e4m3_caches_at_exact_head_dims_prefill_at_d64_d128(
         dtype, mask, bias, flags, hdim, seqlen_q, cc):
-    """An e4m3 cache: the decode kernel (fa2) at every chunk size, fa3 having no chunked prefill
-    from it, and exact head dims only (its rows move in 16-byte pieces of 16 elements), of 64,
-    128, 192 and 256 (its rows' whole swizzle atoms)."""
+    """An e4m3 cache: exact head dims only (its rows move in 16-byte pieces of 16 elements), of
+    64, 128, 192 and 256 (its rows' whole swizzle atoms); a chunk runs chunked prefill (fa3, on
+    the 16-bit cache's tile) where a 16-bit cache's chunk of the same traits does, at head dims
+    64 and 128 (d256's e4m3 staging stages do not fit beside its tile), and the decode kernel
+    (fa2) otherwise."""
     call = replace(kvcache_problem(dtype, hdim, mask, bias, *flags, seqlen=(seqlen_q, 4096),
                                    cc=cc, kv_dtype="e4m3"), page_size=16 if flags[0] else 0)
     chosen = first_serving(DEFAULT_CATALOG.instances, call)
@@ -541,8 +543,12 @@ def test_repository_kvcache_matrix_runs_e4m3_caches_on_the_decode_kernel_at_exac
         assert chosen is None
         return
     assert chosen is not None and chosen.point.traits.kv_dtype.token == "e4m3"
-    assert (chosen.point.pipeline.token, chosen.point.pad_hdim) == ("fa2", False)
+    assert not chosen.point.pad_hdim
     assert chosen.point.arch.cc == (90 if cc == 90 else 80)
     same = first_serving(DEFAULT_CATALOG.instances, replace(
         call, traits=replace(call.traits, kv_dtype=KV_DTYPE.get("same"))))
     assert same is not None and same.point.traits.kv_dtype.token == "same"
+    prefill = same.point.pipeline.token == "fa3" and hdim[0] in (64, 128)
+    assert chosen.point.pipeline.token == ("fa3" if prefill else "fa2")
+    if prefill:
+        assert chosen.tile == same.tile

@@ -169,10 +169,13 @@ def test_pipeline_gaps_in_the_table():
     # One row per rule on fa3's traits (not on its arch or padding), for sm90a where it exists:
     # the forward's five, the backward's four and kvcache's four in tables of their own.
     assert text.count('    {"fa3", "sm90a", ') == 5 + 4 + 4
-    assert """\
-    {"fa3", "sm90a", "kv_dtype",
-     "chunked prefill from an e4m3 cache is not built yet; such calls run the decode kernel at every chunk size",
-     [](const KvcacheTraits& t) { return (t.kv_dtype == fmha::KvCacheDtype::kE4M3); }},
+    # An e4m3 cache at d256 (its staging stages do not fit beside that tile).
+    (e4m3_d256,) = (rule.reason for rule in repository().config.operations["kvcache"].rules
+                    if rule.reason.startswith("chunked prefill from an e4m3 cache holds"))
+    assert f"""\
+    {{"fa3", "sm90a", "kv_dtype,hdim",
+     "{e4m3_d256}",
+     [](const KvcacheTraits& t) {{ return (t.kv_dtype == fmha::KvCacheDtype::kE4M3) && ((t.hdim_q == 256 && t.hdim_v == 256)); }}}},
 """ in text
     assert """\
     {"fa3", "sm90a", "softcap",
@@ -968,12 +971,16 @@ int main() {
   fmha::KvcacheArgs both = call(128, true);
   both.cache_batch_idx = both.block_table;
   std::cout << fmha::fwd_kvcache(both, nullptr).message << "\\n----\\n";
-  // An e4m3 cache: a chunk of 512 tokens (fa3 has no e4m3 instance), a head dim no compiled
-  // instance has, one the matrix lacks, a call without scales, one with a cache stride of 8
-  // bytes, one of head dims no multiple of 16; and a cache of the queries' dtype with scales.
+  // An e4m3 cache: a chunk of 512 tokens at d128 (fa3) and at d256 (fa3 has no e4m3 instance
+  // there), a head dim no compiled instance has, one the matrix lacks, a call without scales,
+  // one with a cache stride of 8 bytes, one of head dims no multiple of 16; and a cache of the
+  // queries' dtype with scales.
   fmha::KvcacheArgs chunk = call(128, true, true);
   chunk.seqlen_q = 512;
   std::cout << fmha::detail::explain_selection(chunk, 90) << "----\\n";
+  fmha::KvcacheArgs chunk256 = call(256, true, true);
+  chunk256.seqlen_q = 512;
+  std::cout << fmha::detail::explain_selection(chunk256, 90) << "----\\n";
   std::cout << fmha::detail::explain_selection(call(192, false, true), 90) << "----\\n";
   std::cout << fmha::detail::explain_selection(call(112, false, true), 90) << "----\\n";
   alignas(16) static char memory[256] = {};
@@ -997,15 +1004,15 @@ int main() {
 @pytest.mark.skipif(not (CUDA_LIB / "libcudart.so").exists(), reason="needs libcudart")
 def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
     # Head-dim-padded instances for sm90a only, so that sm80 misses a head dim of 80.
-    selection = repository().select("all", "kvcache,fp16,hdim64|hdim128,mask=none,bias=none,"
-                                           "!softcap,sm90a|nohpad")
+    selection = repository().select("all", "kvcache,fp16,hdim64|hdim128|hdim256,mask=none,"
+                                           "bias=none,!softcap,sm90a|nohpad")
     stdout = run_runtime_driver(
         tmp_path, "kvcache", KVCACHE_DRIVER, selection,
         lambda i: (f"cudaError_t launch_{i.name}(const KvcacheArgs&, cudaStream_t) "
                    f"{{ return cudaSuccess; }}\n"
                    f"size_t workspace_{i.name}(const KvcacheArgs&) {{ return 0; }}"))
-    (hit, padded, miss, unaligned, both, chunk, e4m3_miss, e4m3_exact, unscaled, pitch, odd,
-     scaled) = stdout.split("----\n")
+    (hit, padded, miss, unaligned, both, chunk, chunk256, e4m3_miss, e4m3_exact, unscaled, pitch,
+     odd, scaled) = stdout.split("----\n")
     assert hit.startswith(
         "KV-cache problem: dtype=fp16 kv_dtype=same hdim_q=64 hdim_v=64 mask=none bias=none "
         "paged=true "
@@ -1038,12 +1045,17 @@ def test_runtime_explains_and_checks_kvcache_calls(tmp_path):
     assert unaligned == "fmha::fwd_kvcache: q must be 16-byte aligned\n"
     assert both == ("fmha::fwd_kvcache: cache_batch_idx selects rows of a contiguous cache; a "
                     "paged cache (block_table set) must not get it\n")
-    # An e4m3 chunk runs the decode kernel, and explain quotes the rule that keeps fa3 from it.
-    assert ("Runs kvcache_fp16_kve4m3_d128_paged_fa2_sm90a_m16n128_pad (fa2, sm90a, tile 16x128, "
-            "head dims 128x128, pad_seqlen=true, pad_hdim=false).\n") in chunk
-    assert ("fa3 (sm90a) has no instance for kv_dtype=e4m3: chunked prefill from an e4m3 cache "
-            "is not built yet; such calls run the decode kernel at every chunk size; falling "
-            "back to fa2.\n") in chunk
+    # An e4m3 chunk runs the chunked-prefill kernel at d128; at d256 the decode kernel, and
+    # explain quotes the rule that keeps fa3 from it.
+    assert ("Runs kvcache_fp16_kve4m3_d128_paged_fa3_sm90a_m128n128_pad (fa3, sm90a, tile "
+            "128x128, head dims 128x128, pad_seqlen=true, pad_hdim=false).\n") in chunk
+    assert "has no instance" not in chunk
+    assert ("Runs kvcache_fp16_kve4m3_d256_paged_fa2_sm90a_m16n64_pad (fa2, sm90a, tile 16x64, "
+            "head dims 256x256, pad_seqlen=true, pad_hdim=false).\n") in chunk256
+    assert ("fa3 (sm90a) has no instance for kv_dtype=e4m3, hdim=256x256: chunked prefill from "
+            "an e4m3 cache holds each K and V stage twice") in chunk256
+    assert ("d256 e4m3 calls run the decode kernel at every chunk size; falling back to "
+            "fa2.\n") in chunk256
     # No head-dim-padded instance runs an e4m3 cache: the miss builds its own head dims.
     assert "instances with these traits exist, but none runs head dims 192x192" in e4m3_miss
     assert ("FMHA_FILTER='kvcache,fp16,hdim192,kv_dtype=e4m3,mask=none,bias=none,paged=false,"

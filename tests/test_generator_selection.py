@@ -214,17 +214,19 @@ def test_repository_presets_parse_and_select():
                           for op in ("fwd", "bwd", "kvcache"))
               for name in matrix.config.presets}
     # The e4m3 forward: 2 instances in default, all 45 in extended and all, 24 in coverage
-    # (test_generator_e4m3.py says which).
-    assert counts == {"default": (10, 5, 13), "extended": (321, 276, 420),
+    # (test_generator_e4m3.py says which). Chunked prefill from an e4m3 cache: 1 in default,
+    # all 24 in extended, coverage and all (test_presets_choose_the_cache_dtypes_their_users_call).
+    assert counts == {"default": (10, 5, 14), "extended": (321, 276, 444),
                       "minimal": (4, 4, 6), "flash_attn": (2040, 2040, 1188),
-                      "pytorch": (448, 672, 0), "coverage": (616, 392, 640),
-                      "all": (10149, 4056, 1572)}
+                      "pytorch": (448, 672, 0), "coverage": (616, 392, 664),
+                      "all": (10149, 4056, 1596)}
 
 
 def test_presets_choose_the_cache_dtypes_their_users_call():
     """default decodes from an e4m3 cache (bf16 d128, no mask and causal, contiguous and paged)
-    on H100/H200 beside its caches of the queries' dtype; minimal and flash_attn (whose API has
-    no FP8 cache) keep those only; extended and coverage take both."""
+    on H100/H200 beside its caches of the queries' dtype, and runs chunked prefill from it where
+    it does from those (fa3, paged, causal); minimal and flash_attn (whose API has no FP8 cache)
+    keep those only; extended and coverage take both."""
     matrix = repository()
 
     def kvcache(preset: str, kv_dtype: str) -> list:
@@ -232,9 +234,15 @@ def test_presets_choose_the_cache_dtypes_their_users_call():
                 if i.op.token == "kvcache" and i.point.traits.kv_dtype.token == kv_dtype]
 
     assert sorted(i.name for i in kvcache("default", "e4m3")) == sorted(
-        f"kvcache_bf16_kve4m3_d128_{traits}fa2_sm90a_m16n128_pad"
-        for traits in ("", "causal_", "paged_", "causal_paged_"))
+        [f"kvcache_bf16_kve4m3_d128_{traits}fa2_sm90a_m16n128_pad"
+         for traits in ("", "causal_", "paged_", "causal_paged_")]
+        + ["kvcache_bf16_kve4m3_d128_causal_paged_fa3_sm90a_m128n128_pad"])
     assert len(kvcache("default", "same")) == 9
+    # Chunked prefill from either cache on the same traits.
+    prefill = {kv_dtype: {i.name.replace("_kve4m3_", "_") for i in kvcache("default", kv_dtype)
+                          if i.point.pipeline.token == "fa3"} for kv_dtype in ("same", "e4m3")}
+    assert prefill["same"] == prefill["e4m3"] == {
+        "kvcache_bf16_d128_causal_paged_fa3_sm90a_m128n128_pad"}
     for preset in ("minimal", "flash_attn"):
         assert kvcache(preset, "e4m3") == [] and kvcache(preset, "same")
     for preset in ("extended", "coverage"):
@@ -242,10 +250,14 @@ def test_presets_choose_the_cache_dtypes_their_users_call():
         # Every decode instance of the queries' dtype at exact head dims an e4m3 cache takes
         # (64, 128, 192, 256) has its e4m3 twin, on its tile but at d128 on sm90a, where an
         # e4m3 cache has 128-key tiles (its rows are half as long).
+        # Every chunked-prefill (fa3) instance of the queries' dtype at d64 and d128 has its
+        # e4m3 twin on the same tile; d256's do not fit beside the e4m3 staging stages.
         twins = {i.name.replace("kvcache_fp16_", "kvcache_fp16_kve4m3_").replace(
                      "kvcache_bf16_", "kvcache_bf16_kve4m3_")
-                 for i in same if i.point.pipeline.token == "fa2" and not i.point.pad_hdim
-                 and i.point.traits.hdim_q in (64, 128, 192, 256)}
+                 for i in same if not i.point.pad_hdim
+                 and i.point.traits.hdim_q in ((64, 128, 192, 256)
+                                               if i.point.pipeline.token == "fa2"
+                                               else (64, 128))}
         twins = {name.replace("_fa2_sm90a_m16n64_", "_fa2_sm90a_m16n128_")
                  if "_kve4m3_d128_" in name else name for name in twins}
         assert {i.name for i in e4m3} == twins
@@ -268,7 +280,7 @@ def test_the_cache_dtype_is_kvcaches_own_axis():
     with pytest.raises(GeneratorError, match="'kve4m3' matches none of the 10149 instances left"):
         repository().select("all", "fwd,kve4m3")
     assert len(repository().select("all", "fwd,!kve4m3").instances) == 10149
-    with pytest.raises(GeneratorError, match="'e4m3' matches none of the 1572 instances left"):
+    with pytest.raises(GeneratorError, match="'e4m3' matches none of the 1596 instances left"):
         repository().select("all", "kvcache,e4m3")
 
 

@@ -14,7 +14,10 @@ e4m3 caches (instances of kv_dtype e4m3) run the same cases: codes drawn over e4
 exponent range (subnormals included), scales per tensor, per K/V head or per sequence and K/V
 head, appends quantized (and saturated) by the kernel; the truth is the float64 attention of
 the dequantized caches, and the appended codes must be the reference's exactly (within one e4m3
-step where rotary rounds k first)."""
+step where rotary rounds k first). Chunked prefill from an e4m3 cache (fa3 on sm90a, head dims
+64 and 128: the cache widened to fp16 in shared memory) runs the prefill cases too, and chunks
+of 128, 200 and 512 query tokens on ragged caches through the dispatcher, which must choose it
+(test_e4m3_chunked_prefill)."""
 
 from __future__ import annotations
 
@@ -63,13 +66,15 @@ class Case:
     leftpad: tuple = ()     # contiguous instances: cache_leftpad, where each sequence's keys start
     cache_layout: str = "nhd"  # the caches' memory order (_cache_tensor)
     head_dims: tuple = ()   # the call's (q and k, v) head dims; (): the instance's own
+    q_scale: float = 1.0    # q times this power of two, the softmax scale divided by it
 
     def describe(self) -> str:
         return (f"b{self.batch} sq{self.seqlen_q} h{self.nhead_q}/{self.nhead_k} "
                 f"cap{self.capacity} len{list(self.lengths)} new{self.seqlen_new} "
                 f"rot={self.rotary} splits={self.num_splits} page={self.page_size} "
                 f"leftpad={list(self.leftpad)} layout={self.cache_layout}"
-                f"{f' d{self.head_dims}' if self.head_dims else ''}")
+                f"{f' d{self.head_dims}' if self.head_dims else ''}"
+                f"{f' q_scale={self.q_scale:g}' if self.q_scale != 1.0 else ''}")
 
 
 CASES = (
@@ -203,6 +208,9 @@ def _inputs(inst: dict, case: Case, gen: torch.Generator):
     assert all(n + case.seqlen_new <= capacity for n in case.lengths), case
     kw["cache_seqlens"] = torch.tensor(case.lengths, dtype=torch.int32, device=dev)
     q = _operand(randn, case.cache_layout, b, case.seqlen_q, case.nhead_q, d)
+    if case.q_scale != 1.0:  # a power of two: exact in q's dtype, and the logits unchanged
+        q = q * case.q_scale
+        kw["softmax_scale"] = 1.0 / (math.sqrt(d) * case.q_scale)
     if case.seqlen_new:
         kw["k"] = _operand(randn, case.cache_layout, b, case.seqlen_new, hk, d)
         kw["v"] = _operand(randn, case.cache_layout, b, case.seqlen_new, hk, dv)
@@ -386,11 +394,63 @@ def test_chunked_prefill(inst, case_index):
     _check(inst, case, inst["name"], seed=100 + case_index)
 
 
+# Chunked prefill from an e4m3 cache (fa3 on sm90a at head dims 64 and 128; d256 chunks run the
+# decode kernel): chunks of 128, 200 and 512 query tokens on caches of 700 and 1500 keys (a
+# 128-token chunk at d64 is under its 192-row tile, but 512 or 1024 packed rows choose prefill
+# all the same), with and without the chunk appended, GQA 4:1 and 8:1, pages of 16 and 64 keys
+# (a paged instance) or a contiguous cache; and bf16 queries past fp16's range (x 2^20, the
+# softmax scale divided by it), which the kernel converts to fp16 times a power of two.
+E4M3_PREFILL_CASES = (
+    Case(2, 128, 16, 2, 2048, (700, 1500), seqlen_new=128, page_size=16),
+    Case(2, 128, 8, 2, 2048, (700, 1500), page_size=64),
+    Case(2, 200, 8, 2, 2048, (700, 1500), seqlen_new=200, page_size=64),
+    Case(2, 200, 16, 2, 2048, (1500, 700), page_size=16),
+    Case(2, 512, 8, 2, 2048, (700, 1500), seqlen_new=512, page_size=16),
+    Case(2, 512, 16, 2, 2048, (700, 1500), page_size=64),
+    Case(2, 200, 8, 2, 2048, (700, 1500), seqlen_new=200, page_size=64, q_scale=2.0 ** 20),
+)
+
+
+def _e4m3_prefill_instance(dtype: str, hdim: int, mask: str, paged: bool) -> Optional[dict]:
+    """The chunked-prefill instance of an e4m3 cache with these traits that runs on this GPU
+    (no ALiBi, no soft-cap), or None where the build has none."""
+    return next((i for i in INSTANCES
+                 if i["prefill"] and i["kv_dtype"] == "e4m3" and i["dtype"] == dtype
+                 and i["hdim_q"] == i["hdim_v"] == hdim and i["mask"] == mask
+                 and i["paged"] == paged and i["bias"] == "none" and not i["softcap"]), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_index", range(len(E4M3_PREFILL_CASES)))
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+@pytest.mark.parametrize("hdim", [64, 128])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_e4m3_chunked_prefill(dtype, hdim, mask, paged, case_index):
+    """A chunk from an e4m3 cache runs the chunked-prefill instance of its traits where the
+    build has one (fmha.select_kvcache says so), through the dispatcher, against the float64
+    attention of the dequantized cache (codes x k_scale, v_scale) within twice the error of the
+    same attention in q's dtype, on a poisoned output; the appended codes are the reference's."""
+    case = E4M3_PREFILL_CASES[case_index]
+    if case.q_scale != 1.0 and dtype != "bf16":
+        pytest.skip("only bf16 queries pass fp16's range")
+    inst = _e4m3_prefill_instance(dtype, hdim, mask, paged)
+    if inst is None:
+        pytest.skip(f"the build has no chunked-prefill instance of an e4m3 cache for {dtype} "
+                    f"d{hdim} mask={mask} {'paged' if paged else 'contiguous'} on this GPU "
+                    f"(sm{CC}): such chunks run the decode kernel")
+    seed = 400 + case_index
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k_cache, v_cache, kw = _inputs(inst, case, gen)
+    assert fmha.select_kvcache(q, k_cache, v_cache, **kw)["name"] == inst["name"]
+    _check(inst, case, None, seed=seed)
+
+
 @pytest.mark.gpu
 def test_prefill_dispatch():
     """The dispatcher runs a chunk on a prefill instance where one fits, a decode step on a
     decode instance, and a prefill instance named for a decode step says why it cannot."""
-    traits = ("dtype", "hdim_q", "mask", "bias", "paged", "softcap", "arch")
+    traits = ("dtype", "kv_dtype", "hdim_q", "mask", "bias", "paged", "softcap", "arch")
     pairs = [(p, d) for p in INSTANCES if p["prefill"] and p["paged"]
              for d in SAME_DTYPE_DECODE_INSTANCES if all(p[t] == d[t] for t in traits)]
     if not pairs:

@@ -433,14 +433,16 @@ def fwd_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_tab
     FlashAttention-3's k_descale/v_descale), required with an e4m3 cache and refused with
     another. k and v stay in q's dtype: they are divided by the scales, saturated to +-448 and
     rounded to e4m3 as they are appended. An e4m3 cache's head dims are multiples of 16 and its
-    strides (in elements, i.e. bytes) too: it is written in place, never copied. It runs the
-    decode kernel at every chunk size (chunked prefill reads no e4m3 cache yet).
+    strides (in elements, i.e. bytes) too: it is written in place, never copied.
 
     Decode steps (a few query tokens) run the split-KV decode kernel. On H100/H200, chunks of
     at least a tile of query tokens (128; 192 at head dim 64) or of 256 query tokens x query
     heads per K/V head (32 tokens at GQA 8:1), on a contiguous cache or on pages of a multiple
     of 8 keys, run the chunked-prefill kernel (the fa3 forward reading the cache by TMA), which
-    needs no key splits and ignores num_splits; fmha.select_kvcache says which.
+    needs no key splits and ignores num_splits; fmha.select_kvcache says which. So do such
+    chunks on an e4m3 cache of head dim 64 or 128: the kernel widens the cache's tiles to fp16
+    in shared memory and computes its products in fp16 (bf16 queries converted to fp16 in the
+    kernel); at head dim 256 they run the decode kernel.
     """
     check_instance(instance, _API)
     key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
