@@ -111,7 +111,7 @@ def _generator():
     module = importlib.util.module_from_spec(spec)
     sys.modules["_fmha_generator"] = module
     spec.loader.exec_module(module)
-    for name in ("catalog_cache", "config", "errors", "render", "selection", "schema"):
+    for name in ("catalog_cache", "config", "errors", "operations", "render", "selection", "schema"):
         importlib.import_module(f"_fmha_generator.{name}")
     return module
 
@@ -159,13 +159,19 @@ def _build_digest() -> str:
 def _selection(filter_text: str, target: str):
     """The instances compile on demand builds for a recipe: those the filter selects for the
     target from the whole matrix, of the newest pipeline among them (the ones a full build
-    would run first; the older pipelines' would never run)."""
+    would run first; the older pipelines' would never run), and where that pipeline's kernel
+    takes only calls of many query tokens (kvcache's chunked prefill), the decode kernel's
+    too: a recipe does not say how many query tokens the call had, and a decode step that
+    missed is served by the decode kernel only."""
     gen = _generator()
     config, catalog, presets = _catalog()
     selection = gen.selection.select(config, catalog, "all", filter_text,
                                      gen.selection.parse_targets(target), presets)
-    best = selection.instances[0].point.pipeline
-    kept = tuple(i for i in selection.instances if i.point.pipeline == best)
+    first = selection.instances[0]
+    best = first.point.pipeline
+    prefill_only = gen.operations.operation_of(first).kernel(best).prefill
+    kept = tuple(i for i in selection.instances if i.point.pipeline == best or (
+        prefill_only and not gen.operations.operation_of(i).kernel(i.point.pipeline).prefill))
     return gen.selection.Selection(kept, selection.targets, selection.gaps, selection.head_dims)
 
 
