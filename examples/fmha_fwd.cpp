@@ -5,10 +5,12 @@
 // result, 2 bad flags.
 //
 //   fmha_fwd -b=2 -h=16 -s=4096 -d=128 -prec=bf16 -mask=1
+//   fmha_fwd -b=2 -h=16 -s=4096 -d=128 -prec=fp8 -mask=1     (H100/H200)
 //   fmha_fwd -mode=1 -b=3 -s=100,200,0 -mask=b:64,0 -bias=a -lse=1
 //   fmha_fwd -? lists the flags
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -78,7 +80,8 @@ const char* kUsage = R"(usage: fmha_fwd [-flag=value ...]
   -drop_seed    dropout seed (default 1)
   -drop_offset  dropout offset (default 0)
   -softcap      > 0: logits become softcap * tanh(logits / softcap) (default 0)
-  -prec         fp16 or bf16 (default fp16)
+  -prec         fp16, bf16, or fp8: float8 e4m3 Q, K and V (descales 1), O in bf16; the fa3
+                pipeline, H100/H200 (default fp16)
   -kname        1: print the instance that ran (default 0)
   -json         1: print the results as one JSON object (default 0)
   -warmup       untimed runs before timing (default 5)
@@ -312,7 +315,10 @@ Problem parse(int argc, char** argv, Settings* run, std::mt19937* rng) {
 
   Problem p;
   p.mode = integer("mode", 0, 0, 1) ? fmha::Mode::kGroup : fmha::Mode::kBatch;
-  p.dtype = one_of("prec", "fp16", {"fp16", "bf16"}) == "bf16" ? fmha::DataType::kBF16 : fmha::DataType::kFP16;
+  const std::string prec = one_of("prec", "fp16", {"fp16", "bf16", "fp8"});
+  p.dtype = prec == "fp8"    ? fmha::DataType::kE4M3
+            : prec == "bf16" ? fmha::DataType::kBF16
+                             : fmha::DataType::kFP16;
   p.batch = int(integer("b", 2, 1, INT_MAX));
   p.nhead_q = int(integer("h", 8, 1, INT_MAX));
   p.nhead_k = int(integer("h_k", -1, -1, INT_MAX));
@@ -385,33 +391,57 @@ float from_bits(uint16_t bits, fmha::DataType dtype) {
   return __half2float(__half(__half_raw{bits}));
 }
 
-// n random values in [-1, 1) rounded to the dtype: the bits for the device and, in `values`,
-// the rounded values for the reference.
-std::vector<uint16_t> random_tensor(int64_t n, fmha::DataType dtype, std::mt19937& rng, std::vector<float>* values) {
-  std::uniform_real_distribution<float> dist(-1.f, 1.f);
-  std::vector<uint16_t> bits(n);
-  values->resize(n);
-  for (int64_t i = 0; i < n; ++i) {
-    bits[i] = to_bits(dist(rng), dtype);
-    (*values)[i] = from_bits(bits[i], dtype);
+// An input element's bytes: an e4m3 code, or 16-bit bits.
+int element_bytes(fmha::DataType dtype) { return dtype == fmha::DataType::kE4M3 ? 1 : 2; }
+
+// x rounded to the dtype: its bytes appended to `bytes` (little-endian), its value returned.
+float append_rounded(float x, fmha::DataType dtype, std::vector<uint8_t>* bytes) {
+  if (dtype == fmha::DataType::kE4M3) {
+    const __nv_fp8_e4m3 e(x);
+    bytes->push_back(e.__x);
+    return float(e);
   }
-  return bits;
+  const uint16_t bits = to_bits(x, dtype);
+  bytes->push_back(uint8_t(bits & 0xff));
+  bytes->push_back(uint8_t(bits >> 8));
+  return from_bits(bits, dtype);
 }
 
-// V^T for -vlayout=c, seqlen contiguous with rows of `ld` (a multiple of 8): (batch, nhead_k,
-// hdim_v, ld) in batch mode, (nhead_k, hdim_v, ld) over all tokens in group mode.
-std::vector<uint16_t> transpose_v(const Problem& p, const std::vector<uint16_t>& v, int64_t* ld) {
+// n random values in [-1, 1) rounded to the dtype: the bytes for the device and, in `values`,
+// the rounded values for the reference.
+std::vector<uint8_t> random_tensor(int64_t n, fmha::DataType dtype, std::mt19937& rng, std::vector<float>* values) {
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  std::vector<uint8_t> bytes;
+  bytes.reserve(n * element_bytes(dtype));
+  values->resize(n);
+  for (int64_t i = 0; i < n; ++i) (*values)[i] = append_rounded(dist(rng), dtype, &bytes);
+  return bytes;
+}
+
+// V^T for -vlayout=c, seqlen contiguous with rows of `ld` (16 bytes' elements a multiple):
+// (batch, nhead_k, hdim_v, ld) in batch mode, (nhead_k, hdim_v, ld) over all tokens in group
+// mode.
+std::vector<uint8_t> transpose_v(const Problem& p, const std::vector<uint8_t>& v, int64_t* ld) {
   const bool batch_mode = p.mode == fmha::Mode::kBatch;
   const int groups = batch_mode ? p.batch : 1;
   const int64_t keys = batch_mode ? p.rows_k[0] : p.tokens_k();
-  *ld = (keys + 7) / 8 * 8;
-  std::vector<uint16_t> vt(int64_t(groups) * p.nhead_k * p.hdim_v * *ld, to_bits(0.5f, p.dtype));  // finite padding
+  const int es = element_bytes(p.dtype);
+  const int64_t align = 16 / es;
+  *ld = (keys + align - 1) / align * align;
+  std::vector<uint8_t> pad;  // finite padding
+  append_rounded(0.5f, p.dtype, &pad);
+  std::vector<uint8_t> vt;
+  vt.reserve(int64_t(groups) * p.nhead_k * p.hdim_v * *ld * es);
+  for (int64_t i = 0; i < int64_t(groups) * p.nhead_k * p.hdim_v * *ld; ++i) {
+    vt.insert(vt.end(), pad.begin(), pad.end());
+  }
   for (int g = 0; g < groups; ++g) {
     for (int h = 0; h < p.nhead_k; ++h) {
       for (int c = 0; c < p.hdim_v; ++c) {
         for (int64_t j = 0; j < keys; ++j) {
-          vt[((int64_t(g) * p.nhead_k + h) * p.hdim_v + c) * *ld + j] =
-              v[((g * keys + j) * p.nhead_k + h) * p.hdim_v + c];
+          const int64_t to = ((int64_t(g) * p.nhead_k + h) * p.hdim_v + c) * *ld + j;
+          const int64_t from = ((g * keys + j) * p.nhead_k + h) * p.hdim_v + c;
+          std::copy_n(v.begin() + from * es, es, vt.begin() + to * es);
         }
       }
     }
@@ -479,10 +509,11 @@ fmha::FwdArgs make_args(const Problem& p, std::mt19937& rng, DeviceMemory* mem, 
   fmha::FwdArgs a = describe(p);
   const bool batch_mode = p.mode == fmha::Mode::kBatch;
 
-  // Q, K, V (row-major) and O: (batch, seqlen, head, hdim), or (token, head, hdim) packed.
+  // Q, K, V (row-major) and O: (batch, seqlen, head, hdim), or (token, head, hdim) packed. O is
+  // 16-bit (bf16 for e4m3 inputs).
   a.q = mem->upload(random_tensor(p.tokens_q() * p.nhead_q * p.hdim_q, p.dtype, rng, &in->q));
   a.k = mem->upload(random_tensor(p.tokens_k() * p.nhead_k * p.hdim_q, p.dtype, rng, &in->k));
-  const std::vector<uint16_t> v = random_tensor(p.tokens_k() * p.nhead_k * p.hdim_v, p.dtype, rng, &in->v);
+  const std::vector<uint8_t> v = random_tensor(p.tokens_k() * p.nhead_k * p.hdim_v, p.dtype, rng, &in->v);
   a.o = mem->alloc(p.tokens_q() * p.nhead_q * p.hdim_v * 2);
   a.q_seq_stride = int64_t(p.nhead_q) * p.hdim_q, a.q_head_stride = p.hdim_q;
   a.k_seq_stride = int64_t(p.nhead_k) * p.hdim_q, a.k_head_stride = p.hdim_q;
@@ -647,7 +678,9 @@ int run_program(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", checked.message.c_str());
     return 1;
   }
-  const bool bf16 = p.dtype == fmha::DataType::kBF16;
+  const bool fp8 = p.dtype == fmha::DataType::kE4M3;
+  const fmha::DataType out_dtype = fp8 ? fmha::DataType::kBF16 : p.dtype;
+  const bool bf16 = out_dtype == fmha::DataType::kBF16;
 
   DeviceMemory mem;
   HostInputs in;
@@ -665,7 +698,7 @@ int run_program(int argc, char** argv) {
   if (run.verify) {
     std::vector<uint16_t> bits(out_elements);
     CHECK_CUDA(cudaMemcpy(bits.data(), a.o, out_elements * 2, cudaMemcpyDeviceToHost));
-    for (uint16_t b : bits) out.push_back(from_bits(b, p.dtype));
+    for (uint16_t b : bits) out.push_back(from_bits(b, out_dtype));
     if (p.lse) {
       lse.resize(p.lse_elements());
       CHECK_CUDA(cudaMemcpy(lse.data(), a.lse, lse.size() * sizeof(float), cudaMemcpyDeviceToHost));
@@ -682,7 +715,10 @@ int run_program(int argc, char** argv) {
   // 1 / (1 - p). Soft-capping allows for a hardware tanh (2^-11 relative) on each logit, which
   // moves an output by up to twice a logit's error.
   const double logit_tol = p.softcap * 1e-3;
-  const double out_tol = ((bf16 ? 2e-2 : 4e-3) + 2 * logit_tol) / (1.0 - p.p_drop);
+  // e4m3 inputs are exact in the reference (it takes their values), but P is rounded to e4m3
+  // for the second GEMM: 3 mantissa bits, up to 2^-4 of each weight, so an output moves by up
+  // to about that share of the largest |v| it averages (1) where few keys carry the weight.
+  const double out_tol = ((fp8 ? 6.25e-2 : bf16 ? 2e-2 : 4e-3) + 2 * logit_tol) / (1.0 - p.p_drop);
   const double lse_tol = 1e-3 + logit_tol;
   fmha_example::Errors err;
   bool valid = true;
@@ -691,7 +727,7 @@ int run_program(int argc, char** argv) {
     valid = err.out <= out_tol && err.lse <= lse_tol && err.written_padding == 0;
   }
 
-  const char* prec = bf16 ? "bf16" : "fp16";
+  const char* prec = fp8 ? "fp8" : bf16 ? "bf16" : "fp16";
   const char* mode = p.mode == fmha::Mode::kBatch ? "batch" : "group";
   const char* vlayout = p.vlayout == fmha::VLayout::kRowMajor ? "r" : "c";
   if (run.json) {
