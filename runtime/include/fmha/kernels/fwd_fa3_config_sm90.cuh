@@ -268,6 +268,31 @@ struct ConsumerWarpgroup {
   }
 };
 
+// Rings between warps of the producer warpgroup and other threads. Warp 0 issues TMA; the
+// next `threads` threads rewrite what it lands (VTranspose, KvWiden). A TMA ring that feeds
+// them: warp 0 produces, they consume, the rest do not take part.
+template <class Params>
+__device__ __forceinline__ void feed_producer_warps(Params& params, int threads) {
+  using Role = decltype(params.role);
+  params.role = threadIdx.x < 32             ? Role::Producer
+                : threadIdx.x < 32 + threads ? Role::Consumer
+                                             : Role::NonParticipant;
+  params.num_consumers = threads;
+}
+// The ring they fill for the consumer warpgroups (a cutlass::PipelineAsync's parameters).
+template <class Pipeline>
+__device__ __forceinline__ typename Pipeline::Params producer_warps_ring(int warpgroup, int threads,
+                                                                         int consumer_threads) {
+  typename Pipeline::Params params;
+  const bool fills = threadIdx.x >= 32 && threadIdx.x < 32 + threads;
+  params.role = warpgroup != 0 ? Pipeline::ThreadCategory::Consumer
+                : fills        ? Pipeline::ThreadCategory::Producer
+                               : Pipeline::ThreadCategory::NonParticipant;
+  params.producer_arv_count = threads;
+  params.consumer_arv_count = consumer_threads;
+  return params;
+}
+
 // Shared-memory tensors of a config's SharedStorage, in the config's layouts: chunked
 // prefill's Config keeps the forward's storage but lays K and V out its own way.
 //

@@ -42,13 +42,8 @@ __device__ __forceinline__ auto make_widened_pipelines(typename Cfg::SharedStora
                                                        int warpgroup) {
   if constexpr (Cfg::kWidenKv) {
     using WidenedPipeline = typename Cfg::ConsumerKPipeline;
-    typename WidenedPipeline::Params params;
-    const bool widens = threadIdx.x >= 32 && threadIdx.x < 32 + Cfg::kWidenThreads;
-    params.role = warpgroup != 0 ? WidenedPipeline::ThreadCategory::Consumer
-                  : widens       ? WidenedPipeline::ThreadCategory::Producer
-                                 : WidenedPipeline::ThreadCategory::NonParticipant;
-    params.producer_arv_count = Cfg::kWidenThreads;
-    params.consumer_arv_count = Cfg::kConsumerThreads;
+    const auto params = producer_warps_ring<WidenedPipeline>(warpgroup, Cfg::kWidenThreads,
+                                                             Cfg::kConsumerThreads);
     return WidenedPipelines<Cfg>{WidenedPipeline(shared.widened_k_pipe, params),
                                  WidenedPipeline(shared.widened_v_pipe, params)};
   } else {
@@ -203,7 +198,8 @@ __device__ __forceinline__ float widen_query(typename Cfg::SharedStorage& shared
   if constexpr (!Cfg::kQueryBf16) {
     return 1.f;
   } else {
-    constexpr int kPieces = Cfg::kQRegion * 2 / 16 / 128;  // 16-byte pieces a thread
+    constexpr int kPieces =  // 16-byte pieces a thread
+        Cfg::kQRegion * static_cast<int>(sizeof(typename Cfg::Element)) / 16 / 128;
     uint4* const rows = reinterpret_cast<uint4*>(shared.q.data() + wg.index * Cfg::kQRegion);
     uint32_t amax = 0;  // the largest of each half; bf16 magnitudes order as their bits do
 #pragma unroll

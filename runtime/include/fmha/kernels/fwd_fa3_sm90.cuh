@@ -168,20 +168,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   typename Pipeline::Params v_params = k_params;
   v_params.transaction_bytes = Cfg::kVBytes;
   if constexpr (Cfg::kTransposeV) {  // the V ring feeds the transposing warps
-    using Role = typename Pipeline::ThreadCategory;
-    v_params.role = threadIdx.x < 32                            ? Role::Producer
-                    : threadIdx.x < 32 + Cfg::kTransposeThreads ? Role::Consumer
-                                                                : Role::NonParticipant;
-    v_params.num_consumers = Cfg::kTransposeThreads;
+    feed_producer_warps(v_params, Cfg::kTransposeThreads);
   }
   if constexpr (Cfg::kWidenKv) {  // the K and V rings are staging, for the widening warps
-    using Role = typename Pipeline::ThreadCategory;
-    k_params.role = threadIdx.x < 32                        ? Role::Producer
-                    : threadIdx.x < 32 + Cfg::kWidenThreads ? Role::Consumer
-                                                            : Role::NonParticipant;
-    k_params.num_consumers = Cfg::kWidenThreads;
-    v_params.role = k_params.role;
-    v_params.num_consumers = Cfg::kWidenThreads;
+    feed_producer_warps(k_params, Cfg::kWidenThreads);
+    feed_producer_warps(v_params, Cfg::kWidenThreads);
   }
   Pipeline k_pipe(shared.k_pipe, k_params, Shape<_1, _1, _1>{});
   Pipeline v_pipe(shared.v_pipe, v_params, Shape<_1, _1, _1>{});

@@ -34,14 +34,8 @@ __device__ __forceinline__ auto make_vt_pipeline(typename Cfg::SharedStorage& sh
                                                  int warpgroup) {
   if constexpr (Cfg::kTransposeV) {
     using VtPipeline = typename Cfg::VtPipeline;
-    typename VtPipeline::Params params;
-    const bool transposes = threadIdx.x >= 32 && threadIdx.x < 32 + Cfg::kTransposeThreads;
-    params.role = warpgroup != 0 ? VtPipeline::ThreadCategory::Consumer
-                  : transposes   ? VtPipeline::ThreadCategory::Producer
-                                 : VtPipeline::ThreadCategory::NonParticipant;
-    params.producer_arv_count = Cfg::kTransposeThreads;
-    params.consumer_arv_count = Cfg::kConsumerThreads;
-    return VtPipeline(shared.vt_pipe, params);
+    return VtPipeline(shared.vt_pipe, producer_warps_ring<VtPipeline>(
+                                          warpgroup, Cfg::kTransposeThreads, Cfg::kConsumerThreads));
   } else {
     return NoVtPipeline{};
   }

@@ -32,6 +32,31 @@
 
 namespace fmha::kvcache::chunked_prefill {
 
+// What the append kernel (kvcache_append.cuh) reads of a config.
+template <typename Element_, typename KvElement_, int kHeadDimQK_, int kHeadDimV_, bool kPaged_,
+          bool kPadHdim_>
+struct AppendConfig {
+  using Element = Element_;
+  using KvElement = KvElement_;
+  static constexpr int kHeadDimQK = kHeadDimQK_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr bool kPaged = kPaged_;
+  static constexpr bool kPadHdim = kPadHdim_;  // false: FwdConfig static_asserts it
+};
+
+// The forward's parameters with the cache's tensor maps in place of K's and V's; O's store is
+// the config's (an e4m3 cache's O is the queries' dtype, not its fp16 products').
+template <class Base, class TmaStoreO>
+struct CacheKernelParams {
+  FwdParams p;
+  typename Base::TmaLoadQ tma_q;
+  TmaStoreO tma_o;
+  typename Base::GmemShape q_shape, o_shape;
+  int total_tiles;
+  bool spread_heads;
+  fa3::CachedKv cache;
+};
+
 // KvElement_: the cache's element type, the generator's kv_element (the decode Config's
 // parameter too): Element_ here; __nv_fp8_e4m3 takes the specialization below.
 template <typename Element_, typename KvElement_, int kHeadDimQK_, int kHeadDimV_, int kBlockM_,
@@ -56,26 +81,8 @@ struct Config
   static_assert(cute::cosize_v<SmemLayoutK> == cute::cosize_v<typename Base::SmemLayoutK> &&
                 cute::cosize_v<SmemLayoutV> == cute::cosize_v<typename Base::SmemLayoutV>);
 
-  // What the append kernel (kvcache_append.cuh) reads of a config.
-  struct Append {
-    using Element = Element_;
-    using KvElement = KvElement_;
-    static constexpr int kHeadDimQK = kHeadDimQK_;
-    static constexpr int kHeadDimV = kHeadDimV_;
-    static constexpr bool kPaged = kPaged_;
-    static constexpr bool kPadHdim = kPadHdim_;  // false: FwdConfig static_asserts it
-  };
-
-  // The forward's parameters with the cache's tensor maps in place of K's and V's.
-  struct KernelParams {
-    FwdParams p;
-    typename Base::TmaLoadQ tma_q;
-    typename Base::TmaStoreO tma_o;
-    typename Base::GmemShape q_shape, o_shape;
-    int total_tiles;
-    bool spread_heads;
-    fa3::CachedKv cache;
-  };
+  using Append = AppendConfig<Element_, KvElement_, kHeadDimQK_, kHeadDimV_, kPaged_, kPadHdim_>;
+  using KernelParams = CacheKernelParams<Base, typename Base::TmaStoreO>;
 };
 
 // Chunked prefill from an e4m3 cache: the forward's kernel in fp16 (its Element), with staging
@@ -159,24 +166,9 @@ struct Config<Element_, __nv_fp8_e4m3, kHeadDimQK_, kHeadDimV_, kBlockM_, kBlock
                         typename Base::GmemLayout{}),
       typename Base::SmemLayoutO{}, cute::Shape<cute::_64, typename Base::DimV>{}, cute::_1{}));
 
-  struct Append {
-    using Element = Element_;
-    using KvElement = __nv_fp8_e4m3;
-    static constexpr int kHeadDimQK = kHeadDimQK_;
-    static constexpr int kHeadDimV = kHeadDimV_;
-    static constexpr bool kPaged = kPaged_;
-    static constexpr bool kPadHdim = kPadHdim_;
-  };
-
-  struct KernelParams {
-    FwdParams p;
-    typename Base::TmaLoadQ tma_q;
-    TmaStoreO tma_o;
-    typename Base::GmemShape q_shape, o_shape;
-    int total_tiles;
-    bool spread_heads;
-    fa3::CachedKv cache;
-  };
+  using Append =
+      AppendConfig<Element_, __nv_fp8_e4m3, kHeadDimQK_, kHeadDimV_, kPaged_, kPadHdim_>;
+  using KernelParams = CacheKernelParams<Base, TmaStoreO>;
 };
 
 // The rotated q's bytes when the call rotates it; the attention needs no scratch of its own.
